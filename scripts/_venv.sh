@@ -1,0 +1,26 @@
+# Sourced by scripts/demo and scripts/test: create or reuse .venv with swarmd, its test extra
+# and a CPU build of torch. Reinstalls only when setup.cfg or pyproject.toml changed.
+# Override the interpreter with PYTHON=python3.12, the torch requirement with SWARMD_TORCH.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+# torch is pinned here (not in setup.cfg, which keeps a range for users with GPUs): an unpinned
+# torch can pull a multi-GB CUDA build on a CPU-only machine.
+SWARMD_TORCH="${SWARMD_TORCH:-torch==2.13.0}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "swarmd needs Python >= 3.10"' ||
+        { echo "swarmd: error: $PYTHON is older than 3.10; set PYTHON=python3.x" >&2; exit 2; }
+    echo "setting up .venv with $("$PYTHON" --version)" >&2
+    "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.swarmd-installed"
+want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16) $SWARMD_TORCH"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "installing swarmd and its dependencies into .venv (first run only; log: .venv/install.log)" >&2
+    {
+        .venv/bin/python -m pip install --disable-pip-version-check "$SWARMD_TORCH" &&
+        .venv/bin/python -m pip install --disable-pip-version-check -e '.[test]'
+    } > .venv/install.log 2>&1 ||
+        { tail -n 30 .venv/install.log >&2; echo "swarmd: error: installing into .venv failed; see .venv/install.log" >&2; exit 1; }
+    echo "$want" > "$stamp"
+fi

@@ -1,0 +1,5 @@
+import sys
+
+from swarmd.cli import main
+
+sys.exit(main())

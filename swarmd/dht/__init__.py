@@ -1,0 +1,1 @@
+"""Kademlia membership (issue #3): signed peer records and stage discovery."""

@@ -1,0 +1,170 @@
+"""Every error swarmd raises on purpose, in one tree.
+
+::
+
+    SwarmdError
+     ├── ConfigError          bad user configuration (CLI flag, model file); the CLI exits 2
+     ├── WireError            a frame that cannot be decoded                         (HTTP 400)
+     │    ├── MalformedFrame     not msgpack, truncated, wrong field types/lengths   (HTTP 400)
+     │    ├── UnsupportedVersion a wire version this build cannot read              (HTTP 400)
+     │    ├── UnknownCodec       a codec name not in the registry                   (HTTP 422)
+     │    ├── UnsupportedDtype   a dtype outside the allow-list                     (HTTP 422)
+     │    └── LimitExceeded      frame size, tensor count, rank or element count    (HTTP 413)
+     ├── RequestError         a well-formed frame whose content does not fit the stage:
+     │                        missing tensors, wrong shape, non-finite values       (HTTP 422)
+     ├── WrongStage           the request is for a stage or model this peer does not serve
+     │                                                                              (HTTP 409)
+     ├── UnsupportedMediaType a data-plane body that is not application/x-msgpack   (HTTP 415)
+     ├── RequestTimeout       a request body that did not arrive in time            (HTTP 408)
+     ├── PeerError            (client side) a peer answered with an error or not at all;
+     │                        carries the HTTP status (0 when unreachable)
+     └── DHTError             the DHT membership layer (``swarmd.dht``): a node used while
+          │                   not running, a UDP port that cannot be bound
+          ├── BootstrapError     none of the bootstrap addresses answered before the deadline
+          └── RecordError        a signed DHT record that cannot be trusted or read; ``reason``
+               │                 names the counter it is tallied under in ``DHTNode.stats()``
+               ├── MalformedRecord          garbage, truncated, wrong field types or values
+               ├── UnsupportedRecordVersion an envelope version or record type from a newer build
+               ├── BadSignature             the signature does not verify over the body
+               ├── PeerIdMismatch           peer_id / founder is not the signing key's id
+               ├── RecordTooLarge           above the size limit, not even decoded   (HTTP 413)
+               └── RecordExpired            its absolute expiry time has passed
+
+Lower-level errors (msgpack, aiohttp, torch) are translated into this tree at the boundary
+with ``raise ... from exc`` so callers never have to know which library failed. Each class
+carries the HTTP status the data plane answers with, so the mapping lives in one place.
+"""
+
+from __future__ import annotations
+
+
+class SwarmdError(Exception):
+    """Base of every deliberate swarmd error."""
+
+    http_status: int = 500
+
+
+class ConfigError(SwarmdError):
+    """The user asked for something impossible; the CLI prints it and exits 2."""
+
+    http_status = 400
+
+
+class WireError(SwarmdError):
+    """A frame could not be decoded."""
+
+    http_status = 400
+
+
+class MalformedFrame(WireError):
+    """Not msgpack, truncated, or a field with the wrong type or length."""
+
+
+class UnsupportedVersion(WireError):
+    """The frame's wire version is not one this build can read."""
+
+
+class UnknownCodec(WireError):
+    """A codec name that is not in the registry."""
+
+    http_status = 422
+
+
+class UnsupportedDtype(WireError):
+    """A dtype outside the allow-list."""
+
+    http_status = 422
+
+
+class LimitExceeded(WireError):
+    """The frame or one of its tensors is larger than the configured limits allow."""
+
+    http_status = 413
+
+
+class RequestError(SwarmdError):
+    """A decodable request whose content does not fit this stage."""
+
+    http_status = 422
+
+
+class WrongStage(SwarmdError):
+    """The request targets a stage (or model) this peer does not serve."""
+
+    http_status = 409
+
+
+class UnsupportedMediaType(SwarmdError):
+    """A data-plane body sent with another content type than application/x-msgpack."""
+
+    http_status = 415
+
+
+class RequestTimeout(SwarmdError):
+    """The request body did not arrive within the read timeout."""
+
+    http_status = 408
+
+
+class PeerError(SwarmdError):
+    """Client side: a peer refused a request (``status`` is its HTTP status) or was unreachable (0)."""
+
+    def __init__(self, status: int, error: str, message: str) -> None:
+        super().__init__(f"{error} ({status}): {message}" if status else f"{error}: {message}")
+        self.status = status
+        self.error = error
+        self.message = message
+
+
+class DHTError(SwarmdError):
+    """The DHT layer cannot do what was asked (node not running, port not bindable)."""
+
+    http_status = 503
+
+
+class BootstrapError(DHTError):
+    """No bootstrap address answered before the deadline; the message names each one and why."""
+
+
+class RecordError(DHTError):
+    """A signed DHT record was refused; ``reason`` is its key in the rejection counters."""
+
+    http_status = 400
+    reason: str = "invalid"
+
+
+class MalformedRecord(RecordError):
+    """Not msgpack, truncated, a missing field, or a field of the wrong type or range."""
+
+    reason = "malformed"
+
+
+class UnsupportedRecordVersion(RecordError):
+    """An envelope version or record type that only a newer build can read."""
+
+    reason = "version"
+
+
+class BadSignature(RecordError):
+    """The signature does not verify over the record's body with the enclosed key."""
+
+    reason = "signature"
+
+
+class PeerIdMismatch(RecordError):
+    """The record's peer_id (or founder) is not the id derived from the signing key."""
+
+    reason = "peer_id"
+
+
+class RecordTooLarge(RecordError):
+    """The record is larger than the limit; it is refused before being decoded."""
+
+    http_status = 413
+    reason = "oversized"
+
+
+class RecordExpired(RecordError):
+    """The record's absolute expiry time is in the past."""
+
+    reason = "expired"
