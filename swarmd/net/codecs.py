@@ -1,0 +1,337 @@
+"""Tensor codecs: how one tensor's values become the bytes of a wire frame.
+
+SWARM (Ryabinin et al., 2023) sends activations and gradients between pipeline stages over slow
+links and, in its large-model experiments, compresses them to 8 bits with dynamic blockwise
+quantization so that communication stays hidden behind compute. This module realises that part
+of the design as a registry of small codec classes behind one interface (the shape of
+hivemind's compression registry), and nothing else: no I/O, no msgpack, no knowledge of frames.
+``swarmd.net.wire`` chooses a codec per tensor and stores the dtype, shape and codec name next to
+the bytes.
+
+Codecs (``CODECS``, looked up with :func:`get_codec`):
+
+``none``
+    The tensor's own bytes, little-endian, in its own dtype: an exact round trip for every dtype
+    the wire allows (floats, integers and bool).
+``fp16`` / ``bf16``
+    Floats cast to float16 / bfloat16 for transport and cast back to the declared dtype.
+    Per element the relative error is at most the transport dtype's half unit in the last place
+    (2**-11 for float16, 2**-8 for bfloat16); float16 additionally overflows to ``inf`` above
+    65504 and loses precision below 6.1e-5 (subnormals), bfloat16 keeps float32's range.
+``8bit``
+    ``bitsandbytes`` dynamic blockwise quantization (Dettmers et al., "8-bit Optimizers via
+    Block-wise Quantization"): each block of ``blocksize`` (default 4096) consecutive elements is
+    divided by its absolute maximum and every value is replaced by the index of the nearest of
+    the 256 values of the signed dynamic code map (``create_dynamic_map(signed=True)``, which
+    both sides compute and which is never sent). The frame carries one byte per element plus one
+    float32 absmax per block.
+
+The 8-bit error bound
+---------------------
+For every element ``x`` of a block whose absolute maximum is ``absmax``::
+
+    |x - decode(encode(x))| <= EIGHT_BIT_REL_ERROR * absmax
+
+The bound is derived from the code map by :func:`eight_bit_error_bound`: a nearest-value
+quantizer is off by at most half the largest gap between adjacent code values (0.0140625 / 2,
+between the two codes closest to -1 and to +1), or by the distance from -1 / +1 to the
+outermost code, whichever is larger (the same 0.00703 here: the map stops at -0.99297). Two
+slack terms are added: the CPU kernel of bitsandbytes 0.50 does not pick the exact nearest code
+within about 2**-16 of a midpoint between two codes (measured: it never errs farther than
+1.52e-5 from a midpoint), and float32 rounding of ``x / absmax`` and ``code * absmax`` adds a few
+units of 2**-24. So ``EIGHT_BIT_REL_ERROR = 0.0070313 + 2**-16 + 2**-20 ~= 0.0070475``; the
+largest error measured over a dense sweep of every code interval is 0.0070463 (see
+``tests/test_codecs.py``). Blocks that contain ``inf`` or ``nan`` decode as ``nan`` throughout:
+the stage rejects non-finite values anyway.
+
+Conventions shared by all codecs:
+
+- ``encode`` is local code: a tensor a codec cannot carry is a programming error (``TypeError``).
+- ``decode`` reads remote input: wrong payload or absmax lengths raise
+  :class:`~swarmd.errors.MalformedFrame`, a dtype the codec cannot produce raises
+  :class:`~swarmd.errors.UnsupportedDtype`; nothing is asserted.
+- ``decode`` returns a fresh, writable CPU tensor and copies the payload at most once on the
+  way (plus the dtype conversion itself where the transport dtype differs).
+- ``encode`` may return a payload that shares memory with its input (``none`` does, to avoid
+  a copy); the wire layer packs it straight away.
+- Bytes are little-endian; like torch and numpy in practice, swarmd assumes a little-endian host.
+
+``bitsandbytes`` is imported on the first 8-bit call, not at import time: importing it takes
+seconds and logs a warning about optional kernels, and most peers never use it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, ModuleType
+from typing import ClassVar
+
+import torch
+
+from swarmd.errors import MalformedFrame, UnknownCodec, UnsupportedDtype
+
+__all__ = [
+    "CODECS",
+    "EIGHT_BIT_BLOCKSIZES",
+    "EIGHT_BIT_DEFAULT_BLOCKSIZE",
+    "EIGHT_BIT_REL_ERROR",
+    "Codec",
+    "EncodedTensor",
+    "eight_bit_error_bound",
+    "get_codec",
+]
+
+EIGHT_BIT_DEFAULT_BLOCKSIZE = 4096
+# The block sizes bitsandbytes documents for quantize_blockwise; a frame naming another is refused
+# rather than handed to native code.
+EIGHT_BIT_BLOCKSIZES: frozenset[int] = frozenset({64, 128, 256, 512, 1024, 2048, 4096})
+
+# Slack terms of the 8-bit bound; see the module docstring.
+_KERNEL_SEARCH_SLACK = 2.0**-16
+_FLOAT_SLACK = 2.0**-20
+# eight_bit_error_bound() rounded up in its 7th decimal; tests check the two agree.
+EIGHT_BIT_REL_ERROR = 0.0070475
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """What a codec produces: the main bytes plus the side data the decoder needs."""
+
+    payload: bytes | memoryview
+    absmax: bytes | None = None  # 8bit only: float32 absmax per block, little-endian
+    blocksize: int | None = None  # 8bit only
+
+
+class Codec(abc.ABC):
+    """One way of turning a tensor into bytes and back."""
+
+    name: ClassVar[str]
+    floating_only: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def encode(self, tensor: torch.Tensor) -> EncodedTensor:
+        """Encode ``tensor`` (moved to a contiguous CPU copy first if it is not one already)."""
+
+    @abc.abstractmethod
+    def decode(self, enc: EncodedTensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rebuild a writable CPU tensor of ``dtype`` and ``shape``; ``enc`` is remote input."""
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name!r}>"
+
+    def _cpu_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The contiguous CPU tensor to encode; refuses dtypes this codec cannot carry."""
+        if self.floating_only and not tensor.is_floating_point():
+            raise TypeError(
+                f"codec {self.name!r} encodes floating-point tensors only, got {tensor.dtype}; "
+                "send integer and bool tensors with codec 'none'"
+            )
+        return tensor.detach().to("cpu").contiguous()
+
+    def _check_decodable(self, dtype: torch.dtype) -> None:
+        if self.floating_only and not dtype.is_floating_point:
+            raise UnsupportedDtype(
+                f"codec {self.name!r} carries floating-point tensors only, but the frame declares "
+                f"{_dtype_name(dtype)}; send integer and bool tensors with codec 'none'"
+            )
+
+
+class _RawCodec(Codec):
+    """Shared body of the codecs that send every element in a fixed-width transport dtype."""
+
+    @abc.abstractmethod
+    def _transport_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the bytes travel in, for a tensor declared as ``dtype``."""
+
+    def encode(self, tensor: torch.Tensor) -> EncodedTensor:
+        cpu = self._cpu_input(tensor)
+        wire = cpu.to(self._transport_dtype(cpu.dtype))
+        return EncodedTensor(payload=_bytes_view(wire))
+
+    def decode(self, enc: EncodedTensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        self._check_decodable(dtype)
+        wire_dtype = self._transport_dtype(dtype)
+        numel = _numel(shape)
+        _check_length("payload", enc.payload, numel * wire_dtype.itemsize, self.name, shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        # bytearray() is the one copy: it yields memory torch may write to without a warning.
+        values = torch.frombuffer(bytearray(enc.payload), dtype=wire_dtype)
+        if wire_dtype == torch.bool and bool(values.view(torch.uint8).gt(1).any()):
+            raise MalformedFrame("a bool tensor's payload may only contain the bytes 0 and 1")
+        return values.to(dtype).reshape(shape)
+
+
+class NoneCodec(_RawCodec):
+    """Exact: the tensor's own bytes."""
+
+    name = "none"
+    floating_only = False
+
+    def _transport_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+
+class Fp16Codec(_RawCodec):
+    """Half the bytes of float32; relative error <= 2**-11, range +-65504."""
+
+    name = "fp16"
+
+    def _transport_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float16
+
+
+class Bf16Codec(_RawCodec):
+    """Half the bytes of float32; relative error <= 2**-8, float32's range."""
+
+    name = "bf16"
+
+    def _transport_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16
+
+
+class EightBitCodec(Codec):
+    """A quarter of the bytes of float32; error <= EIGHT_BIT_REL_ERROR * absmax of the block."""
+
+    name = "8bit"
+
+    def __init__(self, blocksize: int = EIGHT_BIT_DEFAULT_BLOCKSIZE) -> None:
+        if blocksize not in EIGHT_BIT_BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {sorted(EIGHT_BIT_BLOCKSIZES)}, got {blocksize}")
+        self.blocksize = blocksize
+
+    def encode(self, tensor: torch.Tensor) -> EncodedTensor:
+        cpu = self._cpu_input(tensor).float()
+        if cpu.numel() == 0:
+            return EncodedTensor(payload=b"", absmax=b"", blocksize=self.blocksize)
+        functional = _bnb_functional()
+        # A private copy of the map: some bitsandbytes releases overwrite code[0] in place during
+        # quantization, and the map both peers use must stay the standard one.
+        codes, state = functional.quantize_blockwise(cpu, code=_code_map().clone(), blocksize=self.blocksize)
+        absmax = state.absmax.to(torch.float32).contiguous()
+        return EncodedTensor(payload=_bytes_view(codes), absmax=_bytes_view(absmax).tobytes(), blocksize=self.blocksize)
+
+    def decode(self, enc: EncodedTensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        self._check_decodable(dtype)
+        blocksize = enc.blocksize
+        if blocksize is None or enc.absmax is None:
+            raise MalformedFrame("an 8bit tensor needs its blocksize ('b') and per-block absmax ('a')")
+        if blocksize not in EIGHT_BIT_BLOCKSIZES:
+            raise MalformedFrame(
+                f"8bit blocksize must be one of {sorted(EIGHT_BIT_BLOCKSIZES)}, the frame says {blocksize}"
+            )
+        numel = _numel(shape)
+        blocks = -(-numel // blocksize)
+        _check_length("payload", enc.payload, numel, self.name, shape)
+        _check_length("absmax", enc.absmax, blocks * 4, self.name, shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        codes = torch.frombuffer(bytearray(enc.payload), dtype=torch.uint8)
+        absmax = torch.frombuffer(bytearray(enc.absmax), dtype=torch.float32)
+        values = _bnb_functional().dequantize_blockwise(codes, absmax=absmax, code=_code_map(), blocksize=blocksize)
+        return values.to(dtype).reshape(shape)
+
+
+def eight_bit_error_bound() -> float:
+    """The 8-bit per-element error bound, relative to the block's absmax, from the code map.
+
+    Half the largest gap between adjacent codes (or the distance from +-1 to the outermost code,
+    if larger), plus the kernel's midpoint slack and float32 slack: see the module docstring.
+    """
+    code = torch.sort(_code_map().double()).values
+    half_gap = float((code[1:] - code[:-1]).max()) / 2
+    edge = max(1.0 - float(code[-1]), float(code[0]) + 1.0)
+    return max(half_gap, edge) + _KERNEL_SEARCH_SLACK + _FLOAT_SLACK
+
+
+_REGISTRY: dict[str, Codec] = {codec.name: codec for codec in (NoneCodec(), Fp16Codec(), Bf16Codec(), EightBitCodec())}
+CODECS: Mapping[str, Codec] = MappingProxyType(_REGISTRY)
+
+
+def get_codec(name: str) -> Codec:
+    """The registered codec called ``name``; unknown names are an error, never a fallback."""
+    try:
+        return CODECS[name]
+    except (KeyError, TypeError):  # TypeError: an unhashable name from a hostile frame
+        raise UnknownCodec(f"unknown codec {name!r}; this peer supports {', '.join(sorted(CODECS))}") from None
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+_lazy_lock = threading.Lock()
+_bnb: ModuleType | None = None
+_code: torch.Tensor | None = None
+
+
+class _NoFourBitKernelNotice(logging.Filter):
+    """Drops bitsandbytes' import-time notice about an optional 4-bit CPU GEMM kernel.
+
+    swarmd never uses 4-bit matmuls, so the notice ("Failed to load CPU gemm_4bit_forward ...
+    pip install kernels") would only alarm users; every other bitsandbytes log line passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward" not in str(record.msg)
+
+
+def _bnb_functional() -> ModuleType:
+    """``bitsandbytes.functional``, imported on first use (see the module docstring)."""
+    global _bnb
+    if _bnb is None:
+        with _lazy_lock:
+            if _bnb is None:
+                logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoFourBitKernelNotice())
+                import bitsandbytes.functional as functional
+
+                _bnb = functional
+    return _bnb
+
+
+def warm_up() -> None:
+    """Import bitsandbytes and build the code map now (seconds), not on the first 8-bit request.
+
+    The daemon calls this off the event loop during start-up, so a peer that reports ready
+    answers its first 8-bit request as fast as any other.
+    """
+    _code_map()
+
+
+def _code_map() -> torch.Tensor:
+    """The signed dynamic 8-bit code map; computed once, never sent, never modified."""
+    global _code
+    if _code is None:
+        code = _bnb_functional().create_dynamic_map(signed=True).to(torch.float32)
+        with _lazy_lock:
+            if _code is None:
+                _code = code
+    return _code
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, rank 0 included)."""
+    if tensor.numel() == 0:  # empty tensors may carry strides that no byte view accepts
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    if any(dim < 0 for dim in shape):
+        raise MalformedFrame(f"a tensor shape cannot have negative dimensions, got {list(shape)}")
+    return math.prod(shape)
+
+
+def _check_length(field: str, data: bytes | memoryview, expected: int, codec: str, shape: tuple[int, ...]) -> None:
+    got = memoryview(data).nbytes
+    if got != expected:
+        raise MalformedFrame(
+            f"codec {codec!r} needs {expected} {field} bytes for shape {list(shape)}, the frame has {got}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
