@@ -1,0 +1,80 @@
+"""The FastAPI control plane: what a person (or a trainer) asks a daemon over HTTP.
+
+Served by uvicorn on the daemon's own event loop (see ``swarmd.daemon``), bound to
+127.0.0.1:8080 by default. Endpoints read the daemon through a small protocol so this module
+never reaches into its internals, and the OpenAPI docs at ``/docs`` describe every field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from swarmd import __version__
+
+
+class ModelInfo(BaseModel):
+    name: str = Field(description="the model spec's name (a preset name or the model file's stem)")
+    digest: str = Field(description="stable sha256 of the spec; peers of one swarm must agree on it")
+
+
+class Status(BaseModel):
+    peer_id: str
+    stage: int = Field(description="the pipeline stage this peer serves")
+    n_stages: int
+    state: str = Field(description="starting | serving | draining | stopped")
+    swarm: str = Field(description="the swarm's name")
+    model: ModelInfo
+    step: int = Field(description="optimizer steps applied to this stage's parameters")
+    queue: int = Field(description="compute jobs waiting or running on the stage's worker thread")
+    in_flight: int = Field(description="data-plane requests being served")
+    throughput: float = Field(description="samples/s for forward+backward (bias-corrected EMA, alpha 0.1)")
+    grad_samples: int = Field(description="samples whose gradients are accumulated since the last step")
+    served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
+    data_addr: str | None = Field(description="host:port of the aiohttp data plane")
+    api_addr: str | None = Field(description="host:port of this control plane")
+    device: str
+    version: str
+    uptime_s: float
+
+
+class Health(BaseModel):
+    ok: bool
+    state: str
+
+
+class DaemonView(Protocol):
+    """What the control plane needs from a daemon."""
+
+    @property
+    def state(self) -> str: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+def create_app(daemon: DaemonView) -> FastAPI:
+    app = FastAPI(
+        title="swarmd control plane",
+        version=__version__,
+        description="Status and control of one swarmd peer (SWARM parallelism).",
+    )
+
+    @app.get("/status", response_model=Status, summary="This peer's identity, stage, load and addresses")
+    async def status() -> dict[str, Any]:
+        return daemon.status()
+
+    @app.get(
+        "/healthz",
+        response_model=Health,
+        summary="200 while the peer serves its stage, 503 otherwise",
+        responses={503: {"model": Health}},
+    )
+    async def healthz() -> Any:
+        state = daemon.state
+        ok = state == "serving"
+        return JSONResponse({"ok": ok, "state": state}, status_code=200 if ok else 503)
+
+    return app

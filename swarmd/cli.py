@@ -1,0 +1,199 @@
+"""``swarmd``: the command line, mapped onto ``swarmd.config`` and nothing else.
+
+Bad flags exit 2 with one sentence; an environment failure (a port already taken) exits 1
+with one sentence; SIGTERM/SIGINT drain gracefully and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from swarmd import __version__
+from swarmd.config import DEFAULT_API_PORT, ApiConfig, Config, NetConfig, PipelineConfig
+from swarmd.errors import ConfigError
+
+log = logging.getLogger("swarmd")
+
+EXIT_USAGE = 2
+EXIT_RUNTIME = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one sentence (plus a hint), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail_usage(message)
+
+
+def _fail_usage(message: str) -> NoReturn:
+    message = message.rstrip(".")
+    print(f"swarmd: error: {message}. See 'swarmd --help'.", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535; 0 picks a free port)")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("0 must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="swarmd",
+        description="Serve one pipeline stage of a model in a SWARM-parallel training swarm.",
+        epilog="Example: swarmd --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status",
+    )
+    p.add_argument("--version", action="version", version=f"swarmd {__version__}")
+    p.add_argument("--stage", type=_non_negative, default=0, help="pipeline stage to serve (default: 0)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        metavar="PRESET|FILE",
+        help="model preset (tiny, small, base) or a JSON file of ModelSpec fields (default: tiny)",
+    )
+    p.add_argument("--swarm", default="default", help="name of the swarm to serve in (default: default)")
+    p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
+    p.add_argument("--api-host", default="127.0.0.1", help="control-plane listen address (default: 127.0.0.1)")
+    p.add_argument(
+        "--api-port", type=_port, default=DEFAULT_API_PORT, help=f"control-plane port; 0 picks a free one (default: {DEFAULT_API_PORT})"
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the stage computes: auto uses a GPU when torch sees one (default: auto)",
+    )
+    p.add_argument("--threads", type=_positive, default=None, help="torch compute threads (default: torch's choice)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long to wait for in-flight requests (default: 30)",
+    )
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="once serving, write a JSON object with the bound addresses here (for scripts and tests)",
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default="INFO",
+        help="log verbosity (default: INFO)",
+    )
+    return p
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but torch sees no CUDA device (try --device cpu)")
+    return device
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
+    from swarmd.pipeline.spec import load_spec
+
+    spec = load_spec(args.model)
+    if args.stage >= spec.n_stages:
+        raise ConfigError(f"--stage {args.stage} is out of range: model {spec.name} has stages 0..{spec.n_stages - 1}")
+    if not args.drain_timeout >= 0:
+        raise ConfigError("--drain-timeout must be a non-negative number of seconds")
+    return Config(
+        swarm=args.swarm,
+        net=NetConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout),
+        api=ApiConfig(host=args.api_host, port=args.api_port),
+        pipeline=PipelineConfig(spec=spec, stage=args.stage, device=resolve_device(args.device), threads=args.threads),
+    )
+
+
+async def _serve(config: Config, ready_file: Path | None) -> int:
+    from swarmd.daemon import Daemon
+
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    try:
+        runner = asyncio.create_task(daemon.run(), name="swarmd-daemon")
+        ready = asyncio.create_task(daemon.ready.wait())
+        await asyncio.wait({runner, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready_file is not None:
+            _write_ready_file(ready_file, daemon.status())
+        ready.cancel()
+        await runner
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def _write_ready_file(path: Path, status: dict) -> None:
+    keys = ("peer_id", "stage", "data_addr", "api_addr", "swarm", "model")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({k: status[k] for k in keys}) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        _fail_usage(str(exc))
+    try:
+        return asyncio.run(_serve(config, args.ready_file))
+    except OSError as exc:
+        print(f"swarmd: error: cannot start: {exc.strerror or exc}. "
+              "Pick another port (0 picks a free one) or check the address.", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Runs one pipeline stage's forward and backward passes off the event loop.
+
+SWARM's backward is *stateless* (paper, section 3.2): a peer keeps nothing between a
+microbatch's forward and its backward, so any peer of the stage can serve the backward. The
+backward request therefore carries the stage inputs again and the peer recomputes the forward
+before backpropagating. Parameter gradients accumulate in place together with a sample count,
+which the averaging step (later) divides by.
+
+Gradient scale: the last stage backpropagates ``loss * batch_size``, the sum of per-sample
+mean losses, so every stage accumulates *sums* over samples and ``grad / samples`` is the
+gradient of the mean loss over everything accumulated, however the batch was split.
+
+All torch work runs on one worker thread owned by the executor: the event loop never blocks
+on compute, and jobs on one stage never race on ``.grad``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from swarmd.errors import LimitExceeded, RequestError
+from swarmd.pipeline.model import StageModule, build_stage, params_digest
+from swarmd.pipeline.spec import ModelSpec
+
+T = TypeVar("T")
+
+
+class ThroughputEMA:
+    """Bias-corrected exponential moving average of a rate (samples per second).
+
+    Bias correction (as in Adam) keeps the first few measurements from being dragged towards
+    zero, so a fresh peer reports a meaningful number after its first job.
+    """
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self._raw = 0.0
+        self._n = 0
+
+    def update(self, samples: int, seconds: float) -> None:
+        rate = samples / max(seconds, 1e-9)
+        self._raw = (1.0 - self.alpha) * self._raw + self.alpha * rate
+        self._n += 1
+
+    @property
+    def count(self) -> int:
+        return self._n
+
+    @property
+    def value(self) -> float:
+        if self._n == 0:
+            return 0.0
+        return self._raw / (1.0 - (1.0 - self.alpha) ** self._n)
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    grad_inputs: torch.Tensor | None  # None on the first stage (token ids have no gradient)
+    loss: float | None  # the last stage reports the microbatch's mean loss
+    samples: int
+
+
+class StageExecutor:
+    """Owns a stage's parameters and the single worker thread that touches them."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        stage: int,
+        device: str = "cpu",
+        *,
+        max_batch_tokens: int = 1 << 16,
+        threads: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.stage = stage
+        self.device = torch.device(device)
+        self.max_batch_tokens = max_batch_tokens
+        self.module: StageModule = build_stage(spec, stage, device=self.device)
+        self.step = 0
+        self.grad_samples = 0  # samples whose gradients are accumulated in .grad since the last step
+        self.forward_ema = ThroughputEMA()
+        self.backward_ema = ThroughputEMA()
+        self._pending = 0
+        self._threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"swarmd-stage{stage}")
+        self._closed = False
+        self._pool.submit(self._init_worker).result()
+
+    # ---- introspection -------------------------------------------------------------------
+
+    @property
+    def queue(self) -> int:
+        """Jobs submitted to the worker and not finished yet (the one running included)."""
+        return self._pending
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second for a full forward + backward, from the two EMAs.
+
+        A microbatch needs both passes on this stage, so the rate that matters to routing is
+        ``1 / (1/fwd + 1/bwd)``; with only one kind measured so far, that one.
+        """
+        rates = [ema.value for ema in (self.forward_ema, self.backward_ema) if ema.count]
+        return 1.0 / sum(1.0 / r for r in rates) if rates else 0.0
+
+    async def params_digest(self) -> str:
+        return await self._run(lambda: params_digest(self.module))
+
+    # ---- compute ---------------------------------------------------------------------------
+
+    async def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage outputs; on the last stage with targets, the scalar mean loss."""
+        return await self._run(lambda: self._forward_sync(inputs, targets))
+
+    async def backward(
+        self,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> BackwardResult:
+        """Recompute the forward, backpropagate, accumulate parameter gradients."""
+        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets))
+
+    async def close(self) -> None:
+        """Let queued jobs finish, then stop the worker thread."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _init_worker(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise RuntimeError("executor is closed")
+        self._pending += 1
+        try:
+            return await asyncio.wrap_future(self._pool.submit(fn))
+        finally:
+            self._pending -= 1
+
+    def _prepare(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None, *, targets_required: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Validate remote tensors against this stage and move them to its device and dtypes."""
+        if inputs.dtype == torch.int32:  # token ids may travel as int32; the model takes int64
+            inputs = inputs.long()
+        if targets is not None and targets.dtype == torch.int32:
+            targets = targets.long()
+        if targets is None and targets_required:
+            raise RequestError(f"stage {self.stage} is the last stage: a backward needs 'targets'")
+        self.module.check_inputs(inputs, targets)
+        batch, seq = inputs.shape[:2]
+        if batch * seq > self.max_batch_tokens:
+            raise LimitExceeded(
+                f"a batch of {batch}x{seq} tokens exceeds this peer's limit of {self.max_batch_tokens} tokens; "
+                "split it into smaller microbatches"
+            )
+        if inputs.is_floating_point():
+            _check_finite(inputs, "inputs")
+        x = inputs.to(self.device)
+        return x, None if targets is None else targets.to(self.device)
+
+    def _check_grad_outputs(self, grad_outputs: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:
+        if self.module.is_last:
+            if grad_outputs is not None:
+                raise RequestError(
+                    "the last stage computes its own loss gradient: send 'targets', not 'grad_outputs'"
+                )
+            return None
+        if grad_outputs is None:
+            raise RequestError("a backward needs 'grad_outputs'")
+        expected = [inputs.shape[0], inputs.shape[1], self.spec.d_model]
+        if not grad_outputs.is_floating_point() or list(grad_outputs.shape) != expected:
+            raise RequestError(
+                f"grad_outputs must be float of shape {expected}, got {grad_outputs.dtype} "
+                f"{list(grad_outputs.shape)}"
+            )
+        _check_finite(grad_outputs, "grad_outputs")
+        return grad_outputs.to(self.device, torch.float32)
+
+    def _forward_sync(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        x, y = self._prepare(inputs, targets, targets_required=False)
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = self.module(x, y)
+        self.forward_ema.update(x.shape[0], time.perf_counter() - started)
+        return out.detach().cpu()
+
+    def _backward_sync(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> BackwardResult:
+        x, y = self._prepare(inputs, targets, targets_required=self.module.is_last)
+        g = self._check_grad_outputs(grad_outputs, inputs)
+        batch = x.shape[0]
+        started = time.perf_counter()
+        if not self.module.is_first:
+            x.requires_grad_(True)
+        with torch.enable_grad():
+            out = self.module(x, y)
+            loss: float | None = None
+            if self.module.is_last:
+                loss = float(out.detach())
+                if not math.isfinite(loss):
+                    raise RequestError("the loss is not finite; the request was not applied")
+                (out * batch).backward()
+            else:
+                torch.autograd.backward(out, g)
+        self.grad_samples += batch
+        self.backward_ema.update(batch, time.perf_counter() - started)
+        grad_inputs = None if self.module.is_first else x.grad.detach().cpu()
+        return BackwardResult(grad_inputs=grad_inputs, loss=loss, samples=batch)
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise RequestError(f"{what} contain NaN or Inf; refused")
+
+
+__all__ = ["BackwardResult", "StageExecutor", "ThroughputEMA"]
