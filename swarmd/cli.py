@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from swarmd import __version__
-from swarmd.config import DEFAULT_API_PORT, ApiConfig, Config, NetConfig, PipelineConfig
-from swarmd.errors import ConfigError
+from swarmd.config import DEFAULT_API_PORT, ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig
+from swarmd.errors import ConfigError, SwarmdError
 
 log = logging.getLogger("swarmd")
 
@@ -50,6 +50,41 @@ def _port(text: str) -> int:
     return value
 
 
+def _stage(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return _non_negative(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a stage: give a number or 'auto'") from None
+
+
+def _addr(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:31337)")
+    value = _port(port)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} has port 0; give the port the peer's DHT listens on")
+    return host, value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return value
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "swarmd"
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -74,12 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: swarmd --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status",
     )
     p.add_argument("--version", action="version", version=f"swarmd {__version__}")
-    p.add_argument("--stage", type=_non_negative, default=0, help="pipeline stage to serve (default: 0)")
+    p.add_argument(
+        "--join",
+        type=_addr,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="DHT address of any live member to join through (repeatable); without it, found a new swarm",
+    )
+    p.add_argument(
+        "--stage",
+        type=_stage,
+        default=None,
+        metavar="N|auto",
+        help="pipeline stage to serve; auto picks the stage with the lowest total throughput (default: auto)",
+    )
     p.add_argument(
         "--model",
-        default="tiny",
+        default=None,
         metavar="PRESET|FILE",
-        help="model preset (tiny, small, base) or a JSON file of ModelSpec fields (default: tiny)",
+        help="model preset (tiny, small, base) or a JSON file of ModelSpec fields; a founder defaults to "
+        "tiny, a joiner serves the swarm's model and refuses a --model that differs",
     )
     p.add_argument("--swarm", default="default", help="name of the swarm to serve in (default: default)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
@@ -87,6 +137,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-host", default="127.0.0.1", help="control-plane listen address (default: 127.0.0.1)")
     p.add_argument(
         "--api-port", type=_port, default=DEFAULT_API_PORT, help=f"control-plane port; 0 picks a free one (default: {DEFAULT_API_PORT})"
+    )
+    p.add_argument("--dht-host", default="127.0.0.1", help="DHT (UDP) listen address (default: 127.0.0.1)")
+    p.add_argument("--dht-port", type=_port, default=0, help="DHT (UDP) port; 0 picks a free one (default: 0)")
+    p.add_argument(
+        "--announce-period",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often this peer refreshes its DHT record; records expire after 3 periods (default: 10)",
+    )
+    p.add_argument(
+        "--bootstrap-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="give up joining when no --join address answers within this (default: 30)",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"where the peer's identity key is kept, one directory per daemon (default: {default_state_dir()})",
     )
     p.add_argument(
         "--device",
@@ -133,8 +206,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
     from swarmd.pipeline.spec import load_spec
 
-    spec = load_spec(args.model)
-    if args.stage >= spec.n_stages:
+    spec = load_spec(args.model) if args.model is not None else None
+    if spec is not None and args.stage is not None and args.stage >= spec.n_stages:
         raise ConfigError(f"--stage {args.stage} is out of range: model {spec.name} has stages 0..{spec.n_stages - 1}")
     if not args.drain_timeout >= 0:
         raise ConfigError("--drain-timeout must be a non-negative number of seconds")
@@ -142,6 +215,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
         swarm=args.swarm,
         net=NetConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout),
         api=ApiConfig(host=args.api_host, port=args.api_port),
+        dht=DHTConfig(
+            host=args.dht_host,
+            port=args.dht_port,
+            join=tuple(args.join),
+            announce_period_s=args.announce_period,
+            bootstrap_timeout_s=args.bootstrap_timeout,
+            state_dir=args.state_dir or default_state_dir(),
+        ),
         pipeline=PipelineConfig(spec=spec, stage=args.stage, device=resolve_device(args.device), threads=args.threads),
     )
 
@@ -168,7 +249,7 @@ async def _serve(config: Config, ready_file: Path | None) -> int:
 
 
 def _write_ready_file(path: Path, status: dict) -> None:
-    keys = ("peer_id", "stage", "data_addr", "api_addr", "swarm", "model")
+    keys = ("peer_id", "stage", "data_addr", "api_addr", "dht_addr", "swarm", "model")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({k: status[k] for k in keys}) + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
@@ -181,12 +262,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    logging.getLogger("kademlia").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         config = config_from_args(args)
     except ConfigError as exc:
         _fail_usage(str(exc))
     try:
         return asyncio.run(_serve(config, args.ready_file))
+    except ConfigError as exc:
+        _fail_usage(str(exc))
+    except SwarmdError as exc:  # e.g. no bootstrap peer answered
+        print(f"swarmd: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     except OSError as exc:
         print(f"swarmd: error: cannot start: {exc.strerror or exc}. "
               "Pick another port (0 picks a free one) or check the address.", file=sys.stderr)

@@ -7,6 +7,7 @@ them, and nothing reads the environment at import time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from swarmd.net.wire import DEFAULT_LIMITS, WireLimits
 from swarmd.pipeline.spec import ModelSpec
@@ -34,11 +35,27 @@ class ApiConfig:
 
 
 @dataclass(frozen=True)
+class DHTConfig:
+    """Kademlia membership: where the UDP node listens, whom it joins, how often it announces."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks a free port; shown in /status as dht_addr
+    join: tuple[tuple[str, int], ...] = ()  # bootstrap peers; empty: found a new swarm
+    announce_period_s: float = 10.0  # records are refreshed this often and expire after 3 periods
+    bootstrap_timeout_s: float = 30.0  # give up joining (and finding the swarm's record) after this
+    state_dir: Path | None = None  # where the peer's key lives; None: a fresh key for this run only
+
+    @property
+    def record_ttl_s(self) -> float:
+        return 3.0 * self.announce_period_s
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     """Which stage of which model this peer serves, and on what hardware."""
 
-    spec: ModelSpec
-    stage: int = 0
+    spec: ModelSpec | None = None  # None: read the swarm's spec from the DHT (joiners)
+    stage: int | None = None  # None: --stage auto, the stage that needs this peer most
     device: str = "cpu"  # already resolved: "cpu", "cuda" or "cuda:N"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_batch_tokens: int = 1 << 16  # B*T above this is refused with 413 (keeps one request from OOMing a peer)
@@ -46,7 +63,8 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class Config:
-    pipeline: PipelineConfig
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     swarm: str = "default"
     net: NetConfig = field(default_factory=NetConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    dht: DHTConfig = field(default_factory=DHTConfig)

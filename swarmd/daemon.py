@@ -1,37 +1,55 @@
 """One long-running daemon per machine: it owns every task and shuts down in a fixed order.
 
-Start-up: build the stage (off the loop), start the data plane, start the control plane, then
-set ``ready`` and enter state ``serving``. Readiness is an explicit event so nothing (a test, a
-DHT announcement later) acts on a half-started peer.
+Start-up, in this order (readiness is an explicit event, set last, so nothing acts on a
+half-started peer; hivemind #634 announced before its DHT was up):
+
+1. load (or create) the peer's key from ``--state-dir`` and start the DHT node: found a new
+   DHT, or join one through ``--join`` with bounded retries;
+2. learn the model: a founder publishes its spec as the swarm record; a joiner reads the swarm
+   record (and refuses an explicit ``--model`` that disagrees);
+3. pick the stage (``--stage auto``: the one with the lowest total throughput);
+4. build the stage off the loop, start the data plane and the control plane;
+5. announce ``joining``, then ``serving``; set ``ready``; re-announce every announce period.
 
 Shutdown (SIGTERM/SIGINT via the CLI, or ``request_stop``), in this order:
 
-1. state ``draining``: the data plane closes its listening socket and answers new requests on
-   open connections with 503, so clients go elsewhere at once;
+1. state ``draining``, announced in the DHT; the data plane closes its listening socket and
+   answers new requests on open connections with 503, so clients go elsewhere at once;
 2. in-flight requests finish, bounded by ``net.drain_timeout_s``;
 3. the data plane closes, then the stage's worker thread finishes its queue and stops;
-4. the control plane stops last, so ``/status`` shows ``draining`` until the very end.
+4. the control plane stops, so ``/status`` shows ``draining`` until the very end; the DHT
+   node stops last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
-import secrets
+import os
+import random
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import uvicorn
 
 from swarmd import __version__
 from swarmd.api.app import create_app
 from swarmd.config import Config
+from swarmd.dht.identity import Identity
+from swarmd.dht.membership import Membership
+from swarmd.dht.node import DHTNode
+from swarmd.dht.records import PeerRecord
+from swarmd.errors import ConfigError, SwarmdError
 from swarmd.net import codecs
 from swarmd.net.server import DataPlane
 from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.rebalance import StageLoad, choose_stage
+from swarmd.pipeline.spec import PRESETS, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +79,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def lock_state_dir(state_dir: Path) -> IO[str]:
+    """Hold an exclusive lock on ``state_dir`` for the daemon's life: two daemons sharing one
+    key would announce the same peer id and overwrite each other's records."""
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        handle = open(state_dir / "lock", "a+")
+    except OSError as exc:
+        raise ConfigError(f"cannot use --state-dir {state_dir}: {exc.strerror or exc}") from exc
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ConfigError(
+            f"another swarmd is running with --state-dir {state_dir}; give each daemon its own --state-dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def format_addr(addr: tuple[str, int] | None) -> str | None:
     if addr is None:
         return None
@@ -71,32 +111,49 @@ def format_addr(addr: tuple[str, int] | None) -> str | None:
 class Daemon:
     """A swarmd peer serving one stage. Use ``async with Daemon(cfg) as d`` or ``await d.run()``."""
 
-    def __init__(self, config: Config, *, peer_id: str | None = None) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
-        self.peer_id = peer_id or secrets.token_hex(8)
         self.state = "starting"
         self.ready = asyncio.Event()
+        self.identity: Identity | None = None
+        self.dht: DHTNode | None = None
+        self.membership: Membership | None = None
+        self.spec: ModelSpec | None = None  # known once the swarm is resolved
+        self.training: dict[str, Any] = {}
+        self.stage: int | None = None  # known once a stage is chosen
+        self.founder = not config.dht.join
         self.executor: StageExecutor | None = None
         self.data_plane: DataPlane | None = None
         self.api_addr: tuple[str, int] | None = None
+        self.announcements = 0  # successful record publications, for /status and tests
         self._api_server: _EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
+        self._announce_task: asyncio.Task[None] | None = None
+        self._state_lock: IO[str] | None = None
+        self._digest_cache: tuple[int, str] | None = None
         self._stop = asyncio.Event()
         self._started_at = time.monotonic()
         self._shutdown_done = False
+
+    @property
+    def peer_id(self) -> str | None:
+        return self.identity.peer_id if self.identity else None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         cfg = self.config
-        pipe = cfg.pipeline
         try:
+            await self._join_dht()
+            self.spec, self.training = await self._resolve_swarm()
+            self.stage = await self._resolve_stage(self.spec)
             await asyncio.to_thread(codecs.warm_up)
+            pipe = cfg.pipeline
             self.executor = await asyncio.to_thread(
                 StageExecutor,
-                pipe.spec,
-                pipe.stage,
+                self.spec,
+                self.stage,
                 pipe.device,
                 max_batch_tokens=pipe.max_batch_tokens,
                 threads=pipe.threads,
@@ -106,20 +163,155 @@ class Daemon:
             log.info("data plane listening on http://%s", format_addr(data_addr))
             await self._start_api()
             log.info("control plane listening on http://%s (docs at /docs)", format_addr(self.api_addr))
+            self.state = "joining"
+            await self._announce()
+            # (issue #4: download the stage's state from a live neighbour here, before serving)
+            self.state = "serving"
+            await self._announce()
         except BaseException:
             await self.shutdown()
             raise
-        self.state = "serving"
+        self._announce_task = asyncio.create_task(self._announce_loop(), name="swarmd-announce")
         self.ready.set()
         log.info(
             "serving stage %d/%d of model %s (%s) in swarm %r as peer %s",
-            pipe.stage,
-            pipe.spec.n_stages,
-            pipe.spec.name,
-            pipe.spec.digest[:12],
+            self.stage,
+            self.spec.n_stages,
+            self.spec.name,
+            self.spec.digest[:12],
             cfg.swarm,
             self.peer_id,
         )
+
+    async def _join_dht(self) -> None:
+        dht = self.config.dht
+        if dht.state_dir is not None:
+            self._state_lock = lock_state_dir(dht.state_dir)
+            self.identity = await asyncio.to_thread(Identity.load_or_create, dht.state_dir)
+        else:
+            self.identity = Identity.generate()
+        self.dht = DHTNode(self.identity, host=dht.host, port=dht.port, rpc_timeout=1.0)
+        await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s)
+        verb = "joined the swarm's DHT" if dht.join else "founded a new DHT"
+        log.info("%s; DHT node on udp://%s (join others with --join %s)",
+                 verb, format_addr(self.dht.address), format_addr(self.dht.address))
+        self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s)
+
+    async def _resolve_swarm(self) -> tuple[ModelSpec, dict[str, Any]]:
+        """A founder publishes its model; a joiner takes the swarm's and checks ``--model``."""
+        assert self.membership is not None
+        asked = self.config.pipeline.spec
+        if self.founder:
+            spec = asked or PRESETS["tiny"]
+            await self.membership.publish_swarm(spec, self.training)
+            return spec, dict(self.training)
+        info = await self.membership.wait_for_swarm(self.config.dht.bootstrap_timeout_s)
+        if asked is not None and asked.digest != info.spec.digest:
+            raise ConfigError(
+                f"--model {asked.name} ({asked.digest[:12]}) is not the model of swarm {self.config.swarm!r}, "
+                f"which trains {info.spec.name} ({info.spec.digest[:12]}); omit --model to serve the swarm's model"
+            )
+        log.info("swarm %r trains model %s (%s), published by %d peer(s)",
+                 self.config.swarm, info.spec.name, info.spec.digest[:12], info.publishers)
+        return info.spec, info.training
+
+    async def _resolve_stage(self, spec: ModelSpec) -> int:
+        asked = self.config.pipeline.stage
+        if asked is not None:
+            if asked >= spec.n_stages:
+                raise ConfigError(
+                    f"--stage {asked} is out of range: model {spec.name} has stages 0..{spec.n_stages - 1}"
+                )
+            return asked
+        assert self.membership is not None
+        stages = await self.membership.stage_peers(spec.n_stages)
+        loads = []
+        for stage, records in enumerate(stages):
+            live = [r for pid, r in records.items() if pid != self.peer_id and r.state != "draining"]
+            loads.append(StageLoad(stage, len(live), sum(r.throughput for r in live)))
+        stage = choose_stage(loads)
+        log.info("--stage auto chose stage %d (%s)", stage,
+                 ", ".join(f"stage {x.stage}: {x.peers} peers, {x.throughput:.0f} samples/s" for x in loads))
+        return stage
+
+    # ---- announcements ---------------------------------------------------------------------
+
+    async def _peer_record(self) -> PeerRecord:
+        assert self.identity is not None and self.stage is not None
+        ex = self.executor
+        step = ex.step if ex else 0
+        digest = None
+        if ex is not None:
+            if self._digest_cache is None or self._digest_cache[0] != step:
+                self._digest_cache = (step, await ex.params_digest())
+            digest = self._digest_cache[1]
+        now = time.time()
+        return PeerRecord(
+            peer_id=self.identity.peer_id,
+            stage=self.stage,
+            state=self.state,
+            data_addr=self.data_addr or "",
+            api_addr=format_addr(self.api_addr) or "",
+            throughput=ex.throughput if ex else 0.0,
+            queue=ex.queue if ex else 0,
+            step=step,
+            params_digest=digest,
+            version=__version__,
+            timestamp=now,
+            expiry=now + self.config.dht.record_ttl_s,
+        )
+
+    async def _announce(self) -> None:
+        assert self.membership is not None
+        accepted = await self.membership.announce(await self._peer_record())
+        self.announcements += 1
+        log.debug("announced %s on stage %s to %d DHT node(s)", self.state, self.stage, accepted)
+
+    async def _announce_loop(self) -> None:
+        """Refresh this peer's record (and its copy of the swarm record) every announce period."""
+        assert self.membership is not None and self.spec is not None
+        period = self.config.dht.announce_period_s
+        while True:
+            await asyncio.sleep(period * random.uniform(0.9, 1.1))  # jitter: peers don't sync up
+            try:
+                await self._announce()
+                await self.membership.publish_swarm(self.spec, self.training)
+            except SwarmdError as exc:
+                log.warning("could not refresh this peer's DHT records: %s", exc)
+
+    async def swarm_view(self) -> dict[str, Any]:
+        """The swarm as the DHT shows it now: model, every stage's live peers, DHT health."""
+        assert self.membership is not None and self.spec is not None and self.dht is not None
+        stages = await self.membership.stage_peers(self.spec.n_stages)
+        now = time.time()
+        return {
+            "swarm": self.config.swarm,
+            "model": {"name": self.spec.name, "digest": self.spec.digest, "spec": self.spec.to_dict()},
+            "training": self.training,
+            "stages": [
+                {
+                    "stage": stage,
+                    "throughput": sum(r.throughput for r in records.values()),
+                    "peers": [
+                        {
+                            "peer_id": r.peer_id,
+                            "state": r.state,
+                            "data_addr": r.data_addr,
+                            "api_addr": r.api_addr,
+                            "throughput": r.throughput,
+                            "queue": r.queue,
+                            "step": r.step,
+                            "params_digest": r.params_digest,
+                            "version": r.version,
+                            "age_s": round(max(0.0, now - r.timestamp), 3),
+                        }
+                        for r in sorted(records.values(), key=lambda r: r.peer_id)
+                    ],
+                }
+                for stage, records in enumerate(stages)
+            ],
+            "dht": self.dht.stats(),
+        }
 
     async def _start_api(self) -> None:
         sock = bind_socket(self.config.api.host, self.config.api.port)
@@ -159,8 +351,17 @@ class Daemon:
         if self._shutdown_done:
             return
         self._shutdown_done = True
+        was_serving = self.state == "serving"
         self.state = "draining"
         self.ready.clear()
+        if self._announce_task is not None:
+            self._announce_task.cancel()
+            await asyncio.gather(self._announce_task, return_exceptions=True)
+        if was_serving:
+            try:  # tell trainers and peers at once rather than letting the record expire
+                await asyncio.wait_for(self._announce(), 3.0)
+            except (SwarmdError, asyncio.TimeoutError) as exc:
+                log.warning("could not announce draining: %s", exc or "timed out")
         if self.data_plane is not None:
             await self.data_plane.drain(self.config.net.drain_timeout_s)
             await self.data_plane.close()
@@ -174,6 +375,10 @@ class Daemon:
                 log.warning("control plane did not stop within 10s; cancelled")
         if self._api_socket is not None:
             self._api_socket.close()
+        if self.dht is not None:
+            await self.dht.stop()
+        if self._state_lock is not None:
+            self._state_lock.close()
         self.state = "stopped"
         log.info("stopped")
 
@@ -191,16 +396,16 @@ class Daemon:
         return format_addr(self.data_plane.address) if self.data_plane else None
 
     def status(self) -> dict[str, Any]:
-        cfg = self.config
         ex = self.executor
         dp = self.data_plane
+        spec = self.spec
         return {
             "peer_id": self.peer_id,
-            "stage": cfg.pipeline.stage,
-            "n_stages": cfg.pipeline.spec.n_stages,
+            "stage": self.stage,
+            "n_stages": spec.n_stages if spec else None,
             "state": self.state,
-            "swarm": cfg.swarm,
-            "model": {"name": cfg.pipeline.spec.name, "digest": cfg.pipeline.spec.digest},
+            "swarm": self.config.swarm,
+            "model": {"name": spec.name, "digest": spec.digest} if spec else None,
             "step": ex.step if ex else 0,
             "queue": ex.queue if ex else 0,
             "in_flight": dp.in_flight if dp else 0,
@@ -209,7 +414,10 @@ class Daemon:
             "served": dict(dp.served) if dp else {},
             "data_addr": self.data_addr,
             "api_addr": format_addr(self.api_addr),
-            "device": cfg.pipeline.device,
+            "dht_addr": format_addr(self.dht.address) if self.dht and self.dht.running else None,
+            "founder": self.founder,
+            "announcements": self.announcements,
+            "device": self.config.pipeline.device,
             "version": __version__,
             "uptime_s": round(time.monotonic() - self._started_at, 3),
         }

@@ -57,11 +57,12 @@ class DaemonProcess:
     def __init__(self, args: list[str], tmp_path: Path) -> None:
         self.ready_file = tmp_path / f"ready-{time.monotonic_ns()}.json"
         self.log_path = self.ready_file.with_suffix(".log")
+        self.state_dir = self.ready_file.with_suffix(".state")
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [*swarmd_command(), "--api-port", "0", "--port", "0", "--threads", "1",
-             "--ready-file", str(self.ready_file), *args],
+            [*swarmd_command(), "--api-port", "0", "--port", "0", "--dht-port", "0", "--threads", "1",
+             "--state-dir", str(self.state_dir), "--ready-file", str(self.ready_file), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

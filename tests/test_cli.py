@@ -26,15 +26,21 @@ def test_help_explains_every_flag() -> None:
     out = run_cli("--help")
     assert out.returncode == 0
     for flag in ("--stage", "--model", "--host", "--port", "--api-host", "--api-port", "--swarm",
-                 "--device", "--log-level", "--threads", "--ready-file", "--drain-timeout"):
+                 "--device", "--log-level", "--threads", "--ready-file", "--drain-timeout", "--join",
+                 "--dht-host", "--dht-port", "--announce-period", "--bootstrap-timeout", "--state-dir"):
         assert flag in out.stdout, flag
 
 
 @pytest.mark.parametrize(
     ("args", "phrase"),
     [
-        (["--stage", "x"], "not an integer"),
-        (["--stage", "-1"], "must not be negative"),
+        (["--stage", "x"], "not a stage"),
+        (["--stage", "-1"], "not a stage"),
+        (["--join", "localhost"], "not HOST:PORT"),
+        (["--join", "127.0.0.1:0"], "port 0"),
+        (["--join", "127.0.0.1:99999"], "not a port number"),
+        (["--announce-period", "0"], "positive number of seconds"),
+        (["--bootstrap-timeout", "soon"], "not a number of seconds"),
         (["--port", "70000"], "not a port number"),
         (["--api-port", "http"], "not a port number"),
         (["--model", "enormous"], "enormous"),
@@ -117,12 +123,12 @@ def test_sigterm_during_a_long_request_completes_it_then_exits_0(spawn) -> None:
     d.close()
 
 
-def test_port_in_use_exits_1_with_a_sentence() -> None:
+def test_port_in_use_exits_1_with_a_sentence(tmp_path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = run_cli("--api-port", str(port), "--port", "0")
+        out = run_cli("--api-port", str(port), "--port", "0", "--state-dir", str(tmp_path))
     assert out.returncode == 1
     assert "swarmd: error: cannot start" in out.stderr and "port" in out.stderr
 

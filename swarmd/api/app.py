@@ -22,12 +22,12 @@ class ModelInfo(BaseModel):
 
 
 class Status(BaseModel):
-    peer_id: str
-    stage: int = Field(description="the pipeline stage this peer serves")
-    n_stages: int
-    state: str = Field(description="starting | serving | draining | stopped")
+    peer_id: str | None = Field(description="derived from the peer's ed25519 public key")
+    stage: int | None = Field(description="the pipeline stage this peer serves (None while choosing)")
+    n_stages: int | None
+    state: str = Field(description="starting | joining | serving | draining | stopped")
     swarm: str = Field(description="the swarm's name")
-    model: ModelInfo
+    model: ModelInfo | None
     step: int = Field(description="optimizer steps applied to this stage's parameters")
     queue: int = Field(description="compute jobs waiting or running on the stage's worker thread")
     in_flight: int = Field(description="data-plane requests being served")
@@ -36,9 +36,43 @@ class Status(BaseModel):
     served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
     data_addr: str | None = Field(description="host:port of the aiohttp data plane")
     api_addr: str | None = Field(description="host:port of this control plane")
+    dht_addr: str | None = Field(description="host:port of this peer's DHT node (UDP); others --join it")
+    founder: bool = Field(description="whether this peer founded the swarm (started without --join)")
+    announcements: int = Field(description="peer records this daemon published to the DHT")
     device: str
     version: str
     uptime_s: float
+
+
+class SwarmPeer(BaseModel):
+    peer_id: str
+    state: str = Field(description="joining | serving | migrating | draining")
+    data_addr: str
+    api_addr: str
+    throughput: float
+    queue: int
+    step: int
+    params_digest: str | None
+    version: str
+    age_s: float = Field(description="seconds since the peer last announced itself")
+
+
+class SwarmStage(BaseModel):
+    stage: int
+    throughput: float = Field(description="summed throughput of the stage's peers, samples/s")
+    peers: list[SwarmPeer]
+
+
+class SwarmModel(ModelInfo):
+    spec: dict[str, Any]
+
+
+class SwarmView(BaseModel):
+    swarm: str
+    model: SwarmModel
+    training: dict[str, Any]
+    stages: list[SwarmStage]
+    dht: dict[str, Any] = Field(description="DHT health: routing_table_size, rejected records, dropped datagrams")
 
 
 class Health(BaseModel):
@@ -54,6 +88,8 @@ class DaemonView(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    async def swarm_view(self) -> dict[str, Any]: ...
+
 
 def create_app(daemon: DaemonView) -> FastAPI:
     app = FastAPI(
@@ -65,6 +101,12 @@ def create_app(daemon: DaemonView) -> FastAPI:
     @app.get("/status", response_model=Status, summary="This peer's identity, stage, load and addresses")
     async def status() -> dict[str, Any]:
         return daemon.status()
+
+    @app.get("/swarm", response_model=SwarmView, summary="The model and every stage's live peers, from the DHT")
+    async def swarm() -> Any:
+        if daemon.state not in ("joining", "serving", "migrating"):
+            return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
+        return await daemon.swarm_view()
 
     @app.get(
         "/healthz",

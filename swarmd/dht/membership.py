@@ -1,0 +1,137 @@
+"""A daemon's membership in its swarm: what it publishes about itself and reads about others.
+
+SWARM peers find each other through a DHT rather than a central server (paper, section 3.2):
+each peer periodically announces which stage it serves and how fast it is, and trainers and
+peers read those announcements to wire pipelines and pick stages. This module is that layer,
+on top of :class:`~swarmd.dht.node.DHTNode`:
+
+- the *swarm record* (model spec and training settings) lives under the swarm's key. Every
+  serving peer republishes its own signed copy, so the swarm outlives its founder; a joiner
+  takes the spec most peers publish (ties: the oldest), and a mismatch is the joiner's error.
+- *peer records* live under their stage's bucket keys; a reader merges all stages and keeps one
+  record per peer (the newest), so a peer that just moved stage is listed once, where it is now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from swarmd.dht.identity import Identity
+from swarmd.dht.node import DHTNode, swarm_key
+from swarmd.dht.records import PeerRecord, SwarmRecord, sign_record
+from swarmd.errors import BootstrapError, ConfigError
+from swarmd.pipeline.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SwarmInfo:
+    """What a swarm's records agree on: its model and training settings."""
+
+    spec: ModelSpec
+    training: dict[str, Any]
+    publishers: int  # how many peers currently publish this spec
+
+
+def pick_swarm(records: Mapping[str, Any], swarm: str) -> SwarmInfo | None:
+    """The spec most publishers agree on (ties: the oldest publication), or None if there is none.
+
+    Records that name another swarm or carry a spec this build cannot read are ignored: one bad
+    or outdated peer cannot block a joiner.
+    """
+    groups: dict[str, list[SwarmRecord]] = {}
+    specs: dict[str, ModelSpec] = {}
+    for record in records.values():
+        if not isinstance(record, SwarmRecord) or record.swarm != swarm:
+            continue
+        try:
+            spec = ModelSpec.from_dict(record.spec)
+        except ConfigError as exc:
+            log.warning("ignoring the swarm record of %s: %s", record.founder[:12], exc)
+            continue
+        specs[spec.digest] = spec
+        groups.setdefault(spec.digest, []).append(record)
+    if not groups:
+        return None
+    digest = max(groups, key=lambda d: (len(groups[d]), -min(r.timestamp for r in groups[d])))
+    if len(groups) > 1:
+        log.warning("peers of swarm %r publish %d different models; following the majority (%s)",
+                    swarm, len(groups), digest[:12])
+    oldest = min(groups[digest], key=lambda r: r.timestamp)
+    return SwarmInfo(spec=specs[digest], training=dict(oldest.training), publishers=len(groups[digest]))
+
+
+def latest_per_peer(stages: list[dict[str, PeerRecord]]) -> list[dict[str, PeerRecord]]:
+    """Keep each peer only in the stage of its newest record (a mover's old record lingers)."""
+    newest: dict[str, PeerRecord] = {}
+    for records in stages:
+        for peer_id, record in records.items():
+            held = newest.get(peer_id)
+            if held is None or held.timestamp < record.timestamp:
+                newest[peer_id] = record
+    out: list[dict[str, PeerRecord]] = [{} for _ in stages]
+    for peer_id, record in newest.items():
+        out[record.stage][peer_id] = record
+    return out
+
+
+class Membership:
+    """Publishes this peer's records and reads the swarm's, through one DHT node."""
+
+    def __init__(
+        self,
+        node: DHTNode,
+        identity: Identity,
+        swarm: str,
+        *,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node = node
+        self.identity = identity
+        self.swarm = swarm
+        self.ttl_s = ttl_s
+        self._clock = clock
+
+    async def publish_swarm(self, spec: ModelSpec, training: Mapping[str, Any]) -> int:
+        now = self._clock()
+        record = SwarmRecord(
+            swarm=self.swarm,
+            spec=spec.to_dict(),
+            training=dict(training),
+            founder=self.identity.peer_id,
+            timestamp=now,
+            expiry=now + self.ttl_s,
+        )
+        return await self.node.store(swarm_key(self.swarm), sign_record(self.identity, record))
+
+    async def read_swarm(self) -> SwarmInfo | None:
+        return pick_swarm(await self.node.get(swarm_key(self.swarm)), self.swarm)
+
+    async def wait_for_swarm(self, timeout_s: float, poll_s: float = 0.5) -> SwarmInfo:
+        """The swarm's record, retrying while a just-started founder has not published it yet."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = await self.read_swarm()
+            if info is not None:
+                return info
+            if time.monotonic() >= deadline:
+                raise BootstrapError(
+                    f"joined the DHT but found no swarm named {self.swarm!r} within {timeout_s:.0f}s; "
+                    "check --swarm, or omit --join to found a new swarm"
+                )
+            await asyncio.sleep(poll_s)
+
+    async def announce(self, record: PeerRecord) -> int:
+        return await self.node.store_peer(self.swarm, sign_record(self.identity, record))
+
+    async def stage_peers(self, n_stages: int) -> list[dict[str, PeerRecord]]:
+        """Live peer records of every stage, read in parallel, one record per peer."""
+        found = await asyncio.gather(*(self.node.get_stage_peers(self.swarm, s) for s in range(n_stages)))
+        return latest_per_peer(list(found))

@@ -1,0 +1,125 @@
+"""Swarm membership end to end: daemons started through the CLI find each other over the DHT."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+
+import httpx
+
+from swarmd.pipeline.spec import PRESETS
+from tests.conftest import DaemonProcess, swarmd_command
+
+PERIOD = "1"  # announce period (s): records expire after 3 s
+EXPIRY_S = 3.0
+
+
+def swarm_of(d: DaemonProcess) -> dict:
+    r = httpx.get(f"{d.api}/swarm", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def peers_by_id(view: dict) -> dict[str, tuple[int, str]]:
+    return {p["peer_id"]: (s["stage"], p["state"]) for s in view["stages"] for p in s["peers"]}
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``condition`` until it holds; return the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_three_daemons_list_each_other_and_a_killed_one_vanishes(spawn) -> None:
+    founder = spawn("--stage", "0", "--model", "tiny", "--swarm", "trio", "--announce-period", PERIOD)
+    info = founder.wait_ready()
+    join = ["--join", info["dht_addr"], "--swarm", "trio", "--announce-period", PERIOD]
+    first = spawn(*join)
+    first.wait_ready()
+    second = spawn(*join)
+    second.wait_ready()
+    members = [founder, first, second]
+    ids = {d.info["peer_id"]: d for d in members}
+    assert len(ids) == 3
+
+    # --stage auto: the empty stage 1 first, then (both stages idle, one peer each) the lowest index
+    assert [d.info["stage"] for d in members] == [0, 1, 0]
+    # the joiners gave no --model and serve the founder's
+    for d in members:
+        assert httpx.get(f"{d.api}/status").json()["model"]["digest"] == PRESETS["tiny"].digest
+
+    expected = {pid: (d.info["stage"], "serving") for pid, d in ids.items()}
+    for d in members:
+        wait_until(lambda d=d: peers_by_id(swarm_of(d)) == expected, 10, f"{d.api}/swarm lists all three")
+    view = swarm_of(first)
+    assert view["model"]["digest"] == PRESETS["tiny"].digest and view["swarm"] == "trio"
+    assert view["dht"]["routing_table_size"] >= 2
+    assert all(p["params_digest"] for s in view["stages"] for p in s["peers"])
+
+    victim = first
+    victim.proc.kill()  # SIGKILL: no goodbye, the record must expire
+    victim.proc.wait(10)
+    del expected[victim.info["peer_id"]]
+    for d in (founder, second):
+        took = wait_until(lambda d=d: peers_by_id(swarm_of(d)) == expected, EXPIRY_S + 5,
+                          "the killed peer disappears")
+        assert took <= EXPIRY_S + 5
+
+
+def test_graceful_stop_is_announced_as_draining(spawn) -> None:
+    founder = spawn("--model", "tiny", "--announce-period", "5")
+    info = founder.wait_ready()
+    leaver = spawn("--join", info["dht_addr"], "--announce-period", "5")
+    leaver.wait_ready()
+    pid = leaver.info["peer_id"]
+    wait_until(lambda: pid in peers_by_id(swarm_of(founder)), 10, "the joiner is listed")
+    assert leaver.terminate() == 0
+    # long before its record would expire (15 s), the others see it leaving
+    wait_until(lambda: peers_by_id(swarm_of(founder)).get(pid, (0, ""))[1] == "draining", 5,
+               "the leaver is listed as draining")
+
+
+def test_joiner_with_another_model_exits_2(spawn, tmp_path) -> None:
+    founder = spawn("--model", "tiny")
+    info = founder.wait_ready()
+    out = subprocess.run(
+        [*swarmd_command(), "--join", info["dht_addr"], "--model", "small", "--api-port", "0",
+         "--state-dir", str(tmp_path / "joiner")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "swarmd: error: --model small" in out.stderr and "omit --model" in out.stderr
+
+
+def test_unreachable_bootstrap_fails_clearly_within_the_bound(tmp_path) -> None:
+    start = time.monotonic()
+    out = subprocess.run(
+        [*swarmd_command(), "--join", "127.0.0.1:9", "--bootstrap-timeout", "2", "--api-port", "0",
+         "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 1
+    assert "127.0.0.1:9" in out.stderr and "swarmd: error:" in out.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_identity_persists_and_a_state_dir_serves_one_daemon(spawn, tmp_path) -> None:
+    state = tmp_path / "peer"
+    d = spawn("--state-dir", str(state))
+    first_id = d.wait_ready()["peer_id"]
+    clash = subprocess.run(
+        [*swarmd_command(), "--state-dir", str(state), "--api-port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert clash.returncode == 2 and "another swarmd is running with --state-dir" in clash.stderr
+    assert d.terminate() == 0
+    again = spawn("--state-dir", str(state))
+    assert again.wait_ready()["peer_id"] == first_id
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.proc.wait(30) == 0
