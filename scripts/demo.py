@@ -1,6 +1,7 @@
-"""The local demo: one swarmd peer per stage of the tiny model, started through the real CLI.
+"""The local demo: a swarm of swarmd peers on 127.0.0.1, started through the real CLI.
 
-It pushes microbatches of real text (the Python standard library's own source, byte-level)
+The first peer founds the swarm (and its DHT); the others join it with --join and pick their
+stage with --stage auto, one peer per stage. The demo then pushes microbatches of real text (the Python standard library's own source, byte-level)
 through every stage's forward and backward over the data plane with 8-bit activations, then
 shows each peer's /status. Until the trainer and optimizer steps land (issue #4) nothing
 trains: the loss is computed and gradients accumulate, but no peer steps.
@@ -26,6 +27,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from swarmd.net import codecs
 from swarmd.net.client import DataPlaneClient
 from swarmd.pipeline.spec import load_spec
 
@@ -47,23 +49,27 @@ def stdlib_text(limit_bytes: int = 4 << 20, seed: int = 0) -> bytes:
     return b"\n".join(chunks)
 
 
-def start_peer(stage: int, model: str, workdir: Path) -> tuple[subprocess.Popen, dict]:
-    ready = workdir / f"stage{stage}.json"
-    log = open(workdir / f"stage{stage}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "swarmd", "--stage", str(stage), "--model", model, "--port", "0",
-         "--api-port", "0", "--threads", "1", "--ready-file", str(ready)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+def start_peer(index: int, workdir: Path, *args: str) -> tuple[subprocess.Popen, dict]:
+    """One ``swarmd`` subprocess with free ports; waits for its --ready-file."""
+    ready = workdir / f"peer{index}.json"
+    log_path = workdir / f"peer{index}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmd", "--port", "0", "--api-port", "0", "--dht-port", "0",
+             "--threads", "1", "--state-dir", str(workdir / f"peer{index}"), "--ready-file", str(ready), *args],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 120
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"stage {stage} failed to start; see {workdir / f'stage{stage}.log'}")
+            print(log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise SystemExit(f"peer {index} failed to start (log above)")
         time.sleep(0.05)
     return proc, json.loads(ready.read_text())
 
 
 async def run_microbatches(peers: list[dict], text: bytes, steps: int, batch: int, seq: int, codec: str) -> None:
+    codecs.warm_up()  # import bitsandbytes now, not inside the first timed microbatch
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     gen = torch.Generator().manual_seed(0)
     last = len(peers) - 1
@@ -105,12 +111,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="swarmd-demo-") as tmp:
         try:
             print(f"starting {spec.n_stages} peers (one per stage of model {spec.name}) through the swarmd CLI ...")
-            peers = []
-            for stage in range(spec.n_stages):
-                proc, info = start_peer(stage, args.model, Path(tmp))
+            proc, founder = start_peer(0, Path(tmp), "--model", args.model, "--swarm", "demo")
+            procs.append(proc)
+            found = [founder]
+            print(f"  peer 0 founded swarm 'demo' (DHT on udp://{founder['dht_addr']}) and serves stage {founder['stage']}")
+            for i in range(1, spec.n_stages):
+                proc, info = start_peer(i, Path(tmp), "--join", founder["dht_addr"], "--swarm", "demo")
                 procs.append(proc)
-                peers.append(info)
-                print(f"  stage {stage}: data plane {info['data_addr']}, control plane http://{info['api_addr']}")
+                found.append(info)
+                print(f"  peer {i} joined with --join {founder['dht_addr']}; --stage auto chose stage {info['stage']}")
+            peers = sorted(found, key=lambda p: p["stage"])
+            view = httpx.get(f"http://{founder['api_addr']}/swarm", timeout=10).json()
+            listed = sum(len(s["peers"]) for s in view["stages"])
+            print(f"  GET /swarm on peer 0 lists {listed} peers: "
+                  + ", ".join(f"stage {s['stage']}: {len(s['peers'])}" for s in view["stages"]))
             print(f"\npushing {args.microbatches} microbatches of standard-library source through the pipeline "
                   f"({args.codec} activations):")
             text = stdlib_text()
