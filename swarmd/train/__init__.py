@@ -1,0 +1,1 @@
+"""The trainer side of SWARM: the corpus it samples microbatches from, and the loop around it."""

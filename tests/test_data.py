@@ -1,0 +1,282 @@
+"""The byte-level corpus (swarmd.train.data): loading, held-out split, sampling, validation windows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmd.errors import ConfigError
+from swarmd.train.data import BatchSampler, Corpus, load_corpus, stdlib_root, val_batches
+
+SMALL = 2**20  # enough stdlib text for every test but the full-size one, and fast to read
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.tolist()) if t.numel() < 1000 else t.numpy().tobytes()
+
+
+def write_files(root: Path, n: int, size: int) -> list[Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = root / f"f{i:02d}.txt"
+        p.write_bytes((f"file {i} " * size).encode()[:size])
+        paths.append(p)
+    return paths
+
+
+# ---- the default corpus ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stdlib_corpus() -> Corpus:
+    return load_corpus()
+
+
+def test_default_corpus_is_the_stdlib_split_by_whole_files(stdlib_corpus: Corpus) -> None:
+    corpus = stdlib_corpus
+    assert corpus.train.dtype == torch.uint8 and corpus.train.dim() == 1
+    assert corpus.val.dtype == torch.uint8 and corpus.val.dim() == 1
+    assert corpus.total_bytes == corpus.train.numel() + corpus.val.numel()
+    assert corpus.total_bytes > 10 * 2**20  # the whole stdlib, well over 10 MB
+    assert corpus.sources == len(corpus.train_files) + len(corpus.val_files) > 500
+    assert not set(corpus.train_files) & set(corpus.val_files)
+    assert all(f.endswith(".py") and "site-packages" not in f for f in corpus.train_files)
+    assert all(Path(f).is_relative_to(stdlib_root()) for f in corpus.val_files)
+    assert 0.015 < corpus.val.numel() / corpus.total_bytes < 0.04  # about val_fraction
+    assert b"def " in as_bytes(corpus.train[:100_000])
+
+
+def test_default_corpus_is_deterministic_per_seed_and_differs_across_seeds() -> None:
+    a = load_corpus(max_bytes=SMALL, seed=1)
+    b = load_corpus(max_bytes=SMALL, seed=1)
+    c = load_corpus(max_bytes=SMALL, seed=2)
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert a.train_files == b.train_files and a.val_files == b.val_files
+    assert a.train_files != c.train_files
+    assert not torch.equal(a.train[:10_000], c.train[:10_000])
+
+
+def test_max_bytes_caps_the_corpus() -> None:
+    corpus = load_corpus(max_bytes=SMALL)
+    assert corpus.total_bytes == SMALL
+    assert corpus.sources < 200
+
+
+def test_held_out_files_are_whole_and_absent_from_training(stdlib_corpus: Corpus) -> None:
+    corpus = stdlib_corpus
+    val = as_bytes(corpus.val)
+    assert len(corpus.val_files) >= 2 and not set(corpus.train_files) & set(corpus.val_files)
+    # every held-out file is in the held-out text whole (the last one may have been cut short
+    # by max_bytes); the stdlib repeats some code across files, so the "not in training" half
+    # is checked on unique text below
+    for name in corpus.val_files[:-1]:
+        assert Path(name).read_bytes() in val
+
+
+def test_held_out_text_does_not_appear_in_training_text(tmp_path: Path) -> None:
+    for i in range(50):
+        (tmp_path / f"{i}.txt").write_bytes(b"".join(b"file %d line %d\n" % (i, j) for j in range(40)))
+    corpus = load_corpus(tmp_path, val_fraction=0.1, seq_len=32)
+    train, val = as_bytes(corpus.train), as_bytes(corpus.val)
+    assert len(corpus.val_files) == 5
+    for name in corpus.val_files:
+        i = int(Path(name).stem)
+        assert b"file %d line" % i in val and b"file %d line" % i not in train
+
+
+# ---- --data PATH -----------------------------------------------------------------------
+
+
+def test_a_single_text_file(tmp_path: Path) -> None:
+    path = tmp_path / "book.txt"
+    text = b"".join(b"line %d of the book\n" % i for i in range(2000))
+    path.write_bytes(text)
+    corpus = load_corpus(path, seq_len=16)
+    assert corpus.sources == 1
+    # one file cannot be split by files: it is cut at about val_fraction from its end
+    assert as_bytes(corpus.train) + as_bytes(corpus.val) == text
+    assert corpus.val.numel() == pytest.approx(0.02 * len(text), abs=1)
+    assert load_corpus(str(path), seq_len=16).total_bytes == len(text)  # str works too
+
+
+def test_a_folder_reads_every_text_file_recursively_and_splits_by_files(tmp_path: Path) -> None:
+    write_files(tmp_path / "a", 10, 1000)
+    write_files(tmp_path / "b" / "deep", 10, 1000)
+    (tmp_path / "image.bin").write_bytes(b"\x89PNG\0\0\0" * 100)  # binary: skipped
+    (tmp_path / ".hidden.txt").write_bytes(b"secret " * 100)  # hidden: skipped
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "config").write_bytes(b"[core]\n" * 100)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    corpus = load_corpus(tmp_path, val_fraction=0.1, seq_len=32)
+    assert corpus.sources == 20
+    assert corpus.total_bytes == 20 * 1000 + 19  # plus one newline between files
+    assert len(corpus.val_files) == 2  # whole files, the nearest to 10% of the bytes
+    assert not set(corpus.train_files) & set(corpus.val_files)
+    names = {Path(f).name for f in corpus.train_files + corpus.val_files}
+    assert "image.bin" not in names and ".hidden.txt" not in names and "config" not in names
+    val = as_bytes(corpus.val)
+    for f in corpus.val_files:
+        assert Path(f).read_bytes() in val
+
+
+def test_folder_order_follows_the_seed(tmp_path: Path) -> None:
+    write_files(tmp_path, 30, 200)
+    a = load_corpus(tmp_path, seq_len=8, seed=0)
+    assert load_corpus(tmp_path, seq_len=8, seed=0).train_files == a.train_files
+    assert load_corpus(tmp_path, seq_len=8, seed=1).train_files != a.train_files
+
+
+def test_a_few_large_files_are_cut_inside_a_file_not_handed_to_validation(tmp_path: Path) -> None:
+    write_files(tmp_path, 2, 10_000)
+    corpus = load_corpus(tmp_path, seq_len=16)
+    assert corpus.val.numel() == pytest.approx(0.02 * corpus.total_bytes, abs=1)
+    assert len(corpus.val_files) == 1 and corpus.val_files[0] in corpus.train_files
+
+
+def test_validation_split_is_at_least_one_sequence(tmp_path: Path) -> None:
+    write_files(tmp_path, 5, 100)
+    corpus = load_corpus(tmp_path, seq_len=64, val_fraction=0.01)
+    assert corpus.val.numel() >= 65 and corpus.train.numel() >= 65
+
+
+def test_missing_path_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_corpus(tmp_path / "nope.txt")
+
+
+def test_empty_folder_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no readable text"):
+        load_corpus(tmp_path)
+    (tmp_path / "blob").write_bytes(b"\0" * 100)
+    (tmp_path / "empty").write_bytes(b"")
+    with pytest.raises(ConfigError, match="no readable text"):
+        load_corpus(tmp_path)
+
+
+def test_binary_single_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"abc\0def" * 100)
+    with pytest.raises(ConfigError, match="looks binary"):
+        load_corpus(path)
+
+
+def test_too_short_corpus_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "short.txt"
+    path.write_bytes(b"x" * 200)
+    with pytest.raises(ConfigError, match=r"only 200 bytes, which is too few.*at least 258 bytes"):
+        load_corpus(path, seq_len=128)
+    assert load_corpus(path, seq_len=99).total_bytes == 200
+    with pytest.raises(ConfigError, match=r"a corpus limit of 100 bytes is too few"):
+        load_corpus(max_bytes=100, seq_len=128)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_bytes": 0}, {"val_fraction": 0.0}, {"val_fraction": 1.0}, {"seq_len": 0}]
+)
+def test_bad_arguments_are_config_errors(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        load_corpus(**kwargs)  # type: ignore[arg-type]
+
+
+def test_corpus_is_not_compared_by_tensor_truth() -> None:
+    t = torch.zeros(3, dtype=torch.uint8)
+    a = Corpus(train=t, val=t, sources=1)
+    assert a == a and a != Corpus(train=t, val=t, sources=1)  # identity, never a tensor bool
+
+
+# ---- batch sampling ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def data() -> torch.Tensor:
+    return torch.arange(1000, dtype=torch.int64).remainder(256).to(torch.uint8)
+
+
+def test_sampler_shapes_dtypes_and_shifted_targets(data: torch.Tensor) -> None:
+    sampler = BatchSampler(data, 32, seed=0)
+    inputs, targets = sampler.sample(8)
+    assert inputs.shape == targets.shape == (8, 32)
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert inputs.is_contiguous() and targets.is_contiguous()
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    # each row is a real window of the data: consecutive bytes of the stream
+    assert torch.equal((targets - inputs).remainder(256), torch.ones_like(inputs))
+    assert int(inputs.min()) >= 0 and int(targets.max()) <= 255
+
+
+def test_sampler_windows_cover_the_whole_stream_and_stay_in_bounds() -> None:
+    data = torch.arange(20, dtype=torch.uint8)
+    sampler = BatchSampler(data, 4, seed=0)
+    inputs, targets = sampler.sample(2000)
+    starts = set(inputs[:, 0].tolist())
+    assert starts == set(range(16))  # every start 0..len-seq_len-1, none beyond
+    assert int(targets.max()) == 19
+
+
+def test_sampler_is_deterministic_by_seed(data: torch.Tensor) -> None:
+    def run(seed: int) -> list[torch.Tensor]:
+        sampler = BatchSampler(data, 16, seed=seed)
+        return [sampler.sample(4)[0] for _ in range(3)]
+
+    assert all(torch.equal(x, y) for x, y in zip(run(7), run(7)))
+    assert not all(torch.equal(x, y) for x, y in zip(run(7), run(8)))
+    batches = run(7)
+    assert not torch.equal(batches[0], batches[1])  # successive batches differ
+
+
+def test_sampler_state_round_trip_resumes_the_sequence(data: torch.Tensor) -> None:
+    sampler = BatchSampler(data, 16, seed=3)
+    sampler.sample(4)
+    state = sampler.state_dict()
+    expected = [sampler.sample(4)[0] for _ in range(3)]
+    resumed = BatchSampler(data, 16, seed=999)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(x, resumed.sample(4)[0]) for x in expected)
+    with pytest.raises(ValueError, match="seq_len"):
+        BatchSampler(data, 8).load_state_dict(state)
+
+
+def test_sampler_refuses_bad_input(data: torch.Tensor) -> None:
+    with pytest.raises(ConfigError, match="too few"):
+        BatchSampler(data[:16], 16)
+    BatchSampler(data[:17], 16).sample(1)  # exactly one window fits
+    with pytest.raises(ValueError):
+        BatchSampler(data.view(10, 100), 16)
+    with pytest.raises(ValueError):
+        BatchSampler(data, 16).sample(0)
+
+
+def test_sampler_on_a_real_corpus() -> None:
+    corpus = load_corpus(max_bytes=SMALL)
+    inputs, targets = BatchSampler(corpus.train, 128, seed=0).sample(16)
+    assert inputs.shape == (16, 128)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+# ---- validation windows ----------------------------------------------------------------
+
+
+def test_val_batches_are_fixed_evenly_spaced_windows(data: torch.Tensor) -> None:
+    batches = val_batches(data, 10, batch_size=4, n_batches=3)
+    again = val_batches(data, 10, batch_size=4, n_batches=3)
+    assert len(batches) == 3
+    for (x, y), (x2, y2) in zip(batches, again):
+        assert x.shape == y.shape == (4, 10) and x.dtype == y.dtype == torch.int64
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    # windows from the first to the very last valid start (989), 89 bytes apart
+    assert starts == [(i * 989 // 11) % 256 for i in range(12)]
+    assert int(batches[-1][1][-1, -1]) == 999 % 256
+
+
+def test_val_batches_single_window_and_errors(data: torch.Tensor) -> None:
+    ((x, y),) = val_batches(data, 10, batch_size=1, n_batches=1)
+    assert x[0, 0] == 0 and y.shape == (1, 10)
+    with pytest.raises(ConfigError):
+        val_batches(data[:10], 10, 1, 1)
+    with pytest.raises(ValueError):
+        val_batches(data, 10, 0, 1)

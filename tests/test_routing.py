@@ -1,0 +1,423 @@
+"""Stochastic wiring (swarmd.pipeline.routing): weighting, interleaving, bans, membership."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd.pipeline.routing import JITTER, StageRouter
+
+
+class FakeClock:
+    """A clock the test moves by hand; the router never sleeps."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_router(peers: dict[str, str] | None = None, **kwargs: object) -> tuple[StageRouter, FakeClock]:
+    clock = FakeClock()
+    router = StageRouter(0, clock=clock, rng=random.Random(0), **kwargs)  # type: ignore[arg-type]
+    router.update_peers(peers if peers is not None else {"a": "addr-a", "b": "addr-b"})
+    return router, clock
+
+
+def picks(router: StageRouter, n: int, exclude: tuple[str, ...] = ()) -> list[str]:
+    out = []
+    for _ in range(n):
+        choice = router.choose(exclude)
+        assert choice is not None
+        out.append(choice[0])
+    return out
+
+
+def longest_run(seq: list[str], item: str) -> int:
+    return max((len(list(g)) for k, g in itertools.groupby(seq) if k == item), default=0)
+
+
+# ---- weighting -----------------------------------------------------------------------------
+
+
+def test_throughput_3_to_1_splits_300_to_100_interleaved() -> None:
+    router, _ = make_router()
+    router.report_success("a", 30, 1.0)
+    router.report_success("b", 10, 1.0)
+    seq = picks(router, 400)
+    counts = Counter(seq)
+    assert abs(counts["a"] - 300) <= 1 and abs(counts["b"] - 100) <= 1
+    # interleaved: a never gets more than 3 in a row (AABA AABA ...), b never twice in a row
+    assert longest_run(seq, "a") <= 3
+    assert longest_run(seq, "b") == 1
+    # spread evenly: every window of 8 consecutive choices holds exactly two b
+    assert all(seq[i : i + 8].count("b") == 2 for i in range(len(seq) - 8))
+
+
+def test_equal_weights_round_robin_exactly() -> None:
+    router, _ = make_router({"a": "1", "b": "2", "c": "3"})
+    for p in "abc":
+        router.report_success(p, 5, 1.0)
+    seq = picks(router, 30)
+    assert seq == ["a", "b", "c"] * 10
+
+
+def test_unmeasured_peers_round_robin() -> None:
+    router, _ = make_router({"a": "1", "b": "2", "c": "3"})
+    assert picks(router, 9) == ["a", "b", "c"] * 3
+
+
+def test_new_peer_is_tried_at_once_then_rotates_at_top_weight() -> None:
+    router, _ = make_router()
+    router.report_success("a", 30, 1.0)
+    router.report_success("b", 10, 1.0)
+    picks(router, 7)
+    router.update_peers({"a": "addr-a", "b": "addr-b", "c": "addr-c"})
+    assert router.choose() == ("c", "addr-c")  # probed by the very next choice
+    # until measured, c rotates with the fastest peer's weight (30 of 70 in a round)
+    counts = Counter(picks(router, 70))
+    assert abs(counts["c"] - 30) <= 2
+    assert router.snapshot()[2]["weight"] == pytest.approx(30.0)
+
+
+def test_explore_weight_overrides_newcomer_weight() -> None:
+    router, _ = make_router(explore_weight=10.0)
+    router.report_success("a", 30, 1.0)
+    router.update_peers({"a": "addr-a", "b": "addr-b"})
+    assert [s["weight"] for s in router.snapshot()] == [pytest.approx(30.0), pytest.approx(10.0)]
+    counts = Counter(picks(router, 400))
+    assert abs(counts["b"] - 100) <= 2
+
+
+def test_several_newcomers_are_each_probed_once_in_id_order() -> None:
+    router, _ = make_router({"a": "1"})
+    router.report_success("a", 100, 1.0)
+    router.update_peers({"a": "1", "z": "4", "y": "3", "x": "2"})
+    assert picks(router, 3) == ["x", "y", "z"]
+
+
+def test_weight_floor_keeps_slow_peer_in_rotation() -> None:
+    router, _ = make_router(min_share=0.01)
+    router.report_success("a", 1000, 1.0)
+    router.report_success("b", 0, 1.0)  # measured at 0 samples/s
+    counts = Counter(picks(router, 1010))
+    assert counts["b"] == 10
+
+
+def test_ema_is_bias_corrected_and_moves_with_alpha() -> None:
+    router, _ = make_router(alpha=0.1)
+    router.report_success("a", 64, 2.0)
+    assert router.stats("a").throughput == pytest.approx(32.0)  # first measurement counts fully
+    router.report_success("a", 64, 1.0)
+    # raw = 0.9 * 3.2 + 0.1 * 64 = 9.28; corrected by 1 - 0.9**2 = 0.19
+    assert router.stats("a").throughput == pytest.approx(9.28 / 0.19)
+    for _ in range(200):
+        router.report_success("a", 10, 1.0)
+    assert router.stats("a").throughput == pytest.approx(10.0)
+
+
+def test_weights_follow_measurements() -> None:
+    router, _ = make_router()
+    router.report_success("a", 10, 1.0)
+    router.report_success("b", 10, 1.0)
+    for _ in range(100):  # b slows down to a fifth
+        router.report_success("b", 2, 1.0)
+    counts = Counter(picks(router, 600))
+    assert abs(counts["a"] - 500) <= 2 and abs(counts["b"] - 100) <= 2
+
+
+# ---- bans and recovery -------------------------------------------------------------------
+
+
+def test_failed_peer_is_not_chosen_until_its_ban_expires() -> None:
+    router, clock = make_router()
+    ban = router.report_failure("a")
+    assert 1.0 * (1 - JITTER) <= ban <= 1.0 * (1 + JITTER)
+    assert set(picks(router, 10)) == {"b"}
+    clock.advance(ban - 1e-6)
+    assert router.choose(exclude=("b",)) is None
+    clock.advance(2e-6)
+    assert router.choose(exclude=("b",)) == ("a", "addr-a")  # recovery
+
+
+def test_backoff_doubles_per_consecutive_failure_up_to_cap_and_success_resets() -> None:
+    router, clock = make_router(ban_base_s=1.0, ban_max_s=10.0)
+    bans = []
+    for _ in range(7):
+        bans.append(router.report_failure("a"))
+        clock.advance(bans[-1])
+    for k, ban in enumerate(bans[:4]):
+        assert 2**k * (1 - JITTER) <= ban <= 2**k * (1 + JITTER)
+    assert all(9.0 <= ban <= 10.0 for ban in bans[4:])  # capped (jitter only below the cap)
+    assert router.stats("a").consecutive_failures == 7
+    router.report_success("a", 1, 1.0)
+    assert router.stats("a").consecutive_failures == 0
+    assert router.report_failure("a") <= 1.0 + JITTER
+
+
+def test_ban_jitter_is_deterministic_given_rng() -> None:
+    def bans(seed: int) -> list[float]:
+        router = StageRouter(0, clock=FakeClock(), rng=random.Random(seed))
+        router.update_peers({"a": "1"})
+        return [router.report_failure("a") for _ in range(5)]
+
+    assert bans(1) == bans(1)
+    assert bans(1) != bans(2)
+
+
+def test_huge_failure_streak_does_not_overflow() -> None:
+    router, _ = make_router(ban_max_s=60.0)
+    for _ in range(2000):
+        ban = router.report_failure("a")
+    assert 54.0 <= ban <= 60.0
+
+
+def test_success_does_not_lift_a_ban_in_force() -> None:
+    router, _ = make_router()
+    router.report_failure("a")
+    router.report_success("a", 10, 1.0)  # a call begun before the failure finished late
+    assert router.usable_count == 1
+    assert set(picks(router, 5)) == {"b"}
+
+
+def test_only_failures_peer_is_retried_after_ban_not_starved() -> None:
+    router, clock = make_router()
+    router.report_success("b", 100, 1.0)
+    assert router.choose() == ("a", "addr-a")  # the probe
+    ban = router.report_failure("a")
+    assert "a" not in picks(router, 20)
+    clock.advance(ban)
+    # unmeasured again: rotates at b's weight, so it comes back within two choices
+    assert "a" in picks(router, 2)
+
+
+def test_all_banned_returns_none_and_next_unban_in_is_the_shortest_ban() -> None:
+    router, clock = make_router(ban_base_s=4.0, ban_max_s=100.0)
+    assert router.next_unban_in() is None
+    router.report_failure("a")
+    router.report_failure("a")  # second in a row: ~8 s
+    ban_b = router.report_failure("b")  # ~4 s
+    assert router.choose() is None
+    assert router.usable_count == 0
+    assert router.next_unban_in() == pytest.approx(ban_b)
+    clock.advance(1.0)
+    assert router.next_unban_in() == pytest.approx(ban_b - 1.0)
+    clock.advance(router.next_unban_in() or 0.0)
+    assert router.choose() == ("b", "addr-b")
+    assert router.usable_count == 1
+
+
+def test_no_peers_at_all() -> None:
+    router, _ = make_router({})
+    assert router.choose() is None
+    assert router.next_unban_in() is None
+    assert router.usable_count == 0
+    assert router.snapshot() == []
+
+
+# ---- membership ----------------------------------------------------------------------------
+
+
+def test_update_peers_forgets_vanished_adds_new_keeps_known_stats() -> None:
+    router, _ = make_router({"a": "1", "b": "2"})
+    router.report_success("a", 42, 1.0)
+    ban = router.report_failure("b")
+    router.update_peers({"a": "1-new", "b": "2", "c": "3"})
+    assert router.stats("a").throughput == pytest.approx(42.0)
+    assert router.stats("a").addr == "1-new"
+    assert router.snapshot()[1]["banned_for_s"] == pytest.approx(ban)
+    router.update_peers({"a": "1-new", "c": "3"})
+    assert "b" not in router and len(router) == 2
+    assert [s["id"] for s in router.snapshot()] == ["a", "c"]
+    assert router.choose() == ("c", "3")  # newcomer probed
+    assert router.choose() == ("a", "1-new")
+    # a vanished peer that comes back starts afresh: no stats, no ban
+    router.update_peers({"a": "1-new", "b": "2", "c": "3"})
+    assert router.stats("b").failures == 0 and router.usable_count == 3
+
+
+def test_reports_about_unknown_peers_are_ignored() -> None:
+    router, _ = make_router()
+    router.report_success("ghost", 1, 1.0)
+    assert router.report_failure("ghost") == 0.0
+    router.begin("ghost")
+    router.release("ghost")
+    assert len(router) == 2
+
+
+def test_exclude_retries_on_another_peer_of_the_stage() -> None:
+    router, _ = make_router({"a": "1", "b": "2", "c": "3"})
+    for p in "abc":
+        router.report_success(p, 10, 1.0)
+    first = router.choose()
+    assert first is not None
+    router.report_failure(first[0])
+    retry = router.choose(exclude={first[0]})
+    assert retry is not None and retry[0] != first[0]
+    assert router.choose(exclude=["a", "b", "c"]) is None
+    assert router.next_unban_in() is not None
+
+
+# ---- in-flight accounting ------------------------------------------------------------------
+
+
+def test_in_flight_accounting_and_cap() -> None:
+    router, _ = make_router(max_in_flight=2)
+    router.report_success("a", 100, 1.0)
+    router.report_success("b", 1, 1.0)
+    for _ in range(2):
+        router.begin("a")
+    assert router.stats("a").in_flight == 2
+    assert set(picks(router, 5)) == {"b"}  # a is saturated despite its weight
+    router.report_success("a", 100, 1.0)
+    assert router.stats("a").in_flight == 1
+    assert router.choose() == ("a", "addr-a")
+    router.report_failure("a")
+    router.release("a")
+    router.release("a")  # never below zero
+    assert router.stats("a").in_flight == 0
+    snap = {s["id"]: s for s in router.snapshot()}
+    assert snap["a"]["in_flight"] == 0 and snap["a"]["failures"] == 1
+
+
+def test_snapshot_fields() -> None:
+    router, clock = make_router()
+    router.report_success("a", 20, 2.0)
+    router.report_failure("b")
+    snap = router.snapshot()
+    assert [s["id"] for s in snap] == ["a", "b"]
+    a, b = snap
+    assert a == {
+        "id": "a",
+        "addr": "addr-a",
+        "throughput": pytest.approx(10.0),
+        "measured": True,
+        "weight": pytest.approx(10.0),
+        "in_flight": 0,
+        "banned_for_s": 0.0,
+        "successes": 1,
+        "failures": 0,
+        "consecutive_failures": 0,
+    }
+    assert b["banned_for_s"] > 0 and not b["measured"] and b["weight"] == pytest.approx(10.0)
+    clock.advance(100.0)
+    assert router.snapshot()[1]["banned_for_s"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"alpha": 0.0},
+        {"alpha": 1.5},
+        {"ban_base_s": 0.0},
+        {"ban_base_s": 10.0, "ban_max_s": 5.0},
+        {"explore_weight": 0.0},
+        {"min_share": -0.1},
+        {"max_in_flight": 0},
+    ],
+)
+def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        StageRouter(0, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("samples, seconds", [(-1, 1.0), (1, -1.0), (1, math.nan), (1, math.inf)])
+def test_bad_measurements_are_refused(samples: int, seconds: float) -> None:
+    router, _ = make_router()
+    with pytest.raises(ValueError):
+        router.report_success("a", samples, seconds)
+
+
+# ---- properties ----------------------------------------------------------------------------
+
+PEER_IDS = ["p0", "p1", "p2", "p3", "p4"]
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("choose"), st.sets(st.sampled_from(PEER_IDS), max_size=3)),
+        st.tuples(st.just("success"), st.sampled_from(PEER_IDS), st.integers(0, 64), st.floats(0.0, 5.0)),
+        st.tuples(st.just("failure"), st.sampled_from(PEER_IDS)),
+        st.tuples(st.just("advance"), st.floats(0.0, 30.0)),
+        st.tuples(st.just("view"), st.dictionaries(st.sampled_from(PEER_IDS), st.sampled_from(["x", "y"]))),
+        st.tuples(st.just("begin"), st.sampled_from(PEER_IDS)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=operations, cap=st.one_of(st.none(), st.integers(1, 3)))
+def test_choose_never_returns_banned_excluded_saturated_or_unknown_peers(
+    ops: list[tuple[Any, ...]], cap: int | None
+) -> None:
+    clock = FakeClock()
+    router = StageRouter(0, clock=clock, rng=random.Random(0), max_in_flight=cap)
+    view: dict[str, str] = {}
+    for op in ops:
+        kind = op[0]
+        if kind == "choose":
+            exclude = op[1]
+            before = {s["id"]: s for s in router.snapshot()}
+            choice = router.choose(exclude)
+            usable = [
+                pid
+                for pid, s in before.items()
+                if s["banned_for_s"] == 0.0 and pid not in exclude and (cap is None or s["in_flight"] < cap)
+            ]
+            if choice is None:
+                assert not usable
+                if not exclude and cap is None and before:
+                    assert router.next_unban_in() is not None
+            else:
+                assert choice[0] in usable
+                assert choice == (choice[0], view[choice[0]])
+        elif kind == "success":
+            router.report_success(op[1], op[2], op[3])
+        elif kind == "failure":
+            ban = router.report_failure(op[1])
+            if op[1] in view:
+                assert 0.0 < ban <= router.ban_max_s
+            else:
+                assert ban == 0.0  # a peer outside the view is not tracked
+        elif kind == "advance":
+            clock.advance(op[1])
+        elif kind == "view":
+            view = dict(op[1])
+            router.update_peers(view)
+            assert sorted(s["id"] for s in router.snapshot()) == sorted(view)
+        else:
+            router.begin(op[1])
+        assert router.usable_count == sum(1 for s in router.snapshot() if s["banned_for_s"] == 0.0)
+        assert all(s["weight"] > 0.0 for s in router.snapshot())
+
+
+@settings(max_examples=100, deadline=None)
+@given(rates=st.lists(st.integers(1, 20), min_size=1, max_size=5), rounds=st.integers(1, 5))
+def test_proportions_hold_at_every_point_not_just_per_round(rates: list[int], rounds: int) -> None:
+    peers = {f"p{i}": f"addr{i}" for i in range(len(rates))}
+    router, _ = make_router(peers, min_share=0.0)
+    for i, rate in enumerate(rates):
+        router.report_success(f"p{i}", rate, 1.0)
+    total = sum(rates)
+    counts = Counter[str]()
+    for n in range(1, rounds * total + 1):
+        choice = router.choose()
+        assert choice is not None
+        counts[choice[0]] += 1
+        # interleaving: after any number of choices each peer is within about one pick of its
+        # exact share (a burst AAAB would put B a whole share behind); smooth WRR stays
+        # within 1 here, the slack covers float rounding in the EMA weights
+        for i, rate in enumerate(rates):
+            assert abs(counts[f"p{i}"] - n * rate / total) <= 1.5
+    for i, rate in enumerate(rates):
+        assert abs(counts[f"p{i}"] - rounds * rate) <= 1  # exact over whole rounds
