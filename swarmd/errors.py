@@ -16,8 +16,15 @@
      │                                                                              (HTTP 409)
      ├── UnsupportedMediaType a data-plane body that is not application/x-msgpack   (HTTP 415)
      ├── RequestTimeout       a request body that did not arrive in time            (HTTP 408)
+     ├── StepMismatch         the request was computed at another optimizer step   (HTTP 409)
+     │    ├── StaleStep          older than the peer's: the gradient would mix steps; redo it
+     │    └── PeerBehind         newer than the peer's: this peer missed a step and resyncs
+     ├── Busy                 the stage is averaging or syncing right now; retry shortly (HTTP 503)
      ├── PeerError            (client side) a peer answered with an error or not at all;
      │                        carries the HTTP status (0 when unreachable)
+     ├── StateTransferError   (client side) a stage's state could not be downloaded from a
+     │                        peer: refused, unreachable, timed out, or a corrupt, truncated
+     │                        or oversized stream; carries the URL and HTTP status  (HTTP 502)
      └── DHTError             the DHT membership layer (``swarmd.dht``): a node used while
           │                   not running, a UDP port that cannot be bound
           ├── BootstrapError     none of the bootstrap addresses answered before the deadline
@@ -168,3 +175,40 @@ class RecordExpired(RecordError):
     """The record's absolute expiry time is in the past."""
 
     reason = "expired"
+
+
+class StepMismatch(SwarmdError):
+    """A request computed at another optimizer step than the one this peer is at."""
+
+    http_status = 409
+
+
+class StaleStep(StepMismatch):
+    """The request's step is older than the peer's: its gradient is dropped, never mixed in."""
+
+
+class PeerBehind(StepMismatch):
+    """The request's step is newer than the peer's: this peer missed a step and must resync."""
+
+
+class Busy(SwarmdError):
+    """The stage is in the middle of an all-reduce (or a state download); retry shortly."""
+
+    http_status = 503
+
+
+class StateTransferError(SwarmdError):
+    """Client side: downloading a stage's state from ``url`` failed; try another neighbour.
+
+    ``status`` is the HTTP status when the peer refused the download (404, 503, ...) and 0 when
+    there was no refusal to report: unreachable, timed out, or a stream that was corrupt,
+    truncated, oversized or rejected by the caller's header check. Never a partial state.
+    """
+
+    http_status = 502
+
+    def __init__(self, message: str, *, url: str = "", status: int = 0) -> None:
+        super().__init__(f"state download from {url} failed: {message}" if url else message)
+        self.url = url
+        self.status = status
+        self.message = message
