@@ -70,14 +70,21 @@ def _addr(text: str) -> tuple[str, int]:
     return host, value
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
-    return value
+def _positive_number(what: str):  # -> Callable[[str], float]
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} must be a positive {what.removeprefix('a ')}")
+        return value
+
+    return parse
+
+
+_seconds = _positive_number("a number of seconds")
+_rate = _positive_number("a learning rate")
 
 
 def default_state_dir() -> Path:
@@ -106,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="swarmd",
         description="Serve one pipeline stage of a model in a SWARM-parallel training swarm.",
-        epilog="Example: swarmd --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status",
+        epilog="Example: swarmd --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status. "
+        "Also: 'swarmd train --help' (a trainer) and 'swarmd demo --help' (a local demo swarm).",
     )
     p.add_argument("--version", action="version", version=f"swarmd {__version__}")
     p.add_argument(
@@ -132,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         "tiny, a joiner serves the swarm's model and refuses a --model that differs",
     )
     p.add_argument("--swarm", default="default", help="name of the swarm to serve in (default: default)")
+    founding = p.add_argument_group("training settings (a founder publishes them; joiners take the swarm's)")
+    founding.add_argument("--target-batch-size", type=_positive, default=None,
+                          help="samples per optimizer step over the whole swarm (default: 32)")
+    founding.add_argument("--lr", type=_rate, default=None, metavar="RATE",
+                          help="peak learning rate (default: 1e-3)")
+    founding.add_argument("--optimizer", choices=("adamw", "lamb"), default=None, help="(default: adamw)")
+    founding.add_argument("--warmup-steps", type=_non_negative, default=None, help="(default: 10)")
+    founding.add_argument("--averaging-timeout", type=_seconds, default=None, metavar="SECONDS",
+                          help="a stage's all-reduce stops waiting for missing peers after this (default: 30)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
     p.add_argument("--api-host", default="127.0.0.1", help="control-plane listen address (default: 127.0.0.1)")
@@ -206,7 +223,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
     from swarmd.pipeline.spec import load_spec
 
+    from swarmd.pipeline.optimizer import TrainingSpec
+
     spec = load_spec(args.model) if args.model is not None else None
+    given = {
+        "target_batch_size": args.target_batch_size,
+        "lr": args.lr,
+        "optimizer": args.optimizer,
+        "warmup_steps": args.warmup_steps,
+        "averaging_timeout_s": args.averaging_timeout,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    training = TrainingSpec(**given) if given else None
     if spec is not None and args.stage is not None and args.stage >= spec.n_stages:
         raise ConfigError(f"--stage {args.stage} is out of range: model {spec.name} has stages 0..{spec.n_stages - 1}")
     if not args.drain_timeout >= 0:
@@ -223,7 +251,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             bootstrap_timeout_s=args.bootstrap_timeout,
             state_dir=args.state_dir or default_state_dir(),
         ),
-        pipeline=PipelineConfig(spec=spec, stage=args.stage, device=resolve_device(args.device), threads=args.threads),
+        pipeline=PipelineConfig(
+            spec=spec, stage=args.stage, training=training, device=resolve_device(args.device), threads=args.threads
+        ),
     )
 
 
@@ -256,6 +286,15 @@ def _write_ready_file(path: Path, status: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        from swarmd.train.cli import main as train_main
+
+        return train_main(argv[1:], _Parser)
+    if argv[:1] == ["demo"]:
+        from swarmd.demo import main as demo_main
+
+        return demo_main(argv[1:], _Parser)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmd.net.wire import DEFAULT_LIMITS, WireLimits
+from swarmd.pipeline.optimizer import TrainingSpec
 from swarmd.pipeline.spec import ModelSpec
 
 DEFAULT_API_PORT = 8080
@@ -56,6 +57,7 @@ class PipelineConfig:
 
     spec: ModelSpec | None = None  # None: read the swarm's spec from the DHT (joiners)
     stage: int | None = None  # None: --stage auto, the stage that needs this peer most
+    training: TrainingSpec | None = None  # a founder's settings (None: defaults); joiners take the swarm's
     device: str = "cpu"  # already resolved: "cpu", "cuda" or "cuda:N"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_batch_tokens: int = 1 << 16  # B*T above this is refused with 413 (keeps one request from OOMing a peer)

@@ -9,7 +9,10 @@ half-started peer; hivemind #634 announced before its DHT was up):
    record (and refuses an explicit ``--model`` that disagrees);
 3. pick the stage (``--stage auto``: the one with the lowest total throughput);
 4. build the stage off the loop, start the data plane and the control plane;
-5. announce ``joining``, then ``serving``; set ``ready``; re-announce every announce period.
+5. announce ``joining``; download the stage's state (parameters, optimizer state, step) from
+   a live stage-mate when there is one, trying the next on failure, and check its digest;
+6. announce ``serving``; set ``ready``; re-announce every announce period and take part in
+   the stage's averaging rounds (``swarmd.pipeline.averaging``).
 
 Shutdown (SIGTERM/SIGINT via the CLI, or ``request_stop``), in this order:
 
@@ -35,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import aiohttp
 import uvicorn
 
 from swarmd import __version__
@@ -47,7 +51,10 @@ from swarmd.dht.records import PeerRecord
 from swarmd.errors import ConfigError, SwarmdError
 from swarmd.net import codecs
 from swarmd.net.server import DataPlane
+from swarmd.net.state_transfer import download_state
+from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.optimizer import TrainingSpec
 from swarmd.pipeline.rebalance import StageLoad, choose_stage
 from swarmd.pipeline.spec import PRESETS, ModelSpec
 
@@ -119,19 +126,24 @@ class Daemon:
         self.dht: DHTNode | None = None
         self.membership: Membership | None = None
         self.spec: ModelSpec | None = None  # known once the swarm is resolved
-        self.training: dict[str, Any] = {}
+        self.training: TrainingSpec = config.pipeline.training or TrainingSpec()
         self.stage: int | None = None  # known once a stage is chosen
         self.founder = not config.dht.join
         self.executor: StageExecutor | None = None
         self.data_plane: DataPlane | None = None
         self.api_addr: tuple[str, int] | None = None
         self.announcements = 0  # successful record publications, for /status and tests
+        self.averager: StageAverager | None = None
+        self.synced_from: str | None = None  # the stage-mate whose state this peer adopted last
+        self._session: aiohttp.ClientSession | None = None
+        self._averager_task: asyncio.Task[None] | None = None
+        self._mates_cache: tuple[float, dict[str, str]] | None = None
+        self._sync_lock = asyncio.Lock()
         self._api_server: _EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
         self._announce_task: asyncio.Task[None] | None = None
         self._state_lock: IO[str] | None = None
-        self._digest_cache: tuple[int, str] | None = None
         self._stop = asyncio.Event()
         self._started_at = time.monotonic()
         self._shutdown_done = False
@@ -155,9 +167,11 @@ class Daemon:
                 self.spec,
                 self.stage,
                 pipe.device,
+                training=self.training,
                 max_batch_tokens=pipe.max_batch_tokens,
                 threads=pipe.threads,
             )
+            self._session = aiohttp.ClientSession()
             self.data_plane = DataPlane(self.executor, limits=cfg.net.limits, read_timeout_s=cfg.net.read_timeout_s)
             data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
             log.info("data plane listening on http://%s", format_addr(data_addr))
@@ -165,13 +179,22 @@ class Daemon:
             log.info("control plane listening on http://%s (docs at /docs)", format_addr(self.api_addr))
             self.state = "joining"
             await self._announce()
-            # (issue #4: download the stage's state from a live neighbour here, before serving)
+            await self._sync_state(min_step=0, required=False)
             self.state = "serving"
             await self._announce()
         except BaseException:
             await self.shutdown()
             raise
         self._announce_task = asyncio.create_task(self._announce_loop(), name="swarmd-announce")
+        self.averager = StageAverager(
+            self.executor,
+            peer_id=self.identity.peer_id,
+            stage_peers=self._stage_mates,
+            session=self._session,
+            on_behind=lambda step: self._sync_state(min_step=step, required=False),
+        )
+        self.data_plane.averager = self.averager
+        self._averager_task = asyncio.create_task(self.averager.run(), name="swarmd-averager")
         self.ready.set()
         log.info(
             "serving stage %d/%d of model %s (%s) in swarm %r as peer %s",
@@ -197,23 +220,25 @@ class Daemon:
                  verb, format_addr(self.dht.address), format_addr(self.dht.address))
         self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s)
 
-    async def _resolve_swarm(self) -> tuple[ModelSpec, dict[str, Any]]:
+    async def _resolve_swarm(self) -> tuple[ModelSpec, TrainingSpec]:
         """A founder publishes its model; a joiner takes the swarm's and checks ``--model``."""
         assert self.membership is not None
         asked = self.config.pipeline.spec
         if self.founder:
             spec = asked or PRESETS["tiny"]
-            await self.membership.publish_swarm(spec, self.training)
-            return spec, dict(self.training)
+            await self.membership.publish_swarm(spec, self.training.to_dict())
+            return spec, self.training
         info = await self.membership.wait_for_swarm(self.config.dht.bootstrap_timeout_s)
         if asked is not None and asked.digest != info.spec.digest:
             raise ConfigError(
                 f"--model {asked.name} ({asked.digest[:12]}) is not the model of swarm {self.config.swarm!r}, "
                 f"which trains {info.spec.name} ({info.spec.digest[:12]}); omit --model to serve the swarm's model"
             )
+        if self.config.pipeline.training is not None:
+            log.warning("training settings come from the swarm; the ones given on this joiner are ignored")
         log.info("swarm %r trains model %s (%s), published by %d peer(s)",
                  self.config.swarm, info.spec.name, info.spec.digest[:12], info.publishers)
-        return info.spec, info.training
+        return info.spec, TrainingSpec.from_dict(info.training)
 
     async def _resolve_stage(self, spec: ModelSpec) -> int:
         asked = self.config.pipeline.stage
@@ -236,15 +261,11 @@ class Daemon:
 
     # ---- announcements ---------------------------------------------------------------------
 
-    async def _peer_record(self) -> PeerRecord:
+    def _peer_record(self) -> PeerRecord:
         assert self.identity is not None and self.stage is not None
         ex = self.executor
         step = ex.step if ex else 0
-        digest = None
-        if ex is not None:
-            if self._digest_cache is None or self._digest_cache[0] != step:
-                self._digest_cache = (step, await ex.params_digest())
-            digest = self._digest_cache[1]
+        digest = ex.digest if ex else None
         now = time.time()
         return PeerRecord(
             peer_id=self.identity.peer_id,
@@ -263,7 +284,7 @@ class Daemon:
 
     async def _announce(self) -> None:
         assert self.membership is not None
-        accepted = await self.membership.announce(await self._peer_record())
+        accepted = await self.membership.announce(self._peer_record())
         self.announcements += 1
         log.debug("announced %s on stage %s to %d DHT node(s)", self.state, self.stage, accepted)
 
@@ -275,9 +296,78 @@ class Daemon:
             await asyncio.sleep(period * random.uniform(0.9, 1.1))  # jitter: peers don't sync up
             try:
                 await self._announce()
-                await self.membership.publish_swarm(self.spec, self.training)
+                await self.membership.publish_swarm(self.spec, self.training.to_dict())
             except SwarmdError as exc:
                 log.warning("could not refresh this peer's DHT records: %s", exc)
+
+    async def _stage_mates(self, max_age_s: float = 1.0) -> dict[str, str]:
+        """Serving peers of this stage (peer_id -> data_addr), this one included, cached briefly."""
+        assert self.dht is not None and self.stage is not None
+        now = time.monotonic()
+        if self._mates_cache is None or now - self._mates_cache[0] > max_age_s:
+            records = await self.dht.get_stage_peers(self.config.swarm, self.stage)
+            mates = {pid: r.data_addr for pid, r in records.items() if r.state == "serving"}
+            self._mates_cache = (now, mates)
+        return dict(self._mates_cache[1])
+
+    async def _sync_state(self, *, min_step: int, required: bool) -> bool:
+        """Adopt the state of a live stage-mate at step >= ``min_step``; the next one on failure.
+
+        Once a swarm has stepped nobody may serve fresh parameters, so a joiner downloads
+        whenever its stage has a serving peer; a peer that fell behind resyncs the same way.
+        """
+        assert self.dht is not None and self.executor is not None and self._session is not None
+        async with self._sync_lock:
+            if self.executor.step >= min_step > 0:
+                return True  # another sync got there first
+            records = await self.dht.get_stage_peers(self.config.swarm, self.stage)
+            donors = [r for pid, r in records.items() if pid != self.peer_id and r.state == "serving"
+                      and r.step >= min_step]
+            if not donors:
+                if required:
+                    raise SwarmdError(f"no serving peer of stage {self.stage} to download its state from")
+                return False
+            # spread joiners over donors (hivemind #169): newest step first, random among equals
+            random.shuffle(donors)
+            donors.sort(key=lambda r: -r.step)
+            spec = self.spec
+            assert spec is not None
+            for donor in donors:
+                url = f"http://{donor.data_addr}/v1/state"
+
+                def expected(meta: dict[str, Any]) -> None:
+                    if meta.get("stage") != self.stage or meta.get("model") != spec.digest:
+                        raise SwarmdError(f"{url} serves another stage or model")
+
+                started = time.monotonic()
+                try:
+                    snapshot = await download_state(self._session, url, expected=expected)
+                    await self.executor.load_state(snapshot.meta, snapshot.tensors)
+                    digest = await self.executor.params_digest()
+                except SwarmdError as exc:
+                    log.warning("state download from %s failed: %s; trying the next stage-mate", donor.peer_id[:12], exc)
+                    continue
+                if digest != snapshot.meta.get("params_digest"):
+                    log.warning("state from %s does not match its digest; trying the next stage-mate", donor.peer_id[:12])
+                    continue
+                self.synced_from = donor.peer_id
+                log.info("adopted the state of stage %d at step %d from %s in %.2fs (params %s)",
+                         self.stage, self.executor.step, donor.peer_id[:12], time.monotonic() - started, digest[:12])
+                return True
+            if required:
+                raise SwarmdError(f"could not download the state of stage {self.stage} from any of {len(donors)} peers")
+            log.error("could not download the state of stage %d from any of %d peers", self.stage, len(donors))
+            return False
+
+    def welcome(self) -> dict[str, Any]:
+        """What a registering trainer needs: the swarm, its model and training settings."""
+        assert self.spec is not None
+        return {
+            "swarm": self.config.swarm,
+            "model": {"name": self.spec.name, "digest": self.spec.digest, "spec": self.spec.to_dict()},
+            "training": self.training.to_dict(),
+            "step": self.executor.step if self.executor else 0,
+        }
 
     async def swarm_view(self) -> dict[str, Any]:
         """The swarm as the DHT shows it now: model, every stage's live peers, DHT health."""
@@ -287,7 +377,7 @@ class Daemon:
         return {
             "swarm": self.config.swarm,
             "model": {"name": self.spec.name, "digest": self.spec.digest, "spec": self.spec.to_dict()},
-            "training": self.training,
+            "training": self.training.to_dict(),
             "stages": [
                 {
                     "stage": stage,
@@ -315,6 +405,7 @@ class Daemon:
 
     async def _start_api(self) -> None:
         sock = bind_socket(self.config.api.host, self.config.api.port)
+        self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
         config = uvicorn.Config(
             create_app(self),
@@ -326,7 +417,6 @@ class Daemon:
         )
         self._api_server = _EmbeddedUvicorn(config)
         self._api_task = asyncio.create_task(self._api_server.serve(sockets=[sock]), name="swarmd-api")
-        self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         while not self._api_server.started:
             if self._api_task.done():
                 self._api_task.result()  # re-raise why it failed
@@ -354,9 +444,12 @@ class Daemon:
         was_serving = self.state == "serving"
         self.state = "draining"
         self.ready.clear()
-        if self._announce_task is not None:
-            self._announce_task.cancel()
-            await asyncio.gather(self._announce_task, return_exceptions=True)
+        for task in (self._announce_task, self._averager_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self.averager is not None:
+            await self.averager.close()
         if was_serving:
             try:  # tell trainers and peers at once rather than letting the record expire
                 await asyncio.wait_for(self._announce(), 3.0)
@@ -367,6 +460,8 @@ class Daemon:
             await self.data_plane.close()
         if self.executor is not None:
             await self.executor.close()
+        if self._session is not None:
+            await self._session.close()
         if self._api_server is not None and self._api_task is not None:
             self._api_server.should_exit = True
             try:
@@ -411,6 +506,14 @@ class Daemon:
             "in_flight": dp.in_flight if dp else 0,
             "throughput": ex.throughput if ex else 0.0,
             "grad_samples": ex.grad_samples if ex else 0,
+            "stale_dropped": ex.stale_dropped if ex else 0,
+            "params_digest": ex.digest if ex else None,
+            "averaging": {
+                "rounds_ok": self.averager.rounds_ok,
+                "rounds_aborted": self.averager.rounds_aborted,
+                "last_round": self.averager.last_round,
+            } if self.averager else None,
+            "synced_from": self.synced_from,
             "served": dict(dp.served) if dp else {},
             "data_addr": self.data_addr,
             "api_addr": format_addr(self.api_addr),

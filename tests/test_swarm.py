@@ -123,3 +123,34 @@ def test_identity_persists_and_a_state_dir_serves_one_daemon(spawn, tmp_path) ->
     assert again.wait_ready()["peer_id"] == first_id
     again.proc.send_signal(signal.SIGTERM)
     assert again.proc.wait(30) == 0
+
+
+async def test_training_survives_a_sigkilled_peer(spawn) -> None:
+    from swarmd.train.trainer import Trainer, TrainerConfig
+
+    founder = spawn("--model", "tiny", "--stage", "0", "--announce-period", PERIOD, "--target-batch-size", "16",
+                    "--averaging-timeout", "5")
+    info = founder.wait_ready()
+    others = [spawn("--join", info["dht_addr"], "--stage", str(i % 2), "--announce-period", PERIOD)
+              for i in range(1, 4)]
+    for d in others:
+        d.wait_ready()
+    victim = others[-1]  # a stage-1 peer
+    killed: list[int] = []
+
+    def on_step(step: int, loss: float, info: dict) -> None:
+        if step == 3 and not killed:
+            victim.proc.kill()
+            killed.append(step)
+
+    trainer = Trainer(TrainerConfig(api=founder.api, steps=10, sync=True, microbatch_size=4, val_every=0,
+                                    max_corpus_bytes=1 << 20, stage_wait_timeout_s=60), on_step=on_step)
+    summary = await trainer.run()
+    assert killed and summary.steps == 10
+    assert summary.microbatches_issued == summary.microbatches_completed  # nothing lost
+    assert summary.step_losses[-1] < summary.step_losses[0]
+    survivors = [d for d in (founder, *others) if d is not victim]
+    statuses = [httpx.get(f"{d.api}/status").json() for d in survivors]
+    for stage in (0, 1):
+        at = {(s["step"], s["params_digest"]) for s in statuses if s["stage"] == stage}
+        assert len(at) == 1, at  # the stage's survivors agree

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from swarmd import __version__
+from swarmd.api.trainers import TrainerRegistry
 
 
 class ModelInfo(BaseModel):
@@ -33,6 +34,12 @@ class Status(BaseModel):
     in_flight: int = Field(description="data-plane requests being served")
     throughput: float = Field(description="samples/s for forward+backward (bias-corrected EMA, alpha 0.1)")
     grad_samples: int = Field(description="samples whose gradients are accumulated since the last step")
+    stale_dropped: int = Field(description="backwards refused because their forward ran at an older step")
+    params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
+    averaging: dict[str, Any] | None = Field(
+        description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round"
+    )
+    synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
     served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
     data_addr: str | None = Field(description="host:port of the aiohttp data plane")
     api_addr: str | None = Field(description="host:port of this control plane")
@@ -75,6 +82,26 @@ class SwarmView(BaseModel):
     dht: dict[str, Any] = Field(description="DHT health: routing_table_size, rejected records, dropped datagrams")
 
 
+class TrainerRequest(BaseModel):
+    name: str = Field(default="trainer", max_length=64, description="a label shown in GET /trainers")
+
+
+class TrainerWelcome(BaseModel):
+    trainer_id: str = Field(description="send heartbeats to POST /trainers/{trainer_id}/heartbeat")
+    ttl_s: float = Field(description="the registration expires after this long without a heartbeat")
+    swarm: str
+    model: SwarmModel
+    training: dict[str, Any] = Field(description="the swarm's TrainingSpec (target_batch_size, optimizer, ...)")
+    step: int = Field(description="the optimizer step of the stage this daemon serves")
+
+
+class TrainerInfo(BaseModel):
+    trainer_id: str
+    name: str
+    registered_at: float = Field(description="unix time")
+    last_seen_s: float = Field(description="seconds since its last heartbeat")
+
+
 class Health(BaseModel):
     ok: bool
     state: str
@@ -90,8 +117,11 @@ class DaemonView(Protocol):
 
     async def swarm_view(self) -> dict[str, Any]: ...
 
+    def welcome(self) -> dict[str, Any]: ...
 
-def create_app(daemon: DaemonView) -> FastAPI:
+
+def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None) -> FastAPI:
+    registry = trainers or TrainerRegistry()
     app = FastAPI(
         title="swarmd control plane",
         version=__version__,
@@ -107,6 +137,31 @@ def create_app(daemon: DaemonView) -> FastAPI:
         if daemon.state not in ("joining", "serving", "migrating"):
             return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
         return await daemon.swarm_view()
+
+    @app.post("/trainers", response_model=TrainerWelcome, status_code=201,
+              summary="Register a trainer; returns its id, the swarm's model, training settings and step",
+              responses={503: {"description": "not serving yet, or too many trainers"}})
+    async def register_trainer(body: TrainerRequest | None = None) -> Any:
+        if daemon.state != "serving":
+            return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
+        reg = registry.register((body or TrainerRequest()).name)
+        if reg is None:
+            return JSONResponse({"error": "TooManyTrainers", "message": "the registry is full; retry later"},
+                                status_code=503)
+        return {"trainer_id": reg.trainer_id, "ttl_s": registry.ttl_s, **daemon.welcome()}
+
+    @app.get("/trainers", response_model=list[TrainerInfo], summary="Trainers registered here, with last-seen times")
+    async def list_trainers() -> Any:
+        return registry.live()
+
+    @app.post("/trainers/{trainer_id}/heartbeat", status_code=204, response_model=None,
+              summary="Keep a registration alive",
+              responses={404: {"description": "unknown or expired registration: register again"}})
+    async def heartbeat(trainer_id: str) -> Response:
+        if not registry.heartbeat(trainer_id):
+            return JSONResponse({"error": "UnknownTrainer", "message": "unknown or expired trainer id; register again"},
+                                status_code=404)
+        return Response(status_code=204)
 
     @app.get(
         "/healthz",

@@ -68,13 +68,15 @@ class DataPlaneClient:
         *,
         codec: str = "none",
         model: str | None = None,
+        step: int | None = None,
     ) -> StageReply:
+        """``step``: the step this stage's forward reported for the microbatch (None: no check)."""
         tensors = {"inputs": inputs}
         if grad_outputs is not None:
             tensors["grad_outputs"] = grad_outputs
         if targets is not None:
             tensors["targets"] = targets
-        return await self._call(addr, "backward", stage, tensors, codec, model)
+        return await self._call(addr, "backward", stage, tensors, codec, model, step)
 
     async def info(self, addr: str) -> dict[str, Any]:
         try:
@@ -86,11 +88,20 @@ class DataPlaneClient:
             raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc
 
     async def _call(
-        self, addr: str, kind: str, stage: int, tensors: dict[str, torch.Tensor], codec: str, model: str | None
+        self,
+        addr: str,
+        kind: str,
+        stage: int,
+        tensors: dict[str, torch.Tensor],
+        codec: str,
+        model: str | None,
+        step: int | None = None,
     ) -> StageReply:
         meta: dict[str, Any] = {"stage": stage, "codec": codec}
         if model is not None:
             meta["model"] = model
+        if step is not None:
+            meta["step"] = step
         body = encode_frame(kind, meta, tensors, codec=codec)
         try:
             async with self._require_session().post(

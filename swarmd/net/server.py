@@ -7,6 +7,14 @@ Endpoints (all bodies ``application/x-msgpack`` frames, see ``swarmd.net.wire``)
 - ``POST /v1/backward`` meta as above, tensors ``inputs`` + ``grad_outputs`` (the last stage:
   ``inputs`` + ``targets``) → ``grad_inputs`` (none on stage 0) and meta ``loss``/``samples``.
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
+- ``GET /v1/progress``  JSON: step and samples held, for the stage's averaging rounds.
+- ``POST /v1/average``  a stage-mate's gradient contribution; answered with the round's mean
+  (``swarmd.pipeline.averaging``).
+- ``GET /v1/state``     a consistent snapshot of the stage (parameters, optimizer state, step),
+  streamed in checksummed chunks for a joining peer (``swarmd.net.state_transfer``).
+
+Every reply's ``meta.step`` is the optimizer step the stage's parameters were at when the
+request was computed; a backward sends back, as ``meta.step``, the step its forward reported.
 
 ``meta.codec`` picks the codec of the reply's float tensors (default ``none``); ``meta.model``,
 when sent, must equal this peer's spec digest. Errors are JSON ``{"error", "message"}`` with the
@@ -28,6 +36,7 @@ import torch
 from aiohttp import web
 
 from swarmd.errors import (
+    Busy,
     LimitExceeded,
     RequestError,
     RequestTimeout,
@@ -36,7 +45,9 @@ from swarmd.errors import (
     WrongStage,
 )
 from swarmd.net.codecs import CODECS
+from swarmd.net.state_transfer import StateSnapshot, stream_state
 from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, WireLimits, decode_frame, encode_frame
+from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
 
 log = logging.getLogger(__name__)
@@ -74,6 +85,10 @@ class DataPlane:
         self.app.router.add_post("/v1/forward", self._forward)
         self.app.router.add_post("/v1/backward", self._backward)
         self.app.router.add_get("/v1/info", self._info)
+        self.app.router.add_get("/v1/progress", self._progress)
+        self.app.router.add_post("/v1/average", self._average)
+        self.app.router.add_get("/v1/state", self._state)
+        self.averager: StageAverager | None = None  # set by the daemon once it takes part in rounds
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -169,7 +184,7 @@ class DataPlane:
         return await asyncio.get_running_loop().run_in_executor(self._codec_pool, fn, *args)
 
     async def _reply(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor], codec: str) -> web.Response:
-        meta = {"stage": self.executor.stage, "step": self.executor.step, **meta}
+        meta = {"stage": self.executor.stage, **meta}
         body = await self._in_pool(encode_frame, kind, meta, tensors, codec)
         return web.Response(body=body, content_type=CONTENT_TYPE)
 
@@ -179,19 +194,25 @@ class DataPlane:
         frame = await self._read_frame(request, "forward")
         inputs = _required(frame.tensors, "inputs")
         targets = frame.tensors.get("targets")
-        out = await self.executor.forward(inputs, targets)
+        result = await self.executor.forward(inputs, targets)
         self.served["forward"] += 1
         codec = frame.meta.get("codec", "none")
+        out = result.outputs
         if targets is not None:
-            return await self._reply("forward_result", {"loss": float(out)}, {"loss": out}, codec)
-        return await self._reply("forward_result", {}, {"outputs": out}, codec)
+            return await self._reply("forward_result", {"step": result.step, "loss": float(out)}, {"loss": out}, codec)
+        return await self._reply("forward_result", {"step": result.step}, {"outputs": out}, codec)
 
     async def _backward(self, request: web.Request) -> web.Response:
         frame = await self._read_frame(request, "backward")
         inputs = _required(frame.tensors, "inputs")
-        result = await self.executor.backward(inputs, frame.tensors.get("grad_outputs"), frame.tensors.get("targets"))
+        step = frame.meta.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise RequestError(f"meta.step must be a non-negative integer (the step the forward reported), got {step!r}")
+        result = await self.executor.backward(
+            inputs, frame.tensors.get("grad_outputs"), frame.tensors.get("targets"), step=step
+        )
         self.served["backward"] += 1
-        meta: dict[str, Any] = {"samples": result.samples, "accumulated": self.executor.grad_samples}
+        meta: dict[str, Any] = {"step": result.step, "samples": result.samples, "accumulated": self.executor.grad_samples}
         if result.loss is not None:
             meta["loss"] = result.loss
         tensors = {} if result.grad_inputs is None else {"grad_inputs": result.grad_inputs}
@@ -217,6 +238,43 @@ class DataPlane:
                 },
             }
         )
+
+
+    async def _progress(self, request: web.Request) -> web.Response:
+        if self.averager is not None:
+            return web.json_response(self.averager.progress())
+        ex = self.executor
+        return web.json_response({"stage": ex.stage, "step": ex.step, "samples": ex.grad_samples,
+                                  "averaging": ex.averaging, "leader": None})
+
+    async def _average(self, request: web.Request) -> web.Response:
+        frame = await self._read_frame(request, "average")
+        if self.averager is None:
+            raise Busy("this peer is not taking part in averaging rounds yet")
+        meta = frame.meta
+        peer_id, step, samples = meta.get("peer_id"), meta.get("step"), meta.get("samples")
+        if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64:
+            raise RequestError("meta.peer_id (the contributor's peer id) is required")
+        for name, value in (("step", step), ("samples", samples)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RequestError(f"meta.{name} must be a non-negative integer, got {value!r}")
+        grads = frame.tensors.get("grads")
+        if grads is not None:
+            if grads.dtype != torch.float32 or grads.dim() != 1 or grads.numel() != self.executor.grad_numel:
+                raise RequestError(f"'grads' must be float32 of shape [{self.executor.grad_numel}]")
+            if not bool(torch.isfinite(grads).all()):
+                raise RequestError("'grads' contain NaN or Inf; refused")
+        elif samples:
+            raise RequestError("a contribution with samples must carry its 'grads'")
+        result = await self.averager.contribute(peer_id, step, samples, grads)
+        tensors = {"grads": result.mean_grads} if result.mean_grads is not None else {}
+        reply = {"status": result.status, "step": result.step, "samples": result.samples,
+                 "contributors": result.contributors}
+        return await self._reply("average_result", reply, tensors, "none")
+
+    async def _state(self, request: web.Request) -> web.StreamResponse:
+        meta, tensors = await self.executor.snapshot_state()
+        return await stream_state(request, StateSnapshot(meta=meta, tensors=tensors))
 
 
 def _required(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

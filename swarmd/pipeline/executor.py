@@ -12,6 +12,13 @@ gradient of the mean loss over everything accumulated, however the batch was spl
 
 All torch work runs on one worker thread owned by the executor: the event loop never blocks
 on compute, and jobs on one stage never race on ``.grad``.
+
+The step rule (see also ``swarmd.pipeline.averaging``): every reply says which optimizer step
+the stage's parameters were at. A backward names the step its forward ran at; a backward for an
+older step is refused with ``StaleStep`` and counted (its gradient would mix two versions of the
+parameters), one for a newer step with ``PeerBehind``. While the stage's gradients are out for
+averaging, backwards are refused with ``Busy`` (retry shortly), so no gradient computed at step
+``s`` can land after the update to ``s + 1``.
 """
 
 from __future__ import annotations
@@ -22,12 +29,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from swarmd.errors import LimitExceeded, RequestError
+from swarmd.errors import Busy, LimitExceeded, PeerBehind, RequestError, StaleStep
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
+from swarmd.pipeline.optimizer import (
+    TrainingSpec,
+    apply_step,
+    build_optimizer,
+    load_optimizer_state_tensors,
+    optimizer_state_tensors,
+)
 from swarmd.pipeline.spec import ModelSpec
 
 T = TypeVar("T")
@@ -64,10 +78,26 @@ class ThroughputEMA:
 
 
 @dataclass(frozen=True)
+class ForwardResult:
+    outputs: torch.Tensor  # hidden states, logits, or the scalar loss
+    step: int  # the optimizer step the parameters were at
+
+
+@dataclass(frozen=True)
 class BackwardResult:
     grad_inputs: torch.Tensor | None  # None on the first stage (token ids have no gradient)
     loss: float | None  # the last stage reports the microbatch's mean loss
     samples: int
+    step: int  # the step whose accumulator the gradient went into
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A stage's accumulated gradients, taken out for averaging (``grads`` None: no samples)."""
+
+    step: int
+    samples: int
+    grads: torch.Tensor | None  # flat float32 sum over samples, parameters in name order
 
 
 class StageExecutor:
@@ -79,6 +109,7 @@ class StageExecutor:
         stage: int,
         device: str = "cpu",
         *,
+        training: TrainingSpec | None = None,
         max_batch_tokens: int = 1 << 16,
         threads: int | None = None,
     ) -> None:
@@ -86,9 +117,19 @@ class StageExecutor:
         self.stage = stage
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens
+        self.training = training or TrainingSpec()
         self.module: StageModule = build_stage(spec, stage, device=self.device)
+        self.params = [p for _, p in self.module.named_parameters()]
+        self.grad_numel = sum(p.numel() for p in self.params)
+        self.optimizer = build_optimizer(self.training, self.module.named_parameters())
         self.step = 0
         self.grad_samples = 0  # samples whose gradients are accumulated in .grad since the last step
+        self.averaging = False  # gradients are out for averaging: backwards are refused (Busy)
+        self.out_samples = 0  # samples of the contribution out for averaging
+        self.stale_dropped = 0  # backwards refused because they were computed at an older step
+        self.dropped_samples = 0  # accumulated samples discarded by adopting a neighbour's state
+        self.last_grad_norm: float | None = None
+        self.digest = params_digest(self.module)  # of the parameters at ``step``; refreshed on every change
         self.forward_ema = ThroughputEMA()
         self.backward_ema = ThroughputEMA()
         self._pending = 0
@@ -115,12 +156,13 @@ class StageExecutor:
         return 1.0 / sum(1.0 / r for r in rates) if rates else 0.0
 
     async def params_digest(self) -> str:
+        """Recompute the digest of the parameters now (``digest`` is the cached one)."""
         return await self._run(lambda: params_digest(self.module))
 
     # ---- compute ---------------------------------------------------------------------------
 
-    async def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage outputs; on the last stage with targets, the scalar mean loss."""
+    async def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> ForwardResult:
+        """Stage outputs (on the last stage with targets, the scalar mean loss) and their step."""
         return await self._run(lambda: self._forward_sync(inputs, targets))
 
     async def backward(
@@ -128,9 +170,36 @@ class StageExecutor:
         inputs: torch.Tensor,
         grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        step: int | None = None,
     ) -> BackwardResult:
-        """Recompute the forward, backpropagate, accumulate parameter gradients."""
-        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets))
+        """Recompute the forward, backpropagate, accumulate parameter gradients.
+
+        ``step`` is the step the microbatch's forward on this stage ran at (None: no check,
+        as for the last stage's fused forward + backward).
+        """
+        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets, step))
+
+    # ---- steps: the averaging protocol's hooks (all on the worker thread) ------------------
+
+    async def take_contribution(self) -> Contribution:
+        """Move the accumulated gradients out for averaging; refuse backwards until settled."""
+        return await self._run(self._take_contribution_sync)
+
+    async def restore_contribution(self, contribution: Contribution) -> None:
+        """The round failed: put the gradients back and accept backwards again."""
+        await self._run(lambda: self._restore_contribution_sync(contribution))
+
+    async def apply_average(self, mean_grads: torch.Tensor, step: int) -> float:
+        """Apply the stage-wide mean gradient as the update from ``step`` to ``step + 1``."""
+        return await self._run(lambda: self._apply_average_sync(mean_grads, step))
+
+    async def snapshot_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """A consistent copy of parameters, optimizer state and step, for a joining peer."""
+        return await self._run(self._snapshot_state_sync)
+
+    async def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Adopt a neighbour's snapshot (parameters, optimizer state, step); drops local gradients."""
+        await self._run(lambda: self._load_state_sync(meta, tensors))
 
     async def close(self) -> None:
         """Let queued jobs finish, then stop the worker thread."""
@@ -194,17 +263,35 @@ class StageExecutor:
         _check_finite(grad_outputs, "grad_outputs")
         return grad_outputs.to(self.device, torch.float32)
 
-    def _forward_sync(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _forward_sync(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> ForwardResult:
         x, y = self._prepare(inputs, targets, targets_required=False)
         started = time.perf_counter()
         with torch.no_grad():
             out = self.module(x, y)
         self.forward_ema.update(x.shape[0], time.perf_counter() - started)
-        return out.detach().cpu()
+        return ForwardResult(outputs=out.detach().cpu(), step=self.step)
+
+    def _check_step(self, step: int | None) -> None:
+        if self.averaging:
+            raise Busy(f"stage {self.stage} is averaging the gradients of step {self.step}; retry shortly")
+        if step is None or step == self.step:
+            return
+        if step < self.step:
+            self.stale_dropped += 1
+            raise StaleStep(
+                f"this microbatch ran forward at step {step} but stage {self.stage} is at step {self.step}; "
+                "its gradient is dropped: redo the microbatch"
+            )
+        raise PeerBehind(f"stage {self.stage} on this peer is at step {self.step}, behind step {step}")
 
     def _backward_sync(
-        self, inputs: torch.Tensor, grad_outputs: torch.Tensor | None, targets: torch.Tensor | None
+        self,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        step: int | None,
     ) -> BackwardResult:
+        self._check_step(step)
         x, y = self._prepare(inputs, targets, targets_required=self.module.is_last)
         g = self._check_grad_outputs(grad_outputs, inputs)
         batch = x.shape[0]
@@ -224,7 +311,95 @@ class StageExecutor:
         self.grad_samples += batch
         self.backward_ema.update(batch, time.perf_counter() - started)
         grad_inputs = None if self.module.is_first else x.grad.detach().cpu()
-        return BackwardResult(grad_inputs=grad_inputs, loss=loss, samples=batch)
+        return BackwardResult(grad_inputs=grad_inputs, loss=loss, samples=batch, step=self.step)
+
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to("cpu", torch.float32)
+                for p in self.params
+            ]
+        )
+
+    def _take_contribution_sync(self) -> Contribution:
+        if self.averaging:
+            raise Busy(f"the gradients of stage {self.stage} are already out for averaging")
+        self.averaging = True
+        grads = self._flat_grads() if self.grad_samples else None
+        contribution = Contribution(step=self.step, samples=self.grad_samples, grads=grads)
+        for p in self.params:
+            p.grad = None
+        self.out_samples = self.grad_samples
+        self.grad_samples = 0
+        return contribution
+
+    def _restore_contribution_sync(self, contribution: Contribution) -> None:
+        if contribution.step == self.step and contribution.grads is not None:
+            self._set_grads(contribution.grads, accumulate=True)
+            self.grad_samples += contribution.samples
+        self.averaging = False
+        self.out_samples = 0
+
+    def _set_grads(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:
+        if flat.numel() != self.grad_numel:
+            raise ValueError(f"expected {self.grad_numel} gradient values, got {flat.numel()}")
+        offset = 0
+        for p in self.params:
+            chunk = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
+            offset += p.numel()
+            if accumulate and p.grad is not None:
+                p.grad.add_(chunk)
+            else:
+                p.grad = chunk.clone()
+
+    def _apply_average_sync(self, mean_grads: torch.Tensor, step: int) -> float:
+        if step != self.step:
+            self.averaging = False
+            self.out_samples = 0
+            raise StaleStep(f"an average for step {step} reached stage {self.stage} at step {self.step}")
+        self._set_grads(mean_grads)
+        norm = apply_step(self.optimizer, self.training, self.params, self.step)
+        self.step += 1
+        self.grad_samples = 0
+        self.averaging = False
+        self.out_samples = 0
+        self.last_grad_norm = norm
+        self.digest = params_digest(self.module)
+        return norm
+
+    def _snapshot_state_sync(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        tensors = {f"param.{name}": p.detach().to("cpu").clone() for name, p in self.module.named_parameters()}
+        opt_tensors, opt_meta = optimizer_state_tensors(self.optimizer)
+        tensors.update({f"opt.{name}": t.detach().to("cpu").clone() for name, t in opt_tensors.items()})
+        meta = {
+            "stage": self.stage,
+            "step": self.step,
+            "model": self.spec.digest,
+            "training": self.training.digest,
+            "params_digest": params_digest(self.module),
+            "optimizer": opt_meta,
+        }
+        return meta, tensors
+
+    def _load_state_sync(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        names = {name for name, _ in self.module.named_parameters()}
+        params = {k.removeprefix("param."): t for k, t in tensors.items() if k.startswith("param.")}
+        if set(params) != names:
+            raise ValueError("the state's parameters do not match this stage's")
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                if params[name].shape != p.shape:
+                    raise ValueError(f"parameter {name} has shape {list(params[name].shape)}, expected {list(p.shape)}")
+                p.copy_(params[name])
+                p.grad = None
+        opt = {k.removeprefix("opt."): t for k, t in tensors.items() if k.startswith("opt.")}
+        load_optimizer_state_tensors(self.optimizer, opt, meta["optimizer"])
+        self.step = int(meta["step"])
+        self.dropped_samples += self.grad_samples
+        self.grad_samples = 0
+        self.averaging = False
+        self.out_samples = 0
+        self.digest = params_digest(self.module)
 
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
@@ -232,4 +407,4 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         raise RequestError(f"{what} contain NaN or Inf; refused")
 
 
-__all__ = ["BackwardResult", "StageExecutor", "ThroughputEMA"]
+__all__ = ["BackwardResult", "Contribution", "ForwardResult", "StageExecutor", "ThroughputEMA"]

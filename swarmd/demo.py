@@ -1,0 +1,216 @@
+"""``swarmd demo``: a local swarm that trains on real text, loses a peer, and heals.
+
+It starts ``--stages`` x ``--peers`` daemons on 127.0.0.1 as subprocesses through the real CLI
+(the first founds the swarm, the rest join it over the DHT), trains the tiny model on the Python
+standard library's own sources with a trainer in this process, SIGKILLs one peer halfway, starts
+a replacement that joins through the DHT and downloads its stage's state from a survivor, and
+ends with a summary: the loss, what the kill cost, and every peer's parameter digest (the peers
+of a stage must agree). Ctrl-C, SIGTERM or any failure stops every child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+class DemoError(Exception):
+    pass
+
+
+class Peer:
+    """One ``swarmd`` child process with free ports, its log in the demo's folder."""
+
+    def __init__(self, index: int, workdir: Path, args: Sequence[str]) -> None:
+        self.index = index
+        self.ready = workdir / f"peer{index}.json"
+        self.log_path = workdir / f"peer{index}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "swarmd", "--port", "0", "--api-port", "0", "--dht-port", "0",
+                 "--threads", "1", "--state-dir", str(workdir / f"peer{index}"), "--ready-file", str(self.ready),
+                 "--log-level", "INFO", *args],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        self.info: dict[str, Any] = {}
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise DemoError(f"peer {self.index} failed to start; the end of its log:\n{tail}")
+            time.sleep(0.05)
+        self.info = json.loads(self.ready.read_text())
+        return self.info
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"http://{self.info['api_addr']}/status", timeout=5).json()
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(10)
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(prog="swarmd demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, choices=range(1, 9), default=2, metavar="S", help="pipeline stages (default: 2)")
+    p.add_argument("--peers", type=int, choices=range(1, 9), default=2, metavar="P", help="peers per stage (default: 2)")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps to train (default: 60)")
+    p.add_argument("--target-batch-size", type=int, default=32, help="samples per step (default: 32)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit")
+    p.add_argument("--no-kill", action="store_true", help="do not kill and replace a peer halfway")
+    p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
+    return p
+
+
+def main(argv: Sequence[str], parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
+    args = build_parser(parser_class).parse_args(argv)
+    if args.steps < 2 or args.target_batch_size < 1:
+        print("swarmd demo: error: --steps must be at least 2 and --target-batch-size at least 1", file=sys.stderr)
+        return 2
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM cleans up the children exactly like Ctrl-C
+
+    signal.signal(signal.SIGTERM, interrupt)
+    peers: list[Peer] = []
+    with tempfile.TemporaryDirectory(prefix="swarmd-demo-") as tmp:
+        try:
+            return asyncio.run(_demo(args, Path(tmp), peers))
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+        except DemoError as exc:
+            print(f"swarmd demo: error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            codes = [p.stop() for p in peers]
+            if peers:
+                print(f"stopped {len(peers)} peer processes (exit codes {codes})", file=sys.stderr)
+
+
+def _say(text: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)  # above the trainer's progress bar, not through it
+
+
+async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> int:
+    from swarmd.train.cli import run_trainer
+    from swarmd.train.trainer import TrainerConfig
+
+    model = "tiny"
+    common = ["--swarm", "demo", "--announce-period", "2"]
+    _say(f"starting a swarm of {args.stages} stages x {args.peers} peers on 127.0.0.1 through the swarmd CLI ...")
+    founder = Peer(0, workdir, [*common, "--model", model, "--stage", "0", "--target-batch-size",
+                                str(args.target_batch_size), "--lr", str(args.lr), "--averaging-timeout", "10"])
+    peers.append(founder)
+    await asyncio.to_thread(founder.wait_ready)
+    join = [*common, "--join", founder.info["dht_addr"]]
+    _say(f"  peer 0 founded swarm 'demo' (DHT udp://{founder.info['dht_addr']}) on stage 0")
+    for i in range(1, args.stages * args.peers):
+        peers.append(Peer(i, workdir, [*join, "--stage", str(i % args.stages)]))
+    await asyncio.gather(*(asyncio.to_thread(p.wait_ready) for p in peers[1:]))
+    for p in peers[1:]:
+        _say(f"  peer {p.index} joined with --join {founder.info['dht_addr']} on stage {p.info['stage']}")
+
+    config = TrainerConfig(api=f"http://{founder.info['api_addr']}", steps=args.steps, codec=args.codec,
+                           microbatch_size=8, window=8, val_every=max(1, args.steps // 6), sync=True)
+    kill_at = None if args.no_kill or args.peers < 2 else args.steps // 2
+    victim = peers[-1] if kill_at is not None else None
+    replacement: list[Peer] = []
+    killed_at_step: list[int] = []
+
+    async def watch_for_halfway() -> None:
+        if victim is None or kill_at is None:
+            return
+        while True:
+            await asyncio.sleep(0.2)
+            step = await asyncio.to_thread(lambda: min(_step_of(p) for p in peers if p.proc.poll() is None))
+            if step >= kill_at:
+                break
+        victim.proc.kill()
+        killed_at_step.append(step)
+        _say(f"\n>>> step {step}: SIGKILL peer {victim.index} (stage {victim.info['stage']}); "
+             "training goes on through its stage-mates")
+        new = Peer(len(peers), workdir, [*join, "--stage", str(victim.info["stage"])])
+        peers.append(new)
+        replacement.append(new)
+        await asyncio.to_thread(new.wait_ready)
+        st = new.status()
+        _say(f">>> replacement peer {new.index} joined stage {st['stage']} over the DHT and downloaded its state "
+             f"(step {st['step']}) from peer {str(st['synced_from'])[:12]}\n")
+
+    _say(f"\ntraining the {model} model on the Python standard library's sources "
+         f"({args.codec} activations, {args.target_batch_size} samples per step) ...")
+    watcher = asyncio.create_task(watch_for_halfway())
+    started = time.monotonic()
+    try:
+        summary = await run_trainer(config)
+    finally:
+        if not watcher.done():
+            watcher.cancel()
+        (outcome,) = await asyncio.gather(watcher, return_exceptions=True)
+        if isinstance(outcome, Exception):
+            _say(f"(the kill-and-replace step failed: {outcome!r})")
+    elapsed = time.monotonic() - started
+
+    alive = [p for p in peers if p.proc.poll() is None]
+    statuses = await asyncio.to_thread(_settled, alive)
+    by_stage: dict[int, set[str]] = {}
+    for st in statuses:
+        by_stage.setdefault(st["stage"], set()).add(st["params_digest"])
+    identical = all(len(d) == 1 for d in by_stage.values())
+    _say("")
+    _say(f"trained {summary.steps} steps in {elapsed:.0f}s: loss {summary.first_loss:.3f} -> {summary.final_loss:.3f}, "
+         f"validation loss {summary.val_loss:.3f}")
+    _say(f"microbatches issued {summary.microbatches_issued}, completed {summary.microbatches_completed}, "
+         f"retries {summary.retries}, stale redos {summary.stale_redos}, top-ups {summary.topup_microbatches}, "
+         f"{summary.samples_per_s:.0f} samples/s")
+    for st in sorted(statuses, key=lambda s: (s["stage"], s["peer_id"])):
+        _say(f"  stage {st['stage']} peer {st['peer_id'][:12]}: step {st['step']}, params {st['params_digest'][:16]}"
+             + (f" (state downloaded from {st['synced_from'][:12]})" if st["synced_from"] else ""))
+    _say("the peers of every stage hold identical parameters" if identical
+         else "WARNING: peers of a stage disagree on their parameters")
+    if args.json:
+        print(json.dumps({**summary.to_json(), "killed_at_step": killed_at_step[0] if killed_at_step else None,
+                          "identical_params": identical, "peers": len(alive)}))
+    return 0 if identical else 1
+
+
+def _settled(alive: list[Peer], timeout: float = 15.0) -> list[dict[str, Any]]:
+    """Every live peer's /status once the peers of each stage are at one step (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = [p.status() for p in alive]
+        steps: dict[int, set[int]] = {}
+        for st in statuses:
+            steps.setdefault(st["stage"], set()).add(st["step"])
+        if all(len(s) == 1 for s in steps.values()) or time.monotonic() > deadline:
+            return statuses
+        time.sleep(0.2)
+
+
+def _step_of(peer: Peer) -> int:
+    try:
+        return int(peer.status()["step"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return 0

@@ -1,0 +1,372 @@
+"""Stage-wide synchronous steps: the peers of a stage average their gradients, then all step.
+
+SWARM (paper, section 3.2) trains with a global batch: a stage's peers accumulate gradients of
+microbatches from any trainer until, *together*, they hold at least ``target_batch_size``
+samples; then they all-reduce the gradients (weighted by sample counts) and apply the same
+optimizer step, so their parameters stay bit-identical. This module is that protocol.
+
+Rule of a round, for the peers of one stage at step ``s``:
+
+1. **Progress.** Every peer polls its stage-mates' ``GET /v1/progress`` (step, samples held,
+   whom it takes for the round's leader) a few times a second. When the samples held at step
+   ``s`` sum to ``>= target_batch_size`` and every peer that answered names the same leader,
+   a round starts. The leader is the smallest peer id among the peers at step ``s``: a pure
+   function of the view, so peers with the same view agree without talking.
+2. **Contribution.** Each peer takes its gradients out of the stage (``StageExecutor
+   .take_contribution``; from then on it refuses backwards with ``Busy`` until the round
+   settles) and sends them, with its sample count, to the leader's ``POST /v1/average``. A peer
+   with no samples sends its count only: it still receives the update.
+3. **Reduction.** The leader waits for every peer of its view at step ``s`` (itself included),
+   at most ``averaging_timeout_s``. It sums the contributions in peer-id order (so the result
+   does not depend on arrival order) and divides by the total sample count. If the total is
+   below the target (a peer died holding gradients), the round is *aborted*: everyone puts its
+   gradients back and the stage keeps accumulating; nothing is lost and no step is taken on
+   too small a batch.
+4. **Update.** The leader answers every contributor with the same mean gradient; each applies
+   it with the same deterministic optimizer step and moves to ``s + 1``.
+
+Failures: a contributor that dies after sending is simply absent from the answers; one that
+dies before sending costs the others at most ``averaging_timeout_s``. A leader that dies makes
+its contributors' requests fail: they take their gradients back and retry without it. A peer
+that ends up behind (its answer was lost) sees stage-mates at a later step and resyncs from one
+of them (the daemon downloads their state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import torch
+
+from swarmd.errors import Busy, PeerError, WireError
+from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
+from swarmd.pipeline.executor import Contribution, StageExecutor
+
+log = logging.getLogger(__name__)
+
+StagePeers = Callable[[], Awaitable[dict[str, str]]]  # serving stage-mates: peer_id -> data_addr
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    status: str  # "ok" | "aborted"
+    step: int
+    samples: int  # total samples averaged
+    contributors: int
+    mean_grads: torch.Tensor | None  # flat float32, on "ok"
+
+
+@dataclass
+class _OpenRound:
+    """The leader's side of one round."""
+
+    step: int
+    expected: set[str]
+    deadline: float
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    result: asyncio.Future[RoundResult] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class StageAverager:
+    """One peer's part in its stage's rounds; owned and awaited by the daemon."""
+
+    def __init__(
+        self,
+        executor: StageExecutor,
+        *,
+        peer_id: str,
+        stage_peers: StagePeers,
+        session: aiohttp.ClientSession,
+        poll_s: float = 0.2,
+        on_behind: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.executor = executor
+        self.peer_id = peer_id
+        self.stage_peers = stage_peers
+        self.session = session
+        self.poll_s = poll_s
+        self.on_behind = on_behind
+        self.rounds_ok = 0
+        self.rounds_aborted = 0
+        self.last_round: dict[str, Any] | None = None
+        self._leader_view: str | None = None
+        self._round: _OpenRound | None = None
+        self._suspects: dict[str, float] = {}  # leaders that failed us, excluded until this time
+        self._tasks: set[asyncio.Task[None]] = set()  # rounds opened by a stage-mate's request
+
+    async def close(self) -> None:
+        """Cancel and await the rounds this peer leads on behalf of others."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def target(self) -> int:
+        return self.executor.training.target_batch_size
+
+    @property
+    def timeout_s(self) -> float:
+        return self.executor.training.averaging_timeout_s
+
+    def progress(self) -> dict[str, Any]:
+        ex = self.executor
+        rnd = self._round
+        return {
+            "peer_id": self.peer_id,
+            "stage": ex.stage,
+            "step": ex.step,
+            "samples": ex.grad_samples + ex.out_samples,  # held, whether accumulating or out for averaging
+            "averaging": ex.averaging,
+            "leader": self._leader_view,
+            "round": rnd.step if rnd is not None and not rnd.result.done() else None,  # open here, as leader
+            "target_batch_size": self.target,
+        }
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Poll the stage's progress and take part in rounds, until cancelled."""
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad round must not end the stage's training
+                log.exception("averaging round of stage %d failed", self.executor.stage)
+
+    async def _tick(self) -> None:
+        ex = self.executor
+        if ex.averaging or self._round is not None:
+            return
+        mates = await self.stage_peers()
+        mates.pop(self.peer_id, None)
+        progress = await self._poll(mates)
+        step = ex.step
+        ahead = [p["step"] for p in progress.values() if p["step"] > step]
+        if ahead and self.on_behind is not None:
+            log.info("stage-mates are at step %d, this peer at %d: resyncing", max(ahead), step)
+            await self.on_behind(max(ahead))
+            return
+        if ex.averaging or self._round is not None:  # a stage-mate opened a round meanwhile
+            return
+        group = {pid: mates[pid] for pid, p in progress.items() if p["step"] == step}
+        now = time.monotonic()
+        candidates = sorted(pid for pid in [self.peer_id, *group] if self._suspects.get(pid, 0) <= now)
+        self._leader_view = candidates[0] if candidates else self.peer_id
+        leader = self._leader_view
+        joining_open_round = leader != self.peer_id and progress.get(leader, {}).get("round") == step
+        if not joining_open_round:
+            total = ex.grad_samples + sum(p["samples"] for pid, p in progress.items() if pid in group)
+            if total < self.target:
+                return
+            leaders = {p.get("leader") for pid, p in progress.items() if pid in group}
+            if leaders - {leader}:
+                return  # views differ (a peer joined or left): wait until they agree
+        if leader == self.peer_id:
+            await self._lead(step, set(group))
+        else:
+            await self._contribute_to(self._leader_view, group[self._leader_view])
+
+    async def _poll(self, mates: dict[str, str]) -> dict[str, dict[str, Any]]:
+        async def one(pid: str, addr: str) -> tuple[str, dict[str, Any] | None]:
+            try:
+                async with self.session.get(f"http://{addr}/v1/progress", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status != 200:
+                        return pid, None
+                    body = await r.json()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return pid, None
+            ok = (
+                isinstance(body, dict)
+                and body.get("stage") == self.executor.stage
+                and isinstance(body.get("step"), int)
+                and isinstance(body.get("samples"), int)
+            )
+            return pid, body if ok else None
+
+        answers = await asyncio.gather(*(one(pid, addr) for pid, addr in mates.items()))
+        return {pid: body for pid, body in answers if body is not None}
+
+    # ---- leader ----------------------------------------------------------------------------
+
+    def _open(self, step: int, expected: set[str]) -> tuple[_OpenRound, bool]:
+        """The round for ``step``, and whether this call opened it (and so must settle it)."""
+        if self._round is not None and self._round.step == step:
+            self._round.expected |= expected
+            return self._round, False
+        self._round = _OpenRound(step=step, expected=expected | {self.peer_id},
+                                 deadline=time.monotonic() + self.timeout_s)
+        return self._round, True
+
+    async def _lead(self, step: int, expected: set[str]) -> None:
+        rnd, opened = self._open(step, expected)
+        if opened:
+            await self._settle(rnd)
+        else:
+            await asyncio.shield(rnd.result)
+
+    async def _settle(self, rnd: _OpenRound) -> RoundResult:
+        """Add our own contribution, wait for the others, reduce, apply, answer everyone."""
+        try:
+            own = await self.executor.take_contribution()
+        except Busy:  # our gradients are already out (we are contributing elsewhere)
+            result = RoundResult("aborted", rnd.step, 0, 0, None)
+            rnd.result.set_result(result)
+            self._round = None
+            return result
+        rnd.contributions[self.peer_id] = own
+        try:
+            while not rnd.expected <= set(rnd.contributions):
+                remaining = rnd.deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                rnd.arrived.clear()
+                try:
+                    await asyncio.wait_for(rnd.arrived.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            result = self._reduce(rnd)
+            if result.status == "ok":
+                assert result.mean_grads is not None
+                await self.executor.apply_average(result.mean_grads, rnd.step)
+                self.rounds_ok += 1
+            else:
+                await self.executor.restore_contribution(own)
+                self.rounds_aborted += 1
+            self._record(result, missing=sorted(rnd.expected - set(rnd.contributions)))
+            rnd.result.set_result(result)
+            return result
+        except BaseException as exc:
+            if not rnd.result.done():
+                rnd.result.set_exception(exc if isinstance(exc, Exception) else RuntimeError("round cancelled"))
+                rnd.result.exception()  # retrieved: contributors see it through their requests
+            if self.executor.averaging:
+                await asyncio.shield(self.executor.restore_contribution(own))
+            raise
+        finally:
+            self._round = None
+
+    def _reduce(self, rnd: _OpenRound) -> RoundResult:
+        total = sum(c.samples for c in rnd.contributions.values())
+        if total < self.target:
+            log.warning(
+                "stage %d step %d: only %d of %d samples arrived from %d peer(s); round aborted, gradients kept",
+                self.executor.stage, rnd.step, total, self.target, len(rnd.contributions),
+            )
+            return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
+        summed = torch.zeros(self.executor.grad_numel, dtype=torch.float32)
+        for pid in sorted(rnd.contributions):  # a fixed order: the same sum whatever the arrival order
+            grads = rnd.contributions[pid].grads
+            if grads is not None:
+                summed += grads
+        return RoundResult("ok", rnd.step, total, len(rnd.contributions), summed / total)
+
+    async def contribute(self, peer_id: str, step: int, samples: int, grads: torch.Tensor | None) -> RoundResult:
+        """A stage-mate's contribution arrived (``POST /v1/average``): join or open the round."""
+        ex = self.executor
+        if step != ex.step:
+            return RoundResult("aborted", step, 0, 0, None)
+        if grads is not None and grads.numel() != ex.grad_numel:
+            raise ValueError(f"a contribution must carry {ex.grad_numel} gradient values, got {grads.numel()}")
+        if self._round is None:
+            if ex.averaging:  # we are contributing to another leader ourselves
+                return RoundResult("aborted", step, 0, 0, None)
+            rnd, _ = self._open(step, {peer_id})
+            rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads)
+            task = asyncio.get_running_loop().create_task(self._settle_owned(rnd), name="swarmd-average")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            rnd = self._round
+            if rnd.step != step or rnd.result.done():  # too late for this round
+                return RoundResult("aborted", step, 0, 0, None)
+            rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads)
+            rnd.expected.add(peer_id)
+            rnd.arrived.set()
+        return await asyncio.shield(rnd.result)
+
+    async def _settle_owned(self, rnd: _OpenRound) -> None:
+        """Settle a round a stage-mate opened: first learn who else is at this step."""
+        try:
+            mates = await self.stage_peers()
+            mates.pop(self.peer_id, None)
+            progress = await self._poll(mates)
+            rnd.expected |= {pid for pid, p in progress.items() if p["step"] == rnd.step}
+            await self._settle(rnd)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("averaging round of stage %d failed", self.executor.stage)
+
+    # ---- contributor -----------------------------------------------------------------------
+
+    async def _contribute_to(self, leader: str, addr: str) -> None:
+        own = await self.executor.take_contribution()
+        try:
+            result = await self._post(addr, own)
+        except PeerError as exc:
+            log.warning("averaging with leader %s failed (%s); keeping the gradients", leader[:12], exc)
+            self._suspects[leader] = time.monotonic() + 5.0
+            await self.executor.restore_contribution(own)
+            return
+        except BaseException:
+            await asyncio.shield(self.executor.restore_contribution(own))
+            raise
+        if result.status == "ok" and result.mean_grads is not None:
+            await self.executor.apply_average(result.mean_grads, own.step)
+            self.rounds_ok += 1
+        else:
+            await self.executor.restore_contribution(own)
+            self.rounds_aborted += 1
+        self._record(result, missing=[])
+
+    async def _post(self, addr: str, own: Contribution) -> RoundResult:
+        ex = self.executor
+        meta = {"stage": ex.stage, "step": own.step, "samples": own.samples, "peer_id": self.peer_id}
+        tensors = {} if own.grads is None else {"grads": own.grads}
+        body = encode_frame("average", meta, tensors)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s + 30)
+        try:
+            async with self.session.post(f"http://{addr}/v1/average", data=io.BytesIO(body),
+                                         headers={"Content-Type": CONTENT_TYPE}, timeout=timeout) as r:
+                payload = await r.read()
+                if r.status != 200:
+                    raise PeerError(r.status, "AverageRefused", payload[:200].decode(errors="replace"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise PeerError(0, type(exc).__name__, f"leader at {addr} did not answer: {exc}") from exc
+        try:
+            frame = decode_frame(payload)
+        except WireError as exc:
+            raise PeerError(200, type(exc).__name__, f"leader at {addr} sent an undecodable answer") from exc
+        status = frame.meta.get("status")
+        grads = frame.tensors.get("grads")
+        if status == "ok" and (grads is None or grads.numel() != ex.grad_numel):
+            raise PeerError(200, "BadAverage", f"leader at {addr} sent a mean gradient of the wrong size")
+        return RoundResult(
+            status="ok" if status == "ok" else "aborted",
+            step=own.step,
+            samples=int(frame.meta.get("samples", 0)),
+            contributors=int(frame.meta.get("contributors", 0)),
+            mean_grads=grads if status == "ok" else None,
+        )
+
+    def _record(self, result: RoundResult, missing: list[str]) -> None:
+        self.last_round = {
+            "status": result.status,
+            "step": result.step,
+            "samples": result.samples,
+            "contributors": result.contributors,
+            "missing": missing,
+        }
+        log.info("stage %d step %d: round %s with %d samples from %d peer(s)%s",
+                 self.executor.stage, result.step, result.status, result.samples, result.contributors,
+                 f", missing {len(missing)}" if missing else "")

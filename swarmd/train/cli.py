@@ -1,0 +1,131 @@
+"""``swarmd train``: run a trainer against a swarm from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from swarmd.errors import ConfigError, SwarmdError
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(
+        prog="swarmd train",
+        description="Train the swarm's model: route microbatches of text through its stages.",
+        epilog="Example: swarmd train --api http://127.0.0.1:8080 --steps 50",
+    )
+    p.add_argument("--api", default="http://127.0.0.1:8080", metavar="URL",
+                   help="control plane of any daemon of the swarm (default: http://127.0.0.1:8080)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a text file or folder to train on (default: the Python standard library's sources)")
+    p.add_argument("--steps", type=_positive, default=50, help="optimizer steps the swarm takes (default: 50)")
+    p.add_argument("--batch-size", type=_positive, default=None,
+                   help="samples per step in --sync mode (default: the swarm's target_batch_size)")
+    p.add_argument("--microbatch-size", type=_positive, default=8, help="samples per microbatch (default: 8)")
+    p.add_argument("--window", type=_positive, default=8, help="microbatches in flight at once (default: 8)")
+    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit",
+                   help="how activations and their gradients travel between stages (default: 8bit)")
+    p.add_argument("--seed", type=_non_negative, default=0, help="data order (default: 0)")
+    p.add_argument("--sync", action="store_true",
+                   help="one global batch per step, waiting for every stage to step (exact, slower)")
+    p.add_argument("--val-every", type=_non_negative, default=10,
+                   help="steps between validation losses; 0: only at the end (default: 10)")
+    p.add_argument("--stage-wait-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="give up when a stage has had no live peer this long (default: 120)")
+    p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
+    p.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="WARNING",
+                   help="log verbosity (default: WARNING)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace):  # -> TrainerConfig
+    from swarmd.train.trainer import TrainerConfig
+
+    if not (args.stage_wait_timeout > 0 and math.isfinite(args.stage_wait_timeout)):
+        raise ConfigError("--stage-wait-timeout must be a positive number of seconds")
+    return TrainerConfig(
+        api=args.api,
+        steps=args.steps,
+        data=args.data,
+        batch_size=args.batch_size,
+        microbatch_size=args.microbatch_size,
+        codec=args.codec,
+        seed=args.seed,
+        window=args.window,
+        sync=args.sync,
+        val_every=args.val_every,
+        stage_wait_timeout_s=args.stage_wait_timeout,
+    )
+
+
+async def run_trainer(config: Any, *, show_progress: bool = True) -> Any:
+    """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage) on stderr."""
+    from tqdm import tqdm
+
+    from swarmd.train.trainer import Trainer
+
+    bar = tqdm(total=config.steps, unit="step", disable=not show_progress, file=sys.stderr, dynamic_ncols=True)
+
+    def on_step(step: int, loss: float, info: dict[str, Any]) -> None:
+        elapsed = bar.format_dict.get("elapsed") or 0.0
+        rate = info["samples"] / elapsed if elapsed else 0.0
+        postfix = {"loss": f"{loss:.3f}", "samples/s": f"{rate:.0f}", "peers": "/".join(map(str, info["peers"]))}
+        if info["val_loss"] is not None:
+            postfix["val"] = f"{info['val_loss']:.3f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(step - bar.n)
+
+    try:
+        return await Trainer(config, on_step=on_step).run()
+    finally:
+        bar.close()
+
+
+def main(argv: Sequence[str], parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
+    args = build_parser(parser_class).parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        config = config_from_args(args)
+        summary = asyncio.run(run_trainer(config, show_progress=sys.stderr.isatty() or not args.json))
+    except ConfigError as exc:
+        print(f"swarmd train: error: {exc}", file=sys.stderr)
+        return 2
+    except SwarmdError as exc:
+        print(f"swarmd train: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(summary.to_json()))
+    else:
+        print(f"trained {summary.steps} steps: loss {summary.first_loss:.4f} -> {summary.final_loss:.4f}, "
+              f"validation {summary.val_loss:.4f}, {summary.samples_per_s:.1f} samples/s, "
+              f"{summary.retries} retries, {summary.stale_redos} stale redos")
+    return 0

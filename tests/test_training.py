@@ -1,0 +1,145 @@
+"""Training through a real swarm: in-process daemons on 127.0.0.1, real DHT, real HTTP, real torch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import httpx
+import pytest
+import torch
+
+from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig
+from swarmd.daemon import Daemon
+from swarmd.pipeline.model import build_stage
+from swarmd.pipeline.optimizer import TrainingSpec, apply_step, build_optimizer
+from swarmd.pipeline.spec import PRESETS, ModelSpec
+from swarmd.train.data import BatchSampler, load_corpus
+from swarmd.train.trainer import Trainer, TrainerConfig
+
+TINY = PRESETS["tiny"]
+TRAINING = TrainingSpec(target_batch_size=16, lr=3e-3, warmup_steps=2, averaging_timeout_s=10.0)
+CORPUS_BYTES = 1 << 20
+MICRO = 4
+
+
+def config(stage: int, spec: ModelSpec, training: TrainingSpec, join: tuple = ()) -> Config:
+    return Config(
+        swarm="train-test",
+        net=NetConfig(host="127.0.0.1", port=0, drain_timeout_s=5.0),
+        api=ApiConfig(host="127.0.0.1", port=0),
+        dht=DHTConfig(join=join, announce_period_s=1.0, bootstrap_timeout_s=10.0),
+        pipeline=PipelineConfig(spec=spec if not join else None, stage=stage, training=training if not join else None),
+    )
+
+
+@contextlib.asynccontextmanager
+async def swarm(spec: ModelSpec, training: TrainingSpec, peers_per_stage: int = 2) -> AsyncIterator[list[Daemon]]:
+    """``peers_per_stage`` in-process daemons per stage; the first founds the swarm."""
+    daemons: list[Daemon] = []
+    try:
+        founder = Daemon(config(0, spec, training))
+        daemons.append(founder)
+        await founder.start()
+        join = (founder.dht.address,)
+        for i in range(1, spec.n_stages * peers_per_stage):
+            d = Daemon(config(i % spec.n_stages, spec, training, join))
+            daemons.append(d)
+            await d.start()
+        yield daemons
+    finally:
+        for d in reversed(daemons):
+            await d.shutdown()
+
+
+def reference_run(spec: ModelSpec, training: TrainingSpec, steps: int, seed: int) -> tuple[list[float], list]:
+    """Single-process training of the same stages on the same microbatches with the same optimizer."""
+    corpus = load_corpus(None, max_bytes=CORPUS_BYTES, seed=seed, seq_len=spec.seq_len)
+    sampler = BatchSampler(corpus.train, spec.seq_len, seed=seed)
+    stages = [build_stage(spec, k) for k in range(spec.n_stages)]
+    optimizers = [build_optimizer(training, s.named_parameters()) for s in stages]
+    losses = []
+    for step in range(steps):
+        total, weighted = 0, 0.0
+        for _ in range(training.target_batch_size // MICRO):
+            x, y = sampler.sample(MICRO)
+            h = x
+            for s in stages[:-1]:
+                h = s(h)
+            loss = stages[-1](h, y)
+            (loss * x.shape[0]).backward()
+            total += x.shape[0]
+            weighted += loss.item() * x.shape[0]
+        for s, opt in zip(stages, optimizers):
+            params = list(s.parameters())
+            for p in params:
+                p.grad /= total
+            apply_step(opt, training, params, step)
+        losses.append(weighted / total)
+    return losses, stages
+
+
+@pytest.mark.parametrize("share_layers", [False, True], ids=["plain", "share_layers"])
+async def test_swarm_training_equals_single_process_training(share_layers: bool) -> None:
+    spec = replace(TINY, name="eq", layers_per_stage=2, share_layers=share_layers)
+    steps, seed = 5, 0
+    async with swarm(spec, TRAINING) as daemons:
+        founder = daemons[0]
+        trainer = Trainer(TrainerConfig(
+            api=f"http://{founder.status()['api_addr']}", steps=steps, sync=True, codec="none",
+            microbatch_size=MICRO, window=4, val_every=0, seed=seed, max_corpus_bytes=CORPUS_BYTES,
+        ))
+        summary = await trainer.run()
+        digests = {(d.stage, d.executor.digest) for d in daemons}
+        params = {d.stage: {n: p.detach().clone() for n, p in d.executor.module.named_parameters()}
+                  for d in daemons}
+        assert all(d.executor.step == steps for d in daemons)
+        assert all(d.averager.rounds_ok == steps for d in daemons)
+    expected, stages = reference_run(spec, TRAINING, steps, seed)
+
+    assert summary.steps == steps and summary.microbatches_issued == summary.microbatches_completed
+    assert summary.stale_redos == 0
+    assert len(summary.step_losses) == steps
+    for got, want in zip(summary.step_losses, expected):
+        assert got == pytest.approx(want, rel=1e-4)
+    assert expected[-1] < expected[0]  # it learns
+    assert len(digests) == spec.n_stages  # the two peers of each stage are bit-identical
+    for k, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(params[k][name], p.detach(), rtol=1e-4, atol=1e-5)
+
+
+async def test_trainer_registration_and_listing() -> None:
+    async with swarm(TINY, TRAINING, peers_per_stage=1) as daemons:
+        api = f"http://{daemons[0].status()['api_addr']}"
+        async with httpx.AsyncClient(base_url=api) as c:
+            r = await c.post("/trainers", json={"name": "alice"})
+            assert r.status_code == 201
+            body = r.json()
+            assert body["model"]["digest"] == TINY.digest and body["training"]["target_batch_size"] == 16
+            assert (await c.post(f"/trainers/{body['trainer_id']}/heartbeat")).status_code == 204
+            assert (await c.post("/trainers/nope/heartbeat")).status_code == 404
+            listed = (await c.get("/trainers")).json()
+            assert [t["name"] for t in listed] == ["alice"] and listed[0]["last_seen_s"] >= 0
+            assert (await c.post("/trainers", json={"name": 5})).status_code == 422
+
+
+async def test_peer_joining_mid_run_serves_its_stage_digest_at_once() -> None:
+    async with swarm(TINY, TRAINING, peers_per_stage=1) as daemons:
+        founder = daemons[0]
+        api = f"http://{founder.status()['api_addr']}"
+        run = TrainerConfig(api=api, steps=3, sync=True, codec="none", microbatch_size=MICRO,
+                            val_every=0, max_corpus_bytes=CORPUS_BYTES)
+        await Trainer(run).run()
+        assert founder.executor.step == 3
+        late = Daemon(config(0, TINY, TRAINING, (founder.dht.address,)))
+        daemons.append(late)
+        await late.start()
+        # at its first serving moment it already holds the stage's trained state
+        assert late.state == "serving" and late.synced_from == founder.peer_id
+        assert late.executor.step == 3 and late.executor.digest == founder.executor.digest
+        await Trainer(replace(run, steps=2, seed=1)).run()
+        stage0 = [d for d in daemons if d.stage == 0]
+        assert {d.executor.step for d in stage0} == {5}
+        assert len({d.executor.digest for d in stage0}) == 1
