@@ -31,12 +31,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one sentence (plus a hint), exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        _fail_usage(message)
+        _fail_usage(message, self.prog)
 
 
-def _fail_usage(message: str) -> NoReturn:
+def _fail_usage(message: str, prog: str = "swarmd") -> NoReturn:
     message = message.rstrip(".")
-    print(f"swarmd: error: {message}. See 'swarmd --help'.", file=sys.stderr)
+    print(f"{prog}: error: {message}. See '{prog} --help'.", file=sys.stderr)
     sys.exit(EXIT_USAGE)
 
 
@@ -54,7 +54,7 @@ def _stage(text: str) -> int | None:
     if text == "auto":
         return None
     try:
-        return _non_negative(text)
+        return non_negative_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a stage: give a number or 'auto'") from None
 
@@ -92,7 +92,7 @@ def default_state_dir() -> Path:
     return Path(base) / "swarmd"
 
 
-def _non_negative(text: str) -> int:
+def non_negative_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -102,8 +102,8 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    value = _non_negative(text)
+def positive_int(text: str) -> int:
+    value = non_negative_int(text)
     if value == 0:
         raise argparse.ArgumentTypeError("0 must be at least 1")
     return value
@@ -141,12 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--swarm", default="default", help="name of the swarm to serve in (default: default)")
     founding = p.add_argument_group("training settings (a founder publishes them; joiners take the swarm's)")
-    founding.add_argument("--target-batch-size", type=_positive, default=None,
+    founding.add_argument("--target-batch-size", type=positive_int, default=None,
                           help="samples per optimizer step over the whole swarm (default: 32)")
     founding.add_argument("--lr", type=_rate, default=None, metavar="RATE",
                           help="peak learning rate (default: 1e-3)")
     founding.add_argument("--optimizer", choices=("adamw", "lamb"), default=None, help="(default: adamw)")
-    founding.add_argument("--warmup-steps", type=_non_negative, default=None, help="(default: 10)")
+    founding.add_argument("--warmup-steps", type=non_negative_int, default=None, help="(default: 10)")
     founding.add_argument("--averaging-timeout", type=_seconds, default=None, metavar="SECONDS",
                           help="a stage's all-reduce stops waiting for missing peers after this (default: 30)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="where the stage computes: auto uses a GPU when torch sees one (default: auto)",
     )
-    p.add_argument("--threads", type=_positive, default=None, help="torch compute threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch compute threads (default: torch's choice)")
     p.add_argument(
         "--drain-timeout",
         type=float,

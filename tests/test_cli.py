@@ -139,3 +139,24 @@ def test_ready_file_is_json_with_the_bound_addresses(spawn) -> None:
     assert info["stage"] == 1 and json.loads(d.ready_file.read_text()) == info
     assert info["api_addr"].startswith("127.0.0.1:") and not info["api_addr"].endswith(":0")
     assert d.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["--steps", "0"], "must be at least 1"),
+        (["--codec", "zip"], "invalid choice"),
+        (["--stage-wait-timeout", "-3"], "positive number of seconds"),
+    ],
+)
+def test_train_bad_flags_exit_2_with_one_sentence(args: list[str], phrase: str) -> None:
+    out = run_cli("train", *args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("swarmd train: error: ") and phrase in lines[0], out.stderr
+
+
+def test_train_against_no_daemon_exits_1_naming_the_address() -> None:
+    out = run_cli("train", "--api", "http://127.0.0.1:9", "--steps", "1")
+    assert out.returncode == 1
+    assert "cannot register with the daemon at http://127.0.0.1:9" in out.stderr

@@ -71,7 +71,7 @@ import torch
 from aiohttp import web
 
 from swarmd.errors import StateTransferError, SwarmdError, UnsupportedDtype
-from swarmd.net.wire import ALLOWED_DTYPES
+from swarmd.net.wire import ALLOWED_DTYPES, KIND_NAMES, type_name
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -399,7 +399,7 @@ class StateStreamDecoder:
             except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
                 raise self._error(_msgpack_problem(exc)) from exc
             if not isinstance(message, dict):
-                raise self._error(f"expected a msgpack map, got {_type_name(message)}")
+                raise self._error(f"expected a msgpack map, got {type_name(message)}")
             if self.meta is None:
                 self._header(message)
             else:
@@ -464,7 +464,7 @@ class StateStreamDecoder:
         for index, entry in enumerate(entries):
             where = f"tensors[{index}]"
             if not isinstance(entry, dict):
-                raise self._error(f"{where} must be a map with keys n, d and s, got {_type_name(entry)}")
+                raise self._error(f"{where} must be a map with keys n, d and s, got {type_name(entry)}")
             name = self._field(entry, "n", str, where)
             if not 0 < len(name) <= self.limits.max_name_len:
                 raise self._error(
@@ -622,7 +622,7 @@ class StateStreamDecoder:
             raise self._error(f"{where} has no {key!r} field")
         value = mapping[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise self._error(f"{where} field {key!r} must be {_KIND_NAMES[kind]}, got {_type_name(value)}")
+            raise self._error(f"{where} field {key!r} must be {KIND_NAMES[kind]}, got {type_name(value)}")
         return value
 
     def _error(self, message: str) -> StateTransferError:
@@ -662,7 +662,7 @@ def _string_keyed(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if not isinstance(key, str):
-            raise _Refused(f"every map key in the stream must be a string, got {_type_name(key)}")
+            raise _Refused(f"every map key in the stream must be a string, got {type_name(key)}")
         if key in result:
             raise _Refused(f"a map in the stream repeats the key {key!r:.40}")
         result[key] = value
@@ -686,29 +686,6 @@ def _msgpack_problem(exc: Exception) -> str:
     if "map key" in detail:  # strict_map_key's wording since msgpack 1.0
         return f"every map key in the stream must be a string ({detail})"
     return f"the stream is not valid msgpack ({detail})"
-
-
-_KIND_NAMES: Mapping[type, str] = {
-    int: "an integer",
-    str: "a string",
-    bytes: "binary",
-    list: "an array",
-    dict: "a map",
-}
-_TYPE_NAMES: Mapping[type, str] = {
-    type(None): "nil",
-    bool: "a boolean",
-    int: "an integer",
-    float: "a float",
-    str: "a string",
-    bytes: "binary",
-    list: "an array",
-    dict: "a map",
-}
-
-
-def _type_name(value: Any) -> str:
-    return _TYPE_NAMES.get(type(value), f"an object of type {type(value).__name__}")
 
 
 # --- aiohttp glue --------------------------------------------------------------------------------

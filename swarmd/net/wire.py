@@ -222,7 +222,7 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits = DEFA
     top = _unpack(view, limits)
     if not isinstance(top, dict):
         raise MalformedFrame(
-            f"a frame must be a msgpack map with keys v, kind, meta and tensors, got {_type_name(top)}"
+            f"a frame must be a msgpack map with keys v, kind, meta and tensors, got {type_name(top)}"
         )
     version = _require(top, "v", int, "the frame")
     if version != WIRE_VERSION:
@@ -276,7 +276,7 @@ class _ValueBudget:
         for key, value in pairs:
             if not isinstance(key, str):
                 raise MalformedFrame(
-                    f"every map key in a frame must be a string, got {_type_name(key)} ({key!r:.40})"
+                    f"every map key in a frame must be a string, got {type_name(key)} ({key!r:.40})"
                 )
             if key in result:
                 raise MalformedFrame(f"a map in the frame repeats the key {key!r:.40}; keys must be unique")
@@ -365,18 +365,18 @@ def _meta_problem(value: Any, path: str, depth: int) -> str | None:
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                return f"{path} has {_type_name(key)} key ({key!r:.40}); meta keys must be strings"
+                return f"{path} has {type_name(key)} key ({key!r:.40}); meta keys must be strings"
             problem = _meta_problem(item, f"{path}[{key!r:.40}]", depth + 1)
             if problem is not None:
                 return problem
         return None
-    return f"{path} is {_type_name(value)}; meta values are None, bool, int, float, str, bytes, lists and maps"
+    return f"{path} is {type_name(value)}; meta values are None, bool, int, float, str, bytes, lists and maps"
 
 
 def _decode_tensor(entry: Any, index: int, limits: WireLimits) -> tuple[str, torch.Tensor]:
     where = f"tensors[{index}]"
     if not isinstance(entry, dict):
-        raise MalformedFrame(f"{where} must be a map with keys n, d, s, c and p, got {_type_name(entry)}")
+        raise MalformedFrame(f"{where} must be a map with keys n, d, s, c and p, got {type_name(entry)}")
     name = _require(entry, "n", str, where)
     if not name:
         raise MalformedFrame(f"{where} has an empty name; every tensor needs a non-empty 'n'")
@@ -407,7 +407,7 @@ def _decode_shape(dims: list[Any], where: str, limits: WireLimits) -> tuple[int,
         raise LimitExceeded(f"{where} has rank {len(dims)}, over this peer's limit of {limits.max_rank}")
     for dim in dims:
         if isinstance(dim, bool) or not isinstance(dim, int):
-            raise MalformedFrame(f"{where} has {_type_name(dim)} in its shape; dimensions are integers")
+            raise MalformedFrame(f"{where} has {type_name(dim)} in its shape; dimensions are integers")
         if dim < 0:
             raise MalformedFrame(f"{where} has a negative dimension ({dim}) in its shape")
         if dim > limits.max_elements:  # also bounds the product below when another dim is 0
@@ -434,16 +434,16 @@ def _optional(mapping: dict[str, Any], key: str, kind: type, where: str) -> Any:
         return None
     value = mapping[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise MalformedFrame(f"{where} field {key!r} must be {_KIND_NAMES[kind]}, got {_type_name(value)}")
+        raise MalformedFrame(f"{where} field {key!r} must be {KIND_NAMES[kind]}, got {type_name(value)}")
     return value
 
 
-_KIND_NAMES: Mapping[type, str] = MappingProxyType(
+KIND_NAMES: Mapping[type, str] = MappingProxyType(
     {int: "an integer", str: "a string", bytes: "binary", list: "an array", dict: "a map"}
 )
 
 
-_TYPE_NAMES: Mapping[type, str] = MappingProxyType(
+TYPE_NAMES: Mapping[type, str] = MappingProxyType(
     {
         type(None): "nil",
         bool: "a boolean",
@@ -458,6 +458,6 @@ _TYPE_NAMES: Mapping[type, str] = MappingProxyType(
 )
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     """A msgpack-flavoured name for a value's type, article included, for error messages."""
-    return _TYPE_NAMES.get(type(value), f"an object of type {type(value).__name__}")
+    return TYPE_NAMES.get(type(value), f"an object of type {type(value).__name__}")

@@ -11,27 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from swarmd.cli import non_negative_int, positive_int
 from swarmd.errors import ConfigError, SwarmdError
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must not be negative")
-    return value
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,17 +25,17 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
                    help="control plane of any daemon of the swarm (default: http://127.0.0.1:8080)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or folder to train on (default: the Python standard library's sources)")
-    p.add_argument("--steps", type=_positive, default=50, help="optimizer steps the swarm takes (default: 50)")
-    p.add_argument("--batch-size", type=_positive, default=None,
+    p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps the swarm takes (default: 50)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="samples per step in --sync mode (default: the swarm's target_batch_size)")
-    p.add_argument("--microbatch-size", type=_positive, default=8, help="samples per microbatch (default: 8)")
-    p.add_argument("--window", type=_positive, default=8, help="microbatches in flight at once (default: 8)")
+    p.add_argument("--microbatch-size", type=positive_int, default=8, help="samples per microbatch (default: 8)")
+    p.add_argument("--window", type=positive_int, default=8, help="microbatches in flight at once (default: 8)")
     p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit",
                    help="how activations and their gradients travel between stages (default: 8bit)")
-    p.add_argument("--seed", type=_non_negative, default=0, help="data order (default: 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="data order (default: 0)")
     p.add_argument("--sync", action="store_true",
                    help="one global batch per step, waiting for every stage to step (exact, slower)")
-    p.add_argument("--val-every", type=_non_negative, default=10,
+    p.add_argument("--val-every", type=non_negative_int, default=10,
                    help="steps between validation losses; 0: only at the end (default: 10)")
     p.add_argument("--stage-wait-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="give up when a stage has had no live peer this long (default: 120)")

@@ -1,0 +1,608 @@
+"""Training throughput of a local swarm against single-process training of the same model.
+
+Two runs of the same training job, one after the other, each in its own process(es):
+
+- **single**: every stage of ``--preset`` built with ``build_stage`` and chained in one child
+  process, trained exactly like ``reference_run`` in ``tests/test_training.py``: per step,
+  the global batch of ``--batch-size`` samples split into microbatches of
+  ``--microbatch-size``, ``(loss * n).backward()`` per microbatch, gradients divided by the
+  step's sample count, then ``apply_step`` with ``build_optimizer``'s optimizer per stage.
+  ``torch.set_num_threads(--threads)``.
+- **swarm**: one daemon per stage, started as subprocesses through the real CLI (like
+  ``swarmd demo``): the founder with ``--model PRESET --stage 0 --target-batch-size B``, the
+  others with ``--join <dht> --stage k``, each with ``--threads threads // stages`` so the
+  daemons together get the same thread budget. A :class:`~swarmd.train.trainer.Trainer` in
+  this process drives ``--warmup + --steps`` steps through them (``--sync`` by default: one
+  global batch per step, then wait until every stage has stepped).
+
+Why the comparison is fair: both draw the same microbatches (same corpus, seed, sampler and
+split), compute the same loss and take the same optimizer steps (with ``--sync --codec
+none`` the per-step losses agree to float rounding, and the report says how closely), run
+with the same total number of torch threads, and are timed over the same steps: from the end
+of warm-up step ``W`` to the end of step ``W + N``, so start-up, corpus loading, first-call
+allocations and the trainer's final validation are all outside the window. Samples/s is the
+samples completed in that window over its wall time. What the swarm pays on top is exactly
+what SWARM costs: the stage-0 forward is recomputed in its backward (stateless backward),
+activations and gradients are encoded and sent over HTTP, a stage steps through its
+averaging protocol, the pipeline drains at every step in sync mode, and the trainer process
+(a light client with one torch thread, outside the budget) needs CPU too; per-process CPU
+time is reported so that cost is visible.
+
+Memory: the peak RSS of every daemon (``VmHWM``, read just before it is stopped), of the
+single-process child and of this process (the trainer; it never runs the baseline) are
+reported, with the parameter and optimizer-state bytes of each stage for context.
+
+``--profile`` runs the trainer's timed steps under cProfile and prints the top entries by
+own time; without it, the report still splits each step into the microbatch phase and the
+wait until every stage has stepped, gives mean latencies of the trainer's calls per stage,
+and the daemons' own compute rate (``/status`` ``throughput``).
+
+    .venv/bin/python scripts/bench_pipeline.py                    # a readable summary
+    .venv/bin/python scripts/bench_pipeline.py --json             # one JSON object
+    .venv/bin/python scripts/bench_pipeline.py --preset tiny --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmd.net.client import StageReply
+from swarmd.pipeline.model import build_stage
+from swarmd.pipeline.optimizer import TrainingSpec, apply_step, build_optimizer
+from swarmd.pipeline.spec import PRESETS
+from swarmd.train.data import BatchSampler, load_corpus
+from swarmd.train.trainer import Trainer, TrainerConfig
+
+CORPUS_BYTES = 8 * 2**20  # the trainer's default; passed explicitly to both runs
+SEED = 0
+PROFILE_TOP = 15
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(Exception):
+    """A run could not be completed (a daemon failed to start, a child crashed)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    preset: str
+    steps: int
+    warmup: int
+    batch_size: int
+    microbatch_size: int
+    window: int
+    codec: str
+    sync: bool
+    threads: int
+
+    @property
+    def stages(self) -> int:
+        return PRESETS[self.preset].n_stages
+
+    @property
+    def daemon_threads(self) -> int:
+        return max(1, self.threads // self.stages)
+
+    def microbatch_sizes(self) -> list[int]:
+        """How one global batch is split, exactly as the trainer's sync mode splits it."""
+        sizes = [self.microbatch_size] * (self.batch_size // self.microbatch_size)
+        if self.batch_size % self.microbatch_size:
+            sizes.append(self.batch_size % self.microbatch_size)
+        return sizes
+
+
+# ---- process accounting ---------------------------------------------------------------------
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """``VmHWM`` of a live process (its peak resident set), or None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a live process so far, all its threads together."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 onwards
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14 and 15)
+
+
+def self_peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# ---- single: every stage in one process -------------------------------------------------------
+
+
+def single_run(s: Settings) -> dict[str, Any]:
+    """Train the chained stages in this process; time steps ``warmup + 1 .. warmup + steps``.
+
+    The loop is ``reference_run`` of tests/test_training.py with the trainer's batch split;
+    it runs in a child process of the benchmark so its memory and CPU are its own.
+    """
+    torch.set_num_threads(s.threads)
+    spec = PRESETS[s.preset]
+    training = TrainingSpec(target_batch_size=s.batch_size)  # what the founder publishes
+    corpus = load_corpus(None, max_bytes=CORPUS_BYTES, seed=SEED, seq_len=spec.seq_len)
+    sampler = BatchSampler(corpus.train, spec.seq_len, seed=SEED)
+    stages = [build_stage(spec, k) for k in range(spec.n_stages)]
+    optimizers = [build_optimizer(training, stage.named_parameters()) for stage in stages]
+    sizes = s.microbatch_sizes()
+    losses: list[float] = []
+    step_ends: list[float] = []
+    cpu_at_start = wall_at_start = 0.0
+    for step in range(s.warmup + s.steps):
+        if step == s.warmup:
+            cpu_at_start, wall_at_start = time.process_time(), time.perf_counter()
+        microbatches = [sampler.sample(n) for n in sizes]  # drawn before computing, like the trainer
+        total, weighted = 0, 0.0
+        for x, y in microbatches:
+            h = x
+            for stage in stages[:-1]:
+                h = stage(h)
+            loss = stages[-1](h, y)
+            (loss * x.shape[0]).backward()
+            total += x.shape[0]
+            weighted += loss.item() * x.shape[0]
+        for stage, opt in zip(stages, optimizers):
+            params = list(stage.parameters())
+            for p in params:
+                assert p.grad is not None
+                p.grad /= total
+            apply_step(opt, training, params, step)
+        losses.append(weighted / total)
+        step_ends.append(time.perf_counter())
+    wall = time.perf_counter() - wall_at_start
+    cpu = time.process_time() - cpu_at_start
+    step_s = [b - a for a, b in zip(step_ends[s.warmup - 1 :], step_ends[s.warmup :])]
+    samples = s.steps * s.batch_size
+    return {
+        "samples_per_s": samples / wall,
+        "samples": samples,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "step_ms_median": statistics.median(step_s) * 1e3,
+        "torch_threads": torch.get_num_threads(),
+        "peak_rss_bytes": self_peak_rss_bytes(),
+        "step_losses": losses,
+        "stage_param_bytes": [sum(p.numel() * p.element_size() for p in st.parameters()) for st in stages],
+        "stage_optimizer_state_bytes": [
+            sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor))
+            for opt in optimizers
+        ],
+    }
+
+
+def run_single_child(s: Settings, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """:func:`single_run` in a fresh interpreter (this script with ``--single-child``)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--single-child", json.dumps(asdict(s))],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        _stop(proc)
+    if proc.returncode != 0:
+        raise BenchError(f"the single-process run exited with code {proc.returncode}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+# ---- swarm: one daemon per stage, a trainer in this process -----------------------------------
+
+
+def _stop(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> int | None:
+    """SIGTERM, wait up to ``grace_s``, then SIGKILL; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(10)
+
+
+class DaemonProc:
+    """One ``python -m swarmd`` child on free ports, its state and log in ``workdir``."""
+
+    def __init__(self, index: int, workdir: Path, args: Sequence[str]) -> None:
+        self.index = index
+        self.ready = workdir / f"peer{index}.json"
+        self.log_path = workdir / f"peer{index}.log"
+        self.info: dict[str, Any] = {}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "swarmd", "--port", "0", "--api-port", "0", "--dht-port", "0",
+                 "--device", "cpu", "--drain-timeout", "5", "--state-dir", str(workdir / f"peer{index}"),
+                 "--ready-file", str(self.ready), "--log-level", "WARNING", *args],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"daemon {self.index} failed to start; the end of its log:\n{self.log_tail()}")
+            time.sleep(0.05)
+        self.info = json.loads(self.ready.read_text())
+        return self.info
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://{self.info['api_addr']}/status", timeout=5) as r:
+            body: dict[str, Any] = json.load(r)
+        return body
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        return _stop(self.proc)
+
+
+@dataclass
+class CallStats:
+    count: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Window:
+    """What happened between the end of warm-up step W and the end of step W + N."""
+
+    warmup: int
+    last: int
+    daemons: list[DaemonProc]
+    profiler: cProfile.Profile | None = None
+    open: bool = False
+    t0: float = 0.0
+    t1: float = 0.0
+    samples0: int = 0
+    samples1: int = 0
+    cpu0: dict[int, float | None] = field(default_factory=dict)  # per daemon pid
+    cpu1: dict[int, float | None] = field(default_factory=dict)
+    trainer_cpu_s: float = 0.0  # this process's CPU time inside the window
+    step_ends: list[float] = field(default_factory=list)
+    wait_s: float = 0.0  # in _wait_all_stepped: every microbatch done, waiting for the stages to step
+    calls: dict[str, CallStats] = field(default_factory=dict)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+
+    def _daemon_cpu(self) -> dict[int, float | None]:
+        return {d.pid: cpu_seconds(d.pid) for d in self.daemons}
+
+    def on_step(self, done: int, loss: float, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if self.open or done == self.warmup:
+            self.step_ends.append(now)
+        if done == self.warmup:
+            self.t0, self.samples0, self.cpu0 = now, int(info["samples"]), self._daemon_cpu()
+            self.trainer_cpu_s = -time.process_time()
+            self.open = True
+            if self.profiler is not None:
+                self.profiler.enable()
+        elif done == self.last and self.open:
+            if self.profiler is not None:
+                self.profiler.disable()
+            self.open = False
+            self.t1, self.samples1, self.cpu1 = now, int(info["samples"]), self._daemon_cpu()
+            self.trainer_cpu_s += time.process_time()
+            # before the trainer's final validation, which would feed the daemons' rate EMAs
+            self.statuses = [d.status() for d in self.daemons]
+
+
+class TimedTrainer(Trainer):
+    """A Trainer that books time spent waiting for steps and per stage call, inside the window."""
+
+    def __init__(self, config: TrainerConfig, window: Window) -> None:
+        super().__init__(config, on_step=window.on_step)
+        self.window = window
+
+    async def _wait_all_stepped(self, step: int, sampler: BatchSampler) -> None:
+        started = time.perf_counter()
+        try:
+            await super()._wait_all_stepped(step, sampler)
+        finally:
+            if self.window.open:
+                self.window.wait_s += time.perf_counter() - started
+
+    async def _call(
+        self,
+        stage: int,
+        kind: str,
+        *,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        grad_outputs: torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> StageReply:
+        started = time.perf_counter()
+        reply = await super()._call(stage, kind, inputs=inputs, targets=targets, grad_outputs=grad_outputs, step=step)
+        if self.window.open:
+            stats = self.window.calls.setdefault(f"stage{stage}.{kind}", CallStats())
+            stats.count += 1
+            stats.seconds += time.perf_counter() - started
+        return reply
+
+
+async def swarm_run(s: Settings, workdir: Path, daemons: list[DaemonProc], profile: bool) -> dict[str, Any]:
+    """Start one daemon per stage, train ``warmup + steps`` steps through them, stop them."""
+    common = ["--swarm", "bench", "--announce-period", "2", "--threads", str(s.daemon_threads)]
+    founder = DaemonProc(0, workdir, [*common, "--model", s.preset, "--stage", "0",
+                                      "--target-batch-size", str(s.batch_size)])
+    daemons.append(founder)
+    await asyncio.to_thread(founder.wait_ready)
+    for k in range(1, s.stages):
+        daemons.append(DaemonProc(k, workdir, [*common, "--join", founder.info["dht_addr"], "--stage", str(k)]))
+    await asyncio.gather(*(asyncio.to_thread(d.wait_ready) for d in daemons[1:]))
+
+    torch.set_num_threads(1)  # the trainer only samples, encodes and decodes
+    window = Window(warmup=s.warmup, last=s.warmup + s.steps, daemons=daemons,
+                    profiler=cProfile.Profile() if profile else None)
+    config = TrainerConfig(
+        api=f"http://{founder.info['api_addr']}", steps=s.warmup + s.steps, batch_size=s.batch_size,
+        microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window, sync=s.sync,
+        val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench",
+    )
+    trainer = TimedTrainer(config, window)
+    summary = await trainer.run()
+    assert trainer.training is not None
+    if window.t1 == 0.0:
+        raise BenchError(f"the trainer finished without reaching step {window.last}")
+
+    daemon_reports = []
+    for d, st in zip(daemons, window.statuses):
+        c0, c1 = window.cpu0.get(d.pid), window.cpu1.get(d.pid)
+        throughput = float(st["throughput"])
+        daemon_reports.append({
+            "stage": st["stage"],
+            "pid": d.pid,
+            "threads": s.daemon_threads,
+            "peak_rss_bytes": peak_rss_bytes(d.pid),  # just before it is stopped
+            "cpu_s": None if c0 is None or c1 is None else c1 - c0,
+            "throughput_samples_per_s": throughput,  # its own forward + backward compute rate (EMA)
+            "compute_s_per_step_est": s.batch_size / throughput if throughput else None,
+            "served": st["served"],
+            "step": st["step"],
+            "averaging_rounds_ok": (st.get("averaging") or {}).get("rounds_ok"),
+        })
+    exit_codes = [d.stop() for d in daemons]
+    for report, code in zip(daemon_reports, exit_codes):
+        report["exit_code"] = code
+
+    wall = window.t1 - window.t0
+    samples = window.samples1 - window.samples0
+    step_s = [b - a for a, b in zip(window.step_ends, window.step_ends[1:])]
+    result: dict[str, Any] = {
+        "samples_per_s": samples / wall,
+        "samples": samples,
+        "wall_s": wall,
+        "step_ms_median": statistics.median(step_s) * 1e3 if step_s else None,
+        "phases_s": {  # meaningful in sync mode: a step is its microbatches, then the wait to step
+            "microbatches_and_bookkeeping": wall - window.wait_s,
+            "wait_all_stepped": window.wait_s,
+        },
+        "calls": {
+            name: {"count": c.count, "mean_ms": c.seconds / c.count * 1e3, "total_s": c.seconds}
+            for name, c in sorted(window.calls.items())
+        },
+        "daemons": daemon_reports,
+        "trainer": {
+            "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "cpu_s": window.trainer_cpu_s,
+            "peak_rss_bytes": self_peak_rss_bytes(),
+        },
+        "training_spec_matches_single": trainer.training.digest == TrainingSpec(target_batch_size=s.batch_size).digest,
+        "step_losses": summary.step_losses,
+        "retries": summary.retries,
+        "stale_redos": summary.stale_redos,
+        "topup_microbatches": summary.topup_microbatches,
+        "microbatches_issued": summary.microbatches_issued,
+        "microbatches_completed": summary.microbatches_completed,
+    }
+    if window.profiler is not None:
+        result["profile"] = _profile_report(window.profiler)
+    return result
+
+
+def _profile_report(profiler: cProfile.Profile) -> dict[str, Any]:
+    """The top entries by own time, as rows and as pstats' text."""
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(PROFILE_TOP)
+    # pstats' own table: (file, line, function) -> (primitive calls, calls, own time, cumulative, callers)
+    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = getattr(stats, "stats")
+    total = sum(own for _, _, own, _, _ in raw.values())
+    rows = []
+    for (file, line, func), (_, calls, own, cumulative, _) in sorted(raw.items(), key=lambda kv: -kv[1][2])[:PROFILE_TOP]:
+        rows.append({
+            "function": func if file == "~" else f"{Path(file).name}:{line}({func})",
+            "calls": calls,
+            "tottime_s": round(own, 4),
+            "cumtime_s": round(cumulative, 4),
+            "share_of_total": round(own / total, 4) if total else None,
+        })
+    return {"total_s": total, "top_by_tottime": rows, "text": text.getvalue()}
+
+
+# ---- the comparison -------------------------------------------------------------------------
+
+
+def _max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float | None:
+    pairs = list(zip(a, b))
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in pairs) if pairs else None
+
+
+def run(s: Settings, profile: bool) -> dict[str, Any]:
+    single = run_single_child(s)
+    daemons: list[DaemonProc] = []
+    with tempfile.TemporaryDirectory(prefix="swarmd-bench-") as tmp:
+        try:
+            swarm = asyncio.run(swarm_run(s, Path(tmp), daemons, profile))
+        except BaseException:
+            for d in daemons:
+                tail = d.log_tail()
+                if tail:
+                    print(f"--- daemon {d.index} log (end) ---\n{tail}", file=sys.stderr)
+            raise
+        finally:
+            for d in daemons:
+                d.stop()
+    single_losses, swarm_losses = single.pop("step_losses"), swarm.pop("step_losses")
+    daemon_cpu = sum(d["cpu_s"] or 0.0 for d in swarm["daemons"])
+    cpu_per_sample = {  # CPU seconds (all threads) per trained sample, inside the timed windows
+        "single": single["cpu_s"] / single["samples"],
+        "swarm_daemons": daemon_cpu / swarm["samples"],
+        "swarm_trainer": swarm["trainer"]["cpu_s"] / swarm["samples"],
+    }
+    return {
+        **{k: v for k, v in asdict(s).items()},
+        "stages": s.stages,
+        "daemon_threads": s.daemon_threads,
+        "single_samples_per_s": single["samples_per_s"],
+        "swarm_samples_per_s": swarm["samples_per_s"],
+        "ratio": swarm["samples_per_s"] / single["samples_per_s"],
+        "step_losses_max_rel_diff": _max_rel_diff(swarm_losses, single_losses),
+        "cpu_ms_per_sample": {k: v * 1e3 for k, v in cpu_per_sample.items()},
+        "first_loss": single_losses[0],
+        "final_loss": {"single": single_losses[-1], "swarm": swarm_losses[-1] if swarm_losses else None},
+        "stage_param_bytes": single.pop("stage_param_bytes"),
+        "stage_optimizer_state_bytes": single.pop("stage_optimizer_state_bytes"),
+        "single": single,
+        "swarm": swarm,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "load_average_1m_at_end": os.getloadavg()[0],
+    }
+
+
+def _mib(n: float | None) -> str:
+    return "?" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    sw, si = r["swarm"], r["single"]
+    print(f"preset {r['preset']} ({r['stages']} stages), batch {r['batch_size']} in microbatches of "
+          f"{r['microbatch_size']}, window {r['window']}, codec {r['codec']}, {'sync' if r['sync'] else 'async'}, "
+          f"{r['steps']} timed steps after {r['warmup']} warm-up, {r['threads']} threads "
+          f"({r['daemon_threads']} per daemon)")
+    print(f"single: {r['single_samples_per_s']:8.1f} samples/s  (step {si['step_ms_median']:.0f} ms median, "
+          f"CPU {si['cpu_s'] / si['wall_s']:.2f} cores, peak RSS {_mib(si['peak_rss_bytes'])})")
+    print(f"swarm:  {r['swarm_samples_per_s']:8.1f} samples/s  (step {sw['step_ms_median']:.0f} ms median)")
+    print(f"ratio swarm/single: {r['ratio']:.2f}; step losses agree to {r['step_losses_max_rel_diff']:.1e} (relative)")
+    cpu = r["cpu_ms_per_sample"]
+    print(f"CPU per sample: single {cpu['single']:.1f} ms, swarm {cpu['swarm_daemons']:.1f} ms in the daemons "
+          f"+ {cpu['swarm_trainer']:.1f} ms in the trainer")
+    wall = sw["wall_s"]
+    ph = sw["phases_s"]
+    print(f"swarm window {wall:.1f}s: microbatches {ph['microbatches_and_bookkeeping']:.1f}s, "
+          f"waiting for the stages to step {ph['wait_all_stepped']:.1f}s")
+    for name, c in sw["calls"].items():
+        print(f"  {name:<18} {c['count']:5d} calls, {c['mean_ms']:7.1f} ms mean")
+    for d in sw["daemons"]:
+        print(f"  daemon stage {d['stage']}: compute {d['throughput_samples_per_s']:.0f} samples/s "
+              f"(~{d['compute_s_per_step_est'] or 0:.2f}s per step), CPU {d['cpu_s'] or 0:.1f}s "
+              f"({(d['cpu_s'] or 0) / wall:.2f} cores), peak RSS {_mib(d['peak_rss_bytes'])}")
+    tr = sw["trainer"]
+    print(f"  trainer: CPU {tr['cpu_s']:.1f}s ({tr['cpu_s'] / wall:.2f} cores), peak RSS {_mib(tr['peak_rss_bytes'])}")
+    print("stage parameters: " + ", ".join(_mib(b) for b in r["stage_param_bytes"])
+          + "; optimizer state: " + ", ".join(_mib(b) for b in r["stage_optimizer_state_bytes"]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Run from the repository root with the project's .venv.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model preset (default: small)")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them, at least 1 (default: 3)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
+    p.add_argument("--microbatch-size", type=int, default=8, help="samples per microbatch (default: 8)")
+    p.add_argument("--window", type=int, default=4, help="the trainer's microbatches in flight (default: 4)")
+    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="none",
+                   help="activation codec between stages (default: none)")
+    p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
+                   help="sync mode: one global batch per step, wait for every stage (default: --sync)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of the single run, split evenly over the daemons (default: CPU count)")
+    p.add_argument("--profile", action="store_true", help="run the trainer's timed steps under cProfile")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--single-child", metavar="SETTINGS", help=argparse.SUPPRESS)  # internal
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.single_child is not None:
+        print(json.dumps(single_run(Settings(**json.loads(args.single_child)))))
+        return 0
+    for name in ("steps", "warmup", "batch_size", "microbatch_size", "window", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    settings = Settings(preset=args.preset, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                        microbatch_size=args.microbatch_size, window=args.window, codec=args.codec,
+                        sync=args.sync, threads=args.threads)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C does
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        result = run(settings, args.profile)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BenchError as exc:
+        print(f"bench_pipeline: error: {exc}", file=sys.stderr)
+        return 1
+    profile_text = result["swarm"].get("profile", {}).pop("text", None)
+    if args.json:
+        if profile_text:
+            print(profile_text, file=sys.stderr)
+        print(json.dumps(result))
+    else:
+        print_summary(result)
+        if profile_text:
+            print(f"\ntrainer profile over the timed steps (top {PROFILE_TOP} by own time):\n{profile_text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
