@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="peak learning rate (default: 1e-3)")
     founding.add_argument("--optimizer", choices=("adamw", "lamb"), default=None, help="(default: adamw)")
     founding.add_argument("--warmup-steps", type=non_negative_int, default=None, help="(default: 10)")
+    founding.add_argument("--delay-updates", action="store_true", default=None,
+                          help="delayed parameter updates: keep serving with the previous parameters while a "
+                          "stage averages; gradients one step stale are applied to the next update")
     founding.add_argument("--averaging-timeout", type=_seconds, default=None, metavar="SECONDS",
                           help="a stage's all-reduce stops waiting for missing peers after this (default: 30)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
@@ -232,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "optimizer": args.optimizer,
         "warmup_steps": args.warmup_steps,
         "averaging_timeout_s": args.averaging_timeout,
+        "delay_updates": args.delay_updates,
     }
     given = {k: v for k, v in given.items() if v is not None}
     training = TrainingSpec(**given) if given else None

@@ -86,6 +86,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class MigrationRefused(SwarmdError):
+    """A move between stages that cannot happen now (HTTP 409, or 422 for a stage that does not exist)."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.http_status = status
+
+
 def lock_state_dir(state_dir: Path) -> IO[str]:
     """Hold an exclusive lock on ``state_dir`` for the daemon's life: two daemons sharing one
     key would announce the same peer id and overwrite each other's records."""
@@ -139,6 +147,8 @@ class Daemon:
         self._averager_task: asyncio.Task[None] | None = None
         self._mates_cache: tuple[float, dict[str, str]] | None = None
         self._sync_lock = asyncio.Lock()
+        self.migration: dict[str, Any] | None = None  # the last move between stages, for /status
+        self._migration_task: asyncio.Task[None] | None = None
         self._api_server: _EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
@@ -186,15 +196,7 @@ class Daemon:
             await self.shutdown()
             raise
         self._announce_task = asyncio.create_task(self._announce_loop(), name="swarmd-announce")
-        self.averager = StageAverager(
-            self.executor,
-            peer_id=self.identity.peer_id,
-            stage_peers=self._stage_mates,
-            session=self._session,
-            on_behind=lambda step: self._sync_state(min_step=step, required=False),
-        )
-        self.data_plane.averager = self.averager
-        self._averager_task = asyncio.create_task(self.averager.run(), name="swarmd-averager")
+        self._start_averager()
         self.ready.set()
         log.info(
             "serving stage %d/%d of model %s (%s) in swarm %r as peer %s",
@@ -205,6 +207,96 @@ class Daemon:
             cfg.swarm,
             self.peer_id,
         )
+
+    def _start_averager(self) -> None:
+        assert self.executor is not None and self.identity is not None and self.data_plane is not None
+        self.averager = StageAverager(
+            self.executor,
+            peer_id=self.identity.peer_id,
+            stage_peers=self._stage_mates,
+            session=self._session,
+            on_behind=lambda step: self._sync_state(min_step=step, required=False),
+        )
+        self.data_plane.averager = self.averager
+        self._averager_task = asyncio.create_task(self.averager.run(), name="swarmd-averager")
+
+    async def _stop_averager(self) -> None:
+        if self._averager_task is not None:
+            self._averager_task.cancel()
+            await asyncio.gather(self._averager_task, return_exceptions=True)
+            self._averager_task = None
+        if self.averager is not None:
+            await self.averager.close()
+        if self.data_plane is not None:
+            self.data_plane.averager = None
+
+    # ---- migration -------------------------------------------------------------------------
+
+    async def stage_peer_count(self, stage: int) -> int:
+        """Serving peers of ``stage`` other than this one, as the DHT shows them now."""
+        assert self.membership is not None and self.spec is not None
+        stages = await self.membership.stage_peers(self.spec.n_stages)
+        return sum(1 for pid, r in stages[stage].items() if pid != self.peer_id and r.state == "serving")
+
+    async def request_migration(self, stage: int, *, force: bool = False, reason: str = "by hand") -> dict[str, Any]:
+        """Check a move to ``stage`` and start it in the background; MigrationRefused says why not."""
+        assert self.spec is not None
+        if self.state != "serving" or self._migration_task is not None:
+            raise MigrationRefused(f"this peer is {self.state}; it can move only while serving")
+        if not 0 <= stage < self.spec.n_stages:
+            raise MigrationRefused(f"stage {stage} does not exist: model {self.spec.name} has stages "
+                                   f"0..{self.spec.n_stages - 1}", status=422)
+        if stage == self.stage:
+            raise MigrationRefused(f"this peer already serves stage {stage}")
+        if not force and await self.stage_peer_count(self.stage) == 0:
+            raise MigrationRefused(f"this peer is the last one serving stage {self.stage}; moving would empty it "
+                                   "(send force: true to move anyway)")
+        src = self.stage
+        self.migration = {"from": src, "to": stage, "phase": "starting", "reason": reason,
+                          "started_at": time.time(), "error": None}
+        self._migration_task = asyncio.create_task(self._migrate(stage), name="swarmd-migrate")
+        return dict(self.migration)
+
+    async def _migrate(self, dst: int) -> None:
+        """Leave this stage for ``dst``: announce, drain, swap the stage, download its state."""
+        assert self.data_plane is not None and self.executor is not None and self.spec is not None
+        migration = self.migration
+        assert migration is not None
+        old = self.executor
+        try:
+            self.state = "migrating"
+            migration["phase"] = "draining"
+            await self._announce()
+            await self._stop_averager()
+            await self.data_plane.pause(self.config.net.drain_timeout_s)
+            migration["phase"] = "building"
+            pipe = self.config.pipeline
+            new = await asyncio.to_thread(StageExecutor, self.spec, dst, pipe.device, training=self.training,
+                                          max_batch_tokens=pipe.max_batch_tokens, threads=pipe.threads)
+            self.executor, self.stage = new, dst
+            self.data_plane.executor = new
+            self._mates_cache = None
+            await old.close()
+            migration["phase"] = "downloading"
+            await self._announce()
+            await self._sync_state(min_step=0, required=False)
+            self.state = "serving"
+            migration["phase"] = "done"
+            await self._announce()
+            log.info("moved from stage %d to stage %d (%s) at step %d",
+                     migration["from"], dst, migration["reason"], new.step)
+        except asyncio.CancelledError:
+            migration["phase"] = "cancelled"
+            raise
+        except Exception as exc:  # the move failed: say so and keep serving whatever stage we hold
+            migration["phase"], migration["error"] = "failed", str(exc)
+            log.exception("moving to stage %d failed", dst)
+            self.state = "serving"
+        finally:
+            self.data_plane.resume()
+            if self.state == "serving" and self._averager_task is None:
+                self._start_averager()
+            self._migration_task = None
 
     async def _join_dht(self) -> None:
         dht = self.config.dht
@@ -441,15 +533,14 @@ class Daemon:
         if self._shutdown_done:
             return
         self._shutdown_done = True
-        was_serving = self.state == "serving"
+        was_serving = self.state in ("serving", "migrating")
         self.state = "draining"
         self.ready.clear()
-        for task in (self._announce_task, self._averager_task):
+        for task in (self._announce_task, self._migration_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if self.averager is not None:
-            await self.averager.close()
+        await self._stop_averager()
         if was_serving:
             try:  # tell trainers and peers at once rather than letting the record expire
                 await asyncio.wait_for(self._announce(), 3.0)
@@ -507,6 +598,7 @@ class Daemon:
             "throughput": ex.throughput if ex else 0.0,
             "grad_samples": ex.grad_samples if ex else 0,
             "stale_dropped": ex.stale_dropped if ex else 0,
+            "stale_applied": ex.stale_applied if ex else 0,
             "params_digest": ex.digest if ex else None,
             "averaging": {
                 "rounds_ok": self.averager.rounds_ok,
@@ -514,6 +606,7 @@ class Daemon:
                 "last_round": self.averager.last_round,
             } if self.averager else None,
             "synced_from": self.synced_from,
+            "migration": dict(self.migration) if self.migration else None,
             "served": dict(dp.served) if dp else {},
             "data_addr": self.data_addr,
             "api_addr": format_addr(self.api_addr),

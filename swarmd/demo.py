@@ -76,6 +76,10 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--target-batch-size", type=int, default=32, help="samples per step (default: 32)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="let the trainer run ahead of the steps instead of one batch per step")
+    p.add_argument("--delay-updates", action="store_true",
+                   help="delayed parameter updates: peers keep serving while their stage averages")
     p.add_argument("--no-kill", action="store_true", help="do not kill and replace a peer halfway")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     return p
@@ -121,7 +125,8 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> i
     common = ["--swarm", "demo", "--announce-period", "2"]
     _say(f"starting a swarm of {args.stages} stages x {args.peers} peers on 127.0.0.1 through the swarmd CLI ...")
     founder = Peer(0, workdir, [*common, "--model", model, "--stage", "0", "--target-batch-size",
-                                str(args.target_batch_size), "--lr", str(args.lr), "--averaging-timeout", "10"])
+                                str(args.target_batch_size), "--lr", str(args.lr), "--averaging-timeout", "10",
+                                *(["--delay-updates"] if args.delay_updates else [])])
     peers.append(founder)
     await asyncio.to_thread(founder.wait_ready)
     join = [*common, "--join", founder.info["dht_addr"]]
@@ -133,7 +138,7 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> i
         _say(f"  peer {p.index} joined with --join {founder.info['dht_addr']} on stage {p.info['stage']}")
 
     config = TrainerConfig(api=f"http://{founder.info['api_addr']}", steps=args.steps, codec=args.codec,
-                           microbatch_size=8, window=8, val_every=max(1, args.steps // 6), sync=True)
+                           microbatch_size=8, window=8, val_every=max(1, args.steps // 6), sync=not args.asynchronous)
     kill_at = None if args.no_kill or args.peers < 2 else args.steps // 2
     victim = peers[-1] if kill_at is not None else None
     replacement: list[Peer] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -171,3 +172,22 @@ async def test_8bit_activations_stay_within_the_documented_margin_of_raw() -> No
             assert summary.step_losses[-1] < summary.step_losses[0]
     assert finals["8bit"] != finals["none"]  # the codec really was lossy
     assert abs(finals["8bit"] - finals["none"]) <= EIGHT_BIT_LOSS_MARGIN * finals["none"], finals
+
+
+async def test_delayed_updates_keep_serving_and_keep_peers_identical() -> None:
+    delayed = replace(TRAINING, delay_updates=True)
+    async with swarm(TINY, delayed) as daemons:
+        run = TrainerConfig(api=f"http://{daemons[0].status()['api_addr']}", steps=6, codec="none",
+                            microbatch_size=MICRO, window=6, val_every=0, max_corpus_bytes=CORPUS_BYTES)
+        summary = await Trainer(run).run()
+        assert summary.steps == 6 and summary.microbatches_issued == summary.microbatches_completed
+        assert summary.step_losses[-1] < summary.step_losses[0]
+        for _ in range(100):  # let the last round settle everywhere
+            by_stage = {}
+            for d in daemons:
+                by_stage.setdefault(d.stage, set()).add((d.executor.step, d.executor.digest))
+            if all(len(v) == 1 for v in by_stage.values()):
+                break
+            await asyncio.sleep(0.1)
+        assert all(len(v) == 1 for v in by_stage.values()), by_stage
+        assert sum(d.executor.stale_dropped for d in daemons) <= summary.stale_redos

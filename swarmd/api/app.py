@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from swarmd import __version__
 from swarmd.api.trainers import TrainerRegistry
+from swarmd.errors import SwarmdError
 
 
 class ModelInfo(BaseModel):
@@ -35,11 +36,13 @@ class Status(BaseModel):
     throughput: float = Field(description="samples/s for forward+backward (bias-corrected EMA, alpha 0.1)")
     grad_samples: int = Field(description="samples whose gradients are accumulated since the last step")
     stale_dropped: int = Field(description="backwards refused because their forward ran at an older step")
+    stale_applied: int = Field(description="delayed updates: backwards one step old, applied to the next update")
     params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
     averaging: dict[str, Any] | None = Field(
         description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round"
     )
     synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
+    migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason")
     served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
     data_addr: str | None = Field(description="host:port of the aiohttp data plane")
     api_addr: str | None = Field(description="host:port of this control plane")
@@ -102,6 +105,21 @@ class TrainerInfo(BaseModel):
     last_seen_s: float = Field(description="seconds since its last heartbeat")
 
 
+class MigrateRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    stage: int = Field(ge=0, description="the stage to move to")
+    force: bool = Field(default=False, description="move even if this peer is the last one of its stage")
+
+
+class Migration(BaseModel):
+    model_config = {"extra": "allow"}
+
+    to: int = Field(description="the stage this peer is moving to")
+    phase: str = Field(description="starting | draining | building | downloading | done | failed")
+    reason: str
+
+
 class Health(BaseModel):
     ok: bool
     state: str
@@ -118,6 +136,8 @@ class DaemonView(Protocol):
     async def swarm_view(self) -> dict[str, Any]: ...
 
     def welcome(self) -> dict[str, Any]: ...
+
+    async def request_migration(self, stage: int, *, force: bool = False, reason: str = ...) -> dict[str, Any]: ...
 
 
 def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None) -> FastAPI:
@@ -162,6 +182,16 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None) -> F
             return JSONResponse({"error": "UnknownTrainer", "message": "unknown or expired trainer id; register again"},
                                 status_code=404)
         return Response(status_code=204)
+
+    @app.post("/migrate", response_model=Migration, status_code=202,
+              summary="Move this peer to another stage (drain, download the stage's state, serve it)",
+              responses={409: {"description": "it would empty this peer's stage (unless force), or the peer "
+                               "is not serving"}, 422: {"description": "a bad body or a stage that does not exist"}})
+    async def migrate(body: MigrateRequest) -> Any:
+        try:
+            return await daemon.request_migration(body.stage, force=body.force, reason="POST /migrate")
+        except SwarmdError as exc:
+            return JSONResponse({"error": type(exc).__name__, "message": str(exc)}, status_code=exc.http_status)
 
     @app.get(
         "/healthz",

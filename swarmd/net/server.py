@@ -75,6 +75,7 @@ class DataPlane:
         self.in_flight = 0
         self.served = {"forward": 0, "backward": 0, "rejected": 0}
         self._draining = False
+        self._paused = False  # migrating between stages: new requests get 503
         self._idle = asyncio.Event()
         self._idle.set()
         self._codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="swarmd-codec")
@@ -116,6 +117,19 @@ class DataPlane:
             log.warning("drain timed out after %.1fs with %d request(s) in flight", timeout, self.in_flight)
             return False
 
+    async def pause(self, timeout: float) -> bool:
+        """Answer new requests with 503 (retry elsewhere) and wait for in-flight ones: a peer
+        changing stage must not swap its stage under a running request. False on timeout."""
+        self._paused = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def resume(self) -> None:
+        self._paused = False
+
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -129,6 +143,9 @@ class DataPlane:
         if self._draining:
             self.served["rejected"] += 1
             return error_response(503, "Draining", "this peer is shutting down; send the request to another peer")
+        if self._paused and request.path != "/v1/progress":
+            self.served["rejected"] += 1
+            return error_response(503, "Migrating", "this peer is moving to another stage; send the request elsewhere")
         self.in_flight += 1
         self._idle.clear()
         try:

@@ -85,7 +85,7 @@ class StageAverager:
         peer_id: str,
         stage_peers: StagePeers,
         session: aiohttp.ClientSession,
-        poll_s: float = 0.2,
+        poll_s: float = 0.05,
         on_behind: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.executor = executor

@@ -19,6 +19,11 @@ older step is refused with ``StaleStep`` and counted (its gradient would mix two
 parameters), one for a newer step with ``PeerBehind``. While the stage's gradients are out for
 averaging, backwards are refused with ``Busy`` (retry shortly), so no gradient computed at step
 ``s`` can land after the update to ``s + 1``.
+
+With delayed parameter updates (``TrainingSpec.delay_updates``, paper section 3.3) the stage
+keeps serving with the previous parameters while its round runs: backwards accumulate into the
+*next* update, and a backward whose forward ran one step ago is accepted (staleness exactly 1,
+counted in ``stale_applied``); two or more steps old is still refused.
 """
 
 from __future__ import annotations
@@ -127,6 +132,7 @@ class StageExecutor:
         self.averaging = False  # gradients are out for averaging: backwards are refused (Busy)
         self.out_samples = 0  # samples of the contribution out for averaging
         self.stale_dropped = 0  # backwards refused because they were computed at an older step
+        self.stale_applied = 0  # delayed updates: backwards one step old, accumulated into the next update
         self.dropped_samples = 0  # accumulated samples discarded by adopting a neighbour's state
         self.last_grad_norm: float | None = None
         self.digest = params_digest(self.module)  # of the parameters at ``step``; refreshed on every change
@@ -272,9 +278,13 @@ class StageExecutor:
         return ForwardResult(outputs=out.detach().cpu(), step=self.step)
 
     def _check_step(self, step: int | None) -> None:
-        if self.averaging:
+        delayed = self.training.delay_updates
+        if self.averaging and not delayed:
             raise Busy(f"stage {self.stage} is averaging the gradients of step {self.step}; retry shortly")
         if step is None or step == self.step:
+            return
+        if delayed and step == self.step - 1:
+            self.stale_applied += 1  # delayed updates: staleness exactly 1 is part of the rule
             return
         if step < self.step:
             self.stale_dropped += 1
@@ -357,10 +367,14 @@ class StageExecutor:
             self.averaging = False
             self.out_samples = 0
             raise StaleStep(f"an average for step {step} reached stage {self.stage} at step {self.step}")
+        # Under delayed updates the stage kept serving during the round: what it accumulated
+        # meanwhile belongs to the next update, so it is set aside and put back after this one.
+        held = [p.grad for p in self.params]
         self._set_grads(mean_grads)
         norm = apply_step(self.optimizer, self.training, self.params, self.step)
+        for p, grad in zip(self.params, held):
+            p.grad = grad
         self.step += 1
-        self.grad_samples = 0
         self.averaging = False
         self.out_samples = 0
         self.last_grad_norm = norm

@@ -236,10 +236,14 @@ class Trainer:
                 done, in_flight = await asyncio.wait(in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()
+            # finish what is in flight rather than abandon it: every microbatch issued completes
+            # (its gradients count towards the swarm's next step)
+            for task in asyncio.as_completed(in_flight):
+                await task
+            in_flight = set()
         finally:
-            for task in in_flight:
+            for task in in_flight:  # only after an error: cancel the rest
                 task.cancel()
-            # a cancelled microbatch was never completed: count it honestly
             await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def _run_sync(self, sampler: BatchSampler, validation: list) -> None:
@@ -343,7 +347,6 @@ class Trainer:
         deadline = time.monotonic() + self.config.stage_wait_timeout_s
         short_since: float | None = None
         while True:
-            await self._refresh_view(force=True)
             lagging = []
             missing = 0
             for stage, seen in enumerate(await self._poll_progress()):
