@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from swarmd import __version__
-from swarmd.config import DEFAULT_API_PORT, ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig
+from swarmd.config import DEFAULT_API_PORT, ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
 from swarmd.errors import ConfigError, SwarmdError
 
 log = logging.getLogger("swarmd")
@@ -181,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"where the peer's identity key is kept, one directory per daemon (default: {default_state_dir()})",
     )
+    p.add_argument("--rebalance-policy", choices=("adaptive", "swarm", "none"), default="adaptive",
+                   help="how peers move between stages: adaptive (ours), swarm (the paper's Algorithm 2) or none; "
+                   "every peer of a swarm should use the same (default: adaptive)")
+    p.add_argument("--rebalance-period", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="how often the policy runs (adaptive also runs when peers join or leave) (default: 300)")
     p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -255,6 +260,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             bootstrap_timeout_s=args.bootstrap_timeout,
             state_dir=args.state_dir or default_state_dir(),
         ),
+        rebalance=RebalanceConfig(policy=args.rebalance_policy, period_s=args.rebalance_period),
         pipeline=PipelineConfig(
             spec=spec, stage=args.stage, training=training, device=resolve_device(args.device), threads=args.threads
         ),

@@ -52,6 +52,15 @@ class DHTConfig:
 
 
 @dataclass(frozen=True)
+class RebalanceConfig:
+    """The live rebalancing task: which policy, how often (``swarmd.pipeline.rebalance``)."""
+
+    policy: str = "adaptive"  # every peer of a swarm should run the same one
+    period_s: float = 300.0  # a decision every period, and on membership changes (adaptive)
+    cooldown_s: float = 30.0  # after moving, a peer takes no other decision for this long
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     """Which stage of which model this peer serves, and on what hardware."""
 
@@ -70,3 +79,4 @@ class Config:
     net: NetConfig = field(default_factory=NetConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import random
 import socket
@@ -55,7 +56,7 @@ from swarmd.net.state_transfer import download_state
 from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.optimizer import TrainingSpec
-from swarmd.pipeline.rebalance import StageLoad, choose_stage
+from swarmd.pipeline.rebalance import PeerLoad, StageLoad, SwarmSnapshot, choose_stage, get_policy
 from swarmd.pipeline.spec import PRESETS, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class Daemon:
         self._sync_lock = asyncio.Lock()
         self.migration: dict[str, Any] | None = None  # the last move between stages, for /status
         self._migration_task: asyncio.Task[None] | None = None
+        self._rebalance_task: asyncio.Task[None] | None = None
+        self._last_sync_s: float | None = None  # how long the last state download took
+        self._moved_at = -math.inf  # monotonic time of this peer's last move
         self._api_server: _EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
@@ -197,6 +201,7 @@ class Daemon:
             raise
         self._announce_task = asyncio.create_task(self._announce_loop(), name="swarmd-announce")
         self._start_averager()
+        self._rebalance_task = asyncio.create_task(self._rebalance_loop(), name="swarmd-rebalance")
         self.ready.set()
         log.info(
             "serving stage %d/%d of model %s (%s) in swarm %r as peer %s",
@@ -283,6 +288,7 @@ class Daemon:
             self.state = "serving"
             migration["phase"] = "done"
             await self._announce()
+            self._moved_at = time.monotonic()
             log.info("moved from stage %d to stage %d (%s) at step %d",
                      migration["from"], dst, migration["reason"], new.step)
         except asyncio.CancelledError:
@@ -297,6 +303,52 @@ class Daemon:
             if self.state == "serving" and self._averager_task is None:
                 self._start_averager()
             self._migration_task = None
+
+    async def _rebalance_loop(self) -> None:
+        """Run the rebalancing policy every period and when the swarm's membership changes.
+
+        Every peer runs the same pure policy on (nearly) the same DHT snapshot and moves only
+        when a returned move names it, so two peers never race for one move.
+        """
+        assert self.membership is not None and self.spec is not None
+        cfg = self.config.rebalance
+        policy = get_policy(cfg.policy)
+        check_every = min(self.config.dht.announce_period_s, cfg.period_s)
+        last_period = time.monotonic()
+        known: set[str] | None = None
+        while True:
+            await asyncio.sleep(check_every * random.uniform(0.9, 1.1))
+            if self.state != "serving" or self._migration_task is not None:
+                continue
+            try:
+                stages = await self.membership.stage_peers(self.spec.n_stages)
+            except SwarmdError as exc:
+                log.warning("rebalancing could not read the swarm: %s", exc)
+                continue
+            records = [r for records in stages for r in records.values()]
+            ids = {r.peer_id for r in records if r.state != "draining"}
+            event = None
+            if known is not None and ids != known:
+                event = "leave" if known - ids else "join"
+            known = ids
+            now = time.monotonic()
+            if now - last_period >= cfg.period_s:
+                event, last_period = "period", now
+            if event is None or now - self._moved_at < cfg.cooldown_s:
+                continue
+            snapshot = SwarmSnapshot(
+                n_stages=self.spec.n_stages,
+                peers=tuple(PeerLoad(r.peer_id, r.stage, r.state, r.throughput, r.queue) for r in records),
+                now=time.time(),
+            )
+            download_s = self._last_sync_s if self._last_sync_s is not None else 60.0
+            moves = [m for m in policy.decide(snapshot, event=event, download_s=download_s) if m.peer_id == self.peer_id]
+            if moves:
+                move = moves[0]
+                try:
+                    await self.request_migration(move.dst, reason=f"rebalance: {policy.name} on {event}")
+                except SwarmdError as exc:
+                    log.info("rebalancing wanted this peer on stage %d but: %s", move.dst, exc)
 
     async def _join_dht(self) -> None:
         dht = self.config.dht
@@ -443,6 +495,7 @@ class Daemon:
                     log.warning("state from %s does not match its digest; trying the next stage-mate", donor.peer_id[:12])
                     continue
                 self.synced_from = donor.peer_id
+                self._last_sync_s = time.monotonic() - started
                 log.info("adopted the state of stage %d at step %d from %s in %.2fs (params %s)",
                          self.stage, self.executor.step, donor.peer_id[:12], time.monotonic() - started, digest[:12])
                 return True
@@ -536,7 +589,7 @@ class Daemon:
         was_serving = self.state in ("serving", "migrating")
         self.state = "draining"
         self.ready.clear()
-        for task in (self._announce_task, self._migration_task):
+        for task in (self._announce_task, self._rebalance_task, self._migration_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmd.config import ApiConfig, Config, NetConfig, PipelineConfig
+from swarmd.config import ApiConfig, Config, NetConfig, PipelineConfig, RebalanceConfig
 from swarmd.daemon import Daemon
 from swarmd.pipeline.spec import PRESETS, ModelSpec
 
@@ -28,6 +28,7 @@ def daemon_config(stage: int = 0, spec: ModelSpec = TINY, **net: object) -> Conf
         swarm="test",
         net=replace(NetConfig(host="127.0.0.1", port=0, drain_timeout_s=10.0), **net),
         api=ApiConfig(host="127.0.0.1", port=0),
+        rebalance=RebalanceConfig(policy="none"),
         pipeline=PipelineConfig(spec=spec, stage=stage, device="cpu"),
     )
 

@@ -65,3 +65,49 @@ async def test_post_migrate_moves_a_peer_and_refuses_to_empty_a_stage() -> None:
     finally:
         for d in reversed(daemons):
             await d.shutdown()
+
+
+async def test_a_live_swarm_heals_an_imbalanced_stage_while_training() -> None:
+    from swarmd.config import RebalanceConfig
+
+    rebalance = RebalanceConfig(policy="adaptive", period_s=2.0, cooldown_s=5.0)
+    daemons: list[Daemon] = []
+    try:
+        founder = Daemon(config(0, TINY, TRAINING, rebalance=rebalance))
+        daemons.append(founder)
+        await founder.start()
+        for stage in (0, 0, 1):  # three peers forced onto stage 0, one on stage 1
+            d = Daemon(config(stage, TINY, TRAINING, (founder.dht.address,), rebalance=rebalance))
+            daemons.append(d)
+            await d.start()
+        run = TrainerConfig(api=f"http://{founder.status()['api_addr']}", steps=60, sync=True, codec="none",
+                            microbatch_size=MICRO, val_every=0, max_corpus_bytes=CORPUS_BYTES)
+        trainer = Trainer(run)
+        training = asyncio.create_task(trainer.run())
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while sum(d.stage == 1 for d in daemons) < 2:
+                assert loop.time() < deadline, "no peer moved to the starved stage within 30 s"
+                assert not training.done(), training.exception() if training.done() else None
+                await asyncio.sleep(0.2)
+            mover = next(d for d in daemons[:3] if d.stage == 1)
+            lone = daemons[3]
+            await wait_for(lambda: mover.state == "serving" and mover.migration["phase"] == "done")
+            assert "rebalance: adaptive" in mover.migration["reason"]
+            # its parameters then match stage 1's, and training goes on through it
+            served_before = mover.data_plane.served["backward"]
+            step_at_move = lone.executor.step
+            await wait_for(lambda: lone.executor.step >= step_at_move + 3 and mover.executor.step == lone.executor.step
+                           and mover.data_plane.served["backward"] > served_before, timeout=30)
+            assert mover.executor.digest == lone.executor.digest
+            assert sum(d.stage == 0 for d in daemons) == 2  # no stage was emptied
+            summary = await training  # the run finishes all its steps
+        finally:
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+        assert summary.steps == 60 and summary.microbatches_issued == summary.microbatches_completed
+        assert summary.step_losses[-1] < summary.step_losses[0]
+    finally:
+        for d in reversed(daemons):
+            await d.shutdown()

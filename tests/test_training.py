@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig
+from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
 from swarmd.daemon import Daemon
 from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.optimizer import TrainingSpec, apply_step, build_optimizer
@@ -25,12 +25,15 @@ CORPUS_BYTES = 1 << 20
 MICRO = 4
 
 
-def config(stage: int, spec: ModelSpec, training: TrainingSpec, join: tuple = ()) -> Config:
+def config(
+    stage: int, spec: ModelSpec, training: TrainingSpec, join: tuple = (), rebalance: RebalanceConfig | None = None
+) -> Config:
     return Config(
         swarm="train-test",
         net=NetConfig(host="127.0.0.1", port=0, drain_timeout_s=5.0),
         api=ApiConfig(host="127.0.0.1", port=0),
         dht=DHTConfig(join=join, announce_period_s=1.0, bootstrap_timeout_s=10.0),
+        rebalance=rebalance or RebalanceConfig(policy="none"),
         pipeline=PipelineConfig(spec=spec if not join else None, stage=stage, training=training if not join else None),
     )
 
