@@ -657,6 +657,7 @@ class Daemon:
                 "rounds_ok": self.averager.rounds_ok,
                 "rounds_aborted": self.averager.rounds_aborted,
                 "last_round": self.averager.last_round,
+                "recent": list(self.averager.history)[-32:],
             } if self.averager else None,
             "synced_from": self.synced_from,
             "migration": dict(self.migration) if self.migration else None,

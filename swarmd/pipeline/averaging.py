@@ -38,6 +38,7 @@ import asyncio
 import io
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,7 @@ class StageAverager:
         self.rounds_ok = 0
         self.rounds_aborted = 0
         self.last_round: dict[str, Any] | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=256)  # recent rounds this peer took part in
         self._leader_view: str | None = None
         self._round: _OpenRound | None = None
         self._suspects: dict[str, float] = {}  # leaders that failed us, excluded until this time
@@ -367,6 +369,7 @@ class StageAverager:
             "contributors": result.contributors,
             "missing": missing,
         }
+        self.history.append(self.last_round)
         log.info("stage %d step %d: round %s with %d samples from %d peer(s)%s",
                  self.executor.stage, result.step, result.status, result.samples, result.contributors,
                  f", missing {len(missing)}" if missing else "")

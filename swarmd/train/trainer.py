@@ -68,6 +68,7 @@ class TrainerConfig:
     refresh_s: float = 2.0  # how often the stage map is re-read from /swarm
     max_corpus_bytes: int = 8 * 2**20
     name: str = "trainer"
+    max_seconds: float | None = None  # stop after the step that ends past this (chaos runs)
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "window", "val_batches", "max_corpus_bytes"):
@@ -220,6 +221,7 @@ class Trainer:
         cfg = self.config
         start = await self._swarm_step()
         target = start + cfg.steps
+        started = time.monotonic()
         done_steps = 0
         in_flight: set[asyncio.Task[tuple[float, int, int]]] = set()
         try:
@@ -228,7 +230,9 @@ class Trainer:
                 while done_steps < step_now - start:
                     done_steps += 1
                     await self._finish_step(start + done_steps - 1, done_steps, validation)
-                if step_now >= target:
+                if step_now >= target or (
+                    cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds
+                ):
                     break
                 while len(in_flight) < cfg.window:
                     x, y = sampler.sample(cfg.microbatch_size)
@@ -257,7 +261,10 @@ class Trainer:
                 "in --sync mode the stages would never step"
             )
         start = await self._swarm_step()
+        began = time.monotonic()
         for i in range(cfg.steps):
+            if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
+                break
             step = start + i
             sizes = [cfg.microbatch_size] * (batch // cfg.microbatch_size)
             if batch % cfg.microbatch_size:

@@ -1,0 +1,190 @@
+"""Chaos run: train on a local swarm while peers are SIGKILLed and replaced, and count the damage.
+
+    python scripts/chaos.py --duration 60 --kill-every 10 --json
+
+A swarm of ``--stages`` x ``--peers`` daemons (subprocesses through the real CLI) trains the tiny
+model with a trainer in this process (``--sync``: one global batch per step). Every
+``--kill-every`` seconds a random peer other than the founder (the trainer's control plane) gets
+SIGKILL and a replacement joins its stage over the DHT, downloading the stage's state. Then an
+undisturbed swarm trains the same number of steps from the same seed, for the reference loss.
+
+Prints one JSON object: steps, kills, min_samples_per_step (per stage, over every successful
+averaging round any peer reported), microbatches_issued / _completed, lost_microbatches,
+max_stall_s (the longest gap between two steps), final_loss and reference_final_loss, and
+whether each requirement held (``ok``). Requirements (issue #6): no stage step aggregates fewer
+than target_batch_size samples; nothing lost; no stall longer than the DHT expiry plus one
+request timeout while every stage keeps a live peer; final loss within 10% of the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from swarmd.demo import Peer  # noqa: E402  (the same child-process handling as the demo)
+from swarmd.train.trainer import Trainer, TrainerConfig  # noqa: E402
+
+ANNOUNCE_S = 1.0
+REQUEST_TIMEOUT_S = 10.0
+
+
+def start_swarm(workdir: Path, stages: int, peers: int, target: int, tag: str) -> list[Peer]:
+    common = ["--swarm", f"chaos-{tag}", "--announce-period", str(ANNOUNCE_S), "--log-level", "WARNING",
+              "--rebalance-policy", "none"]
+    founder = Peer(0, workdir, [*common, "--model", "tiny", "--stage", "0", "--target-batch-size", str(target),
+                                "--averaging-timeout", "5"])
+    founder.wait_ready()
+    swarm = [founder]
+    for i in range(1, stages * peers):
+        swarm.append(Peer(i, workdir, [*common, "--join", founder.info["dht_addr"], "--stage", str(i % stages)]))
+    for p in swarm[1:]:
+        p.wait_ready()
+    return swarm
+
+
+def collect_rounds(peers: list[Peer], rounds: dict[tuple[int, int], int]) -> None:
+    """Merge every live peer's recent successful rounds into {(stage, step): samples}."""
+    for p in peers:
+        if p.proc.poll() is not None:
+            continue
+        try:
+            st = httpx.get(f"http://{p.info['api_addr']}/status", timeout=2).json()
+        except httpx.HTTPError:
+            continue
+        for r in (st.get("averaging") or {}).get("recent", []):
+            if r["status"] == "ok":
+                rounds[(st["stage"], r["step"])] = max(rounds.get((st["stage"], r["step"]), 0), r["samples"])
+
+
+async def chaos_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    peers = await asyncio.to_thread(start_swarm, workdir / "chaos", args.stages, args.peers, args.target_batch_size,
+                                    "run")
+    rounds: dict[tuple[int, int], int] = {}
+    step_times: list[float] = []
+    kills = 0
+    rng = random.Random(args.seed)
+    try:
+        config = TrainerConfig(api=f"http://{peers[0].info['api_addr']}", steps=10**6, sync=True,
+                               microbatch_size=args.microbatch_size, seed=args.seed, val_every=0,
+                               max_seconds=args.duration, request_timeout_s=REQUEST_TIMEOUT_S,
+                               max_corpus_bytes=2 << 20)
+        trainer = Trainer(config, on_step=lambda step, loss, info: step_times.append(time.monotonic()))
+        training = asyncio.create_task(trainer.run())
+        started = time.monotonic()
+        next_kill = started + args.kill_every
+        while not training.done():
+            await asyncio.sleep(0.25)
+            await asyncio.to_thread(collect_rounds, peers, rounds)
+            if time.monotonic() >= next_kill and time.monotonic() - started < args.duration:
+                next_kill += args.kill_every
+                live = [p for p in peers[1:] if p.proc.poll() is None]
+                victim = rng.choice(live)
+                victim.proc.kill()
+                kills += 1
+                replacement = Peer(len(peers), workdir / "chaos",
+                                   ["--swarm", "chaos-run", "--announce-period", str(ANNOUNCE_S), "--log-level",
+                                    "WARNING", "--rebalance-policy", "none", "--join", peers[0].info["dht_addr"],
+                                    "--stage", str(victim.info["stage"])])
+                peers.append(replacement)
+                await asyncio.to_thread(replacement.wait_ready)
+        summary = await training
+        await asyncio.to_thread(collect_rounds, peers, rounds)
+    finally:
+        for p in peers:
+            p.stop()
+    gaps = [b - a for a, b in zip(step_times, step_times[1:])]
+    per_stage: dict[int, int] = {}
+    for (stage, _), samples in rounds.items():
+        per_stage[stage] = min(per_stage.get(stage, samples), samples)
+    return {"summary": summary, "kills": kills, "min_samples_per_step": per_stage,
+            "max_stall_s": round(max(gaps, default=0.0), 3), "rounds_seen": len(rounds)}
+
+
+async def reference_run(args: argparse.Namespace, workdir: Path, steps: int) -> float | None:
+    peers = await asyncio.to_thread(start_swarm, workdir / "reference", args.stages, args.peers,
+                                    args.target_batch_size, "ref")
+    try:
+        config = TrainerConfig(api=f"http://{peers[0].info['api_addr']}", steps=steps, sync=True,
+                               microbatch_size=args.microbatch_size, seed=args.seed, val_every=0,
+                               max_corpus_bytes=2 << 20)
+        return (await Trainer(config).run()).final_loss
+    finally:
+        for p in peers:
+            p.stop()
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "chaos").mkdir()
+        (workdir / "reference").mkdir()
+        run = await chaos_run(args, workdir)
+        s = run["summary"]
+        reference = await reference_run(args, workdir, s.steps) if s.steps else None
+    stall_bound = 3 * ANNOUNCE_S + REQUEST_TIMEOUT_S
+    lost = s.microbatches_issued - s.microbatches_completed
+    result = {
+        "steps": s.steps,
+        "kills": run["kills"],
+        "min_samples_per_step": run["min_samples_per_step"],
+        "target_batch_size": args.target_batch_size,
+        "microbatches_issued": s.microbatches_issued,
+        "microbatches_completed": s.microbatches_completed,
+        "lost_microbatches": lost,
+        "topup_microbatches": s.topup_microbatches,
+        "retries": s.retries,
+        "stale_redos": s.stale_redos,
+        "max_stall_s": run["max_stall_s"],
+        "stall_bound_s": stall_bound,
+        "final_loss": s.final_loss,
+        "reference_final_loss": reference,
+        "rounds_seen": run["rounds_seen"],
+        "duration_s": args.duration,
+        "kill_every_s": args.kill_every,
+        "stages": args.stages,
+        "peers_per_stage": args.peers,
+    }
+    checks = {
+        "full_batches": bool(run["min_samples_per_step"])
+        and min(run["min_samples_per_step"].values()) >= args.target_batch_size,
+        "nothing_lost": lost == 0,
+        "no_long_stall": run["max_stall_s"] <= stall_bound,
+        "loss_within_10pct": reference is not None and s.final_loss is not None
+        and abs(s.final_loss - reference) <= 0.1 * reference,
+    }
+    result["checks"] = checks
+    result["ok"] = all(checks.values())
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of training under chaos (default: 60)")
+    p.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills (default: 10)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--peers", type=int, default=3, help="peers per stage (default: 3)")
+    p.add_argument("--target-batch-size", type=int, default=16)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    args = p.parse_args()
+    if args.duration <= 0 or args.kill_every <= 0 or args.peers < 2:
+        p.error("--duration and --kill-every must be positive, and --peers at least 2 (a stage must survive a kill)")
+    result = asyncio.run(main_async(args))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
