@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
     p.add_argument("--api-host", default="127.0.0.1", help="control-plane listen address (default: 127.0.0.1)")
+    p.add_argument("--api-token-file", type=Path, default=None, metavar="FILE",
+                   help="a file holding the control plane's bearer token; required when --api-host is not a "
+                   "loopback address (mutating endpoints then need 'Authorization: Bearer <token>')")
     p.add_argument(
         "--api-port", type=_port, default=DEFAULT_API_PORT, help=f"control-plane port; 0 picks a free one (default: {DEFAULT_API_PORT})"
     )
@@ -217,6 +221,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(path: Path) -> str:
+    """The first line of ``path``: a secret of at least 16 characters."""
+    try:
+        token = path.read_text().strip().splitlines()[0].strip() if path.read_text().strip() else ""
+    except OSError as exc:
+        raise ConfigError(f"cannot read --api-token-file {path}: {exc.strerror or exc}") from exc
+    if len(token) < 16:
+        raise ConfigError(f"the token in {path} is shorter than 16 characters; use a long random secret "
+                          "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
 def resolve_device(device: str) -> str:
     import torch
 
@@ -248,10 +273,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--stage {args.stage} is out of range: model {spec.name} has stages 0..{spec.n_stages - 1}")
     if not args.drain_timeout >= 0:
         raise ConfigError("--drain-timeout must be a non-negative number of seconds")
+    token = read_token(args.api_token_file) if args.api_token_file else None
+    if token is None and not is_loopback(args.api_host):
+        raise ConfigError(
+            f"--api-host {args.api_host} exposes the control plane beyond this machine: give --api-token-file FILE "
+            "so that migrating or registering needs the token"
+        )
     return Config(
         swarm=args.swarm,
         net=NetConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout),
-        api=ApiConfig(host=args.api_host, port=args.api_port),
+        api=ApiConfig(host=args.api_host, port=args.api_port, token=token),
         dht=DHTConfig(
             host=args.dht_host,
             port=args.dht_port,

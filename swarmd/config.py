@@ -33,6 +33,7 @@ class ApiConfig:
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_API_PORT
+    token: str | None = None  # required for mutating endpoints when set (and by the CLI off loopback)
 
 
 @dataclass(frozen=True)

@@ -553,7 +553,7 @@ class Daemon:
         self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
         config = uvicorn.Config(
-            create_app(self),
+            create_app(self, api_token=self.config.api.token),
             log_config=None,
             log_level="warning",
             access_log=False,

@@ -160,3 +160,12 @@ def test_train_against_no_daemon_exits_1_naming_the_address() -> None:
     out = run_cli("train", "--api", "http://127.0.0.1:9", "--steps", "1")
     assert out.returncode == 1
     assert "cannot register with the daemon at http://127.0.0.1:9" in out.stderr
+
+
+def test_control_plane_off_loopback_needs_a_token(tmp_path) -> None:
+    out = run_cli("--api-host", "0.0.0.0", "--state-dir", str(tmp_path))
+    assert out.returncode == 2 and "--api-token-file" in out.stderr
+    short = tmp_path / "token"
+    short.write_text("abc\n")
+    out = run_cli("--api-host", "0.0.0.0", "--api-token-file", str(short), "--state-dir", str(tmp_path))
+    assert out.returncode == 2 and "shorter than 16 characters" in out.stderr

@@ -6,8 +6,10 @@ import asyncio
 from dataclasses import replace
 
 import httpx
+import pytest
 
 from swarmd.daemon import Daemon
+from swarmd.errors import SwarmdError
 from swarmd.train.trainer import Trainer, TrainerConfig
 from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, config
 
@@ -111,3 +113,28 @@ async def test_a_live_swarm_heals_an_imbalanced_stage_while_training() -> None:
     finally:
         for d in reversed(daemons):
             await d.shutdown()
+
+
+async def test_an_api_token_guards_mutating_endpoints_only(tmp_path) -> None:
+    from swarmd.config import ApiConfig
+
+    token = "s3cret-token-of-enough-length"
+    d = Daemon(replace(config(0, TINY, TRAINING), api=ApiConfig(host="127.0.0.1", port=0, token=token)))
+    await d.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{d.status()['api_addr']}") as api:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+                assert (await api.post("/migrate", json={"stage": 1}, headers=headers)).status_code == 401
+                assert (await api.post("/trainers", json={}, headers=headers)).status_code == 401
+            assert (await api.get("/status")).status_code == 200  # read-only stays open
+            assert (await api.get("/swarm")).status_code == 200
+            good = {"Authorization": f"Bearer {token}"}
+            r = await api.post("/migrate", json={"stage": 1}, headers=good)
+            assert r.status_code == 409 and "last one" in r.json()["message"]  # past the guard
+            assert (await api.post("/trainers", json={}, headers=good)).status_code == 201
+        run = TrainerConfig(api=f"http://{d.status()['api_addr']}", steps=1, sync=True, codec="none",
+                            microbatch_size=MICRO, val_every=0, max_corpus_bytes=CORPUS_BYTES)
+        with pytest.raises(SwarmdError, match="401"):
+            await Trainer(run).run()
+    finally:
+        await d.shutdown()

@@ -3,13 +3,21 @@
 Served by uvicorn on the daemon's own event loop (see ``swarmd.daemon``), bound to
 127.0.0.1:8080 by default. Endpoints read the daemon through a small protocol so this module
 never reaches into its internals, and the OpenAPI docs at ``/docs`` describe every field.
+
+Security: with an API token (required by the CLI when the control plane listens on anything
+but loopback), every endpoint that changes state (``POST /migrate``, ``POST /trainers``, the
+heartbeat) requires ``Authorization: Bearer <token>``, compared in constant time; a missing or
+wrong token gets 401. Read-only endpoints (``/status``, ``/swarm``, ``/trainers``, ``/healthz``,
+``/docs``) stay open: they reveal nothing a swarm member could not read from the DHT.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from fastapi import FastAPI
+import hmac
+
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
@@ -140,13 +148,25 @@ class DaemonView(Protocol):
     async def request_migration(self, stage: int, *, force: bool = False, reason: str = ...) -> dict[str, Any]: ...
 
 
-def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None) -> FastAPI:
+def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_token: str | None = None) -> FastAPI:
     registry = trainers or TrainerRegistry()
     app = FastAPI(
         title="swarmd control plane",
         version=__version__,
         description="Status and control of one swarmd peer (SWARM parallelism).",
     )
+    expected = f"Bearer {api_token}".encode() if api_token else None
+
+    async def authorized(request: Request) -> None:
+        """Mutating endpoints: a constant-time check of the bearer token, when one is set."""
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise HTTPException(status_code=401, detail="this endpoint needs 'Authorization: Bearer <api token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    guarded = [Depends(authorized)]
 
     @app.get("/status", response_model=Status, summary="This peer's identity, stage, load and addresses")
     async def status() -> dict[str, Any]:
@@ -158,7 +178,7 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None) -> F
             return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
         return await daemon.swarm_view()
 
-    @app.post("/trainers", response_model=TrainerWelcome, status_code=201,
+    @app.post("/trainers", response_model=TrainerWelcome, status_code=201, dependencies=guarded,
               summary="Register a trainer; returns its id, the swarm's model, training settings and step",
               responses={503: {"description": "not serving yet, or too many trainers"}})
     async def register_trainer(body: TrainerRequest | None = None) -> Any:
@@ -174,7 +194,7 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None) -> F
     async def list_trainers() -> Any:
         return registry.live()
 
-    @app.post("/trainers/{trainer_id}/heartbeat", status_code=204, response_model=None,
+    @app.post("/trainers/{trainer_id}/heartbeat", status_code=204, response_model=None, dependencies=guarded,
               summary="Keep a registration alive",
               responses={404: {"description": "unknown or expired registration: register again"}})
     async def heartbeat(trainer_id: str) -> Response:
@@ -183,7 +203,7 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None) -> F
                                 status_code=404)
         return Response(status_code=204)
 
-    @app.post("/migrate", response_model=Migration, status_code=202,
+    @app.post("/migrate", response_model=Migration, status_code=202, dependencies=guarded,
               summary="Move this peer to another stage (drain, download the stage's state, serve it)",
               responses={409: {"description": "it would empty this peer's stage (unless force), or the peer "
                                "is not serving"}, 422: {"description": "a bad body or a stage that does not exist"}})

@@ -23,6 +23,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     )
     p.add_argument("--api", default="http://127.0.0.1:8080", metavar="URL",
                    help="control plane of any daemon of the swarm (default: http://127.0.0.1:8080)")
+    p.add_argument("--api-token-file", default=None, metavar="FILE",
+                   help="a file holding the daemon's control-plane token, if it has one")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or folder to train on (default: the Python standard library's sources)")
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps the swarm takes (default: 50)")
@@ -50,8 +52,13 @@ def config_from_args(args: argparse.Namespace):  # -> TrainerConfig
 
     if not (args.stage_wait_timeout > 0 and math.isfinite(args.stage_wait_timeout)):
         raise ConfigError("--stage-wait-timeout must be a positive number of seconds")
+    from pathlib import Path
+
+    from swarmd.cli import read_token
+
     return TrainerConfig(
         api=args.api,
+        api_token=read_token(Path(args.api_token_file)) if args.api_token_file else None,
         steps=args.steps,
         data=args.data,
         batch_size=args.batch_size,

@@ -69,6 +69,7 @@ class TrainerConfig:
     max_corpus_bytes: int = 8 * 2**20
     name: str = "trainer"
     max_seconds: float | None = None  # stop after the step that ends past this (chaos runs)
+    api_token: str | None = None  # the daemon's control-plane token, when it has one
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "window", "val_batches", "max_corpus_bytes"):
@@ -158,7 +159,8 @@ class Trainer:
         assert self._http is not None
         url = self.config.api.rstrip("/")
         try:
-            async with self._http.post(f"{url}/trainers", json={"name": self.config.name}) as r:
+            async with self._http.post(f"{url}/trainers", json={"name": self.config.name},
+                                       headers=self._auth()) as r:
                 body = await r.json(content_type=None)
                 if r.status != 201:
                     raise TrainerError(f"{url} refused the registration ({r.status}): {body.get('message', body)}")
@@ -172,13 +174,16 @@ class Trainer:
         log.info("registered as trainer %s with swarm %r: model %s, %d stages, target batch %d",
                  self.trainer_id, body["swarm"], self.spec.name, self.spec.n_stages, self.training.target_batch_size)
 
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_token}"} if self.config.api_token else {}
+
     async def _heartbeats(self) -> None:
         assert self._http is not None
         url = f"{self.config.api.rstrip('/')}/trainers/{self.trainer_id}/heartbeat"
         while True:
             await asyncio.sleep(10)
             try:
-                async with self._http.post(url) as r:
+                async with self._http.post(url, headers=self._auth()) as r:
                     if r.status == 404:
                         log.warning("the daemon forgot this trainer's registration; registering again")
                         await self._register_again()
