@@ -278,6 +278,7 @@ class Daemon:
             pipe = self.config.pipeline
             new = await asyncio.to_thread(StageExecutor, self.spec, dst, pipe.device, training=self.training,
                                           max_batch_tokens=pipe.max_batch_tokens, threads=pipe.threads)
+            migration["dropped_samples"] = old.grad_samples  # accumulated for the old stage: lost with it
             self.executor, self.stage = new, dst
             self.data_plane.executor = new
             self._mates_cache = None
