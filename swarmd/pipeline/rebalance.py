@@ -10,22 +10,26 @@ view) and the rebalancing policies, keyed by name in :data:`POLICIES`:
   stage moves to the most loaded stage, one peer per period, only when that raises the bottleneck.
 - ``adaptive`` (the default): the same goal, decided at once on a departure or arrival as well as
   every ``T`` seconds, as many movers as it takes to raise the bottleneck, each chosen by its
-  speed, and only moves that never lower the pipeline's throughput while the movers download.
+  speed, only moves that never lower the pipeline's throughput while the movers download, and
+  only plans whose gain is worth their downloads (see :class:`AdaptiveRebalancing`).
 
 Every function here is pure: no I/O, no clock, no global state. ``snapshot.now`` is the only time
 they see, and the only memory ``adaptive`` keeps (a mover's cool-down) travels in the snapshot as
-each peer's ``ready_at``. The simulator (``scripts/simulate_rebalancing.py``) and the daemon call
-the same functions.
+each peer's ``ready_at`` (``ready_at=0``, unknown, means no cool-down: the caller may keep its own,
+as the daemon does). The simulator (``scripts/simulate_rebalancing.py``) and the daemon call the
+same functions.
 
 How peers agree without a coordinator: in the live swarm every peer reads the same DHT snapshot,
 runs ``decide`` on it, and executes only a :class:`Move` that names itself. ``decide`` is a
 function of the snapshot's *contents*, not of the order the DHT returned peers in: stage sums
-are exactly rounded (:func:`math.fsum`) and every tie is broken by stage index, then speed, then
-``peer_id``. So each move has exactly one mover and two peers never race for one move. Peers that
-read different snapshots (a record not yet visible to one of them) can still disagree; the
-counter-measures are that in-flight downloads count towards their stage's future capacity (a
-second reader sees the first move and does not repeat it) and that a peer that just arrived or
-moved is held back for a cool-down.
+are exactly rounded (:func:`math.fsum`) and every tie is broken by a fixed rule that ends in the
+stage index or the ``peer_id``. So each move has exactly one mover and two peers never race for
+one move. Peers that read different snapshots (a record not yet visible to one of them) can
+still disagree; the counter-measures are that in-flight downloads count towards their stage's
+future capacity (a second reader sees the first move and does not repeat it), that a peer that
+just arrived or moved is held back for a cool-down, and that a decision taken on the snapshot
+its own moves produce is empty (tested), so a peer that sees the moves in flight never adds
+more for the same gap.
 
 Definitions and how the paper's wording was read here (the simulator uses the same ones):
 
@@ -35,6 +39,8 @@ Definitions and how the paper's wording was read here (the simulator uses the sa
   demand / capacity. Every sample passes every stage, so demand is the same for all stages and
   "most loaded" is "least capacity" (an empty stage is infinitely loaded). The paper measures
   queue lengths instead; a simulator has no queues, and with equal demand the two orders agree.
+  ``swarm`` measures, so it sees only serving peers: with a period shorter than a download it
+  can send a second peer to a gap the first is still downloading for (the simulator shows it).
 - ``swarm``'s "most underutilized peer" is the one with the shortest ``queue`` in the least loaded
   stage, ties to the slowest peer (it gives up the least), then the smallest ``peer_id``. With
   homogeneous speeds and no queues that is simply the smallest ``peer_id``.
@@ -269,8 +275,9 @@ class AdaptiveRebalancing:
     ``min(F[b] + v, F[a] - v)`` (ties: the slower mover, it costs less service while it
     downloads, then the richer source, then ``peer_id``), subject to
 
-    - ``F[a] - v > F[b]``: the source stays above the old bottleneck (so no move can be undone by
-      the next decision: every move strictly improves the sorted capacities; no thrash);
+    - ``F[a] - v > F[b]``: the source stays above the old bottleneck, so every move strictly
+      improves the sorted future capacities and, between membership changes, no sequence of
+      decisions can cycle (no thrash);
     - ``C[a] - v >= min(C)``: while the mover downloads, its source still serves at least as much
       as today's bottleneck, so throughput never drops because of a move;
     - the source keeps a serving peer, and the mover is past its cool-down
@@ -323,7 +330,7 @@ class AdaptiveRebalancing:
         raises: list[tuple[int, float]] = []  # (moves so far, min(F) after them) at each raise
         moves: list[Move] = []
         while self.max_moves is None or len(moves) < self.max_moves:
-            b = min(range(n), key=lambda s: (fut[s], s))
+            b = min(range(n), key=fut.__getitem__)  # ties: the lowest index
             # (-pair minimum, speed, -source's remainder, peer_id, a, index): best first
             choice: tuple[float, float, float, str, int, int] | None = None
             for a in range(n):
