@@ -315,14 +315,15 @@ class Trainer:
     async def _swarm_step(self) -> int:
         """The step the whole swarm has reached: the slowest stage's most advanced peer."""
         progress = await self._poll_progress()
-        fronts = [max((p["step"] for p in peers), default=None) for peers in progress]
+        fronts = [max((p["step"] for p in peers if p["step"] is not None), default=None) for peers in progress]
         return min(f for f in fronts if f is not None) if all(f is not None for f in fronts) else 0
 
     async def _poll_progress(self) -> list[list[dict[str, Any]]]:
         """Every serving peer's ``/v1/progress`` (step, samples held, averaging), per stage.
 
         The DHT view's steps can be an announce period old; these answers are fresh. A peer
-        that does not answer is left out: a dead peer does not hold the swarm back.
+        that does not answer is listed with ``step`` None: it may be dead (its record expires
+        soon) or merely slow, and a synchronous trainer must not run ahead of a slow peer.
         """
         assert self._http is not None
         await self._refresh_view()
@@ -342,7 +343,9 @@ class Trainer:
             answers = await asyncio.gather(*(one(p["addr"]) for p in peers))
             stage_out = []
             for peer, answer in zip(peers, answers):
-                if answer is not None:
+                if answer is None:
+                    stage_out.append({"peer_id": peer["id"], "step": None, "samples": 0, "averaging": False})
+                else:
                     self._stage_steps[stage][peer["id"]] = answer["step"]
                     stage_out.append({"peer_id": peer["id"], **answer})
             out.append(stage_out)
@@ -361,8 +364,10 @@ class Trainer:
         while True:
             lagging = []
             missing = 0
-            for stage, seen in enumerate(await self._poll_progress()):
-                lagging += [(stage, p["peer_id"], p["step"]) for p in seen if p["step"] < step]
+            for stage, polled in enumerate(await self._poll_progress()):
+                # a silent peer counts as lagging until the DHT forgets it (a dead one) or it answers
+                lagging += [(stage, p["peer_id"], p["step"]) for p in polled if p["step"] is None or p["step"] < step]
+                seen = [p for p in polled if p["step"] is not None]
                 front = max((p["step"] for p in seen), default=step)
                 if front < step:  # the whole stage has yet to step: does it hold a full batch?
                     at_front = [p for p in seen if p["step"] == front]
