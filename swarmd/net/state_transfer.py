@@ -60,7 +60,7 @@ import json
 import logging
 import math
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +70,8 @@ import msgpack
 import torch
 from aiohttp import web
 
-from swarmd.errors import StateTransferError, SwarmdError, UnsupportedDtype
-from swarmd.net.wire import ALLOWED_DTYPES, KIND_NAMES, type_name
+from swarmd.errors import StateTransferError, SwarmdError
+from swarmd.net.wire import ALLOWED_DTYPES, KIND_NAMES, type_name, wire_dtype_name
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -92,7 +92,6 @@ STATE_CONTENT_TYPE = "application/x-swarmd-state"
 STATE_STREAM_VERSION = 1
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 
-_DTYPE_NAMES: Mapping[torch.dtype, str] = {dtype: name for name, dtype in ALLOWED_DTYPES.items()}
 _HEADER, _CHUNK, _TRAILER = "state_header", "state_chunk", "state_end"
 _DIGEST_BYTES = hashlib.sha256().digest_size
 # A chunk or trailer message without its payload: five short keys, two 64-bit ints, a digest.
@@ -185,14 +184,7 @@ def iter_state_chunks(
             raise ValueError(
                 f"tensor names must be strings of 1 to {limits.max_name_len} characters, got {name!r:.80}"
             )
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
-        dtype_name = _DTYPE_NAMES.get(tensor.dtype)
-        if dtype_name is None:
-            raise UnsupportedDtype(
-                f"tensor {name!r} has dtype {tensor.dtype}, which the wire does not carry; "
-                f"convert it to one of {', '.join(ALLOWED_DTYPES)}"
-            )
+        dtype_name = wire_dtype_name(name, tensor)
         if tensor.dim() > limits.max_rank:
             raise ValueError(f"tensor {name!r} has rank {tensor.dim()}, over the limit of {limits.max_rank}")
         entries.append({"n": name, "d": dtype_name, "s": list(tensor.shape)})

@@ -150,9 +150,8 @@ def encode_frame(
     return _pack_frame({"v": WIRE_VERSION, "kind": kind, "meta": meta_dict, "tensors": entries})
 
 
-def _encode_tensor(name: str, tensor: torch.Tensor, float_codec: str) -> dict[str, Any]:
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+def wire_dtype_name(name: str, tensor: Any) -> str:
+    """The wire's name for ``tensor``'s dtype; TypeError/UnsupportedDtype for what cannot travel."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
     dtype_name = _DTYPE_NAMES.get(tensor.dtype)
@@ -161,6 +160,13 @@ def _encode_tensor(name: str, tensor: torch.Tensor, float_codec: str) -> dict[st
             f"tensor {name!r} has dtype {tensor.dtype}, which the wire does not carry; "
             f"convert it to one of {', '.join(ALLOWED_DTYPES)}"
         )
+    return dtype_name
+
+
+def _encode_tensor(name: str, tensor: torch.Tensor, float_codec: str) -> dict[str, Any]:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+    dtype_name = wire_dtype_name(name, tensor)
     cpu = tensor.detach().to("cpu")
     codec = CODECS[float_codec if cpu.is_floating_point() else "none"]
     enc = codec.encode(cpu)
