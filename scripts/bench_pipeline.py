@@ -32,6 +32,11 @@ Memory: the peak RSS of every daemon (``VmHWM``, read just before it is stopped)
 single-process child and of this process (the trainer; it never runs the baseline) are
 reported, with the parameter and optimizer-state bytes of each stage for context.
 
+Noise: on a shared machine another process taking a core ruins the single run in particular
+(its two torch threads wait for each other at every kernel). Each timed window therefore
+reports ``other_processes_cpu_cores``: the machine's busy CPU time (``/proc/stat``) minus this
+benchmark's own, per second of wall time. Above ~0.1, rerun on a quiet machine.
+
 ``--profile`` runs the trainer's timed steps under cProfile and prints the top entries by
 own time; without it, the report still splits each step into the microbatch phase and the
 wait until every stage has stepped, gives mean latencies of the trainer's calls per stage,
@@ -135,6 +140,17 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14 and 15)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores have spent busy since boot (``/proc/stat``; idle and iowait excluded).
+
+    Compared with a run's own CPU time over the same window, this shows how much CPU other
+    processes took meanwhile: on a shared machine, a timing to distrust.
+    """
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
 def self_peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -158,10 +174,11 @@ def single_run(s: Settings) -> dict[str, Any]:
     sizes = s.microbatch_sizes()
     losses: list[float] = []
     step_ends: list[float] = []
-    cpu_at_start = wall_at_start = 0.0
+    cpu_at_start = wall_at_start = busy_at_start = 0.0
     for step in range(s.warmup + s.steps):
         if step == s.warmup:
             cpu_at_start, wall_at_start = time.process_time(), time.perf_counter()
+            busy_at_start = machine_busy_seconds()
         microbatches = [sampler.sample(n) for n in sizes]  # drawn before computing, like the trainer
         total, weighted = 0, 0.0
         for x, y in microbatches:
@@ -182,6 +199,7 @@ def single_run(s: Settings) -> dict[str, Any]:
         step_ends.append(time.perf_counter())
     wall = time.perf_counter() - wall_at_start
     cpu = time.process_time() - cpu_at_start
+    busy = machine_busy_seconds() - busy_at_start
     step_s = [b - a for a, b in zip(step_ends[s.warmup - 1 :], step_ends[s.warmup :])]
     samples = s.steps * s.batch_size
     return {
@@ -189,7 +207,9 @@ def single_run(s: Settings) -> dict[str, Any]:
         "samples": samples,
         "wall_s": wall,
         "cpu_s": cpu,
+        "other_processes_cpu_cores": max(0.0, busy - cpu) / wall,
         "step_ms_median": statistics.median(step_s) * 1e3,
+        "step_ms_max": max(step_s) * 1e3,
         "torch_threads": torch.get_num_threads(),
         "peak_rss_bytes": self_peak_rss_bytes(),
         "step_losses": losses,
@@ -298,6 +318,7 @@ class Window:
     cpu0: dict[int, float | None] = field(default_factory=dict)  # per daemon pid
     cpu1: dict[int, float | None] = field(default_factory=dict)
     trainer_cpu_s: float = 0.0  # this process's CPU time inside the window
+    machine_busy_s: float = 0.0  # every process's, see machine_busy_seconds
     step_ends: list[float] = field(default_factory=list)
     wait_s: float = 0.0  # in _wait_all_stepped: every microbatch done, waiting for the stages to step
     calls: dict[str, CallStats] = field(default_factory=dict)
@@ -313,6 +334,7 @@ class Window:
         if done == self.warmup:
             self.t0, self.samples0, self.cpu0 = now, int(info["samples"]), self._daemon_cpu()
             self.trainer_cpu_s = -time.process_time()
+            self.machine_busy_s = -machine_busy_seconds()
             self.open = True
             if self.profiler is not None:
                 self.profiler.enable()
@@ -322,6 +344,7 @@ class Window:
             self.open = False
             self.t1, self.samples1, self.cpu1 = now, int(info["samples"]), self._daemon_cpu()
             self.trainer_cpu_s += time.process_time()
+            self.machine_busy_s += machine_busy_seconds()
             # before the trainer's final validation, which would feed the daemons' rate EMAs
             self.statuses = [d.status() for d in self.daemons]
 
@@ -408,11 +431,14 @@ async def swarm_run(s: Settings, workdir: Path, daemons: list[DaemonProc], profi
     wall = window.t1 - window.t0
     samples = window.samples1 - window.samples0
     step_s = [b - a for a, b in zip(window.step_ends, window.step_ends[1:])]
+    own_cpu = window.trainer_cpu_s + sum(r["cpu_s"] or 0.0 for r in daemon_reports)
     result: dict[str, Any] = {
         "samples_per_s": samples / wall,
         "samples": samples,
         "wall_s": wall,
+        "other_processes_cpu_cores": max(0.0, window.machine_busy_s - own_cpu) / wall,
         "step_ms_median": statistics.median(step_s) * 1e3 if step_s else None,
+        "step_ms_max": max(step_s) * 1e3 if step_s else None,
         "phases_s": {  # meaningful in sync mode: a step is its microbatches, then the wait to step
             "microbatches_and_bookkeeping": wall - window.wait_s,
             "wait_all_stepped": window.wait_s,
@@ -492,7 +518,7 @@ def run(s: Settings, profile: bool) -> dict[str, Any]:
         "swarm_trainer": swarm["trainer"]["cpu_s"] / swarm["samples"],
     }
     return {
-        **{k: v for k, v in asdict(s).items()},
+        **asdict(s),
         "stages": s.stages,
         "daemon_threads": s.daemon_threads,
         "single_samples_per_s": single["samples_per_s"],
@@ -524,8 +550,14 @@ def print_summary(r: dict[str, Any]) -> None:
           f"{r['steps']} timed steps after {r['warmup']} warm-up, {r['threads']} threads "
           f"({r['daemon_threads']} per daemon)")
     print(f"single: {r['single_samples_per_s']:8.1f} samples/s  (step {si['step_ms_median']:.0f} ms median, "
-          f"CPU {si['cpu_s'] / si['wall_s']:.2f} cores, peak RSS {_mib(si['peak_rss_bytes'])})")
-    print(f"swarm:  {r['swarm_samples_per_s']:8.1f} samples/s  (step {sw['step_ms_median']:.0f} ms median)")
+          f"{si['step_ms_max']:.0f} ms max, CPU {si['cpu_s'] / si['wall_s']:.2f} cores, "
+          f"peak RSS {_mib(si['peak_rss_bytes'])})")
+    print(f"swarm:  {r['swarm_samples_per_s']:8.1f} samples/s  (step {sw['step_ms_median']:.0f} ms median, "
+          f"{sw['step_ms_max']:.0f} ms max)")
+    busy = max(si["other_processes_cpu_cores"], sw["other_processes_cpu_cores"])
+    if busy > 0.1:
+        print(f"WARNING: other processes used up to {busy:.2f} cores during the timed steps; "
+              "the numbers are skewed")
     print(f"ratio swarm/single: {r['ratio']:.2f}; step losses agree to {r['step_losses_max_rel_diff']:.1e} (relative)")
     cpu = r["cpu_ms_per_sample"]
     print(f"CPU per sample: single {cpu['single']:.1f} ms, swarm {cpu['swarm_daemons']:.1f} ms in the daemons "
