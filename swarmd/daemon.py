@@ -153,6 +153,7 @@ class Daemon:
         self._rebalance_task: asyncio.Task[None] | None = None
         self._last_sync_s: float | None = None  # how long the last state download took
         self._moved_at = -math.inf  # monotonic time of this peer's last move
+        self._last_throughput = 0.0  # measured on the stage this peer left, announced until re-measured
         self._api_server: _EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
@@ -279,6 +280,7 @@ class Daemon:
             new = await asyncio.to_thread(StageExecutor, self.spec, dst, pipe.device, training=self.training,
                                           max_batch_tokens=pipe.max_batch_tokens, threads=pipe.threads)
             migration["dropped_samples"] = old.grad_samples  # accumulated for the old stage: lost with it
+            self._last_throughput = old.throughput
             self.executor, self.stage = new, dst
             self.data_plane.executor = new
             self._mates_cache = None
@@ -412,13 +414,19 @@ class Daemon:
         step = ex.step if ex else 0
         digest = ex.digest if ex else None
         now = time.time()
+        stage = self.stage
+        throughput = ex.throughput if ex else 0.0
+        if self.state == "migrating" and self.migration is not None:
+            stage = self.migration["to"]  # a mover is capacity on its way to ``to``, not on its old stage
+        if throughput == 0.0 and self._last_throughput:
+            throughput = self._last_throughput  # freshly moved: what it served before, until it measures anew
         return PeerRecord(
             peer_id=self.identity.peer_id,
-            stage=self.stage,
+            stage=stage,
             state=self.state,
             data_addr=self.data_addr or "",
             api_addr=format_addr(self.api_addr) or "",
-            throughput=ex.throughput if ex else 0.0,
+            throughput=throughput,
             queue=ex.queue if ex else 0,
             step=step,
             params_digest=digest,

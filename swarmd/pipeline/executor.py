@@ -374,11 +374,12 @@ class StageExecutor:
         norm = apply_step(self.optimizer, self.training, self.params, self.step)
         for p, grad in zip(self.params, held):
             p.grad = grad
+        # the digest first: a reader on the event loop that sees the new step sees its digest
+        self.digest = params_digest(self.module)
         self.step += 1
         self.averaging = False
         self.out_samples = 0
         self.last_grad_norm = norm
-        self.digest = params_digest(self.module)
         return norm
 
     def _snapshot_state_sync(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -408,12 +409,12 @@ class StageExecutor:
                 p.grad = None
         opt = {k.removeprefix("opt."): t for k, t in tensors.items() if k.startswith("opt.")}
         load_optimizer_state_tensors(self.optimizer, opt, meta["optimizer"])
+        self.digest = params_digest(self.module)  # before the step, as in _apply_average_sync
         self.step = int(meta["step"])
         self.dropped_samples += self.grad_samples
         self.grad_samples = 0
         self.averaging = False
         self.out_samples = 0
-        self.digest = params_digest(self.module)
 
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
