@@ -73,9 +73,10 @@ import torch
 
 from swarmd.net.client import StageReply
 from swarmd.pipeline.model import build_stage
-from swarmd.pipeline.optimizer import TrainingSpec, apply_step, build_optimizer
+from swarmd.pipeline.optimizer import TrainingSpec, build_optimizer
 from swarmd.pipeline.spec import PRESETS
 from swarmd.train.data import BatchSampler, load_corpus
+from swarmd.train.reference import single_process_step
 from swarmd.train.trainer import Trainer, TrainerConfig
 
 CORPUS_BYTES = 8 * 2**20  # the trainer's default; passed explicitly to both runs
@@ -180,22 +181,7 @@ def single_run(s: Settings) -> dict[str, Any]:
             cpu_at_start, wall_at_start = time.process_time(), time.perf_counter()
             busy_at_start = machine_busy_seconds()
         microbatches = [sampler.sample(n) for n in sizes]  # drawn before computing, like the trainer
-        total, weighted = 0, 0.0
-        for x, y in microbatches:
-            h = x
-            for stage in stages[:-1]:
-                h = stage(h)
-            loss = stages[-1](h, y)
-            (loss * x.shape[0]).backward()
-            total += x.shape[0]
-            weighted += loss.item() * x.shape[0]
-        for stage, opt in zip(stages, optimizers):
-            params = list(stage.parameters())
-            for p in params:
-                assert p.grad is not None
-                p.grad /= total
-            apply_step(opt, training, params, step)
-        losses.append(weighted / total)
+        losses.append(single_process_step(stages, optimizers, training, microbatches, step))
         step_ends.append(time.perf_counter())
     wall = time.perf_counter() - wall_at_start
     cpu = time.process_time() - cpu_at_start

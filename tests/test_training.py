@@ -14,9 +14,10 @@ import torch
 from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
 from swarmd.daemon import Daemon
 from swarmd.pipeline.model import build_stage
-from swarmd.pipeline.optimizer import TrainingSpec, apply_step, build_optimizer
+from swarmd.pipeline.optimizer import TrainingSpec, build_optimizer
 from swarmd.pipeline.spec import PRESETS, ModelSpec
 from swarmd.train.data import BatchSampler, load_corpus
+from swarmd.train.reference import single_process_step
 from swarmd.train.trainer import Trainer, TrainerConfig
 
 TINY = PRESETS["tiny"]
@@ -65,22 +66,8 @@ def reference_run(spec: ModelSpec, training: TrainingSpec, steps: int, seed: int
     optimizers = [build_optimizer(training, s.named_parameters()) for s in stages]
     losses = []
     for step in range(steps):
-        total, weighted = 0, 0.0
-        for _ in range(training.target_batch_size // MICRO):
-            x, y = sampler.sample(MICRO)
-            h = x
-            for s in stages[:-1]:
-                h = s(h)
-            loss = stages[-1](h, y)
-            (loss * x.shape[0]).backward()
-            total += x.shape[0]
-            weighted += loss.item() * x.shape[0]
-        for s, opt in zip(stages, optimizers):
-            params = list(s.parameters())
-            for p in params:
-                p.grad /= total
-            apply_step(opt, training, params, step)
-        losses.append(weighted / total)
+        microbatches = [sampler.sample(MICRO) for _ in range(training.target_batch_size // MICRO)]
+        losses.append(single_process_step(stages, optimizers, training, microbatches, step))
     return losses, stages
 
 
