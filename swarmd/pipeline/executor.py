@@ -48,38 +48,9 @@ from swarmd.pipeline.optimizer import (
     optimizer_state_tensors,
 )
 from swarmd.pipeline.spec import ModelSpec
+from swarmd.pipeline.throughput import ThroughputEMA
 
 T = TypeVar("T")
-
-
-class ThroughputEMA:
-    """Bias-corrected exponential moving average of a rate (samples per second).
-
-    Bias correction (as in Adam) keeps the first few measurements from being dragged towards
-    zero, so a fresh peer reports a meaningful number after its first job.
-    """
-
-    def __init__(self, alpha: float = 0.1) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError("alpha must be in (0, 1]")
-        self.alpha = alpha
-        self._raw = 0.0
-        self._n = 0
-
-    def update(self, samples: int, seconds: float) -> None:
-        rate = samples / max(seconds, 1e-9)
-        self._raw = (1.0 - self.alpha) * self._raw + self.alpha * rate
-        self._n += 1
-
-    @property
-    def count(self) -> int:
-        return self._n
-
-    @property
-    def value(self) -> float:
-        if self._n == 0:
-            return 0.0
-        return self._raw / (1.0 - (1.0 - self.alpha) ** self._n)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarmd.pipeline.throughput import ThroughputEMA
+
 __all__ = ["JITTER", "PeerStats", "StageRouter"]
 
 #: Relative jitter applied to every ban length (+-10%).
@@ -68,8 +70,7 @@ class PeerStats:
     peer_id: str
     addr: str
     alpha: float = field(default=0.1, repr=False)
-    ema_raw: float = 0.0  # uncorrected EMA of samples/s; see ``throughput``
-    measurements: int = 0
+    ema: ThroughputEMA = field(init=False, repr=False)  # samples/s, bias-corrected
     successes: int = 0
     failures: int = 0
     consecutive_failures: int = 0
@@ -78,16 +79,17 @@ class PeerStats:
     picks: int = 0  # how often choose() returned this peer
     current: float = field(default=0.0, repr=False)  # smooth weighted round-robin counter
 
+    def __post_init__(self) -> None:
+        self.ema = ThroughputEMA(self.alpha)
+
     @property
     def measured(self) -> bool:
-        return self.measurements > 0
+        return self.ema.count > 0
 
     @property
     def throughput(self) -> float:
         """Bias-corrected EMA of samples/s; 0.0 before the first measurement."""
-        if self.measurements == 0:
-            return 0.0
-        return self.ema_raw / (1.0 - (1.0 - self.alpha) ** self.measurements)
+        return self.ema.value
 
     def banned_for(self, now: float) -> float:
         """Seconds of ban left at ``now`` (0.0 when usable)."""
@@ -96,9 +98,7 @@ class PeerStats:
         return max(0.0, self.banned_until - now)
 
     def observe(self, samples: int, seconds: float) -> None:
-        rate = samples / max(seconds, 1e-9)
-        self.ema_raw = (1.0 - self.alpha) * self.ema_raw + self.alpha * rate
-        self.measurements += 1
+        self.ema.update(samples, seconds)
 
 
 class StageRouter:
