@@ -81,6 +81,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--delay-updates", action="store_true",
                    help="delayed parameter updates: peers keep serving while their stage averages")
     p.add_argument("--no-kill", action="store_true", help="do not kill and replace a peer halfway")
+    p.add_argument("--swarm-key", default=None, metavar="FILE",
+                   help="run a private swarm: every peer and the trainer get this key file (see 'swarmd --help')")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     return p
 
@@ -89,6 +91,14 @@ def main(argv: Sequence[str], parser_class: type[argparse.ArgumentParser] = argp
     args = build_parser(parser_class).parse_args(argv)
     if args.steps < 2 or args.target_batch_size < 1:
         print("swarmd demo: error: --steps must be at least 2 and --target-batch-size at least 1", file=sys.stderr)
+        return 2
+    from swarmd.cli import load_swarm_key
+    from swarmd.errors import ConfigError
+
+    try:
+        args.swarm_key = load_swarm_key(args.swarm_key)  # checked before any peer starts
+    except ConfigError as exc:
+        print(f"swarmd demo: error: {exc}", file=sys.stderr)
         return 2
 
     def interrupt(signum: int, frame: object) -> None:
@@ -123,6 +133,8 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> i
 
     model = "tiny"
     common = ["--swarm", "demo", "--announce-period", "2"]
+    if args.swarm_key is not None:
+        common += ["--swarm-key", args.swarm_key.source]
     _say(f"starting a swarm of {args.stages} stages x {args.peers} peers on 127.0.0.1 through the swarmd CLI ...")
     founder = Peer(0, workdir, [*common, "--model", model, "--stage", "0", "--target-batch-size",
                                 str(args.target_batch_size), "--lr", str(args.lr), "--averaging-timeout", "10",
@@ -138,7 +150,8 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> i
         _say(f"  peer {p.index} joined with --join {founder.info['dht_addr']} on stage {p.info['stage']}")
 
     config = TrainerConfig(api=f"http://{founder.info['api_addr']}", steps=args.steps, codec=args.codec,
-                           microbatch_size=8, window=8, val_every=max(1, args.steps // 6), sync=not args.asynchronous)
+                           microbatch_size=8, window=8, val_every=max(1, args.steps // 6), sync=not args.asynchronous,
+                           swarm_key=args.swarm_key)
     kill_at = None if args.no_kill or args.peers < 2 else args.steps // 2
     victim = peers[-1] if kill_at is not None else None
     replacement: list[Peer] = []

@@ -21,7 +21,8 @@ Lookups
 Sizes and limits (measured; ``tests/test_dht_node.py`` and ``test_dht_records.py`` pin them)
     - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest): 295 bytes;
     - the largest datagram rpcudp sends: 8213 bytes (21 of header + 8192 of msgpack), which
-      leaves 8137 bytes for one key's bundle (``MAX_BUNDLE_BYTES``);
+      leaves 8137 bytes for one key's bundle (``MAX_BUNDLE_BYTES``); a private swarm
+      (``swarm_key``) wraps it in 25 more bytes, 8238 in all;
     - so one key holds 27 such PeerRecords (298 bytes each inside a bundle);
     - a stage's peers are spread over ``bucket_count`` keys (default 4:
       :func:`stage_key` ``(swarm, stage, bucket)``, ``bucket = bucket_of(peer_id)``), read in
@@ -58,6 +59,7 @@ from swarmd.dht.protocol import DEFAULT_MAX_BULK_RPCS, MAX_BUNDLE_BYTES, DHTProt
 from swarmd.dht.records import PeerRecord, Record, RecordCache, decode_bundle, encode_bundle
 from swarmd.dht.storage import DEFAULT_MAX_KEYS, DEFAULT_MAX_SUBKEYS, RecordStorage
 from swarmd.errors import BootstrapError, DHTError, MalformedRecord, RecordError, RecordExpired
+from swarmd.swarm_key import SwarmKey
 
 __all__ = [
     "DEFAULT_STAGE_BUCKETS",
@@ -160,7 +162,10 @@ class DHTNode:
         maintenance_interval_s: float = 60.0,
         max_bulk_rpcs: int = DEFAULT_MAX_BULK_RPCS,
         clock: Callable[[], float] = time.time,
+        swarm_key: SwarmKey | None = None,
     ) -> None:
+        """``swarm_key``: a private swarm's pre-shared key; every datagram is then authenticated
+        (:mod:`swarmd.swarm_key`) and nodes without it (or with another) are not talked to."""
         if ksize < 1 or alpha < 1 or bucket_count < 1 or max_bulk_rpcs < 1:
             raise ValueError("ksize, alpha, bucket_count and max_bulk_rpcs must be >= 1")
         if rpc_timeout <= 0 or maintenance_interval_s <= 0:
@@ -180,6 +185,8 @@ class DHTNode:
             max_subkeys=max_subkeys, max_bundle_bytes=max_bundle_bytes, max_keys=max_keys, cache=self.cache, clock=clock
         )
         self._clock = clock
+        self.swarm_key = swarm_key
+        self._auth = swarm_key.dht() if swarm_key is not None else None
         self._protocol: DHTProtocol | None = None
         self._address: tuple[str, int] | None = None
         self._family = socket.AF_INET
@@ -214,7 +221,12 @@ class DHTNode:
         self._state = "starting"
         loop = asyncio.get_running_loop()
         protocol = DHTProtocol(
-            self.node, self.storage, self.ksize, rpc_timeout=self.rpc_timeout, max_bulk_rpcs=self.max_bulk_rpcs
+            self.node,
+            self.storage,
+            self.ksize,
+            rpc_timeout=self.rpc_timeout,
+            max_bulk_rpcs=self.max_bulk_rpcs,
+            auth=self._auth,
         )
         try:
             await loop.create_datagram_endpoint(lambda: protocol, local_addr=(self.host, self.port))
@@ -319,11 +331,24 @@ class DHTNode:
             if remaining <= 0:
                 raise BootstrapError(
                     f"no DHT bootstrap address answered within {deadline_s:g} s ({attempt} attempts): {failures}"
+                    + self._key_hint()
                 )
             wait = min(delay, remaining)
             log.warning("DHT bootstrap attempt %d failed (%s); retrying in %.1f s", attempt, failures, wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, max_backoff_s)
+
+    def _key_hint(self) -> str:
+        """Why a live bootstrap peer may stay silent: the swarm key (its members drop the datagrams
+        of anyone without the same key, unanswered)."""
+        if self._auth is not None:
+            refused = sum(self._auth.refused.values())
+            seen = f"; {refused} datagrams from others were refused" if refused else ""
+            return (f" (this node uses --swarm-key {self.swarm_key.source or '(given)'}: the bootstrap peers must "
+                    f"use the same key{seen}; check --swarm-key)")
+        if self._protocol is not None and self._protocol.dropped["private_swarm"]:
+            return " (a peer of a private swarm wrote to this node: give the swarm's --swarm-key)"
+        return " (if the swarm is private, give its --swarm-key)"
 
     async def _probe(self, addr: object, timeout: float) -> tuple[Node | None, str]:
         """Ping one bootstrap address: its node, or None and why not."""
@@ -498,6 +523,10 @@ class DHTNode:
 
     # --- introspection ---------------------------------------------------------------------------
 
+    def auth_refused(self) -> dict[str, int] | None:
+        """Datagrams refused for lacking the swarm key, by reason (None: not a private swarm)."""
+        return self._auth.counts() if self._auth is not None else None
+
     def stats(self) -> dict[str, Any]:
         """Counters for /status and tests: table size, stored keys, rejections, drops, tasks."""
         protocol = self._protocol
@@ -512,6 +541,7 @@ class DHTNode:
             "rejected": dict(sorted((self.storage.rejected + self._lookup_rejected).items())),
             "dropped_datagrams": dropped,
             "dropped_datagrams_total": sum(dropped.values()),
+            "auth_refused": self.auth_refused(),
             "outstanding_rpcs": protocol.outstanding if protocol is not None else 0,
             "rpcs_sent": dict(sorted(protocol.sent.items())) if protocol is not None else {},
             "tasks": len(self._ops) + len(self._background) + (len(protocol.tasks) if protocol is not None else 0),

@@ -13,6 +13,13 @@ request spends 55 of those bytes on its name, node id and key, which leaves
 so that both a ``find_value`` answer and kademlia's key hand-over to a new neighbour (section
 2.5, a ``store`` of the whole value) fit in one datagram.
 
+In a private swarm (``--swarm-key``, :mod:`swarmd.swarm_key`) every datagram is wrapped in 25 more
+bytes (a tag, a timestamp and a MAC; ``MAX_DATAGRAM`` and ``MAX_BUNDLE_BYTES`` still bound the
+rpcudp datagram inside) and checked before anything in it is parsed: an unauthenticated, stale or
+replayed one is dropped unanswered and counted in ``auth.refused``. A node without a key drops
+the wrapped datagrams it receives (``dropped["private_swarm"]``), so keyed and unkeyed nodes never
+talk.
+
 What :class:`DHTProtocol` overrides, and why (everything else is kademlia's):
 
 ``datagram_received`` / ``_solve_datagram`` / ``_accept_request`` / ``_accept_response`` (rpcudp)
@@ -66,6 +73,8 @@ from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 from kademlia.routing import RoutingTable
 
+from swarmd.swarm_key import DATAGRAM_OVERHEAD, DATAGRAM_TAG, DatagramAuth
+
 __all__ = [
     "DEFAULT_MAX_BULK_RPCS",
     "HEADER_BYTES",
@@ -84,6 +93,7 @@ RPC_MAX_PAYLOAD = 8192  # rpcudp.protocol.RPCProtocol.__getattr__.func refuses l
 HEADER_BYTES = 21  # kind byte + 20-byte msg id
 MAX_DATAGRAM = HEADER_BYTES + RPC_MAX_PAYLOAD
 _REQUEST, _RESPONSE = 0x00, 0x01
+_PRIVATE_TAG = bytes([DATAGRAM_TAG])  # the first byte of a private swarm's datagrams
 _ID_BYTES = 20
 
 
@@ -257,8 +267,11 @@ class DHTProtocol(KademliaProtocol):
         *,
         rpc_timeout: float = 2.0,
         max_bulk_rpcs: int = DEFAULT_MAX_BULK_RPCS,
+        auth: DatagramAuth | None = None,
     ) -> None:
         super().__init__(source_node, storage, ksize)
+        self.auth = auth  # a private swarm's key: every datagram is wrapped and checked (swarmd.swarm_key)
+        self._private_senders: set[str] = set()
         self._bulk = asyncio.Semaphore(max_bulk_rpcs)
         self.router = _OwnedRoutingTable(self, ksize, source_node)
         self.storage: BundleStorage = storage
@@ -300,6 +313,15 @@ class DHTProtocol(KademliaProtocol):
     def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:  # type: ignore[override]
         if self._closed:
             return
+        if self.auth is not None:  # a private swarm: authenticate before parsing anything
+            if len(data) > MAX_DATAGRAM + DATAGRAM_OVERHEAD:
+                return self._drop("oversized", addr)
+            inner = self.auth.unwrap(data, addr)
+            if inner is None:
+                return  # counted (by reason) and logged by the authenticator
+            data = inner
+        elif data[:1] == _PRIVATE_TAG:
+            return self._drop_private(addr)
         if len(data) > MAX_DATAGRAM:
             return self._drop("oversized", addr)
         if len(data) < HEADER_BYTES + 1:
@@ -319,6 +341,15 @@ class DHTProtocol(KademliaProtocol):
     def _drop(self, reason: str, addr: object) -> None:
         self.dropped[reason] += 1
         log.debug("dropped a DHT datagram from %s: %s", addr, reason)
+
+    def _drop_private(self, addr: object) -> None:
+        """A member of a private swarm wrote to this node, which has no swarm key."""
+        self.dropped["private_swarm"] += 1
+        who = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+        if who not in self._private_senders and len(self._private_senders) < 1024:
+            self._private_senders.add(who)
+            log.warning("dropped a DHT datagram from %s: it belongs to a private swarm, and this node has no "
+                        "--swarm-key", who)
 
     def _handle_request(self, msg_id: bytes, message: object, addr: tuple[Any, ...]) -> None:
         if not (isinstance(message, list) and len(message) == 2):
@@ -349,6 +380,8 @@ class DHTProtocol(KademliaProtocol):
 
     def _send(self, data: bytes, addr: tuple[Any, ...]) -> None:
         if self.transport is not None and not self._closed:
+            if self.auth is not None:
+                data = self.auth.wrap(data)
             self.transport.sendto(data, addr)  # type: ignore[attr-defined]
 
     # --- outgoing calls -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 
 from swarmd.errors import PeerError, WireError
 from swarmd.net.wire import CONTENT_TYPE, Frame, decode_frame, encode_frame
+from swarmd.swarm_key import SwarmKey, signing_middleware
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,14 @@ class StageReply:
 class DataPlaneClient:
     """Owns one aiohttp session; use as ``async with DataPlaneClient() as client``."""
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
+    def __init__(self, timeout_s: float = 60.0, *, swarm_key: SwarmKey | None = None) -> None:
+        """``swarm_key``: a private swarm's key; every request is then signed with it."""
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._swarm_key = swarm_key
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> DataPlaneClient:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = client_session(self._swarm_key, timeout=self._timeout)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -54,9 +57,11 @@ class DataPlaneClient:
         *,
         codec: str = "none",
         model: str | None = None,
+        mb: int | None = None,
     ) -> StageReply:
+        """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward."""
         tensors = {"inputs": inputs} if targets is None else {"inputs": inputs, "targets": targets}
-        return await self._call(addr, "forward", stage, tensors, codec, model)
+        return await self._call(addr, "forward", stage, tensors, codec, model, mb=mb)
 
     async def backward(
         self,
@@ -69,14 +74,16 @@ class DataPlaneClient:
         codec: str = "none",
         model: str | None = None,
         step: int | None = None,
+        mb: int | None = None,
     ) -> StageReply:
-        """``step``: the step this stage's forward reported for the microbatch (None: no check)."""
+        """``step``: the step this stage's forward reported for the microbatch (None: no check);
+        ``mb``: the id its forward was sent with (a hit in that peer's activation cache)."""
         tensors = {"inputs": inputs}
         if grad_outputs is not None:
             tensors["grad_outputs"] = grad_outputs
         if targets is not None:
             tensors["targets"] = targets
-        return await self._call(addr, "backward", stage, tensors, codec, model, step)
+        return await self._call(addr, "backward", stage, tensors, codec, model, step, mb=mb)
 
     async def info(self, addr: str) -> dict[str, Any]:
         try:
@@ -96,12 +103,16 @@ class DataPlaneClient:
         codec: str,
         model: str | None,
         step: int | None = None,
+        *,
+        mb: int | None = None,
     ) -> StageReply:
         meta: dict[str, Any] = {"stage": stage, "codec": codec}
         if model is not None:
             meta["model"] = model
         if step is not None:
             meta["step"] = step
+        if mb is not None:
+            meta["mb"] = mb
         body = encode_frame(kind, meta, tensors, codec=codec)
         try:
             async with self._require_session().post(
@@ -123,6 +134,14 @@ class DataPlaneClient:
         if self._session is None:
             raise RuntimeError("use DataPlaneClient as an async context manager")
         return self._session
+
+
+def client_session(swarm_key: SwarmKey | None, **kwargs: Any) -> aiohttp.ClientSession:
+    """An aiohttp session whose requests are signed with ``swarm_key`` (when given), so that the
+    data plane of a private swarm serves them."""
+    if swarm_key is not None:
+        kwargs["middlewares"] = (*kwargs.get("middlewares", ()), signing_middleware(swarm_key.http()))
+    return aiohttp.ClientSession(**kwargs)
 
 
 def _base(addr: str) -> str:

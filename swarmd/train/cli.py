@@ -25,6 +25,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
                    help="control plane of any daemon of the swarm (default: http://127.0.0.1:8080)")
     p.add_argument("--api-token-file", default=None, metavar="FILE",
                    help="a file holding the daemon's control-plane token, if it has one")
+    p.add_argument("--swarm-key", default=None, metavar="FILE",
+                   help="a private swarm's key file (the one its daemons were given with --swarm-key): "
+                   "the stages refuse requests not signed with it")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or folder to train on (default: the Python standard library's sources)")
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps the swarm takes (default: 50)")
@@ -54,11 +57,12 @@ def config_from_args(args: argparse.Namespace):  # -> TrainerConfig
         raise ConfigError("--stage-wait-timeout must be a positive number of seconds")
     from pathlib import Path
 
-    from swarmd.cli import read_token
+    from swarmd.cli import load_swarm_key, read_token
 
     return TrainerConfig(
         api=args.api,
         api_token=read_token(Path(args.api_token_file)) if args.api_token_file else None,
+        swarm_key=load_swarm_key(args.swarm_key),
         steps=args.steps,
         data=args.data,
         batch_size=args.batch_size,
