@@ -45,7 +45,7 @@ KINDS = ("adamw", "lamb")
 
 # Changing this literal changes what every deployed peer computes for the default settings;
 # only do it on purpose, together with DIGEST_VERSION.
-DEFAULT_DIGEST = "72b7d867c88f10617e920d92c9c6f3bf2ac47103ad3b57e7069436c967f96686"
+DEFAULT_DIGEST = "e7778e29b1ef10b3fbf944520dfb67f8f6819efe320b810195f6ac267467416d"
 
 
 def _grads(module: nn.Module, seed: int, scale: float = 1.0) -> list[Tensor]:
@@ -87,7 +87,7 @@ def test_defaults() -> None:
         "target_batch_size": 32, "optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.95,
         "eps": 1e-8, "weight_decay": 0.01, "warmup_steps": 10, "schedule": "cosine",
         "total_steps": 10_000, "min_lr_ratio": 0.1, "clip_norm": 1.0, "delay_updates": False,
-        "averaging_timeout_s": 30.0,
+        "averaging_timeout_s": 30.0, "grad_codec": "none",
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.lr = 1.0  # type: ignore[misc]
@@ -119,6 +119,7 @@ def test_defaults() -> None:
         ({"clip_norm": -1.0}, "'clip_norm' must lie in"),
         ({"averaging_timeout_s": 0}, "'averaging_timeout_s' must lie in"),
         ({"delay_updates": 1}, "'delay_updates' must be true or false"),
+        ({"grad_codec": "bf16"}, "'grad_codec' must be one of none, fp16, 8bit"),
     ],
 )
 def test_invalid_fields_raise_config_error(changes: dict[str, Any], message: str) -> None:
@@ -183,7 +184,7 @@ def test_digest_is_the_literal_and_sensitive_to_every_field() -> None:
         "target_batch_size": 33, "optimizer": "lamb", "lr": 1.1e-3, "beta1": 0.8, "beta2": 0.999,
         "eps": 1e-6, "weight_decay": 0.0, "warmup_steps": 11, "schedule": "linear",
         "total_steps": 10_001, "min_lr_ratio": 0.0, "clip_norm": 0.0, "delay_updates": True,
-        "averaging_timeout_s": 31.0,
+        "averaging_timeout_s": 31.0, "grad_codec": "fp16",
     }
     assert set(changed) == {f.name for f in dataclasses.fields(TrainingSpec)}
     digests = {TrainingSpec(**{name: value}).digest for name, value in changed.items()}

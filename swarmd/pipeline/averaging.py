@@ -21,15 +21,50 @@ Rule of a round, for the peers of one stage at step ``s``:
    does not depend on arrival order) and divides by the total sample count. If the total is
    below the target (a peer died holding gradients), the round is *aborted*: everyone puts its
    gradients back and the stage keeps accumulating; nothing is lost and no step is taken on
-   too small a batch.
-4. **Update.** The leader answers every contributor with the same mean gradient; each applies
-   it with the same deterministic optimizer step and moves to ``s + 1``.
+   too small a batch. Once the leader reduces, the round is *closed*: a contribution arriving
+   later is answered "aborted" (its sender keeps its gradients), never with a mean that does
+   not contain it.
+4. **Update.** The leader encodes the mean once, with the swarm's ``grad_codec``, and answers
+   every contributor with those same bytes; each peer, the leader included, applies the
+   *decoded* mean with the same deterministic optimizer step and moves to ``s + 1``.
+
+Compression (``TrainingSpec.grad_codec``: ``none``, ``fp16``, ``8bit``). Contributions travel
+with the codec (``fp16`` falls back to ``none`` for gradients it would overflow; each frame
+names its codec) and the leader reduces in float64 (finite float32 contributions cannot overflow
+the mean) and answers in float32. The leader's own contribution never
+travels, so it is not compressed. The mean is encoded once and the leader applies
+``decode(encode(mean))``, exactly what the contributors decode, so the peers stay bit-identical
+whatever the codec: re-encoding a decoded mean is not the identity for ``8bit``, which is why
+the answer's bytes are built once, not per contributor. ``none`` is exact, as before.
 
 Failures: a contributor that dies after sending is simply absent from the answers; one that
 dies before sending costs the others at most ``averaging_timeout_s``. A leader that dies makes
 its contributors' requests fail: they take their gradients back and retry without it. A peer
 that ends up behind (its answer was lost) sees stage-mates at a later step and resyncs from one
-of them (the daemon downloads their state).
+of them (the daemon downloads their state). A leader that was *frozen* (SIGSTOP, a VM pause,
+swapping) may wake after its contributors stopped waiting (``averaging_timeout_s +
+REPLY_SLACK_S``) and stepped without it; so it commits a round only within ``COMMIT_GRACE_S`` of
+the round's deadline and aborts it otherwise, then resyncs: stepping alone would leave it at the
+same step as its stage-mates with other parameters, which nothing would ever reconcile.
+(Residual risk: a freeze of more than ``REPLY_SLACK_S - COMMIT_GRACE_S`` seconds exactly
+between that check and the answers; ``tests/test_averaging_faults.py`` covers the rest.)
+
+Why one leader per round, not a chunked all-reduce. A reduce-scatter + all-gather (each peer
+owning the reduction of one chunk) spreads the traffic: every peer sends and receives about
+``2 * |grads|`` per round whatever the stage's size, where the leader here receives and sends
+``(n - 1) * |grads|`` each way (``scripts/bench_averaging.py``: 13 MB per round for a peer of a
+``small`` stage with ``none``, 40 MB for the leader of 4 peers, 94 MB of 8; a quarter of that
+with ``8bit``). But the leader's answer is also the round's one atomic decision: everybody
+applies that mean, or nobody does and everybody keeps its gradients. With several chunk owners
+a peer can die after some owners answered and before others did; the peers then disagree on
+whether step ``s`` happened (some applied chunk 1's mean, others aborted), and their parameters
+diverge for good. A chunked version would need a commit protocol on top: owners reduce and hold
+their chunk means; a coordinator collects "chunk ready" from every owner and announces commit
+or abort; a peer applies only once it has *every* chunk and the commit, and a peer that missed
+the commit (or a chunk) must resync from one that applied it rather than apply its own guess.
+It also needs every owner's chunk to survive until all peers fetched it, so a dying owner after
+the commit forces the others to resync. Until stages grow beyond a handful of peers per stage,
+the single leader's O(n) traffic is the cheaper price for a decision that cannot split.
 """
 
 from __future__ import annotations
@@ -54,6 +89,14 @@ log = logging.getLogger(__name__)
 
 StagePeers = Callable[[], Awaitable[dict[str, str]]]  # serving stage-mates: peer_id -> data_addr
 
+#: A contributor waits this long past ``averaging_timeout_s`` for the leader's answer (upload,
+#: reduction, the optimizer step, download), then takes its gradients back.
+REPLY_SLACK_S = 30.0
+#: A leader commits a round only this soon after the round's deadline; later (it was frozen:
+#: a VM pause, SIGSTOP, swapping), its contributors may have given up and stepped without it,
+#: so it aborts instead. Well below REPLY_SLACK_S: a leader that commits is still awaited.
+COMMIT_GRACE_S = 10.0
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -61,7 +104,8 @@ class RoundResult:
     step: int
     samples: int  # total samples averaged
     contributors: int
-    mean_grads: torch.Tensor | None  # flat float32, on "ok"
+    mean_grads: torch.Tensor | None  # flat float32, on "ok": exactly what every peer applies
+    reply: bytes | None = None  # the leader's answer frame on "ok", encoded once for all contributors
 
 
 @dataclass
@@ -72,6 +116,7 @@ class _OpenRound:
     expected: set[str]
     deadline: float
     contributions: dict[str, Contribution] = field(default_factory=dict)
+    closed: bool = False  # reduced: the mean is fixed, a contribution arriving now is turned away
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future[RoundResult] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -103,6 +148,7 @@ class StageAverager:
         self._round: _OpenRound | None = None
         self._suspects: dict[str, float] = {}  # leaders that failed us, excluded until this time
         self._tasks: set[asyncio.Task[None]] = set()  # rounds opened by a stage-mate's request
+        self._mates_samples = 0  # what the stage-mates held at this step, as last polled
 
     async def close(self) -> None:
         """Cancel and await the rounds this peer leads on behalf of others."""
@@ -121,6 +167,7 @@ class StageAverager:
     def progress(self) -> dict[str, Any]:
         ex = self.executor
         rnd = self._round
+        open_ = rnd is not None and not rnd.result.done()  # not answered yet
         return {
             "peer_id": self.peer_id,
             "stage": ex.stage,
@@ -128,7 +175,11 @@ class StageAverager:
             "samples": ex.grad_samples + ex.out_samples,  # held, whether accumulating or out for averaging
             "averaging": ex.averaging,
             "leader": self._leader_view,
-            "round": rnd.step if rnd is not None and not rnd.result.done() else None,  # open here, as leader
+            "round": rnd.step if open_ and not rnd.closed else None,  # open here (as leader) to contributions
+            # the open round: whom it waits for, and the samples of those already in
+            "round_expected": sorted(rnd.expected) if open_ else None,
+            "round_contributors": {pid: c.samples for pid, c in sorted(rnd.contributions.items())} if open_ else None,
+            "dropped_samples": ex.dropped_samples,  # discarded by adopting a stage-mate's state (resync)
             "target_batch_size": self.target,
         }
 
@@ -137,7 +188,11 @@ class StageAverager:
     async def run(self) -> None:
         """Poll the stage's progress and take part in rounds, until cancelled."""
         while True:
-            await asyncio.sleep(self.poll_s)
+            need = self.target - self._mates_samples
+            if self.executor.grad_samples >= need:  # enough by the last view, yet no round: poll
+                await asyncio.sleep(self.poll_s)
+            else:  # wake as soon as this peer's backwards complete the batch, not a poll period later
+                await self.executor.wait_progress(self.poll_s, samples=need)
             try:
                 await self._tick()
             except asyncio.CancelledError:
@@ -168,6 +223,7 @@ class StageAverager:
         joining_open_round = leader != self.peer_id and progress.get(leader, {}).get("round") == step
         if not joining_open_round:
             total = ex.grad_samples + sum(p["samples"] for pid, p in progress.items() if pid in group)
+            self._mates_samples = total - ex.grad_samples
             if total < self.target:
                 return
             leaders = {p.get("leader") for pid, p in progress.items() if pid in group}
@@ -237,7 +293,16 @@ class StageAverager:
                     await asyncio.wait_for(rnd.arrived.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            result = self._reduce(rnd)
+            # From here the mean is fixed: a contribution arriving while we apply it would be
+            # answered with a mean that does not hold it, and its samples would vanish.
+            rnd.closed = True
+            result = await asyncio.to_thread(self._reduce, rnd)
+            late = time.monotonic() - rnd.deadline
+            if result.status == "ok" and late > COMMIT_GRACE_S:
+                log.warning("stage %d step %d: this leader is %.1fs past the round's deadline (it was frozen?); "
+                            "its contributors may have given up, so the round is aborted",
+                            self.executor.stage, rnd.step, late)
+                result = RoundResult("aborted", rnd.step, result.samples, result.contributors, None)
             if result.status == "ok":
                 assert result.mean_grads is not None
                 await self.executor.apply_average(result.mean_grads, rnd.step)
@@ -245,7 +310,7 @@ class StageAverager:
             else:
                 await self.executor.restore_contribution(own)
                 self.rounds_aborted += 1
-            self._record(result, missing=sorted(rnd.expected - set(rnd.contributions)))
+            self._record(result, self.peer_id, missing=sorted(rnd.expected - set(rnd.contributions)))
             rnd.result.set_result(result)
             return result
         except BaseException as exc:
@@ -259,6 +324,7 @@ class StageAverager:
             self._round = None
 
     def _reduce(self, rnd: _OpenRound) -> RoundResult:
+        """Sum, divide, encode the answer (off the event loop: called in a thread)."""
         total = sum(c.samples for c in rnd.contributions.values())
         if total < self.target:
             log.warning(
@@ -266,12 +332,29 @@ class StageAverager:
                 self.executor.stage, rnd.step, total, self.target, len(rnd.contributions),
             )
             return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
-        summed = torch.zeros(self.executor.grad_numel, dtype=torch.float32)
-        for pid in sorted(rnd.contributions):  # a fixed order: the same sum whatever the arrival order
+        # Summed in float64, in a fixed order (the same sum whatever the arrival order). Every
+        # contribution is finite float32 and carries at least one sample per gradient it sums, so
+        # the mean is bounded by the largest contribution: float32 sums of huge finite gradients
+        # could overflow to Inf, this cannot.
+        summed = torch.zeros(self.executor.grad_numel, dtype=torch.float64)
+        for pid in sorted(rnd.contributions):
             grads = rnd.contributions[pid].grads
             if grads is not None:
                 summed += grads
-        return RoundResult("ok", rnd.step, total, len(rnd.contributions), summed / total)
+        mean = (summed / total).to(torch.float32)
+        if not bool(torch.isfinite(mean).all()):  # cannot happen with the checks above; never apply it
+            log.error("stage %d step %d: the mean gradient is not finite; round aborted", self.executor.stage, rnd.step)
+            return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
+        ex = self.executor
+        if set(rnd.contributions) <= {self.peer_id}:  # a lone peer: nobody to answer, nothing to encode
+            return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean)
+        codec = _wire_codec(mean, ex.training.grad_codec)
+        meta = {"stage": ex.stage, "status": "ok", "step": rnd.step, "samples": total,
+                "contributors": len(rnd.contributions)}
+        reply = encode_frame("average_result", meta, {"grads": mean}, codec)
+        if codec != "none":  # lossy: apply what the contributors will decode, bit for bit
+            mean = decode_frame(reply).tensors["grads"]
+        return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, reply)
 
     async def contribute(self, peer_id: str, step: int, samples: int, grads: torch.Tensor | None) -> RoundResult:
         """A stage-mate's contribution arrived (``POST /v1/average``): join or open the round."""
@@ -290,7 +373,7 @@ class StageAverager:
             task.add_done_callback(self._tasks.discard)
         else:
             rnd = self._round
-            if rnd.step != step or rnd.result.done():  # too late for this round
+            if rnd.step != step or rnd.closed or rnd.result.done():  # too late for this round: keep them
                 return RoundResult("aborted", step, 0, 0, None)
             rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads)
             rnd.expected.add(peer_id)
@@ -330,14 +413,15 @@ class StageAverager:
         else:
             await self.executor.restore_contribution(own)
             self.rounds_aborted += 1
-        self._record(result, missing=[])
+        self._record(result, leader, missing=[])
 
     async def _post(self, addr: str, own: Contribution) -> RoundResult:
         ex = self.executor
         meta = {"stage": ex.stage, "step": own.step, "samples": own.samples, "peer_id": self.peer_id}
         tensors = {} if own.grads is None else {"grads": own.grads}
-        body = encode_frame("average", meta, tensors)
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s + 30)
+        codec = "none" if own.grads is None else _wire_codec(own.grads, ex.training.grad_codec)
+        body = await asyncio.to_thread(encode_frame, "average", meta, tensors, codec)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s + REPLY_SLACK_S)
         try:
             async with self.session.post(f"http://{addr}/v1/average", data=io.BytesIO(body),
                                          headers={"Content-Type": CONTENT_TYPE}, timeout=timeout) as r:
@@ -347,12 +431,12 @@ class StageAverager:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(0, type(exc).__name__, f"leader at {addr} did not answer: {exc}") from exc
         try:
-            frame = decode_frame(payload)
+            frame = await asyncio.to_thread(decode_frame, payload)
         except WireError as exc:
             raise PeerError(200, type(exc).__name__, f"leader at {addr} sent an undecodable answer") from exc
         status = frame.meta.get("status")
         grads = frame.tensors.get("grads")
-        if status == "ok" and (grads is None or grads.numel() != ex.grad_numel):
+        if status == "ok" and (grads is None or grads.dtype != torch.float32 or grads.numel() != ex.grad_numel):
             raise PeerError(200, "BadAverage", f"leader at {addr} sent a mean gradient of the wrong size")
         return RoundResult(
             status="ok" if status == "ok" else "aborted",
@@ -362,10 +446,11 @@ class StageAverager:
             mean_grads=grads if status == "ok" else None,
         )
 
-    def _record(self, result: RoundResult, missing: list[str]) -> None:
+    def _record(self, result: RoundResult, leader: str, missing: list[str]) -> None:
         self.last_round = {
             "status": result.status,
             "step": result.step,
+            "leader": leader,
             "samples": result.samples,
             "contributors": result.contributors,
             "missing": missing,
@@ -374,3 +459,16 @@ class StageAverager:
         log.info("stage %d step %d: round %s with %d samples from %d peer(s)%s",
                  self.executor.stage, result.step, result.status, result.samples, result.contributors,
                  f", missing {len(missing)}" if missing else "")
+
+
+# float16's largest finite value is 65504; anything from 65520 up rounds to inf
+_FP16_LIMIT = 65504.0
+
+
+def _wire_codec(grads: torch.Tensor, codec: str) -> str:
+    """The codec to send ``grads`` with: the swarm's ``grad_codec``, except that gradients
+    float16 cannot carry (overflow to inf, which the leader would refuse) go uncompressed. Each
+    frame names its codec, so the receiver needs no agreement on it."""
+    if codec == "fp16" and grads.numel() and float(grads.abs().max()) > _FP16_LIMIT:
+        return "none"
+    return codec

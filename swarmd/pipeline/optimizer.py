@@ -56,6 +56,7 @@ from swarmd.errors import ConfigError
 
 __all__ = [
     "DIGEST_VERSION",
+    "GRAD_CODECS",
     "OPTIMIZERS",
     "SCHEDULES",
     "STATE_FORMAT",
@@ -68,12 +69,14 @@ __all__ = [
 ]
 
 #: Bumped whenever the digest's canonical form changes; hashed in front of the payload.
-DIGEST_VERSION = "swarmd.TrainingSpec/1"
+DIGEST_VERSION = "swarmd.TrainingSpec/2"  # /2: grad_codec
 #: The ``format`` entry of :func:`optimizer_state_tensors`' meta; bumped if the layout changes.
 STATE_FORMAT = "swarmd.optimizer_state/1"
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+#: How a stage's averaging traffic carries gradients (codecs of ``swarmd.net.codecs``).
+GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit")
 
 Scalar = Union[bool, int, float, str]
 NamedParams = Iterable[tuple[str, nn.Parameter]]
@@ -104,7 +107,7 @@ _FLOAT_BOUNDS: Mapping[str, tuple[float, float, bool, bool]] = MappingProxyType(
 )
 
 _CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {"optimizer": OPTIMIZERS, "schedule": SCHEDULES}
+    {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "grad_codec": GRAD_CODECS}
 )
 
 
@@ -131,6 +134,10 @@ class TrainingSpec:
     clip_norm: float = 1.0  # max L2 norm of a stage's gradient; 0 disables clipping
     delay_updates: bool = False  # the paper's delayed parameter updates (a flag here)
     averaging_timeout_s: float = 30.0  # a stage's all-reduce gives up on missing peers after this
+    # codec of the gradients a stage's peers send to the round's leader and of the mean it sends
+    # back (one of GRAD_CODECS). Lossy codecs keep the peers bit-identical: the leader encodes
+    # the mean once and every peer, the leader included, applies the decoded mean.
+    grad_codec: str = "none"
 
     def __post_init__(self) -> None:
         for name, (low, high) in _INT_BOUNDS.items():
