@@ -15,18 +15,26 @@ Two runs of the same training job, one after the other, each in its own process(
   this process drives ``--warmup + --steps`` steps through them (``--sync`` by default: one
   global batch per step, then wait until every stage has stepped).
 
-Why the comparison is fair: both draw the same microbatches (same corpus, seed, sampler and
-split), compute the same loss and take the same optimizer steps (with ``--sync --codec
+Why the comparison is fair: both draw the same samples (same corpus, seed, sampler and
+order; the swarm's trainer halves the first and last microbatch of a sync step unless
+``--no-taper``, which changes how the batch is grouped, not what it holds), compute the same loss and take the same optimizer steps (with ``--sync --codec
 none`` the per-step losses agree to float rounding, and the report says how closely), run
 with the same total number of torch threads, and are timed over the same steps: from the end
 of warm-up step ``W`` to the end of step ``W + N``, so start-up, corpus loading, first-call
 allocations and the trainer's final validation are all outside the window. Samples/s is the
 samples completed in that window over its wall time. What the swarm pays on top is exactly
-what SWARM costs: the stage-0 forward is recomputed in its backward (stateless backward),
-activations and gradients are encoded and sent over HTTP, a stage steps through its
-averaging protocol, the pipeline drains at every step in sync mode, and the trainer process
-(a light client with one torch thread, outside the budget) needs CPU too; per-process CPU
-time is reported so that cost is visible.
+what SWARM costs: a backward that misses the peer's activation cache recomputes the forward
+(stateless backward; with one peer per stage every backward should hit, see each daemon's
+``activation_cache``), activations and gradients are encoded and sent over HTTP, a stage steps
+through its averaging protocol, the pipeline drains at every step in sync mode, and the
+trainer process (a light client with one torch thread, outside the budget) needs CPU too;
+per-process CPU time is reported so that cost is visible, and each daemon's is split into its
+stage worker thread (the compute) and the rest.
+
+``--no-sync`` runs the swarm in asynchronous mode (the trainer paces itself to the target
+batch), ``--no-sync --delay-updates`` with delayed parameter updates: both no longer compute
+exactly what the single run computes (``step_losses_max_rel_diff`` shows by how much); the
+report's ``mode`` says which ran.
 
 Memory: the peak RSS of every daemon (``VmHWM``, read just before it is stopped), of the
 single-process child and of this process (the trainer; it never runs the baseline) are
@@ -38,9 +46,11 @@ reports ``other_processes_cpu_cores``: the machine's busy CPU time (``/proc/stat
 benchmark's own, per second of wall time. Above ~0.1, rerun on a quiet machine.
 
 ``--profile`` runs the trainer's timed steps under cProfile and prints the top entries by
-own time; without it, the report still splits each step into the microbatch phase and the
-wait until every stage has stepped, gives mean latencies of the trainer's calls per stage,
-and the daemons' own compute rate (``/status`` ``throughput``).
+own time; ``--profile-daemons`` runs every daemon under cProfile (its event-loop thread, the
+whole run, start-up included) and reports each one's top entries; without them, the report
+still splits each step into the microbatch phase and the wait until every stage has stepped,
+gives mean latencies of the trainer's calls per stage, and the daemons' own compute rate
+(``/status`` ``throughput``).
 
     .venv/bin/python scripts/bench_pipeline.py                    # a readable summary
     .venv/bin/python scripts/bench_pipeline.py --json             # one JSON object
@@ -77,7 +87,7 @@ from swarmd.pipeline.optimizer import TrainingSpec, build_optimizer
 from swarmd.pipeline.spec import PRESETS
 from swarmd.train.data import BatchSampler, load_corpus
 from swarmd.train.reference import single_process_step
-from swarmd.train.trainer import Trainer, TrainerConfig
+from swarmd.train.trainer import Trainer, TrainerConfig, split_batch
 
 CORPUS_BYTES = 8 * 2**20  # the trainer's default; passed explicitly to both runs
 SEED = 0
@@ -100,6 +110,13 @@ class Settings:
     codec: str
     sync: bool
     threads: int
+    delay_updates: bool = False
+    taper: bool = True  # the trainer halves a sync step's first and last microbatch (split_batch)
+
+    @property
+    def mode(self) -> str:
+        """How the swarm steps: ``sync``, ``async`` or ``async+delay_updates``."""
+        return ("sync" if self.sync else "async") + ("+delay_updates" if self.delay_updates else "")
 
     @property
     def stages(self) -> int:
@@ -110,11 +127,8 @@ class Settings:
         return max(1, self.threads // self.stages)
 
     def microbatch_sizes(self) -> list[int]:
-        """How one global batch is split, exactly as the trainer's sync mode splits it."""
-        sizes = [self.microbatch_size] * (self.batch_size // self.microbatch_size)
-        if self.batch_size % self.microbatch_size:
-            sizes.append(self.batch_size % self.microbatch_size)
-        return sizes
+        """How the single run splits one global batch: as the trainer's sync mode does, untapered."""
+        return split_batch(self.batch_size, self.microbatch_size)
 
 
 # ---- process accounting ---------------------------------------------------------------------
@@ -131,10 +145,11 @@ def peak_rss_bytes(pid: int) -> int | None:
     return None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a live process so far, all its threads together."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU time of a live process so far, all its threads together (or of its
+    thread ``tid`` alone: ``tid == pid`` is the main thread, a daemon's event loop)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 onwards
@@ -241,14 +256,18 @@ def _stop(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> int | None:
 class DaemonProc:
     """One ``python -m swarmd`` child on free ports, its state and log in ``workdir``."""
 
-    def __init__(self, index: int, workdir: Path, args: Sequence[str]) -> None:
+    def __init__(self, index: int, workdir: Path, args: Sequence[str], *, profile: bool = False) -> None:
         self.index = index
         self.ready = workdir / f"peer{index}.json"
         self.log_path = workdir / f"peer{index}.log"
+        # cProfile of the daemon's main thread (the event loop: HTTP, codecs' hand-offs, the
+        # averaging protocol), written when it exits; the worker thread's compute is not in it
+        self.profile_path = workdir / f"peer{index}.prof" if profile else None
         self.info: dict[str, Any] = {}
+        prefix = ["-m", "cProfile", "-o", str(self.profile_path)] if self.profile_path else []
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "swarmd", "--port", "0", "--api-port", "0", "--dht-port", "0",
+                [sys.executable, *prefix, "-m", "swarmd", "--port", "0", "--api-port", "0", "--dht-port", "0",
                  "--device", "cpu", "--drain-timeout", "5", "--state-dir", str(workdir / f"peer{index}"),
                  "--ready-file", str(self.ready), "--log-level", "WARNING", *args],
                 stdout=log, stderr=subprocess.STDOUT,
@@ -302,23 +321,33 @@ class Window:
     samples0: int = 0
     samples1: int = 0
     cpu0: dict[int, float | None] = field(default_factory=dict)  # per daemon pid
+    worker_cpu0: list[float] = field(default_factory=list)  # per daemon: its stage worker thread's CPU
     cpu1: dict[int, float | None] = field(default_factory=dict)
+    main_cpu0: dict[int, float | None] = field(default_factory=dict)  # per daemon pid: its main thread
+    main_cpu1: dict[int, float | None] = field(default_factory=dict)
     trainer_cpu_s: float = 0.0  # this process's CPU time inside the window
     machine_busy_s: float = 0.0  # every process's, see machine_busy_seconds
     step_ends: list[float] = field(default_factory=list)
     wait_s: float = 0.0  # in _wait_all_stepped: every microbatch done, waiting for the stages to step
     calls: dict[str, CallStats] = field(default_factory=dict)
+    trace: list[tuple[int, str, int, float, float]] = field(default_factory=list)  # stage, kind, samples, start, end
     statuses: list[dict[str, Any]] = field(default_factory=list)
 
     def _daemon_cpu(self) -> dict[int, float | None]:
         return {d.pid: cpu_seconds(d.pid) for d in self.daemons}
 
+    def _daemon_main_cpu(self) -> dict[int, float | None]:
+        return {d.pid: cpu_seconds(d.pid, d.pid) for d in self.daemons}
+
     def on_step(self, done: int, loss: float, info: dict[str, Any]) -> None:
+        if done == self.warmup:  # before the clock starts (in sync mode nothing runs at this moment)
+            self.worker_cpu0 = [float(d.status().get("worker_cpu_s", 0.0)) for d in self.daemons]
         now = time.perf_counter()
         if self.open or done == self.warmup:
             self.step_ends.append(now)
         if done == self.warmup:
             self.t0, self.samples0, self.cpu0 = now, int(info["samples"]), self._daemon_cpu()
+            self.main_cpu0 = self._daemon_main_cpu()
             self.trainer_cpu_s = -time.process_time()
             self.machine_busy_s = -machine_busy_seconds()
             self.open = True
@@ -329,6 +358,7 @@ class Window:
                 self.profiler.disable()
             self.open = False
             self.t1, self.samples1, self.cpu1 = now, int(info["samples"]), self._daemon_cpu()
+            self.main_cpu1 = self._daemon_main_cpu()
             self.trainer_cpu_s += time.process_time()
             self.machine_busy_s += machine_busy_seconds()
             # before the trainer's final validation, which would feed the daemons' rate EMAs
@@ -350,7 +380,7 @@ class TimedTrainer(Trainer):
             if self.window.open:
                 self.window.wait_s += time.perf_counter() - started
 
-    async def _call(
+    async def _call_peer(
         self,
         stage: int,
         kind: str,
@@ -359,25 +389,35 @@ class TimedTrainer(Trainer):
         targets: torch.Tensor | None = None,
         grad_outputs: torch.Tensor | None = None,
         step: int | None = None,
-    ) -> StageReply:
+        mb: int | None = None,
+        prefer: str | None = None,
+    ) -> tuple[StageReply, str]:
         started = time.perf_counter()
-        reply = await super()._call(stage, kind, inputs=inputs, targets=targets, grad_outputs=grad_outputs, step=step)
+        reply, peer = await super()._call_peer(stage, kind, inputs=inputs, targets=targets, grad_outputs=grad_outputs,
+                                               step=step, mb=mb, prefer=prefer)
         if self.window.open:
+            ended = time.perf_counter()
             stats = self.window.calls.setdefault(f"stage{stage}.{kind}", CallStats())
             stats.count += 1
-            stats.seconds += time.perf_counter() - started
-        return reply
+            stats.seconds += ended - started
+            self.window.trace.append((stage, kind, int(inputs.shape[0]), started, ended))
+        return reply, peer
 
 
-async def swarm_run(s: Settings, workdir: Path, daemons: list[DaemonProc], profile: bool) -> dict[str, Any]:
+async def swarm_run(
+    s: Settings, workdir: Path, daemons: list[DaemonProc], profile: bool, profile_daemons: bool = False
+) -> dict[str, Any]:
     """Start one daemon per stage, train ``warmup + steps`` steps through them, stop them."""
     common = ["--swarm", "bench", "--announce-period", "2", "--threads", str(s.daemon_threads)]
     founder = DaemonProc(0, workdir, [*common, "--model", s.preset, "--stage", "0",
-                                      "--target-batch-size", str(s.batch_size)])
+                                      "--target-batch-size", str(s.batch_size),
+                                      *(["--delay-updates"] if s.delay_updates else [])],
+                         profile=profile_daemons)
     daemons.append(founder)
     await asyncio.to_thread(founder.wait_ready)
     for k in range(1, s.stages):
-        daemons.append(DaemonProc(k, workdir, [*common, "--join", founder.info["dht_addr"], "--stage", str(k)]))
+        daemons.append(DaemonProc(k, workdir, [*common, "--join", founder.info["dht_addr"], "--stage", str(k)],
+                                  profile=profile_daemons))
     await asyncio.gather(*(asyncio.to_thread(d.wait_ready) for d in daemons[1:]))
 
     torch.set_num_threads(1)  # the trainer only samples, encodes and decodes
@@ -386,7 +426,7 @@ async def swarm_run(s: Settings, workdir: Path, daemons: list[DaemonProc], profi
     config = TrainerConfig(
         api=f"http://{founder.info['api_addr']}", steps=s.warmup + s.steps, batch_size=s.batch_size,
         microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window, sync=s.sync,
-        val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench",
+        val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench", taper=s.taper,
     )
     trainer = TimedTrainer(config, window)
     summary = await trainer.run()
@@ -395,28 +435,43 @@ async def swarm_run(s: Settings, workdir: Path, daemons: list[DaemonProc], profi
         raise BenchError(f"the trainer finished without reaching step {window.last}")
 
     daemon_reports = []
-    for d, st in zip(daemons, window.statuses):
+    for i, (d, st) in enumerate(zip(daemons, window.statuses)):
         c0, c1 = window.cpu0.get(d.pid), window.cpu1.get(d.pid)
         throughput = float(st["throughput"])
+        worker0 = window.worker_cpu0[i] if i < len(window.worker_cpu0) else None
         daemon_reports.append({
             "stage": st["stage"],
             "pid": d.pid,
             "threads": s.daemon_threads,
             "peak_rss_bytes": peak_rss_bytes(d.pid),  # just before it is stopped
             "cpu_s": None if c0 is None or c1 is None else c1 - c0,
+            # of which the stage's worker thread (forward/backward/update compute); the rest is
+            # the event loop, HTTP, codec threads and the averaging protocol
+            "worker_cpu_s": None if worker0 is None else float(st.get("worker_cpu_s", 0.0)) - worker0,
+            # the main thread: the event loop (HTTP, the averaging protocol, DHT)
+            "event_loop_cpu_s": _delta(window.main_cpu0.get(d.pid), window.main_cpu1.get(d.pid)),
             "throughput_samples_per_s": throughput,  # its own forward + backward compute rate (EMA)
             "compute_s_per_step_est": s.batch_size / throughput if throughput else None,
             "served": st["served"],
             "step": st["step"],
             "averaging_rounds_ok": (st.get("averaging") or {}).get("rounds_ok"),
+            "activation_cache": st.get("activation_cache"),  # hits, misses, bytes (whole run so far)
         })
     exit_codes = [d.stop() for d in daemons]
-    for report, code in zip(daemon_reports, exit_codes):
+    for report, code, d in zip(daemon_reports, exit_codes, daemons):
         report["exit_code"] = code
+        if d.profile_path is not None and d.profile_path.exists():
+            report["event_loop_profile"] = _profile_report(pstats.Stats(str(d.profile_path)), top=10)
 
     wall = window.t1 - window.t0
     samples = window.samples1 - window.samples0
     step_s = [b - a for a, b in zip(window.step_ends, window.step_ends[1:])]
+    timeline: list[list[Any]] = []
+    if len(window.step_ends) > 2:  # the trainer's calls in the second timed step, ms from its start
+        a, b = window.step_ends[1], window.step_ends[2]
+        timeline = [[stage, kind, n, round((t0 - a) * 1e3, 1), round((t1 - a) * 1e3, 1)]
+                    for stage, kind, n, t0, t1 in sorted(window.trace, key=lambda e: e[3]) if a <= t0 < b]
+        timeline.append(["step_end", round((b - a) * 1e3, 1)])
     own_cpu = window.trainer_cpu_s + sum(r["cpu_s"] or 0.0 for r in daemon_reports)
     result: dict[str, Any] = {
         "samples_per_s": samples / wall,
@@ -434,6 +489,9 @@ async def swarm_run(s: Settings, workdir: Path, daemons: list[DaemonProc], profi
             for name, c in sorted(window.calls.items())
         },
         "daemons": daemon_reports,
+        # [stage, kind, samples, start_ms, end_ms] of every call of one step, as the trainer saw it
+        # (latency: queueing, transfer and compute), then ["step_end", ms]
+        "timeline_one_step": timeline,
         "trainer": {
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
@@ -449,20 +507,24 @@ async def swarm_run(s: Settings, workdir: Path, daemons: list[DaemonProc], profi
         "microbatches_completed": summary.microbatches_completed,
     }
     if window.profiler is not None:
-        result["profile"] = _profile_report(window.profiler)
+        result["profile"] = _profile_report(pstats.Stats(window.profiler))
     return result
 
 
-def _profile_report(profiler: cProfile.Profile) -> dict[str, Any]:
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def _profile_report(stats: pstats.Stats, top: int = PROFILE_TOP) -> dict[str, Any]:
     """The top entries by own time, as rows and as pstats' text."""
     text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats(pstats.SortKey.TIME).print_stats(PROFILE_TOP)
+    stats.stream = text  # type: ignore[attr-defined]
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(top)
     # pstats' own table: (file, line, function) -> (primitive calls, calls, own time, cumulative, callers)
     raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = getattr(stats, "stats")
     total = sum(own for _, _, own, _, _ in raw.values())
     rows = []
-    for (file, line, func), (_, calls, own, cumulative, _) in sorted(raw.items(), key=lambda kv: -kv[1][2])[:PROFILE_TOP]:
+    for (file, line, func), (_, calls, own, cumulative, _) in sorted(raw.items(), key=lambda kv: -kv[1][2])[:top]:
         rows.append({
             "function": func if file == "~" else f"{Path(file).name}:{line}({func})",
             "calls": calls,
@@ -481,12 +543,12 @@ def _max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float | None:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in pairs) if pairs else None
 
 
-def run(s: Settings, profile: bool) -> dict[str, Any]:
+def run(s: Settings, profile: bool, profile_daemons: bool = False) -> dict[str, Any]:
     single = run_single_child(s)
     daemons: list[DaemonProc] = []
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-") as tmp:
         try:
-            swarm = asyncio.run(swarm_run(s, Path(tmp), daemons, profile))
+            swarm = asyncio.run(swarm_run(s, Path(tmp), daemons, profile, profile_daemons))
         except BaseException:
             for d in daemons:
                 tail = d.log_tail()
@@ -505,6 +567,7 @@ def run(s: Settings, profile: bool) -> dict[str, Any]:
     }
     return {
         **asdict(s),
+        "mode": s.mode,
         "stages": s.stages,
         "daemon_threads": s.daemon_threads,
         "single_samples_per_s": single["samples_per_s"],
@@ -532,7 +595,7 @@ def _mib(n: float | None) -> str:
 def print_summary(r: dict[str, Any]) -> None:
     sw, si = r["swarm"], r["single"]
     print(f"preset {r['preset']} ({r['stages']} stages), batch {r['batch_size']} in microbatches of "
-          f"{r['microbatch_size']}, window {r['window']}, codec {r['codec']}, {'sync' if r['sync'] else 'async'}, "
+          f"{r['microbatch_size']}, window {r['window']}, codec {r['codec']}, {r['mode']}, "
           f"{r['steps']} timed steps after {r['warmup']} warm-up, {r['threads']} threads "
           f"({r['daemon_threads']} per daemon)")
     print(f"single: {r['single_samples_per_s']:8.1f} samples/s  (step {si['step_ms_median']:.0f} ms median, "
@@ -557,7 +620,13 @@ def print_summary(r: dict[str, Any]) -> None:
     for d in sw["daemons"]:
         print(f"  daemon stage {d['stage']}: compute {d['throughput_samples_per_s']:.0f} samples/s "
               f"(~{d['compute_s_per_step_est'] or 0:.2f}s per step), CPU {d['cpu_s'] or 0:.1f}s "
-              f"({(d['cpu_s'] or 0) / wall:.2f} cores), peak RSS {_mib(d['peak_rss_bytes'])}")
+              f"({(d['cpu_s'] or 0) / wall:.2f} cores; worker thread {d['worker_cpu_s'] or 0:.1f}s, "
+              f"event loop {d['event_loop_cpu_s'] or 0:.1f}s), "
+              f"peak RSS {_mib(d['peak_rss_bytes'])}")
+        cache = d.get("activation_cache")
+        if cache:
+            print(f"    activation cache: {cache['hits']} hits, {cache['misses']} misses, "
+                  f"{cache['evictions']} evicted, {_mib(cache['bytes'])} held at the end")
     tr = sw["trainer"]
     print(f"  trainer: CPU {tr['cpu_s']:.1f}s ({tr['cpu_s'] / wall:.2f} cores), peak RSS {_mib(tr['peak_rss_bytes'])}")
     print("stage parameters: " + ", ".join(_mib(b) for b in r["stage_param_bytes"])
@@ -577,9 +646,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation codec between stages (default: none)")
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                    help="sync mode: one global batch per step, wait for every stage (default: --sync)")
+    p.add_argument("--delay-updates", action="store_true",
+                   help="the swarm uses delayed parameter updates (staleness 1; meaningful without --sync, "
+                   "and then not the same computation as the single run)")
+    p.add_argument("--taper", action=argparse.BooleanOptionalAction, default=True,
+                   help="the swarm trainer halves a sync step's first and last microbatch, which shortens "
+                   "the pipeline's fill and drain; same samples, same gradient (default: --taper)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the single run, split evenly over the daemons (default: CPU count)")
     p.add_argument("--profile", action="store_true", help="run the trainer's timed steps under cProfile")
+    p.add_argument("--profile-daemons", action="store_true",
+                   help="run each daemon under cProfile (its event-loop thread, the whole run) and report the top entries")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--single-child", metavar="SETTINGS", help=argparse.SUPPRESS)  # internal
     return p
@@ -596,14 +673,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     settings = Settings(preset=args.preset, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                         microbatch_size=args.microbatch_size, window=args.window, codec=args.codec,
-                        sync=args.sync, threads=args.threads)
+                        sync=args.sync, threads=args.threads, delay_updates=args.delay_updates,
+                        taper=args.taper)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C does
 
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        result = run(settings, args.profile)
+        result = run(settings, args.profile, args.profile_daemons)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -611,6 +689,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_pipeline: error: {exc}", file=sys.stderr)
         return 1
     profile_text = result["swarm"].get("profile", {}).pop("text", None)
+    for d in result["swarm"]["daemons"]:
+        text = (d.get("event_loop_profile") or {}).pop("text", None)
+        if text:
+            print(f"daemon stage {d['stage']}, event-loop thread, whole run (top 10 by own time):\n{text}",
+                  file=sys.stderr)
     if args.json:
         if profile_text:
             print(profile_text, file=sys.stderr)

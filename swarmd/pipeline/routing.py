@@ -202,6 +202,25 @@ class StageRouter:
         chosen.picks += 1
         return chosen.peer_id, chosen.addr
 
+    def choose_preferred(self, peer_id: str | None, exclude: Collection[str] = ()) -> tuple[str, str] | None:
+        """``peer_id`` itself if it is usable now (known, not banned, not in ``exclude``, under
+        the in-flight cap), else :meth:`choose`'s pick.
+
+        For a backward: the peer that served the microbatch's forward may still hold its
+        activations. The round-robin counters are left alone, so affinity does not skew the
+        weighted shares of the forwards it follows.
+        """
+        p = self._peers.get(peer_id) if peer_id is not None else None
+        if (
+            p is not None
+            and p.banned_for(self._clock()) == 0.0
+            and p.peer_id not in exclude
+            and (self.max_in_flight is None or p.in_flight < self.max_in_flight)
+        ):
+            p.picks += 1
+            return p.peer_id, p.addr
+        return self.choose(exclude)
+
     def _weights(self) -> dict[str, float]:
         """Round-robin weight of every known peer: measured throughput, floored.
 

@@ -15,15 +15,25 @@ never mixed into the wrong step and the microbatch is never lost: every microbat
 completed, and ``microbatches_issued == microbatches_completed`` at the end.
 
 Steps: in the default (asynchronous) mode the stages step on their own whenever the swarm
-accumulated ``target_batch_size`` samples. In ``sync`` mode the trainer sends exactly one
-global batch per step and waits until every peer of every stage has stepped, which makes a
-swarm compute exactly what single-process training computes (the equivalence test).
+accumulated ``target_batch_size`` samples; the trainer paces itself to that batch (it starts a
+microbatch only while what the stages hold plus what is in flight falls short of it), so few
+microbatches straddle a step and get redone. In ``sync`` mode the trainer sends exactly one
+global batch per step and waits until every peer of every stage has stepped (a long-poll of
+``/v1/progress``), which makes a swarm compute exactly what single-process training computes
+(the equivalence test); the batch's first and last microbatches are halved and the first one
+leads, which shortens the pipeline's fill and drain at every step.
+
+Each attempt of a microbatch carries a random 64-bit id (``meta.mb``); its backward on a stage
+goes to the peer that ran its forward while that peer is usable, where the activations are
+still cached (``swarmd.pipeline.executor``), so the forward is not recomputed. Any other peer
+serves it statelessly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,13 +43,47 @@ import aiohttp
 import torch
 
 from swarmd.errors import ConfigError, PeerError, SwarmdError
-from swarmd.net.client import DataPlaneClient, StageReply
+from swarmd.net.client import DataPlaneClient, StageReply, client_session
 from swarmd.pipeline.optimizer import TrainingSpec
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import ModelSpec
+from swarmd.swarm_key import SwarmKey
 from swarmd.train.data import BatchSampler, load_corpus, val_batches
 
 log = logging.getLogger(__name__)
+
+
+PROGRESS_WAIT_S = 0.5  # how long one /v1/progress long-poll may wait for a step
+
+
+def split_batch(batch: int, microbatch: int, *, taper: bool = False) -> list[int]:
+    """Microbatch sizes for one global batch: ``microbatch`` each, the remainder last.
+
+    ``taper``: the first microbatch is half size, and so is the last (``32, 8`` gives
+    ``4 8 8 8 4``; ``36, 8`` gives ``4 8 8 8 4 4``). In sync mode the pipeline fills and drains
+    at every step, and only the first microbatch's forwards and the last one's backwards run
+    while the other stages idle: halving those shortens the step by about half a microbatch's
+    compute on every stage but the slowest. The samples (drawn one after another) and so the
+    step's gradient are the same however the batch is split, up to float rounding.
+    """
+    sizes: list[int] = []
+    taper = taper and microbatch > 1 and batch > microbatch
+    if taper:
+        sizes.append(microbatch // 2)
+    rest = batch - sum(sizes)
+    sizes += [microbatch] * (rest // microbatch)
+    if rest % microbatch:
+        sizes.append(rest % microbatch)
+    elif taper and len(sizes) > 2:  # the last is a full one: halve it too
+        sizes[-1:] = [microbatch - microbatch // 2, microbatch // 2]
+    return sizes
+
+
+def _front_step(progress: list[list[dict[str, Any]]]) -> int:
+    """The step the whole swarm has reached: the slowest stage's most advanced peer (0 if a
+    stage has no peer that answered)."""
+    fronts = [max((p["step"] for p in peers if p["step"] is not None), default=None) for peers in progress]
+    return min(f for f in fronts if f is not None) if all(f is not None for f in fronts) else 0
 
 
 class TrainerError(SwarmdError):
@@ -60,6 +104,7 @@ class TrainerConfig:
     codec: str = "8bit"  # activations and their gradients between stages
     seed: int = 0
     window: int = 8  # microbatches in flight at once
+    taper: bool = True  # sync mode: halve the step's first and last microbatch (see split_batch)
     sync: bool = False
     val_every: int = 10  # steps between validation losses (0: only at the end)
     val_batches: int = 4
@@ -70,6 +115,7 @@ class TrainerConfig:
     name: str = "trainer"
     max_seconds: float | None = None  # stop after the step that ends past this (chaos runs)
     api_token: str | None = None  # the daemon's control-plane token, when it has one
+    swarm_key: SwarmKey | None = None  # a private swarm's key: signs every data-plane request
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "window", "val_batches", "max_corpus_bytes"):
@@ -126,8 +172,8 @@ class Trainer:
     async def run(self) -> TrainSummary:
         cfg = self.config
         started = time.monotonic()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http, \
-                DataPlaneClient(timeout_s=cfg.request_timeout_s) as client:
+        async with client_session(cfg.swarm_key, timeout=aiohttp.ClientTimeout(total=30)) as http, \
+                DataPlaneClient(timeout_s=cfg.request_timeout_s, swarm_key=cfg.swarm_key) as client:
             self._http, self._client = http, client
             await self._register()
             assert self.spec is not None and self.training is not None
@@ -222,16 +268,24 @@ class Trainer:
     # ---- the two modes ---------------------------------------------------------------------------
 
     async def _run_async(self, sampler: BatchSampler, validation: list) -> None:
-        """Keep ``window`` microbatches in flight until the swarm has taken ``steps`` steps."""
+        """Keep up to ``window`` microbatches in flight until the swarm has taken ``steps`` steps.
+
+        Paced (without delayed updates): a microbatch is started only while the samples the
+        stages hold for their current step plus those in flight fall short of the target batch,
+        so few microbatches straddle a step (their backward would be refused as stale and the
+        whole microbatch redone); once the batch is complete, the trainer waits for the step.
+        """
         cfg = self.config
         start = await self._swarm_step()
         target = start + cfg.steps
         started = time.monotonic()
         done_steps = 0
         in_flight: set[asyncio.Task[tuple[float, int, int]]] = set()
+        sizes: dict[asyncio.Task[tuple[float, int, int]], int] = {}
         try:
             while True:
-                step_now = await self._swarm_step()
+                progress = await self._poll_progress()
+                step_now = _front_step(progress)
                 while done_steps < step_now - start:
                     done_steps += 1
                     await self._finish_step(start + done_steps - 1, done_steps, validation)
@@ -239,11 +293,24 @@ class Trainer:
                     cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds
                 ):
                     break
-                while len(in_flight) < cfg.window:
+                budget = self._pace_budget(progress, sum(sizes[t] for t in in_flight))
+                while len(in_flight) < cfg.window and (budget is None or budget > 0):
                     x, y = sampler.sample(cfg.microbatch_size)
-                    in_flight.add(asyncio.create_task(self._microbatch(x, y)))
+                    task = asyncio.create_task(self._microbatch(x, y))
+                    in_flight.add(task)
+                    sizes[task] = x.shape[0]
+                    if budget is not None:
+                        budget -= x.shape[0]
+                if not in_flight:  # the stages hold a full batch: wait until they step
+                    await self._poll_progress(wait_step=step_now + 1)
+                    continue
                 done, in_flight = await asyncio.wait(in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
+                    sizes.pop(task, None)
+                # retrieve every error (else asyncio logs "Task exception was never retrieved" for
+                # each failed microbatch after the first), then raise the first one
+                failed = [task for task in done if not task.cancelled() and task.exception() is not None]
+                for task in failed[:1] or done:
                     task.result()
             # finish what is in flight rather than abandon it: every microbatch issued completes
             # (its gradients count towards the swarm's next step)
@@ -271,17 +338,21 @@ class Trainer:
             if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
                 break
             step = start + i
-            sizes = [cfg.microbatch_size] * (batch // cfg.microbatch_size)
-            if batch % cfg.microbatch_size:
-                sizes.append(batch % cfg.microbatch_size)
+            sizes = split_batch(batch, cfg.microbatch_size, taper=cfg.taper and len(self.routers) > 1)
             microbatches = [sampler.sample(size) for size in sizes]  # drawn in order: reproducible
             semaphore = asyncio.Semaphore(cfg.window)
+            # the first microbatch leads: the others start once its first forward is back, so
+            # stage 0 computes it first (requests sent together reach the worker in any order)
+            # and the next stage starts after the step's smallest forward, not a larger one
+            led = asyncio.Event()
 
-            async def one(x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+            async def one(index: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+                if index:
+                    await led.wait()
                 async with semaphore:
-                    return await self._microbatch(x, y)
+                    return await self._microbatch(x, y, on_forward=led.set if index == 0 else None)
 
-            await asyncio.gather(*(one(x, y) for x, y in microbatches))
+            await asyncio.gather(*(one(k, x, y) for k, (x, y) in enumerate(microbatches)))
             await self._wait_all_stepped(step + 1, sampler)
             await self._finish_step(step, i + 1, validation)
 
@@ -314,23 +385,44 @@ class Trainer:
 
     async def _swarm_step(self) -> int:
         """The step the whole swarm has reached: the slowest stage's most advanced peer."""
-        progress = await self._poll_progress()
-        fronts = [max((p["step"] for p in peers if p["step"] is not None), default=None) for peers in progress]
-        return min(f for f in fronts if f is not None) if all(f is not None for f in fronts) else 0
+        return _front_step(await self._poll_progress())
 
-    async def _poll_progress(self) -> list[list[dict[str, Any]]]:
+    def _pace_budget(self, progress: list[list[dict[str, Any]]], in_flight_samples: int) -> int | None:
+        """Samples this trainer may still start before the stages' next step (None: no limit).
+
+        The stages whose backwards are step-checked (all but the last) step once their peers
+        hold ``target_batch_size`` samples; what they hold for their current step (per stage,
+        at its most advanced step) and what is in flight count against it. Delayed updates
+        accept a backward one step old, so they need no pacing.
+        """
+        assert self.training is not None
+        if self.training.delay_updates or len(progress) < 2:
+            return None
+        held = 0
+        for peers in progress[:-1]:
+            seen = [p for p in peers if p["step"] is not None]
+            if seen:
+                front = max(p["step"] for p in seen)
+                held = max(held, sum(p["samples"] for p in seen if p["step"] == front))
+        return self.training.target_batch_size - held - in_flight_samples
+
+    async def _poll_progress(self, wait_step: int | None = None) -> list[list[dict[str, Any]]]:
         """Every serving peer's ``/v1/progress`` (step, samples held, averaging), per stage.
 
         The DHT view's steps can be an announce period old; these answers are fresh. A peer
         that does not answer is listed with ``step`` None: it may be dead (its record expires
         soon) or merely slow, and a synchronous trainer must not run ahead of a slow peer.
+        With ``wait_step``, a long-poll: each peer answers once it reaches that step, or after
+        ``PROGRESS_WAIT_S``.
         """
         assert self._http is not None
         await self._refresh_view()
+        query = "" if wait_step is None else f"?wait_step={wait_step}&wait_s={PROGRESS_WAIT_S}"
 
         async def one(addr: str) -> dict[str, Any] | None:
             try:
-                async with self._http.get(f"http://{addr}/v1/progress", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                async with self._http.get(f"http://{addr}/v1/progress{query}",
+                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
                     body = await r.json()
                 return {"step": int(body["step"]), "samples": int(body["samples"]),
                         "averaging": bool(body.get("averaging"))}
@@ -364,7 +456,8 @@ class Trainer:
         while True:
             lagging = []
             missing = 0
-            for stage, polled in enumerate(await self._poll_progress()):
+            polled_at = time.monotonic()
+            for stage, polled in enumerate(await self._poll_progress(wait_step=step)):
                 # a silent peer counts as lagging until the DHT forgets it (a dead one) or it answers
                 lagging += [(stage, p["peer_id"], p["step"]) for p in polled if p["step"] is None or p["step"] < step]
                 seen = [p for p in polled if p["step"] is not None]
@@ -391,28 +484,47 @@ class Trainer:
                     short_since = None
             else:
                 short_since = None
-            await asyncio.sleep(0.05)
+            # the long-poll already waited; a peer that answered at once (or not at all) did not
+            await asyncio.sleep(max(0.0, 0.05 - (time.monotonic() - polled_at)))
 
     # ---- one microbatch --------------------------------------------------------------------------
 
-    async def _microbatch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
-        """Forward and backward through every stage; redo on staleness. Returns (loss, step, samples)."""
+    async def _microbatch(
+        self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None
+    ) -> tuple[float, int, int]:
+        """Forward and backward through every stage; redo on staleness. Returns (loss, step, samples).
+
+        ``on_forward`` is called once the first stage's forward is back (or the microbatch fails).
+        """
         assert self.spec is not None
         s = self.summary
         s.microbatches_issued += 1
         last = self.spec.n_stages - 1
+        if last == 0 and on_forward is not None:  # one stage: no forward before the fused call
+            on_forward()
+            on_forward = None
         while True:
-            acts, steps = [x], []
+            # a fresh id per attempt: the peers keep each forward's activations under it, and
+            # the backward goes back to the peer that ran the forward (when it is still usable)
+            mb = secrets.randbits(64)
+            acts, steps, served = [x], [], []
             for stage in range(last):
-                reply = await self._call(stage, "forward", inputs=acts[-1])
+                try:
+                    reply, peer = await self._call_peer(stage, "forward", inputs=acts[-1], mb=mb)
+                finally:
+                    if on_forward is not None:
+                        on_forward()
+                        on_forward = None
                 acts.append(reply.tensors["outputs"])
                 steps.append(int(reply.meta["step"]))
+                served.append(peer)
             reply = await self._call(last, "backward", inputs=acts[-1], targets=y)
             loss, last_step = float(reply.meta["loss"]), int(reply.meta["step"])
             grad = reply.tensors.get("grad_inputs")
             try:
                 for stage in range(last - 1, -1, -1):
-                    reply = await self._call(stage, "backward", inputs=acts[stage], grad_outputs=grad, step=steps[stage])
+                    reply = await self._call(stage, "backward", inputs=acts[stage], grad_outputs=grad,
+                                             step=steps[stage], mb=mb, prefer=served[stage])
                     grad = reply.tensors.get("grad_inputs")
             except _Redo:
                 s.stale_redos += 1
@@ -432,14 +544,37 @@ class Trainer:
         targets: torch.Tensor | None = None,
         grad_outputs: torch.Tensor | None = None,
         step: int | None = None,
+        mb: int | None = None,
+        prefer: str | None = None,
     ) -> StageReply:
         """One request to some peer of ``stage``: route, retry elsewhere on failure, wait for peers."""
+        reply, _ = await self._call_peer(stage, kind, inputs=inputs, targets=targets, grad_outputs=grad_outputs,
+                                         step=step, mb=mb, prefer=prefer)
+        return reply
+
+    async def _call_peer(
+        self,
+        stage: int,
+        kind: str,
+        *,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        grad_outputs: torch.Tensor | None = None,
+        step: int | None = None,
+        mb: int | None = None,
+        prefer: str | None = None,
+    ) -> tuple[StageReply, str]:
+        """:meth:`_call`, and the id of the peer that answered.
+
+        ``mb`` is the microbatch's id (the peers' activation cache); ``prefer`` a peer to try
+        first when it is usable (a backward's: the peer that ran the forward).
+        """
         assert self._client is not None and self.spec is not None
         router = self.routers[stage]
         tried: set[str] = set()
         waiting_since: float | None = None
         while True:
-            choice = router.choose(exclude=tried)
+            choice = router.choose_preferred(prefer, exclude=tried)
             if choice is None and tried and router.usable_count:
                 tried.clear()  # every usable peer was tried once in this call: go round again
                 await asyncio.sleep(0.05)
@@ -465,10 +600,11 @@ class Trainer:
             try:
                 if kind == "forward":
                     reply = await self._client.forward(addr, stage, inputs, targets,
-                                                       codec=self.config.codec, model=self.spec.digest)
+                                                       codec=self.config.codec, model=self.spec.digest, mb=mb)
                 else:
                     reply = await self._client.backward(addr, stage, inputs, grad_outputs, targets,
-                                                        codec=self.config.codec, model=self.spec.digest, step=step)
+                                                        codec=self.config.codec, model=self.spec.digest, step=step,
+                                                        mb=mb)
             except PeerError as exc:
                 if exc.error == "StaleStep":
                     router.release(peer_id)
@@ -499,7 +635,7 @@ class Trainer:
             router.report_success(peer_id, inputs.shape[0], time.monotonic() - started)
             if "step" in reply.meta:
                 self._stage_steps[stage][peer_id] = int(reply.meta["step"])
-            return reply
+            return reply, peer_id
 
     # ---- validation ------------------------------------------------------------------------------
 

@@ -1,0 +1,97 @@
+"""The trainer's scheduling: pacing in asynchronous mode, backwards routed to the forward's peer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarmd.pipeline.routing import StageRouter
+from swarmd.train.data import BatchSampler
+from swarmd.train.trainer import Trainer, TrainerConfig, split_batch
+from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
+
+
+@pytest.mark.parametrize(("batch", "micro", "plain", "tapered"), [
+    (32, 8, [8, 8, 8, 8], [4, 8, 8, 8, 4]),
+    (16, 4, [4, 4, 4, 4], [2, 4, 4, 4, 2]),
+    (33, 8, [8, 8, 8, 8, 1], [4, 8, 8, 8, 5]),
+    (36, 8, [8, 8, 8, 8, 4], [4, 8, 8, 8, 4, 4]),
+    (16, 8, [8, 8], [4, 8, 4]),
+    (9, 8, [8, 1], [4, 5]),
+    (8, 8, [8], [8]),
+    (5, 8, [5], [5]),
+    (3, 1, [1, 1, 1], [1, 1, 1]),
+])
+def test_split_batch(batch: int, micro: int, plain: list[int], tapered: list[int]) -> None:
+    assert split_batch(batch, micro) == plain
+    assert split_batch(batch, micro, taper=True) == tapered
+
+
+def test_a_tapered_split_draws_the_same_samples() -> None:
+    data = torch.randint(0, 256, (50_000,), generator=torch.Generator().manual_seed(0))
+    a, b = BatchSampler(data, 64, seed=3), BatchSampler(data, 64, seed=3)
+    plain = torch.cat([a.sample(n)[0] for n in split_batch(32, 8)])
+    tapered = torch.cat([b.sample(n)[0] for n in split_batch(32, 8, taper=True)])
+    assert torch.equal(plain, tapered)
+
+
+async def test_a_sync_step_starts_with_its_first_microbatch_alone(monkeypatch) -> None:
+    trainer = Trainer(TrainerConfig(api="http://unused", steps=2, sync=True, microbatch_size=4, window=4, val_every=0))
+    trainer.spec, trainer.training = TINY, TRAINING
+    trainer.routers = [StageRouter(k) for k in range(TINY.n_stages)]
+    events: list[tuple] = []
+
+    async def microbatch(x: torch.Tensor, y: torch.Tensor, *, on_forward=None) -> tuple[float, int, int]:
+        events.append(("start", x.shape[0], on_forward is not None))
+        await asyncio.sleep(0.01)
+        if on_forward is not None:
+            events.append(("first forward back",))
+            on_forward()
+        await asyncio.sleep(0.01)
+        return 1.0, 0, x.shape[0]
+
+    async def nothing(*args: object) -> None:
+        return None
+
+    async def step_zero() -> int:
+        return 0
+
+    monkeypatch.setattr(trainer, "_microbatch", microbatch)
+    monkeypatch.setattr(trainer, "_swarm_step", step_zero)
+    monkeypatch.setattr(trainer, "_wait_all_stepped", nothing)
+    monkeypatch.setattr(trainer, "_finish_step", nothing)
+    data = torch.randint(0, 256, (10_000,), generator=torch.Generator().manual_seed(0))
+    await trainer._run_sync(BatchSampler(data, TINY.seq_len, seed=0), [])
+    assert len(events) == 2 * 6
+    for step in (events[:6], events[6:]):
+        assert step[:2] == [("start", 2, True), ("first forward back",)]
+        assert sorted(e[1] for e in step[2:]) == [2, 4, 4, 4]
+
+
+async def test_async_trainer_paces_itself_so_few_microbatches_are_redone() -> None:
+    # without pacing, a window of 8 microbatches of 4 against a target batch of 16 straddled
+    # nearly every step: whatever was in flight when stage 0 stepped was refused and redone
+    async with swarm(TINY, TRAINING, peers_per_stage=1) as daemons:
+        run = TrainerConfig(api=f"http://{daemons[0].status()['api_addr']}", steps=6, codec="none",
+                            microbatch_size=MICRO, window=8, val_every=0, max_corpus_bytes=CORPUS_BYTES)
+        summary = await Trainer(run).run()
+        stale = sum(d.executor.stale_dropped for d in daemons)
+    assert summary.steps == 6 and summary.microbatches_issued == summary.microbatches_completed
+    assert summary.step_losses[-1] < summary.step_losses[0]
+    assert summary.stale_redos <= 1 and stale <= 1, (summary.stale_redos, stale)
+
+
+async def test_backwards_go_to_the_peer_that_ran_the_forward() -> None:
+    async with swarm(TINY, TRAINING, peers_per_stage=2) as daemons:
+        run = TrainerConfig(api=f"http://{daemons[0].status()['api_addr']}", steps=3, sync=True, codec="none",
+                            microbatch_size=MICRO, window=4, val_every=0, max_corpus_bytes=CORPUS_BYTES)
+        summary = await Trainer(run).run()
+        stage0 = [d.executor.cache_stats() for d in daemons if d.stage == 0]
+        served = [d.executor.forward_ema.count for d in daemons if d.stage == 0]
+    assert summary.retries == 0 and summary.stale_redos == 0
+    assert sum(c["hits"] for c in stage0) == summary.microbatches_completed  # every backward reused its graph
+    assert sum(c["misses"] for c in stage0) == 0
+    assert all(n > 0 for n in served)  # both peers of the stage served forwards: affinity did not pin one
+    assert all(c["entries"] == 0 and c["bytes"] == 0 for c in stage0)
