@@ -153,9 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "stage averages; gradients one step stale are applied to the next update")
     founding.add_argument("--averaging-timeout", type=_seconds, default=None, metavar="SECONDS",
                           help="a stage's all-reduce stops waiting for missing peers after this (default: 30)")
+    founding.add_argument("--grad-codec", choices=("none", "fp16", "8bit"), default=None,
+                          help="codec of the gradients a stage's peers average (lossy codecs keep the peers "
+                          "bit-identical; default: none)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
     p.add_argument("--api-host", default="127.0.0.1", help="control-plane listen address (default: 127.0.0.1)")
+    p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
+                   help="make the swarm private: a file holding a pre-shared secret (>= 16 bytes) that every peer "
+                   "and trainer of the swarm is given; DHT messages and data-plane requests without it are refused "
+                   "(create one: head -c 32 /dev/urandom | base64 > swarm.key; chmod 600 swarm.key)")
     p.add_argument("--api-token-file", type=Path, default=None, metavar="FILE",
                    help="a file holding the control plane's bearer token; required when --api-host is not a "
                    "loopback address (mutating endpoints then need 'Authorization: Bearer <token>')")
@@ -242,6 +249,15 @@ def read_token(path: Path) -> str:
     return token
 
 
+def load_swarm_key(path: Path | str | None):  # -> SwarmKey | None
+    """The ``--swarm-key`` file's key (None without the flag); ConfigError if it is unusable."""
+    if path is None:
+        return None
+    from swarmd.swarm_key import SwarmKey
+
+    return SwarmKey.load(path)
+
+
 def resolve_device(device: str) -> str:
     import torch
 
@@ -266,6 +282,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "warmup_steps": args.warmup_steps,
         "averaging_timeout_s": args.averaging_timeout,
         "delay_updates": args.delay_updates,
+        "grad_codec": args.grad_codec,
     }
     given = {k: v for k, v in given.items() if v is not None}
     training = TrainingSpec(**given) if given else None
@@ -274,6 +291,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if not args.drain_timeout >= 0:
         raise ConfigError("--drain-timeout must be a non-negative number of seconds")
     token = read_token(args.api_token_file) if args.api_token_file else None
+    swarm_key = load_swarm_key(args.swarm_key)
     if token is None and not is_loopback(args.api_host):
         raise ConfigError(
             f"--api-host {args.api_host} exposes the control plane beyond this machine: give --api-token-file FILE "
@@ -292,6 +310,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             state_dir=args.state_dir or default_state_dir(),
         ),
         rebalance=RebalanceConfig(policy=args.rebalance_policy, period_s=args.rebalance_period),
+        swarm_key=swarm_key,
         pipeline=PipelineConfig(
             spec=spec, stage=args.stage, training=training, device=resolve_device(args.device), threads=args.threads
         ),

@@ -12,6 +12,7 @@ from pathlib import Path
 from swarmd.net.wire import DEFAULT_LIMITS, WireLimits
 from swarmd.pipeline.optimizer import TrainingSpec
 from swarmd.pipeline.spec import ModelSpec
+from swarmd.swarm_key import SwarmKey
 
 DEFAULT_API_PORT = 8080
 
@@ -34,6 +35,7 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_API_PORT
     token: str | None = None  # required for mutating endpoints when set (and by the CLI off loopback)
+    request_timeout_s: float = 10.0  # a request (headers and body) must arrive within this, else closed
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,4 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    swarm_key: SwarmKey | None = None  # a private swarm's pre-shared key (--swarm-key): DHT and data plane

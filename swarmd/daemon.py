@@ -27,7 +27,6 @@ Shutdown (SIGTERM/SIGINT via the CLI, or ``request_stop``), in this order:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import logging
 import math
@@ -35,15 +34,14 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
-import uvicorn
 
 from swarmd import __version__
 from swarmd.api.app import create_app
+from swarmd.api.server import EmbeddedUvicorn, bind_socket, embedded_server
 from swarmd.config import Config
 from swarmd.dht.identity import Identity
 from swarmd.dht.membership import Membership
@@ -51,6 +49,7 @@ from swarmd.dht.node import DHTNode
 from swarmd.dht.records import PeerRecord
 from swarmd.errors import ConfigError, SwarmdError
 from swarmd.net import codecs
+from swarmd.net.client import client_session
 from swarmd.net.server import DataPlane
 from swarmd.net.state_transfer import download_state
 from swarmd.pipeline.averaging import StageAverager
@@ -60,31 +59,6 @@ from swarmd.pipeline.rebalance import PeerLoad, StageLoad, SwarmSnapshot, choose
 from swarmd.pipeline.spec import PRESETS, ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn on our loop: the daemon, not uvicorn, owns signal handling."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on host:port (0: a free port), IPv4 or IPv6 as host says."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(False)
-    return sock
 
 
 class MigrationRefused(SwarmdError):
@@ -154,7 +128,7 @@ class Daemon:
         self._last_sync_s: float | None = None  # how long the last state download took
         self._moved_at = -math.inf  # monotonic time of this peer's last move
         self._last_throughput = 0.0  # measured on the stage this peer left, announced until re-measured
-        self._api_server: _EmbeddedUvicorn | None = None
+        self._api_server: EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
         self._announce_task: asyncio.Task[None] | None = None
@@ -186,8 +160,9 @@ class Daemon:
                 max_batch_tokens=pipe.max_batch_tokens,
                 threads=pipe.threads,
             )
-            self._session = aiohttp.ClientSession()
-            self.data_plane = DataPlane(self.executor, limits=cfg.net.limits, read_timeout_s=cfg.net.read_timeout_s)
+            self._session = client_session(cfg.swarm_key)  # signs requests to stage-mates in a private swarm
+            self.data_plane = DataPlane(self.executor, limits=cfg.net.limits, read_timeout_s=cfg.net.read_timeout_s,
+                                        swarm_key=cfg.swarm_key)
             data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
             log.info("data plane listening on http://%s", format_addr(data_addr))
             await self._start_api()
@@ -360,7 +335,11 @@ class Daemon:
             self.identity = await asyncio.to_thread(Identity.load_or_create, dht.state_dir)
         else:
             self.identity = Identity.generate()
-        self.dht = DHTNode(self.identity, host=dht.host, port=dht.port, rpc_timeout=1.0)
+        key = self.config.swarm_key
+        self.dht = DHTNode(self.identity, host=dht.host, port=dht.port, rpc_timeout=1.0, swarm_key=key)
+        if key is not None:
+            log.info("private swarm: DHT datagrams and data-plane requests are authenticated with the swarm key "
+                     "from %s (key id %s)", key.source or "the config", key.key_id)
         await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s)
         verb = "joined the swarm's DHT" if dht.join else "founded a new DHT"
         log.info("%s; DHT node on udp://%s (join others with --join %s)",
@@ -561,15 +540,8 @@ class Daemon:
         sock = bind_socket(self.config.api.host, self.config.api.port)
         self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
-        config = uvicorn.Config(
-            create_app(self, api_token=self.config.api.token),
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-        )
-        self._api_server = _EmbeddedUvicorn(config)
+        app = create_app(self, api_token=self.config.api.token)
+        self._api_server = embedded_server(app, request_timeout_s=self.config.api.request_timeout_s)
         self._api_task = asyncio.create_task(self._api_server.serve(sockets=[sock]), name="swarmd-api")
         while not self._api_server.started:
             if self._api_task.done():
@@ -643,6 +615,20 @@ class Daemon:
     def data_addr(self) -> str | None:
         return format_addr(self.data_plane.address) if self.data_plane else None
 
+    def _auth_status(self) -> dict[str, Any]:
+        """Whether this swarm is private, and what was refused for lacking its key (by reason)."""
+        key = self.config.swarm_key
+        dht_auth = self.dht.auth_refused() if self.dht is not None else None
+        dp = self.data_plane
+        return {
+            "private": key is not None,
+            "key_id": key.key_id if key is not None else None,
+            "refused": {
+                "dht": dht_auth or {},
+                "data_plane": dp.auth.counts() if dp is not None and dp.auth is not None else {},
+            },
+        }
+
     def status(self) -> dict[str, Any]:
         ex = self.executor
         dp = self.data_plane
@@ -661,6 +647,8 @@ class Daemon:
             "grad_samples": ex.grad_samples if ex else 0,
             "stale_dropped": ex.stale_dropped if ex else 0,
             "stale_applied": ex.stale_applied if ex else 0,
+            "activation_cache": ex.cache_stats() if ex else None,
+            "worker_cpu_s": ex.worker_cpu_s if ex else 0.0,
             "params_digest": ex.digest if ex else None,
             "averaging": {
                 "rounds_ok": self.averager.rounds_ok,
@@ -671,6 +659,7 @@ class Daemon:
             "synced_from": self.synced_from,
             "migration": dict(self.migration) if self.migration else None,
             "served": dict(dp.served) if dp else {},
+            "auth": self._auth_status(),
             "data_addr": self.data_addr,
             "api_addr": format_addr(self.api_addr),
             "dht_addr": format_addr(self.dht.address) if self.dht and self.dht.running else None,

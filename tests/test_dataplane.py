@@ -213,3 +213,15 @@ async def test_draining_refuses_new_requests_with_503() -> None:
                 assert r.status == 503 and (await r.json())["error"] == "Draining"
             assert await drained
 
+
+
+async def test_an_average_contribution_with_gradients_but_no_samples_is_refused() -> None:
+    """The leader divides the sum by the samples: gradients that count no sample would weigh
+    nothing in the divisor yet everything in the sum (and could make the mean overflow)."""
+    async with running_daemon(0) as d:
+        assert d.data_plane is not None and d.data_plane.averager is not None and d.executor is not None
+        grads = torch.ones(d.executor.grad_numel)
+        meta = {"stage": 0, "peer_id": "someone", "step": d.executor.step, "samples": 0}
+        status, body = await post(d.data_addr, "/v1/average", encode_frame("average", meta, {"grads": grads}))
+        assert status == 422 and "samples" in body["message"], body
+        assert d.executor.grad_samples == 0 and d.averager is not None and d.averager.rounds_ok == 0

@@ -45,6 +45,13 @@ class Status(BaseModel):
     grad_samples: int = Field(description="samples whose gradients are accumulated since the last step")
     stale_dropped: int = Field(description="backwards refused because their forward ran at an older step")
     stale_applied: int = Field(description="delayed updates: backwards one step old, applied to the next update")
+    activation_cache: dict[str, int] | None = Field(
+        default=None,
+        description="forwards' activations kept for their backward on this peer: entries, bytes, max_entries, "
+        "max_bytes, hits, misses (recomputed), mismatches (same id, other inputs), evictions (dropped unused: "
+        "expired, or the step changed), skipped (not kept: the cache was full)",
+    )
+    worker_cpu_s: float = Field(default=0.0, description="CPU seconds the stage's worker thread spent computing")
     params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
     averaging: dict[str, Any] | None = Field(
         description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round"
@@ -52,6 +59,12 @@ class Status(BaseModel):
     synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
     migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason")
     served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
+    auth: dict[str, Any] | None = Field(
+        default=None,
+        description="private swarms (--swarm-key): private, key_id (a fingerprint of the key), and refused: "
+        "DHT datagrams and data-plane requests refused for lacking the key, by reason "
+        "(missing, malformed, stale, bad_mac, replay)",
+    )
     data_addr: str | None = Field(description="host:port of the aiohttp data plane")
     api_addr: str | None = Field(description="host:port of this control plane")
     dht_addr: str | None = Field(description="host:port of this peer's DHT node (UDP); others --join it")
@@ -167,6 +180,22 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
                                 headers={"WWW-Authenticate": "Bearer"})
 
     guarded = [Depends(authorized)]
+
+    if expected is not None:
+
+        @app.middleware("http")
+        async def token_before_body(request: Request, call_next: Any) -> Response:
+            """The token is checked before FastAPI parses the body, which it does before running
+            ``authorized``: without this, a request with no token and a bad body got 422, not 401."""
+            path = request.url.path
+            guarded_path = path in ("/trainers", "/migrate") or (
+                path.startswith("/trainers/") and path.endswith("/heartbeat"))
+            if request.method == "POST" and guarded_path:
+                try:
+                    await authorized(request)
+                except HTTPException as exc:
+                    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+            return await call_next(request)
 
     @app.get("/status", response_model=Status, summary="This peer's identity, stage, load and addresses")
     async def status() -> dict[str, Any]:

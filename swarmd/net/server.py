@@ -7,18 +7,29 @@ Endpoints (all bodies ``application/x-msgpack`` frames, see ``swarmd.net.wire``)
 - ``POST /v1/backward`` meta as above, tensors ``inputs`` + ``grad_outputs`` (the last stage:
   ``inputs`` + ``targets``) → ``grad_inputs`` (none on stage 0) and meta ``loss``/``samples``.
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
-- ``GET /v1/progress``  JSON: step and samples held, for the stage's averaging rounds.
-- ``POST /v1/average``  a stage-mate's gradient contribution; answered with the round's mean
-  (``swarmd.pipeline.averaging``).
+- ``GET /v1/progress``  JSON: step and samples held, for the stage's averaging rounds. With
+  ``?wait_step=N&wait_s=T`` a long-poll: answered once the stage reaches step ``N`` (or after
+  ``T`` seconds, at most 10), so a trainer waiting for a step learns of it at once.
+- ``POST /v1/average``  a stage-mate's gradient contribution (float32, sent with any codec; the
+  swarm's ``grad_codec``); answered with the round's mean, encoded once with that codec for all
+  contributors (``swarmd.pipeline.averaging``).
 - ``GET /v1/state``     a consistent snapshot of the stage (parameters, optimizer state, step),
   streamed in checksummed chunks for a joining peer (``swarmd.net.state_transfer``).
 
 Every reply's ``meta.step`` is the optimizer step the stage's parameters were at when the
 request was computed; a backward sends back, as ``meta.step``, the step its forward reported.
+``meta.mb`` (optional, forward and backward) is the trainer's 64-bit id of the microbatch: a
+peer keeps a forward's activations under it for a while, so the backward of the same
+microbatch on the same peer at the same step skips the recomputed forward
+(``swarmd.pipeline.executor``, activation cache).
 
 ``meta.codec`` picks the codec of the reply's float tensors (default ``none``); ``meta.model``,
 when sent, must equal this peer's spec digest. Errors are JSON ``{"error", "message"}`` with the
 status carried by the ``swarmd.errors`` class: bad input is always a 4xx, never a 500.
+
+In a private swarm (``--swarm-key``) every request, GETs included, must carry an ``X-Swarm-Auth``
+header signed with the swarm key (``swarmd.swarm_key``); any other gets 401 before it is served,
+and is counted in ``/status`` (``auth.refused.data_plane``).
 
 Decoding and encoding run on a small codec thread pool and compute on the stage's worker
 thread, so the event loop only moves bytes.
@@ -49,8 +60,11 @@ from swarmd.net.state_transfer import StateSnapshot, stream_state
 from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, WireLimits, decode_frame, encode_frame
 from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
+from swarmd.swarm_key import AUTH_HEADER, SwarmKey, body_sha256
 
 log = logging.getLogger(__name__)
+
+MAX_PROGRESS_WAIT_S = 10.0  # the longest a /v1/progress long-poll (?wait_step=) is held open
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -68,8 +82,12 @@ class DataPlane:
         *,
         limits: WireLimits,
         read_timeout_s: float = 60.0,
+        swarm_key: SwarmKey | None = None,
     ) -> None:
+        """``swarm_key``: a private swarm's key; every request must then carry a valid
+        ``X-Swarm-Auth`` header (``swarmd.swarm_key``), or is refused with 401."""
         self.executor = executor
+        self.auth = swarm_key.http() if swarm_key is not None else None
         self.limits = limits
         self.read_timeout_s = read_timeout_s
         self.in_flight = 0
@@ -88,14 +106,19 @@ class DataPlane:
         self.app.router.add_get("/v1/info", self._info)
         self.app.router.add_get("/v1/progress", self._progress)
         self.app.router.add_post("/v1/average", self._average)
-        self.app.router.add_get("/v1/state", self._state)
+        # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
+        self.app.router.add_get("/v1/state", self._state, allow_head=False)
         self.averager: StageAverager | None = None  # set by the daemon once it takes part in rounds
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen on ``host:port`` (0 picks a free port) and return the bound address."""
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=5.0)
+        # keepalive_timeout also bounds a request's headers: aiohttp closes a connection that has
+        # not sent a whole request within it (of connecting, or of its last answer). Its default
+        # (3630 s) let a slowloris client that never finishes its headers hold a connection an hour.
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=5.0,
+                                     keepalive_timeout=self.read_timeout_s)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, port)
         await self._site.start()
@@ -140,6 +163,10 @@ class DataPlane:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.auth is not None:  # a private swarm: nothing is served to a stranger, not even /v1/info
+            refused = await self._authenticate(request)
+            if refused is not None:
+                return refused
         if self._draining:
             self.served["rejected"] += 1
             return error_response(503, "Draining", "this peer is shutting down; send the request to another peer")
@@ -163,6 +190,33 @@ class DataPlane:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+    async def _authenticate(self, request: web.Request) -> web.Response | None:
+        """None if the request is signed with the swarm key, else the response refusing it.
+
+        The cheap checks (header, freshness, unseen nonce) come first; only then is the body read
+        (under the frame limit and the read timeout; aiohttp keeps it for the handler) and hashed."""
+        auth = self.auth
+        assert auth is not None
+        addr = request.remote
+        checked = auth.precheck(request.headers.get(AUTH_HEADER), addr)
+        if isinstance(checked, str):
+            return _unauthorized(checked)
+        body = b""
+        if request.body_exists:
+            limit = self.limits.max_frame_bytes
+            if request.content_length is not None and request.content_length > limit:
+                return error_response(413, "LimitExceeded", f"a {request.content_length}-byte body exceeds the "
+                                      f"{limit}-byte frame limit")
+            try:
+                body = await asyncio.wait_for(request.read(), self.read_timeout_s)
+            except web.HTTPRequestEntityTooLarge:
+                return error_response(413, "LimitExceeded", f"the body exceeds the {limit}-byte frame limit")
+            except asyncio.TimeoutError:
+                return error_response(408, "RequestTimeout",
+                                      f"the request body did not arrive within {self.read_timeout_s:.0f}s")
+        why = auth.verify(checked, request.method, request.rel_url.raw_path_qs, await body_sha256(body), addr)
+        return None if why is None else _unauthorized(why)
 
     async def _read_frame(self, request: web.Request, kind: str):
         if request.content_type != CONTENT_TYPE:
@@ -194,7 +248,7 @@ class DataPlane:
         if model is not None and model != ex.spec.digest:
             raise WrongStage(f"this peer serves model {ex.spec.digest[:12]}, not {str(model)[:12]}")
         codec = meta.get("codec", "none")
-        if codec not in CODECS:
+        if not isinstance(codec, str) or codec not in CODECS:  # a list or map is unhashable: no 500
             raise RequestError(f"meta.codec must be one of {sorted(CODECS)}, got {codec!r}")
 
     async def _in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -211,7 +265,7 @@ class DataPlane:
         frame = await self._read_frame(request, "forward")
         inputs = _required(frame.tensors, "inputs")
         targets = frame.tensors.get("targets")
-        result = await self.executor.forward(inputs, targets)
+        result = await self.executor.forward(inputs, targets, mb=_microbatch_id(frame.meta))
         self.served["forward"] += 1
         codec = frame.meta.get("codec", "none")
         out = result.outputs
@@ -226,7 +280,8 @@ class DataPlane:
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise RequestError(f"meta.step must be a non-negative integer (the step the forward reported), got {step!r}")
         result = await self.executor.backward(
-            inputs, frame.tensors.get("grad_outputs"), frame.tensors.get("targets"), step=step
+            inputs, frame.tensors.get("grad_outputs"), frame.tensors.get("targets"), step=step,
+            mb=_microbatch_id(frame.meta),
         )
         self.served["backward"] += 1
         meta: dict[str, Any] = {"step": result.step, "samples": result.samples, "accumulated": self.executor.grad_samples}
@@ -258,6 +313,15 @@ class DataPlane:
 
 
     async def _progress(self, request: web.Request) -> web.Response:
+        wait_step = request.query.get("wait_step")
+        if wait_step is not None:  # a long-poll: answer once the stage reaches that step (or at wait_s)
+            try:
+                step, wait_s = int(wait_step), float(request.query.get("wait_s", "1"))
+            except ValueError:
+                raise RequestError("wait_step must be an integer and wait_s a number") from None
+            if not 0.0 <= wait_s <= MAX_PROGRESS_WAIT_S:
+                raise RequestError(f"wait_s must lie in [0, {MAX_PROGRESS_WAIT_S}]")
+            await self.executor.wait_progress(wait_s, step=step)
         if self.averager is not None and not self._paused:
             return web.json_response(self.averager.progress())
         ex = self.executor  # not taking part in rounds (starting, or moving to another stage)
@@ -281,9 +345,13 @@ class DataPlane:
                 raise RequestError(f"'grads' must be float32 of shape [{self.executor.grad_numel}]")
             if not bool(torch.isfinite(grads).all()):
                 raise RequestError("'grads' contain NaN or Inf; refused")
+            if not samples:  # the mean divides by samples: gradients of no sample would be weightless
+                raise RequestError("a contribution with 'grads' must count its samples (meta.samples > 0)")
         elif samples:
             raise RequestError("a contribution with samples must carry its 'grads'")
         result = await self.averager.contribute(peer_id, step, samples, grads)
+        if result.reply is not None:  # the mean, encoded once by the round for all its contributors
+            return web.Response(body=result.reply, content_type=CONTENT_TYPE)
         tensors = {"grads": result.mean_grads} if result.mean_grads is not None else {}
         reply = {"status": result.status, "step": result.step, "samples": result.samples,
                  "contributors": result.contributors}
@@ -292,6 +360,28 @@ class DataPlane:
     async def _state(self, request: web.Request) -> web.StreamResponse:
         meta, tensors = await self.executor.snapshot_state()
         return await stream_state(request, StateSnapshot(meta=meta, tensors=tensors))
+
+
+def _unauthorized(reason: str) -> web.Response:
+    return error_response(401, "Unauthorized", f"this swarm is private: sign requests with its --swarm-key "
+                          f"(the {AUTH_HEADER} header was {_REFUSALS.get(reason, reason)})")
+
+
+_REFUSALS = {
+    "missing": "missing",
+    "malformed": "malformed",
+    "stale": "too old or too far in the future: check the clocks",
+    "bad_mac": "not signed with this swarm's key",
+    "replay": "a replay of an earlier request",
+}
+
+
+def _microbatch_id(meta: dict[str, Any]) -> int | None:
+    """``meta.mb``: the trainer's id of the microbatch (keys the peer's activation cache)."""
+    mb = meta.get("mb")
+    if mb is not None and (not isinstance(mb, int) or isinstance(mb, bool) or not 0 <= mb < 2**64):
+        raise RequestError(f"meta.mb must be an integer in [0, 2**64) (a microbatch id), got {mb!r}")
+    return mb
 
 
 def _required(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""schemathesis against the control plane of a real ``swarmd`` subprocess (issue #6).
+
+The schema is the daemon's own ``/openapi.json``; every operation is called with data
+schemathesis generates from it, both conforming (positive) and violating it (negative: wrong
+types, missing or extra fields, out-of-range values), through real HTTP. The check is
+schemathesis's ``not_a_server_error``: no 5xx, except the 503s the schema documents for a peer
+that is not serving (``/healthz``, ``/swarm``, ``POST /trainers`` while it migrates: a generated
+``POST /migrate`` may well move it).
+
+Why schemathesis's Python API in a plain synchronous test, and not its pytest plugin
+(``schema.parametrize()``): the plugin needs the schema at collection time (a daemon running
+before any test), and drives its own hypothesis loop per operation; here one subprocess per test
+(``spawn``) serves every operation, and the examples of all operations are drawn by one
+hypothesis test (``st.sampled_from(operations).flatmap(as_strategy)``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+TOKEN = "fuzz-token-of-enough-length-0123456789"
+FUZZ = settings(max_examples=200, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+# documented answers of a peer that is not serving (a generated POST /migrate can move it)
+NOT_SERVING = {("GET", "/healthz"), ("GET", "/swarm"), ("POST", "/trainers")}
+MUTATING = {("POST", "/trainers"), ("POST", "/trainers/{trainer_id}/heartbeat"), ("POST", "/migrate")}
+
+
+def _fuzz_control_plane(api: str, token: str | None) -> dict[tuple[str, str], set[int]]:
+    schema = schemathesis.openapi.from_url(f"{api}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    keys = {(op.method.upper(), op.path) for op in operations}
+    assert MUTATING <= keys and ("GET", "/status") in keys, keys
+    strategies = [
+        op.as_strategy(generation_mode=mode) for op in operations for mode in (GenerationMode.POSITIVE,
+                                                                               GenerationMode.NEGATIVE)
+    ]
+    seen: dict[tuple[str, str], set[int]] = {}
+    session = requests.Session()
+
+    @FUZZ
+    @given(case=st.one_of(strategies), auth=st.sampled_from(["right", "right", "none", "wrong"]))
+    def fuzz(case: schemathesis.Case, auth: str) -> None:
+        headers = {}
+        if token is not None and auth != "none":
+            headers["Authorization"] = f"Bearer {TOKEN if auth == 'right' else 'wrong'}"
+        response = case.call(base_url=api, session=session, headers=headers, timeout=30)
+        key = (case.method.upper(), case.operation.path)
+        seen.setdefault(key, set()).add(response.status_code)
+        if response.status_code == 503 and key in NOT_SERVING:
+            body = response.json()
+            assert body.get("error") in ("NotReady", "TooManyTrainers") or body.get("ok") is False, body
+            return
+        assert response.status_code < 500, (key, response.status_code, response.text[:300])
+        case.validate_response(response, checks=[not_a_server_error], headers=headers)  # schemathesis's own check
+        if token is not None and key in MUTATING and auth != "right":
+            assert response.status_code == 401, (key, auth, response.status_code)
+
+    try:
+        fuzz()
+    finally:
+        session.close()
+    return seen
+
+
+def _still_serving(d) -> None:  # noqa: ANN001
+    status = httpx.get(f"{d.api}/status", timeout=10).json()
+    assert status["state"] in ("serving", "migrating"), status
+    assert httpx.get(f"{d.data}/v1/info", timeout=10).status_code == 200
+    assert d.proc.poll() is None
+    assert "Traceback" not in d.log(), d.log()[-3000:]
+
+
+def test_every_operation_without_a_token(spawn) -> None:  # noqa: ANN001
+    d = spawn("--model", "tiny", "--stage", "0", "--swarm", "api-fuzz")
+    d.wait_ready()
+    seen = _fuzz_control_plane(d.api, None)
+    assert {422} <= seen.get(("POST", "/migrate"), set()), seen  # bad bodies got past to validation
+    assert 201 in seen.get(("POST", "/trainers"), set()), seen
+    _still_serving(d)
+    assert d.terminate() == 0
+
+
+def test_every_operation_with_a_token(spawn, tmp_path: Path) -> None:  # noqa: ANN001
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    d = spawn("--model", "tiny", "--stage", "0", "--swarm", "api-fuzz", "--api-token-file", str(token_file))
+    d.wait_ready()
+    seen = _fuzz_control_plane(d.api, TOKEN)
+    for key in MUTATING:
+        assert 401 in seen.get(key, set()), (key, seen)
+    assert seen.get(("POST", "/migrate"), set()) - {401}, seen  # and requests with the token got past it
+    _still_serving(d)
+    assert d.terminate() == 0
+
+
+def test_a_bad_body_without_the_token_gets_401_not_422(spawn, tmp_path: Path) -> None:  # noqa: ANN001
+    """Found by the fuzzer: FastAPI parsed (and refused, 422) the body before the token check ran."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    d = spawn("--model", "tiny", "--stage", "0", "--swarm", "api-fuzz", "--api-token-file", str(token_file))
+    d.wait_ready()
+    with httpx.Client(base_url=d.api, timeout=10) as api:
+        for path in ("/migrate", "/trainers", "/trainers/x/heartbeat"):
+            for auth in ({}, {"Authorization": "Bearer wrong"}):
+                r = api.post(path, content=b"\x00{not json", headers={"Content-Type": "application/json", **auth})
+                assert r.status_code == 401, (path, auth, r.status_code, r.text)
+        good = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        assert api.post("/migrate", content=b"\x00{not json", headers=good).status_code == 422
+        assert api.post("/migrate", json={"stage": "x"}, headers=good).status_code == 422
+    assert d.terminate() == 0
