@@ -181,3 +181,34 @@ async def test_delayed_updates_keep_serving_and_keep_peers_identical() -> None:
             await asyncio.sleep(0.1)
         assert all(len(v) == 1 for v in by_stage.values()), by_stage
         assert sum(d.executor.stale_dropped for d in daemons) <= summary.stale_redos
+
+
+async def test_a_forgotten_trainer_registers_again_once_and_heartbeats_its_new_id() -> None:
+    """The daemon drops registrations without heartbeats (a restart forgets them all): the trainer
+    registers again and then renews the *new* registration, instead of re-registering forever."""
+    async with swarm(TINY, TRAINING, peers_per_stage=1) as daemons:
+        d = daemons[0]
+        registry = d._api_server.config.app.state.trainers
+        run = TrainerConfig(api=f"http://{d.status()['api_addr']}", steps=10_000, sync=True, codec="none",
+                            microbatch_size=MICRO, window=2, val_every=0, max_corpus_bytes=CORPUS_BYTES,
+                            heartbeat_s=0.05)
+        trainer = Trainer(run)
+        task = asyncio.create_task(trainer.run())
+        try:
+            for _ in range(400):
+                if trainer.trainer_id is not None and registry.live():
+                    break
+                await asyncio.sleep(0.05)
+            first = trainer.trainer_id
+            assert [t["trainer_id"] for t in registry.live()] == [first]
+            registry._trainers.clear()  # what a daemon restart or a long silence does
+            for _ in range(400):
+                if trainer.trainer_id != first:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # twenty heartbeats
+            assert trainer.trainer_id != first
+            assert [t["trainer_id"] for t in registry.live()] == [trainer.trainer_id]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -168,6 +168,7 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
         version=__version__,
         description="Status and control of one swarmd peer (SWARM parallelism).",
     )
+    app.state.trainers = registry  # the daemon's registered trainers (read by tests and tools)
     expected = f"Bearer {api_token}".encode() if api_token else None
 
     async def authorized(request: Request) -> None:

@@ -111,6 +111,7 @@ class TrainerConfig:
     request_timeout_s: float = 60.0
     stage_wait_timeout_s: float = 120.0  # give up when a stage has had no usable peer this long
     refresh_s: float = 2.0  # how often the stage map is re-read from /swarm
+    heartbeat_s: float = 10.0  # how often the registration is renewed (daemons forget it after 30 s)
     max_corpus_bytes: int = 8 * 2**20
     name: str = "trainer"
     max_seconds: float | None = None  # stop after the step that ends past this (chaos runs)
@@ -225,9 +226,10 @@ class Trainer:
 
     async def _heartbeats(self) -> None:
         assert self._http is not None
-        url = f"{self.config.api.rstrip('/')}/trainers/{self.trainer_id}/heartbeat"
         while True:
-            await asyncio.sleep(10)
+            await asyncio.sleep(self.config.heartbeat_s)
+            # built each time: after a registration again the trainer has a new id
+            url = f"{self.config.api.rstrip('/')}/trainers/{self.trainer_id}/heartbeat"
             try:
                 async with self._http.post(url, headers=self._auth()) as r:
                     if r.status == 404:
