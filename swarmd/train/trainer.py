@@ -520,13 +520,13 @@ class Trainer:
                 acts.append(reply.tensors["outputs"])
                 steps.append(int(reply.meta["step"]))
                 served.append(peer)
-            reply = await self._call(last, "backward", inputs=acts[-1], targets=y)
+            reply, _ = await self._call_peer(last, "backward", inputs=acts[-1], targets=y)
             loss, last_step = float(reply.meta["loss"]), int(reply.meta["step"])
             grad = reply.tensors.get("grad_inputs")
             try:
                 for stage in range(last - 1, -1, -1):
-                    reply = await self._call(stage, "backward", inputs=acts[stage], grad_outputs=grad,
-                                             step=steps[stage], mb=mb, prefer=served[stage])
+                    reply, _ = await self._call_peer(stage, "backward", inputs=acts[stage], grad_outputs=grad,
+                                                     step=steps[stage], mb=mb, prefer=served[stage])
                     grad = reply.tensors.get("grad_inputs")
             except _Redo:
                 s.stale_redos += 1
@@ -536,23 +536,6 @@ class Trainer:
         s.samples += x.shape[0]
         self._step_losses.setdefault(last_step, []).append((loss, x.shape[0]))
         return loss, last_step, x.shape[0]
-
-    async def _call(
-        self,
-        stage: int,
-        kind: str,
-        *,
-        inputs: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        grad_outputs: torch.Tensor | None = None,
-        step: int | None = None,
-        mb: int | None = None,
-        prefer: str | None = None,
-    ) -> StageReply:
-        """One request to some peer of ``stage``: route, retry elsewhere on failure, wait for peers."""
-        reply, _ = await self._call_peer(stage, kind, inputs=inputs, targets=targets, grad_outputs=grad_outputs,
-                                         step=step, mb=mb, prefer=prefer)
-        return reply
 
     async def _call_peer(
         self,
@@ -566,7 +549,8 @@ class Trainer:
         mb: int | None = None,
         prefer: str | None = None,
     ) -> tuple[StageReply, str]:
-        """:meth:`_call`, and the id of the peer that answered.
+        """One request to some peer of ``stage``: route, retry elsewhere on failure, wait for peers;
+        the reply and the id of the peer that answered.
 
         ``mb`` is the microbatch's id (the peers' activation cache); ``prefer`` a peer to try
         first when it is usable (a backward's: the peer that ran the forward).
@@ -648,8 +632,8 @@ class Trainer:
         for x, y in batches:
             acts = x
             for stage in range(last):
-                acts = (await self._call(stage, "forward", inputs=acts)).tensors["outputs"]
-            reply = await self._call(last, "forward", inputs=acts, targets=y)
+                acts = (await self._call_peer(stage, "forward", inputs=acts))[0].tensors["outputs"]
+            reply, _ = await self._call_peer(last, "forward", inputs=acts, targets=y)
             total += float(reply.meta["loss"]) * x.shape[0]
             count += x.shape[0]
         if count:
