@@ -19,7 +19,9 @@ import hmac
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
+from starlette.routing import Match
 
 from swarmd import __version__
 from swarmd.api.trainers import TrainerRegistry
@@ -182,16 +184,17 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
 
     guarded = [Depends(authorized)]
 
+    def _is_guarded(route: Any) -> bool:
+        return isinstance(route, APIRoute) and any(dep.dependency is authorized for dep in route.dependencies)
+
     if expected is not None:
 
         @app.middleware("http")
         async def token_before_body(request: Request, call_next: Any) -> Response:
             """The token is checked before FastAPI parses the body, which it does before running
-            ``authorized``: without this, a request with no token and a bad body got 422, not 401."""
-            path = request.url.path
-            guarded_path = path in ("/trainers", "/migrate") or (
-                path.startswith("/trainers/") and path.endswith("/heartbeat"))
-            if request.method == "POST" and guarded_path:
+            ``authorized``: without this, a request with no token and a bad body got 422, not 401.
+            Which requests are guarded is read from the routes declared with ``guarded``."""
+            if any(_is_guarded(route) and route.matches(request.scope)[0] is Match.FULL for route in app.routes):
                 try:
                     await authorized(request)
                 except HTTPException as exc:
