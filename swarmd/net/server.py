@@ -204,33 +204,31 @@ class DataPlane:
             return _unauthorized(checked)
         body = b""
         if request.body_exists:
-            limit = self.limits.max_frame_bytes
-            if request.content_length is not None and request.content_length > limit:
-                return error_response(413, "LimitExceeded", f"a {request.content_length}-byte body exceeds the "
-                                      f"{limit}-byte frame limit")
             try:
-                body = await asyncio.wait_for(request.read(), self.read_timeout_s)
-            except web.HTTPRequestEntityTooLarge:
-                return error_response(413, "LimitExceeded", f"the body exceeds the {limit}-byte frame limit")
-            except asyncio.TimeoutError:
-                return error_response(408, "RequestTimeout",
-                                      f"the request body did not arrive within {self.read_timeout_s:.0f}s")
+                body = await self._read_body(request)
+            except SwarmdError as exc:
+                return error_response(exc.http_status, type(exc).__name__, str(exc))
         why = auth.verify(checked, request.method, request.rel_url.raw_path_qs, await body_sha256(body), addr)
         return None if why is None else _unauthorized(why)
 
-    async def _read_frame(self, request: web.Request, kind: str):
-        if request.content_type != CONTENT_TYPE:
-            raise UnsupportedMediaType(f"send the body as {CONTENT_TYPE}, not {request.content_type or 'nothing'}")
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body, within the frame limit and the read timeout (aiohttp keeps it, so a
+        second read, e.g. the handler's after authentication, costs nothing)."""
         if request.content_length is not None and request.content_length > self.limits.max_frame_bytes:
             raise LimitExceeded(
                 f"a {request.content_length}-byte body exceeds the {self.limits.max_frame_bytes}-byte frame limit"
             )
         try:
-            body = await asyncio.wait_for(request.read(), self.read_timeout_s)
+            return await asyncio.wait_for(request.read(), self.read_timeout_s)
         except web.HTTPRequestEntityTooLarge as exc:
             raise LimitExceeded(f"the body exceeds the {self.limits.max_frame_bytes}-byte frame limit") from exc
         except asyncio.TimeoutError as exc:
             raise RequestTimeout(f"the request body did not arrive within {self.read_timeout_s:.0f}s") from exc
+
+    async def _read_frame(self, request: web.Request, kind: str):
+        if request.content_type != CONTENT_TYPE:
+            raise UnsupportedMediaType(f"send the body as {CONTENT_TYPE}, not {request.content_type or 'nothing'}")
+        body = await self._read_body(request)
         frame = await self._in_pool(decode_frame, body, self.limits)
         if frame.kind != kind:
             raise RequestError(f"this endpoint takes a '{kind}' frame, got '{frame.kind}'")
