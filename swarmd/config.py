@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmd.net.wire import DEFAULT_LIMITS, WireLimits
-from swarmd.pipeline.optimizer import TrainingSpec
-from swarmd.pipeline.spec import ModelSpec
+from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.swarm_key import SwarmKey
 
 DEFAULT_API_PORT = 8080

@@ -16,10 +16,10 @@ import torch
 
 from swarmd.errors import PeerError, StaleStep
 from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, CapturedForward
 from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.optimizer import TrainingSpec
 from swarmd.pipeline.routing import StageRouter
-from swarmd.pipeline.spec import PRESETS
+from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from tests.conftest import TINY, running_daemon
 
 # three stages of two blocks: stage 0 takes token ids, stage 1 hidden states (a middle stage)
@@ -231,6 +231,34 @@ async def test_entries_expire(executors) -> None:
     assert stats["hits"] == 0 and stats["misses"] == 1 and stats["entries"] == 0 and stats["bytes"] == 0
 
 
+def test_the_cache_on_its_own_clock() -> None:
+    now = [0.0]
+    cache = ActivationCache(2, 25, ttl_s=5.0, clock=lambda: now[0])
+    x = torch.zeros(2)
+
+    def captured(nbytes: int) -> CapturedForward:
+        return CapturedForward(leaf=x, out=x, nbytes=nbytes)
+
+    assert cache.put(1, x, captured(10), step=0) and cache.put(2, x, captured(10), step=0)
+    assert not cache.put(3, x, captured(1), step=0)  # full by entries: the new one is skipped
+    assert cache.take(None, x, step=0) is None  # names no microbatch: not counted
+    now[0] = 4.0
+    assert cache.take(1, x, step=0) is not None
+    assert cache.put(4, x, captured(10), step=0)
+    assert not cache.put(5, x, captured(6), step=0)  # full by bytes (20 + 6 > 25)
+    now[0] = 5.5  # entry 2 (created at 0) is older than the TTL; entry 4 (at 4) is not
+    assert cache.take(4, x, step=1) is None  # of another step: dropped
+    assert cache.take(2, x, step=0) is None  # expired
+    assert cache.stats() == CacheStats(entries=0, bytes=0, max_entries=2, max_bytes=25, hits=1, misses=2,
+                                       mismatches=0, evictions=2, skipped=2)
+    assert cache.put(6, x, captured(10), step=0)
+    assert cache.take(6, torch.ones(2), step=0) is None  # other inputs under the id
+    assert cache.put(7, x, captured(10), step=0)
+    cache.clear()
+    assert (len(cache), cache.nbytes, cache.stats().mismatches, cache.stats().evictions) == (0, 0, 1, 4)
+    assert not ActivationCache(0, 25, 1.0).enabled and not ActivationCache(2, 0, 1.0).enabled
+
+
 async def test_last_stage_keeps_nothing(executors) -> None:
     ex = executors(SPEC.n_stages - 1)
     await ex.forward(hidden(), mb=1)
@@ -253,14 +281,14 @@ async def test_wait_progress_wakes_on_samples_and_steps(executors) -> None:
 async def test_the_data_plane_carries_the_microbatch_id() -> None:
     x, y = torch.randint(0, TINY.vocab_size, (B, T)), torch.randint(0, TINY.vocab_size, (B, T))
     async with running_daemon(0) as d0, running_daemon(1) as d1, DataPlaneClient() as c:
-        h = (await c.forward(d0.data_addr, 0, x, mb=2**64 - 1)).tensors["outputs"]
-        g = (await c.backward(d1.data_addr, 1, h, targets=y)).tensors["grad_inputs"]
+        h = (await c.forward(d0.data_addr, 0, x, mb=2**64 - 1)).outputs
+        g = (await c.backward(d1.data_addr, 1, h, targets=y)).grad_inputs
         await c.backward(d0.data_addr, 0, x, grad_outputs=g, step=0, mb=2**64 - 1)
         assert d0.executor.cache_stats()["hits"] == 1
         assert d0.status()["activation_cache"]["hits"] == 1
         for bad in (-1, "x", True, 1.5):
             with pytest.raises(PeerError) as err:
-                await c._call(d0.data_addr, "forward", 0, {"inputs": x}, "none", None, mb=bad)  # type: ignore[arg-type]
+                await c.forward(d0.data_addr, 0, x, mb=bad)  # type: ignore[arg-type]
             assert err.value.status == 422 and err.value.error == "RequestError"
         # the progress long-poll: answered at the wait's end when the step is not reached
         async with aiohttp.ClientSession() as s:

@@ -1,20 +1,29 @@
-"""ModelSpec: validation, the stable digest, (de)serialisation and load_spec's errors."""
+"""ModelSpec and TrainingSpec: validation, the stable digests, (de)serialisation, load_spec's errors
+and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from swarmd.dht.identity import Identity
+from swarmd.dht.records import MAX_RECORD_BYTES, SwarmRecord, open_record, sign_record
 from swarmd.errors import ConfigError
-from swarmd.pipeline.spec import PRESETS, ModelSpec, load_spec
+from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec, load_spec
 
 # Changing this literal means every deployed peer would disagree with the new build about
 # which model it serves (and every initial weight changes): only do it on purpose, together
-# with DIGEST_VERSION.
+# with MODEL_DIGEST_VERSION.
 TINY_DIGEST = "c56383f5e949f78d09240532b876290acff398a862ded763e4308554fe738502"
 
 BASE_FIELDS: dict[str, Any] = {
@@ -257,3 +266,188 @@ def test_load_spec_stem_that_is_not_a_valid_name(tmp_path: Path) -> None:
     path.write_text(json.dumps({k: v for k, v in BASE_FIELDS.items() if k != "name"}))
     with pytest.raises(ConfigError, match="name 'my model' is invalid"):
         load_spec(str(path))
+
+
+# Changing this literal changes what every deployed peer computes for the default settings;
+# only do it on purpose, together with TRAINING_DIGEST_VERSION.
+DEFAULT_DIGEST = "e7778e29b1ef10b3fbf944520dfb67f8f6819efe320b810195f6ac267467416d"
+
+# ---- TrainingSpec: validation -----------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    spec = TrainingSpec()
+    assert spec.to_dict() == {
+        "target_batch_size": 32, "optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.95,
+        "eps": 1e-8, "weight_decay": 0.01, "warmup_steps": 10, "schedule": "cosine",
+        "total_steps": 10_000, "min_lr_ratio": 0.1, "clip_norm": 1.0, "delay_updates": False,
+        "averaging_timeout_s": 30.0, "grad_codec": "none",
+    }
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.lr = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"target_batch_size": 0}, "'target_batch_size' must be between 1"),
+        ({"target_batch_size": True}, "'target_batch_size' must be an integer"),
+        ({"target_batch_size": 32.0}, "'target_batch_size' must be an integer"),
+        ({"total_steps": 0}, "'total_steps' must be between 1"),
+        ({"warmup_steps": -1}, "'warmup_steps' must be between 0"),
+        ({"warmup_steps": 11, "total_steps": 10}, "warmup_steps=11 must not exceed total_steps=10"),
+        ({"optimizer": "sgd"}, "'optimizer' must be one of adamw, lamb"),
+        ({"optimizer": None}, "'optimizer' must be one of"),
+        ({"schedule": "Cosine"}, "'schedule' must be one of constant, linear, cosine"),
+        ({"lr": 0.0}, r"'lr' must lie in \(0, 10\]"),
+        ({"lr": -1e-3}, "'lr' must lie in"),
+        ({"lr": math.nan}, "'lr' must lie in"),
+        ({"lr": math.inf}, "'lr' must lie in"),
+        ({"lr": "1e-3"}, "'lr' must be a number"),
+        ({"lr": True}, "'lr' must be a number"),
+        ({"beta1": 1.0}, r"'beta1' must lie in \[0, 1\)"),
+        ({"beta2": -0.1}, "'beta2' must lie in"),
+        ({"eps": 0.0}, "'eps' must lie in"),
+        ({"weight_decay": -0.01}, "'weight_decay' must lie in"),
+        ({"min_lr_ratio": 1.5}, "'min_lr_ratio' must lie in"),
+        ({"clip_norm": -1.0}, "'clip_norm' must lie in"),
+        ({"averaging_timeout_s": 0}, "'averaging_timeout_s' must lie in"),
+        ({"delay_updates": 1}, "'delay_updates' must be true or false"),
+        ({"grad_codec": "bf16"}, "'grad_codec' must be one of none, fp16, 8bit"),
+    ],
+)
+def test_invalid_fields_raise_config_error(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainingSpec(**changes)
+    with pytest.raises(ConfigError, match=message):
+        TrainingSpec.from_dict(changes)
+
+
+def test_ints_are_accepted_for_float_fields_and_stored_as_floats() -> None:
+    spec = TrainingSpec(lr=1, weight_decay=0, clip_norm=0)
+    assert type(spec.lr) is float and type(spec.weight_decay) is float and type(spec.clip_norm) is float
+    assert spec == TrainingSpec(lr=1.0, weight_decay=0.0, clip_norm=0.0)
+    assert spec.digest == TrainingSpec(lr=1.0, weight_decay=0.0, clip_norm=0.0).digest
+
+
+# ---- TrainingSpec: dict form and digest -------------------------------------------------------
+
+
+def test_to_dict_holds_only_scalars_and_round_trips() -> None:
+    spec = TrainingSpec(optimizer="lamb", schedule="linear", lr=2e-3, delay_updates=True, warmup_steps=0)
+    d = spec.to_dict()
+    assert all(type(k) is str for k in d)
+    assert all(type(v) in (bool, int, float, str) for v in d.values())
+    assert TrainingSpec.from_dict(d) == spec
+    assert TrainingSpec.from_dict(msgpack.unpackb(msgpack.packb(d))) == spec
+
+
+def test_from_dict_ignores_unknown_keys_and_defaults_missing_ones() -> None:
+    # A newer peer wrote the record: it knows a setting this build does not.
+    d = {"lr": 3e-4, "schedule": "constant", "gradient_compression": "8bit", "zz": None}
+    spec = TrainingSpec.from_dict(d)
+    assert spec == TrainingSpec(lr=3e-4, schedule="constant")
+    assert TrainingSpec.from_dict({}) == TrainingSpec()
+    # Known keys are still validated next to unknown ones.
+    with pytest.raises(ConfigError, match="'lr'"):
+        TrainingSpec.from_dict({"lr": None, "new_field": 1})
+    with pytest.raises(ConfigError, match="unknown training field.*'gradient_compression'"):
+        TrainingSpec.from_dict(d, strict=True)
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        TrainingSpec.from_dict([("lr", 1e-3)])  # type: ignore[arg-type]
+
+
+def test_fits_a_signed_swarm_record_with_the_largest_preset() -> None:
+    identity = Identity.generate()
+    record = SwarmRecord(
+        swarm="s" * 64, spec=PRESETS["base"].to_dict(),
+        training=dict(TrainingSpec(optimizer="lamb", schedule="linear").to_dict()),
+        founder=identity.peer_id, timestamp=1_000.0, expiry=1_300.0,
+    )
+    raw = sign_record(identity, record)
+    assert len(raw) <= MAX_RECORD_BYTES
+    opened = open_record(raw, now=1_100.0)
+    assert isinstance(opened, SwarmRecord)
+    assert TrainingSpec.from_dict(opened.training) == TrainingSpec(optimizer="lamb", schedule="linear")
+
+
+def test_digest_is_the_literal_and_sensitive_to_every_field() -> None:
+    assert TrainingSpec().digest == DEFAULT_DIGEST
+    assert TrainingSpec.from_dict(TrainingSpec().to_dict()).digest == DEFAULT_DIGEST
+    changed: dict[str, Any] = {
+        "target_batch_size": 33, "optimizer": "lamb", "lr": 1.1e-3, "beta1": 0.8, "beta2": 0.999,
+        "eps": 1e-6, "weight_decay": 0.0, "warmup_steps": 11, "schedule": "linear",
+        "total_steps": 10_001, "min_lr_ratio": 0.0, "clip_norm": 0.0, "delay_updates": True,
+        "averaging_timeout_s": 31.0, "grad_codec": "fp16",
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(TrainingSpec)}
+    digests = {TrainingSpec(**{name: value}).digest for name, value in changed.items()}
+    assert len(digests) == len(changed) and DEFAULT_DIGEST not in digests
+
+
+# ---- the learning-rate schedule ---------------------------------------------------------------
+
+
+def test_lr_at_warmup_then_each_schedule_at_its_key_points() -> None:
+    base: dict[str, Any] = {"lr": 1.0, "warmup_steps": 4, "total_steps": 104, "min_lr_ratio": 0.1}
+    for schedule in ("constant", "linear", "cosine"):
+        spec = TrainingSpec(schedule=schedule, **base)
+        # Linear warmup: the first update already moves; update W-1 uses the full rate.
+        assert [spec.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+        assert spec.lr_at(4) == 1.0
+    constant = TrainingSpec(schedule="constant", **base)
+    assert {constant.lr_at(s) for s in (4, 54, 104, 10**6)} == {1.0}
+    linear = TrainingSpec(schedule="linear", **base)
+    assert linear.lr_at(54) == pytest.approx(0.55)
+    assert linear.lr_at(104) == pytest.approx(0.1) and linear.lr_at(10**6) == linear.lr_at(104)
+    cosine = TrainingSpec(schedule="cosine", **base)
+    assert cosine.lr_at(29) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert cosine.lr_at(54) == pytest.approx(0.55)
+    assert cosine.lr_at(104) == pytest.approx(0.1) and cosine.lr_at(10**6) == cosine.lr_at(104)
+
+
+def test_lr_at_without_warmup_and_with_nothing_to_decay() -> None:
+    no_warmup = TrainingSpec(lr=0.5, warmup_steps=0, total_steps=10, schedule="linear", min_lr_ratio=0.0)
+    assert no_warmup.lr_at(0) == 0.5 and no_warmup.lr_at(5) == 0.25 and no_warmup.lr_at(10) == 0.0
+    # total_steps == warmup_steps: warm up, then straight to the floor.
+    instant = TrainingSpec(lr=0.5, warmup_steps=2, total_steps=2, schedule="cosine", min_lr_ratio=0.2)
+    assert [instant.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.1, 0.1]
+
+
+@pytest.mark.parametrize("step", [-1, 1.0, True, None])
+def test_lr_at_rejects_bad_steps(step: Any) -> None:
+    with pytest.raises(ValueError, match="non-negative integer"):
+        TrainingSpec().lr_at(step)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    schedule=st.sampled_from(["constant", "linear", "cosine"]),
+    warmup=st.integers(0, 50),
+    extra=st.integers(0, 200),
+    ratio=st.floats(0.0, 1.0),
+)
+def test_lr_at_warms_up_then_never_increases_and_stays_in_range(
+    schedule: str, warmup: int, extra: int, ratio: float
+) -> None:
+    spec = TrainingSpec(lr=0.1, warmup_steps=warmup, total_steps=max(1, warmup + extra),
+                        schedule=schedule, min_lr_ratio=ratio)
+    rates = [spec.lr_at(s) for s in range(warmup + extra + 5)]
+    assert all(0.0 < r <= 0.1 for r in rates[:warmup])
+    assert rates[:warmup] == sorted(rates[:warmup])
+    if warmup:
+        assert rates[warmup - 1] == 0.1  # exactly the peak, not 0.1 * W / W
+    after = rates[warmup:]
+    assert after[0] == 0.1 or (warmup == spec.total_steps and schedule != "constant")
+    assert all(b <= a for a, b in zip(after, after[1:], strict=False))
+    assert all(0.1 * ratio <= r <= 0.1 for r in after)
+
+
+# ---- no torch -----------------------------------------------------------------------------------
+
+
+def test_the_specs_load_without_torch() -> None:
+    # the CLI and the configuration build and check specs; torch takes seconds to import
+    probe = "import sys, swarmd.pipeline.spec; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"

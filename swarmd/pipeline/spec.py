@@ -1,4 +1,4 @@
-"""The model specification every peer of a swarm must agree on.
+"""The specifications every peer of a swarm must agree on: the model and how it trains.
 
 SWARM (Ryabinin et al., 2023, section 3) cuts one model into pipeline stages and lets a
 swarm of peers serve each stage. Peers that never talked to each other must still build
@@ -7,8 +7,17 @@ parameters. ``ModelSpec`` is that shared contract. Its :attr:`ModelSpec.digest` 
 version-prefixed SHA-256 of every field that affects the computation, so peers can compare
 specs (in DHT records, in wire frames) without shipping the whole thing, and the digest also
 seeds the deterministic parameter initialisation in :mod:`swarmd.pipeline.model`.
-
 ``name`` is a human label only; it is deliberately left out of the digest.
+
+Section 3.2 makes each stage's optimizer step synchronous: every peer of a stage applies the
+same step to the same averaged gradient, so the settings of that step must be shared as
+exactly as the model. :class:`TrainingSpec` holds them (batch size, optimizer, schedule,
+clipping, averaging), read by every peer from the swarm's DHT record, validated and digested
+like ``ModelSpec``; :meth:`TrainingSpec.lr_at` is the learning-rate schedule as a pure
+function of the swarm's step. How a step is taken is :mod:`swarmd.pipeline.optimizer`.
+
+Both specs are plain data: this module imports neither torch nor anything that does, so the
+configuration and the CLI can build and check them without loading torch.
 """
 
 from __future__ import annotations
@@ -16,26 +25,46 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from swarmd.errors import ConfigError
 
-__all__ = ["DIGEST_VERSION", "ModelSpec", "PRESETS", "load_spec"]
+__all__ = [
+    "GRAD_CODECS",
+    "MODEL_DIGEST_VERSION",
+    "OPTIMIZERS",
+    "PRESETS",
+    "SCHEDULES",
+    "TRAINING_DIGEST_VERSION",
+    "ModelSpec",
+    "TrainingSpec",
+    "load_spec",
+]
 
-#: Bumped whenever the digest's canonical form changes; hashed in front of the payload so
+#: Bumped whenever a digest's canonical form changes; hashed in front of the payload so
 #: two formats can never collide.
-DIGEST_VERSION = "swarmd.ModelSpec/1"
+MODEL_DIGEST_VERSION = "swarmd.ModelSpec/1"
+TRAINING_DIGEST_VERSION = "swarmd.TrainingSpec/2"  # /2: grad_codec
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
+SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+#: How a stage's averaging traffic carries gradients (codecs of ``swarmd.net.codecs``).
+GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit")
+
+Scalar = bool | int | float | str
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # (minimum, maximum) for each integer field. The maxima are far beyond anything swarmd can
 # train; they exist to turn typos (an extra zero or three) into a clear error instead of an
 # out-of-memory crash minutes later.
-_INT_BOUNDS: Mapping[str, tuple[int, int]] = MappingProxyType(
+_MODEL_INT_BOUNDS: Mapping[str, tuple[int, int]] = MappingProxyType(
     {
         "d_model": (1, 65_536),
         "n_heads": (1, 1_024),
@@ -77,7 +106,7 @@ class ModelSpec:
                 f"model spec name {self.name!r} is invalid: use 1-64 letters, digits, '.', '_' "
                 "or '-', starting with a letter or digit"
             )
-        for field_name, (low, high) in _INT_BOUNDS.items():
+        for field_name, (low, high) in _MODEL_INT_BOUNDS.items():
             value = getattr(self, field_name)
             # bool is a subclass of int; `true` in a model file is a typo, not the number 1.
             if not isinstance(value, int) or isinstance(value, bool):
@@ -116,13 +145,13 @@ class ModelSpec:
         """Stable SHA-256 hex of everything but ``name``: equal digests mean identical models.
 
         The payload is canonical JSON (sorted keys, no whitespace, ASCII) of ints and bools
-        only, prefixed with :data:`DIGEST_VERSION`, so it does not depend on the Python or
+        only, prefixed with :data:`MODEL_DIGEST_VERSION`, so it does not depend on the Python or
         torch version that computes it.
         """
         fields = self.to_dict()
         del fields["name"]
         payload = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return hashlib.sha256(f"{DIGEST_VERSION}\n{payload}".encode("ascii")).hexdigest()
+        return hashlib.sha256(f"{MODEL_DIGEST_VERSION}\n{payload}".encode("ascii")).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as plain JSON-compatible values (the inverse of :meth:`from_dict`)."""
@@ -234,3 +263,183 @@ def load_spec(preset_or_path: str) -> ModelSpec:
         return ModelSpec.from_dict(data)
     except ConfigError as exc:
         raise ConfigError(f"model file {str(path)!r} is invalid: {exc}") from exc
+
+
+# --- how a swarm trains -----------------------------------------------------------------------
+
+# Inclusive (minimum, maximum) of each integer field. As in ModelSpec, the maxima only turn
+# typos (a few extra zeros) into a clear error.
+_TRAINING_INT_BOUNDS: Mapping[str, tuple[int, int]] = MappingProxyType(
+    {
+        "target_batch_size": (1, 2**24),
+        "warmup_steps": (0, 10**9),
+        "total_steps": (1, 10**9),
+    }
+)
+
+# (minimum, maximum, minimum excluded, maximum excluded) of each float field.
+_TRAINING_FLOAT_BOUNDS: Mapping[str, tuple[float, float, bool, bool]] = MappingProxyType(
+    {
+        "lr": (0.0, 10.0, True, False),
+        "beta1": (0.0, 1.0, False, True),
+        "beta2": (0.0, 1.0, False, True),
+        "eps": (0.0, 1.0, True, False),
+        "weight_decay": (0.0, 1.0, False, False),
+        "min_lr_ratio": (0.0, 1.0, False, False),
+        "clip_norm": (0.0, 1e6, False, False),
+        "averaging_timeout_s": (0.0, 3600.0, True, False),
+    }
+)
+
+_TRAINING_CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "grad_codec": GRAD_CODECS}
+)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How a swarm trains: batch size, optimizer, schedule, clipping, averaging.
+
+    Every field is validated on construction, so a ``TrainingSpec`` that exists is usable.
+    Float fields also accept ints (``lr=1`` becomes ``1.0``), so a value that went through
+    JSON or a hand-written config has the same digest as the float it means.
+    """
+
+    target_batch_size: int = 32  # samples per optimizer step, over the whole swarm
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # applied to parameters with two or more dimensions only
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # one of SCHEDULES; see lr_at
+    total_steps: int = 10_000
+    min_lr_ratio: float = 0.1
+    clip_norm: float = 1.0  # max L2 norm of a stage's gradient; 0 disables clipping
+    delay_updates: bool = False  # the paper's delayed parameter updates (a flag here)
+    averaging_timeout_s: float = 30.0  # a stage's all-reduce gives up on missing peers after this
+    # codec of the gradients a stage's peers send to the round's leader and of the mean it sends
+    # back (one of GRAD_CODECS). Lossy codecs keep the peers bit-identical: the leader encodes
+    # the mean once and every peer, the leader included, applies the decoded mean.
+    grad_codec: str = "none"
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in _TRAINING_INT_BOUNDS.items():
+            value = getattr(self, name)
+            # bool is a subclass of int; `true` for a step count is a typo, not the number 1.
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(
+                    f"training field {name!r} must be an integer, got {type(value).__name__} "
+                    f"{value!r}"
+                )
+            if not low <= value <= high:
+                raise ConfigError(
+                    f"training field {name!r} must be between {low} and {high}, got {value}"
+                )
+        for name, (low_f, high_f, low_open, high_open) in _TRAINING_FLOAT_BOUNDS.items():
+            given = getattr(self, name)
+            if not isinstance(given, (int, float)) or isinstance(given, bool):
+                raise ConfigError(
+                    f"training field {name!r} must be a number, got {type(given).__name__} "
+                    f"{given!r}"
+                )
+            number = float(given)
+            above = number > low_f if low_open else number >= low_f
+            below = number < high_f if high_open else number <= high_f
+            if not (math.isfinite(number) and above and below):
+                interval = f"{'(' if low_open else '['}{low_f:g}, {high_f:g}{')' if high_open else ']'}"
+                raise ConfigError(f"training field {name!r} must lie in {interval}, got {number!r}")
+            object.__setattr__(self, name, number)
+        for name, choices in _TRAINING_CHOICES.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in choices:
+                raise ConfigError(
+                    f"training field {name!r} must be one of {', '.join(choices)}, got {value!r}"
+                )
+        if not isinstance(self.delay_updates, bool):
+            raise ConfigError(
+                "training field 'delay_updates' must be true or false, "
+                f"got {type(self.delay_updates).__name__} {self.delay_updates!r}"
+            )
+        if self.warmup_steps > self.total_steps:
+            raise ConfigError(
+                f"training warmup_steps={self.warmup_steps} must not exceed "
+                f"total_steps={self.total_steps}"
+            )
+
+    @property
+    def digest(self) -> str:
+        """Stable SHA-256 hex of every field: equal digests mean identical training settings.
+
+        The payload is canonical JSON (sorted keys, no whitespace, ASCII) of the scalars from
+        :meth:`to_dict`, prefixed with :data:`TRAINING_DIGEST_VERSION`. Floats are written as Python's
+        shortest round-tripping repr, which does not depend on the platform.
+        """
+        payload = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(f"{TRAINING_DIGEST_VERSION}\n{payload}".encode("ascii")).hexdigest()
+
+    def to_dict(self) -> dict[str, Scalar]:
+        """Every field as an int, float, bool or str: what the swarm record's ``training`` holds."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, strict: bool = False) -> TrainingSpec:
+        """Build a spec from a swarm record's ``training`` map (or a config file's).
+
+        Missing keys take their defaults. Unknown keys are *ignored* by default, unlike
+        :meth:`ModelSpec.from_dict`: the map comes
+        from the DHT, where a newer peer may have added settings this build does not know,
+        and an old peer must still be able to join. Known keys are validated as usual. An old
+        peer that ignored a setting computes a different :attr:`digest` than the newer peers
+        (theirs covers the new field), so comparing digests still tells the two apart. Pass
+        ``strict=True`` for input a person typed, where an unknown key is a typo.
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"training settings must be a mapping of names to values, got {type(d).__name__}"
+            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        if strict:
+            unknown = sorted(repr(k) for k in d if k not in known)
+            if unknown:
+                raise ConfigError(
+                    f"unknown training field(s) {', '.join(unknown)}; "
+                    f"valid fields are: {', '.join(known)}"
+                )
+        return cls(**{name: d[name] for name in known if name in d})
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of the update that takes the parameters from ``step`` to ``step + 1``.
+
+        With ``W = warmup_steps``, ``T = total_steps``, ``m = min_lr_ratio``:
+
+        - warmup, ``step < W``: ``lr * ((step + 1) / W)``, so the first update already moves
+          (``lr / W``) and update ``W - 1`` uses the full ``lr``;
+        - afterwards, with progress ``p = min(1, (step - W) / (T - W))`` (``p = 1`` when
+          ``T == W``): ``constant`` gives ``lr``; ``linear`` gives ``lr * (1 - (1 - m) * p)``;
+          ``cosine`` gives ``lr * (m + (1 - m) * (1 + cos(pi * p)) / 2)``. Both decaying
+          schedules start at ``lr`` on step ``W``, reach ``m * lr`` on step ``T`` and stay
+          there.
+
+        A pure function of ``step`` rather than a scheduler object: the step number is the
+        swarm's (every peer of a stage agrees on it), so a peer that joins at step 5000 needs
+        no scheduler state to use the right rate.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"a training step must be a non-negative integer, got {step!r}")
+        warmup, total = self.warmup_steps, self.total_steps
+        if step < warmup:
+            # The ratio first, so the last warmup step gives exactly lr (lr * W / W may not).
+            return self.lr * ((step + 1) / warmup)
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - warmup) / (total - warmup)) if total > warmup else 1.0
+        if self.schedule == "linear":
+            factor = 1.0 - (1.0 - self.min_lr_ratio) * progress
+        else:
+            factor = self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (
+                1.0 + math.cos(math.pi * progress)
+            )
+        # Clamped so that rounding can never leave [min_lr_ratio * lr, lr].
+        return self.lr * min(1.0, max(self.min_lr_ratio, factor))

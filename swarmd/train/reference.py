@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from swarmd.pipeline.model import StageModule
-from swarmd.pipeline.optimizer import TrainingSpec, apply_step
+from swarmd.pipeline.optimizer import apply_step
+from swarmd.pipeline.spec import TrainingSpec
 
 
 def single_process_step(
