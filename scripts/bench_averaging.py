@@ -30,12 +30,13 @@ from typing import Any
 import aiohttp
 import torch
 
+from swarmd.net.messages import AverageReply, AverageRequest
 from swarmd.net.server import DataPlane
-from swarmd.net.wire import WireLimits, encode_frame
+from swarmd.net.wire import WireLimits
 from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.optimizer import GRAD_CODECS, TrainingSpec
-from swarmd.pipeline.spec import PRESETS
+from swarmd.pipeline.runtime import StageRuntime
+from swarmd.pipeline.spec import GRAD_CODECS, PRESETS, TrainingSpec
 
 TARGET = 32
 
@@ -43,17 +44,16 @@ TARGET = 32
 def frame_bytes(numel: int, codec: str) -> dict[str, int]:
     grads = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     peer_id = "f" * 64  # a peer id's length
-    contribution = encode_frame("average", {"stage": 0, "step": 12345, "samples": 8, "peer_id": peer_id},
-                                {"grads": grads}, codec)
-    answer = encode_frame("average_result", {"stage": 0, "status": "ok", "step": 12345, "samples": 32,
-                                             "contributors": 4}, {"grads": grads}, codec)
+    contribution = AverageRequest(stage=0, peer_id=peer_id, step=12345, samples=8, grads=grads, codec=codec).encode()
+    answer = AverageReply(stage=0, status="ok", step=12345, samples=32, contributors=4, grads=grads).encode(codec)
     return {"contribution": len(contribution), "answer": len(answer)}
 
 
 async def time_rounds(spec: Any, n: int, codec: str, rounds: int) -> list[float]:
     training = TrainingSpec(target_batch_size=TARGET, grad_codec=codec, averaging_timeout_s=30.0)
     executors = [StageExecutor(spec, 0, "cpu", training=training, threads=1) for _ in range(n)]
-    planes = [DataPlane(ex, limits=WireLimits()) for ex in executors]
+    runtimes = [StageRuntime(ex) for ex in executors]
+    planes = [DataPlane(lambda rt=rt: rt, limits=WireLimits()) for rt in runtimes]
     addrs = {}
     for i, plane in enumerate(planes):
         host, port = await plane.start("127.0.0.1", 0)
@@ -64,9 +64,9 @@ async def time_rounds(spec: Any, n: int, codec: str, rounds: int) -> list[float]
 
     session = aiohttp.ClientSession()
     averagers = [StageAverager(ex, peer_id=pid, stage_peers=stage_peers, session=session)
-                 for ex, pid in zip(executors, addrs)]
-    for plane, averager in zip(planes, averagers):
-        plane.averager = averager
+                 for ex, pid in zip(executors, addrs, strict=True)]
+    for runtime, averager in zip(runtimes, averagers, strict=True):
+        runtime.averager = averager
     tasks = [asyncio.create_task(a.run()) for a in averagers]
     gen = torch.Generator().manual_seed(1)
     took = []
@@ -74,12 +74,7 @@ async def time_rounds(spec: Any, n: int, codec: str, rounds: int) -> list[float]
         for r in range(rounds + 1):  # the first round warms up (imports bitsandbytes for 8bit)
             for ex in executors:
                 flat = torch.randn(ex.grad_numel, generator=gen) * 1e-3
-
-                def fill(ex: StageExecutor = ex, flat: torch.Tensor = flat) -> None:
-                    ex._set_grads(flat)
-                    ex.grad_samples = TARGET // n
-
-                await ex._run(fill)
+                await ex.add_gradients(flat, TARGET // n)
             started = time.perf_counter()
             while not all(ex.step == r + 1 for ex in executors):
                 await asyncio.sleep(0.002)

@@ -19,9 +19,18 @@
      ├── StepMismatch         the request was computed at another optimizer step   (HTTP 409)
      │    ├── StaleStep          older than the peer's: the gradient would mix steps; redo it
      │    └── PeerBehind         newer than the peer's: this peer missed a step and resyncs
-     ├── Busy                 the stage is averaging or syncing right now; retry shortly (HTTP 503)
+     ├── Unauthorized         a private swarm's request without a valid signature  (HTTP 401)
+     ├── Unavailable          the peer cannot serve this request now               (HTTP 503)
+     │    ├── Busy               the stage is averaging or syncing; retry shortly, same peer or not
+     │    ├── Starting           the peer has no stage built yet; send the request elsewhere
+     │    ├── Draining           the peer is shutting down; send the request elsewhere
+     │    └── Migrating          the peer is moving to another stage; send the request elsewhere
+     ├── MigrationRefused     a move between stages that cannot happen now (HTTP 409; 422 for a
+     │                        stage that does not exist)
      ├── PeerError            (client side) a peer answered with an error or not at all;
-     │                        carries the HTTP status (0 when unreachable)
+     │                        carries the HTTP status (0 when unreachable). A refusal named
+     │                        after one of the classes above is rebuilt as that class too
+     │                        (``remote_error``): ``except StaleStep`` works on the client
      ├── StateTransferError   (client side) a stage's state could not be downloaded from a
      │                        peer: refused, unreachable, timed out, or a corrupt, truncated
      │                        or oversized stream; carries the URL and HTTP status  (HTTP 502)
@@ -40,9 +49,16 @@
 Lower-level errors (msgpack, aiohttp, torch) are translated into this tree at the boundary
 with ``raise ... from exc`` so callers never have to know which library failed. Each class
 carries the HTTP status the data plane answers with, so the mapping lives in one place.
+
+Across the wire an error travels as JSON ``{"error": <class name>, "message"}``. The client
+turns it back into a :class:`PeerError` that is *also* an instance of the named class
+(:func:`remote_error`), so callers catch refusals by type and never compare strings: a
+``StaleStep`` from a peer is caught by ``except StaleStep`` and by ``except PeerError`` alike.
 """
 
 from __future__ import annotations
+
+import functools
 
 
 class SwarmdError(Exception):
@@ -191,10 +207,42 @@ class PeerBehind(StepMismatch):
     """The request's step is newer than the peer's: this peer missed a step and must resync."""
 
 
-class Busy(SwarmdError):
-    """The stage is in the middle of an all-reduce (or a state download); retry shortly."""
+class Unauthorized(SwarmdError):
+    """A private swarm's peer got a request not signed with the swarm key (or a replayed one)."""
+
+    http_status = 401
+
+
+class Unavailable(SwarmdError):
+    """The peer cannot serve the request right now; nothing is wrong with the request."""
 
     http_status = 503
+
+
+class Busy(Unavailable):
+    """The stage is in the middle of an all-reduce (or a state download); retry shortly."""
+
+
+class Starting(Unavailable):
+    """The peer has not built its stage yet (or is between two stages): ask another peer."""
+
+
+class Draining(Unavailable):
+    """The peer is shutting down and takes no new requests: ask another peer of the stage."""
+
+
+class Migrating(Unavailable):
+    """The peer is moving to another stage; in-flight requests finish, new ones go elsewhere."""
+
+
+class MigrationRefused(SwarmdError):
+    """A move between stages that cannot happen now (HTTP 409, or 422 for a stage that does not exist)."""
+
+    http_status = 409
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.http_status = status
 
 
 class StateTransferError(SwarmdError):
@@ -212,3 +260,40 @@ class StateTransferError(SwarmdError):
         self.url = url
         self.status = status
         self.message = message
+
+
+def _remote_classes() -> dict[str, type[SwarmdError]]:
+    """The classes a peer's refusal may name: every error of this module that a data plane
+    raises, i.e. those built from a message alone (not the client-side ones with their own
+    constructor, ``PeerError`` and ``StateTransferError``)."""
+    found: dict[str, type[SwarmdError]] = {}
+    stack: list[type[SwarmdError]] = [SwarmdError]
+    while stack:
+        cls = stack.pop()
+        if cls.__module__ == __name__ and "__init__" not in vars(cls):
+            found[cls.__name__] = cls
+        stack.extend(cls.__subclasses__())
+    return found
+
+
+_REMOTE = _remote_classes()
+
+
+@functools.cache
+def _remote_class(name: str) -> type[PeerError]:
+    """``PeerError`` mixed with the swarmd error class named ``name`` (one class per name)."""
+    base = _REMOTE[name]
+    return type(f"Remote{name}", (PeerError, base), {"__doc__": f"A peer refused the request with {name}."})
+
+
+def remote_error(status: int, error: str, message: str) -> PeerError:
+    """The client-side exception for a peer's refusal ``{"error": error, "message": message}``.
+
+    Always a :class:`PeerError` (``status``, ``error`` and ``message`` kept); when ``error``
+    names one of swarmd's own error classes, also an instance of that class. Any other name
+    (a newer peer's, aiohttp's ``HTTPNotFound``, ...) gives a plain ``PeerError``: remote
+    input picks among known classes only, it never creates one.
+    """
+    if error in _REMOTE:
+        return _remote_class(error)(status, error, message)
+    return PeerError(status, error, message)

@@ -37,7 +37,7 @@ from swarmd.daemon import Daemon
 from swarmd.errors import WireError
 from swarmd.net.codecs import CODECS, EIGHT_BIT_BLOCKSIZES
 from swarmd.net.wire import ALLOWED_DTYPES, CONTENT_TYPE, decode_frame, encode_frame
-from swarmd.pipeline.optimizer import TrainingSpec
+from swarmd.pipeline.spec import TrainingSpec
 from tests.conftest import TINY, daemon_config
 
 T = TypeVar("T")
@@ -465,7 +465,7 @@ def test_last_stage_forward_and_backward_refuse_hostile_frames_and_non_finite_va
 
 
 def test_average_refuses_hostile_contributions() -> None:
-    """``POST /v1/average`` on a daemon that takes part in averaging rounds (``averager`` set).
+    """``POST /v1/average`` on a daemon that takes part in averaging rounds (``runtime.averager`` set).
 
     A well-formed contribution for the daemon's current step opens a round, and one with as many
     samples as the target batch would take an optimizer step (the protocol trusts stage-mates);
@@ -473,7 +473,7 @@ def test_average_refuses_hostile_contributions() -> None:
     answered ``aborted`` without touching the stage.
     """
     with daemon_thread(1) as d, state_must_survive(d, 1) as p:
-        assert d.daemon.data_plane.averager is not None
+        assert d.daemon.runtime is not None and d.daemon.runtime.averager is not None
         numel = d.daemon.executor.grad_numel
 
         @st.composite
@@ -483,7 +483,8 @@ def test_average_refuses_hostile_contributions() -> None:
             values = torch.randn(numel, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
             if how == 0:  # full size with NaN/Inf in it, in float32 or through a codec
                 for _ in range(draw(st.integers(1, 3))):
-                    values[draw(st.integers(0, numel - 1))] = draw(SPECIAL_FLOATS.filter(lambda v: not math.isfinite(v)))
+                    special = SPECIAL_FLOATS.filter(lambda v: not math.isfinite(v))
+                    values[draw(st.integers(0, numel - 1))] = draw(special)
             elif how == 1:  # the wrong size or dtype
                 values = values[: draw(st.integers(0, numel - 1) | st.just(numel + 1))] if draw(st.booleans()) else \
                     torch.zeros(numel + 1)
@@ -591,7 +592,7 @@ def test_finite_grad_outputs_that_overflow_are_refused_and_leave_gradients_untou
         assert p.post_frame("/v1/backward", fine).status_code == 200
         before = d.grads()
         assert p.post_frame("/v1/backward", body).status_code == 422
-        assert all(torch.equal(a, b) for a, b in zip(before, d.grads()) if a is not None)
+        assert all(torch.equal(a, b) for a, b in zip(before, d.grads(), strict=True) if a is not None)
         assert d.daemon.executor.grad_samples == B
 
 

@@ -25,12 +25,13 @@ import pytest
 import torch
 
 from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
-from swarmd.daemon import Daemon, format_addr
+from swarmd.daemon import Daemon
+from swarmd.net.addresses import format_addr
 from swarmd.dht import DHTNode, Identity
 from swarmd.errors import BootstrapError
 from swarmd.net.client import DataPlaneClient, client_session
 from swarmd.net.wire import CONTENT_TYPE, encode_frame
-from swarmd.pipeline.optimizer import TrainingSpec
+from swarmd.pipeline.spec import TrainingSpec
 from swarmd.swarm_key import (
     AUTH_HEADER,
     DATAGRAM_OVERHEAD,
@@ -343,8 +344,8 @@ async def test_a_private_data_plane_serves_only_signed_requests() -> None:
                 assert r.status == 401, path
 
         reply = await member.forward(d.data_addr, 0, torch.zeros(2, 8, dtype=torch.long))
-        assert reply.tensors["outputs"].shape == (2, 8, TINY.d_model)
-        assert (await member.info(d.data_addr))["stage"] == 0
+        assert reply.outputs.shape == (2, 8, TINY.d_model)
+        assert (await member.info(d.data_addr)).stage == 0
         async with client_session(KEY) as signed:  # the query string is covered too
             async with signed.get(f"{base}/v1/info", params={"probe": "a b/1"}) as r:
                 assert r.status == 200

@@ -1,15 +1,20 @@
-"""The trainer's scheduling: pacing in asynchronous mode, backwards routed to the forward's peer."""
+"""The trainer's scheduling: pacing in asynchronous mode, backwards routed to the forward's peer;
+its events and its strict-JSON summary."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+from collections import Counter
 
 import pytest
 import torch
 
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.data import BatchSampler
-from swarmd.train.trainer import Trainer, TrainerConfig, split_batch
+from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
+from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary, split_batch
 from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
 
 
@@ -81,6 +86,7 @@ async def test_async_trainer_paces_itself_so_few_microbatches_are_redone() -> No
     assert summary.steps == 6 and summary.microbatches_issued == summary.microbatches_completed
     assert summary.step_losses[-1] < summary.step_losses[0]
     assert summary.stale_redos <= 1 and stale <= 1, (summary.stale_redos, stale)
+    json.dumps(summary.to_json(), allow_nan=False)
 
 
 async def test_backwards_go_to_the_peer_that_ran_the_forward() -> None:
@@ -95,3 +101,55 @@ async def test_backwards_go_to_the_peer_that_ran_the_forward() -> None:
     assert sum(c["misses"] for c in stage0) == 0
     assert all(n > 0 for n in served)  # both peers of the stage served forwards: affinity did not pin one
     assert all(c["entries"] == 0 and c["bytes"] == 0 for c in stage0)
+
+
+def test_the_json_summary_is_strict_json() -> None:
+    """An undefined loss (NaN: a step none of this trainer's samples were computed at) or an
+    infinite one is None in the summary, so strict parsers (and json.dumps(allow_nan=False)) take it."""
+    summary = TrainSummary(steps=3, first_loss=5.0, final_loss=math.inf, val_loss=math.nan,
+                           step_losses=[5.0, math.nan, 4.0], val_losses=[(3, math.nan)])
+    with pytest.raises(ValueError):
+        json.dumps(summary.__dict__, allow_nan=False)  # what the summary holds in memory
+    body = json.loads(json.dumps(summary.to_json(), allow_nan=False))
+    assert body["step_losses"] == [5.0, None, 4.0] and body["final_loss"] is None and body["val_loss"] is None
+    assert body["val_losses"] == [[3, None]] and body["first_loss"] == 5.0 and body["steps"] == 3
+
+
+async def test_a_step_without_samples_has_no_loss_in_events_and_json() -> None:
+    events: list[TrainerEvent] = []
+    steps: list[tuple[int, float]] = []
+    trainer = Trainer(TrainerConfig(api="http://unused", val_every=0), events=events.append,
+                      on_step=lambda done, loss, info: steps.append((done, loss)))
+    await trainer._finish_step(0, 1, [])
+    assert [type(e) for e in events] == [StepDone]
+    done = events[0]
+    assert isinstance(done, StepDone) and done.done == 1 and done.step == 0 and done.loss is None
+    assert steps[0][0] == 1 and math.isnan(steps[0][1])  # on_step keeps its float (NaN) signature
+    json.dumps(trainer.summary.to_json(), allow_nan=False)
+
+
+async def test_the_trainer_reports_its_calls_and_steps_as_events() -> None:
+    """What scripts/bench_pipeline.py observes: every call to a stage, every wait for a step and
+    every step, in order, from a real sync run through a real swarm."""
+    events: list[TrainerEvent] = []
+    async with swarm(TINY, TRAINING, peers_per_stage=1) as daemons:
+        run = TrainerConfig(api=f"http://{daemons[0].status()['api_addr']}", steps=2, sync=True, codec="none",
+                            microbatch_size=MICRO, window=4, val_every=0, val_batches=1,
+                            max_corpus_bytes=CORPUS_BYTES)
+        summary = await Trainer(run, events=events.append).run()
+    assert summary.steps == 2 and summary.stale_redos == 0 and summary.retries == 0
+    calls = [e for e in events if isinstance(e, CallDone)]
+    kinds = Counter((e.stage, e.kind) for e in calls)
+    n = summary.microbatches_completed
+    # each microbatch: stage 0 forward, stage 1 fused forward + backward, stage 0 backward;
+    # then the final validation: one forward per stage
+    assert kinds == {(0, "forward"): n + 1, (1, "backward"): n, (0, "backward"): n, (1, "forward"): 1}, kinds
+    assert sum(e.samples for e in calls if e.kind == "backward" and e.stage == 1) == summary.samples
+    assert all(e.started <= e.ended and e.attempts == 1 for e in calls)
+    phases = [e for e in events if not isinstance(e, CallDone)]
+    assert [type(e) for e in phases] == [StepWait, StepDone, StepWait, StepDone]
+    assert [e.step for e in phases if isinstance(e, StepWait)] == [1, 2]
+    dones = [e for e in phases if isinstance(e, StepDone)]
+    assert [e.done for e in dones] == [1, 2] and all(e.loss is not None for e in dones)
+    assert dones[-1].progress["samples"] == summary.samples
+    json.dumps(summary.to_json(), allow_nan=False)

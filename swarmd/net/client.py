@@ -1,52 +1,102 @@
-"""A thin async client for the data plane: one call per endpoint, typed errors.
+"""A thin async client for the data plane: one typed call per endpoint, typed errors.
 
-Trainers and peers call stages through this; it knows the wire format and nothing about
-routing (that lives in ``swarmd.pipeline.routing``). Every failure surfaces as
-``swarmd.errors.PeerError`` carrying the HTTP status (0 when the peer was unreachable), so a
-router can tell "this peer refused the request" from "this peer is gone".
+Trainers and peers call stages through this; it knows the wire contract
+(``swarmd.net.messages``) and nothing about routing (that lives in
+``swarmd.pipeline.routing``). Every failure surfaces as ``swarmd.errors.PeerError`` carrying
+the HTTP status (0 when the peer was unreachable, 200 when its reply could not be read); a
+refusal named after one of swarmd's error classes is also an instance of that class
+(``swarmd.errors.remote_error``), so callers write ``except StaleStep`` rather than compare
+the error's name.
+
+Encoding and decoding frames costs real CPU (8-bit quantization especially), so frames
+above :data:`INLINE_CODEC_BYTES` are coded on a small thread pool the client owns, and the
+event loop only moves bytes (the server does the same). The client owns its aiohttp session,
+or uses one it is given (the daemon's, signed with the swarm key) and leaves that one open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import aiohttp
 import torch
 
-from swarmd.errors import PeerError, WireError
-from swarmd.net.wire import CONTENT_TYPE, Frame, decode_frame, encode_frame
+from swarmd.errors import PeerError, SwarmdError, remote_error
+from swarmd.net.messages import (
+    AverageReply,
+    AverageRequest,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    InfoReply,
+    ProgressReply,
+    ProgressRequest,
+)
+from swarmd.net.wire import CONTENT_TYPE, DEFAULT_LIMITS, Frame, WireLimits, decode_frame
 from swarmd.swarm_key import SwarmKey, signing_middleware
 
+__all__ = ["INLINE_CODEC_BYTES", "DataPlaneClient", "client_session"]
 
-@dataclass(frozen=True)
-class StageReply:
-    meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+#: Frames (or, before encoding, tensor bytes) up to this size are coded on the event loop: a
+#: hop to the pool costs more than encoding a few KiB, and progress polls stay cheap.
+INLINE_CODEC_BYTES = 64 * 2**10
+
+T = TypeVar("T")
 
 
 class DataPlaneClient:
-    """Owns one aiohttp session; use as ``async with DataPlaneClient() as client``."""
+    """Calls peers' data planes; use as ``async with DataPlaneClient() as client``.
 
-    def __init__(self, timeout_s: float = 60.0, *, swarm_key: SwarmKey | None = None) -> None:
-        """``swarm_key``: a private swarm's key; every request is then signed with it."""
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+    ``session``: an aiohttp session to send with (e.g. the daemon's, which signs requests in a
+    private swarm); the client then does not close it. Without one, the client opens its own
+    on entering, signed with ``swarm_key`` when given. ``timeout_s`` bounds each call unless
+    the call names its own.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float = 60.0,
+        *,
+        swarm_key: SwarmKey | None = None,
+        session: aiohttp.ClientSession | None = None,
+        limits: WireLimits = DEFAULT_LIMITS,
+        codec_threads: int = 2,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.limits = limits  # what this client accepts in replies
         self._swarm_key = swarm_key
-        self._session: aiohttp.ClientSession | None = None
+        self._session = session
+        self._owns_session = session is None
+        # threads start on the first submit: a client that only polls progress never has any
+        self._codec_pool = ThreadPoolExecutor(max_workers=codec_threads, thread_name_prefix="swarmd-client-codec")
 
     async def __aenter__(self) -> DataPlaneClient:
-        self._session = client_session(self._swarm_key, timeout=self._timeout)
+        if self._session is None:
+            self._session = client_session(self._swarm_key)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("use DataPlaneClient as an async context manager, or give it a session")
+        return self._session
+
     async def close(self) -> None:
-        if self._session is not None:
+        """Close the session if this client opened it, and stop the codec threads."""
+        if self._owns_session and self._session is not None:
             await self._session.close()
             self._session = None
+        await asyncio.get_running_loop().run_in_executor(None, self._codec_pool.shutdown, True)
+
+    # ---- endpoints -------------------------------------------------------------------------
 
     async def forward(
         self,
@@ -58,10 +108,11 @@ class DataPlaneClient:
         codec: str = "none",
         model: str | None = None,
         mb: int | None = None,
-    ) -> StageReply:
+    ) -> ForwardReply:
         """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward."""
-        tensors = {"inputs": inputs} if targets is None else {"inputs": inputs, "targets": targets}
-        return await self._call(addr, "forward", stage, tensors, codec, model, mb=mb)
+        request = ForwardRequest(stage=stage, inputs=inputs, targets=targets, model=model, codec=codec, mb=mb)
+        frame = await self._post(addr, "forward", request.encode, _nbytes(inputs, targets))
+        return self._read(addr, ForwardReply.from_frame, frame)
 
     async def backward(
         self,
@@ -75,65 +126,88 @@ class DataPlaneClient:
         model: str | None = None,
         step: int | None = None,
         mb: int | None = None,
-    ) -> StageReply:
+    ) -> BackwardReply:
         """``step``: the step this stage's forward reported for the microbatch (None: no check);
         ``mb``: the id its forward was sent with (a hit in that peer's activation cache)."""
-        tensors = {"inputs": inputs}
-        if grad_outputs is not None:
-            tensors["grad_outputs"] = grad_outputs
-        if targets is not None:
-            tensors["targets"] = targets
-        return await self._call(addr, "backward", stage, tensors, codec, model, step, mb=mb)
+        request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
+                                  codec=codec, step=step, mb=mb)
+        frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets))
+        return self._read(addr, BackwardReply.from_frame, frame)
 
-    async def info(self, addr: str) -> dict[str, Any]:
-        try:
-            async with self._require_session().get(f"{_base(addr)}/v1/info") as resp:
-                if resp.status != 200:
-                    raise await _peer_error(resp)
-                return await resp.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc
+    async def average(
+        self, addr: str, request: AverageRequest, *, grad_numel: int | None = None, timeout_s: float | None = None
+    ) -> AverageReply:
+        """Send a contribution to the round's leader and wait for the round's answer.
 
-    async def _call(
-        self,
-        addr: str,
-        kind: str,
-        stage: int,
-        tensors: dict[str, torch.Tensor],
-        codec: str,
-        model: str | None,
-        step: int | None = None,
-        *,
-        mb: int | None = None,
-    ) -> StageReply:
-        meta: dict[str, Any] = {"stage": stage, "codec": codec}
-        if model is not None:
-            meta["model"] = model
-        if step is not None:
-            meta["step"] = step
-        if mb is not None:
-            meta["mb"] = mb
-        body = encode_frame(kind, meta, tensors, codec=codec)
+        ``grad_numel``: the size an ``ok`` answer's mean must have (a wrong one is a
+        ``PeerError`` with status 200, as any unreadable reply).
+        """
+        frame = await self._post(addr, "average", request.encode, _nbytes(request.grads), timeout_s=timeout_s)
+        return self._read(addr, lambda f: AverageReply.from_frame(f, grad_numel), frame)
+
+    async def info(self, addr: str, *, timeout_s: float | None = None) -> InfoReply:
+        body = await self._get_json(addr, "info", {}, timeout_s)
+        return self._read(addr, InfoReply.from_json, body)
+
+    async def progress(
+        self, addr: str, *, wait_step: int | None = None, wait_s: float | None = None, timeout_s: float | None = None
+    ) -> ProgressReply:
+        """Where the peer's stage stands. With ``wait_step``, a long-poll: the peer answers once
+        its stage reaches that step, or after ``wait_s`` seconds (default 1)."""
+        request = ProgressRequest(wait_step=wait_step, wait_s=1.0 if wait_s is None else wait_s)
+        body = await self._get_json(addr, "progress", request.to_query(), timeout_s)
+        return self._read(addr, ProgressReply.from_json, body)
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeout_s if timeout_s is None else timeout_s)
+
+    async def _post(
+        self, addr: str, kind: str, encode: Callable[[], bytes], nbytes: int, *, timeout_s: float | None = None
+    ) -> Frame:
+        body = await self._coded(encode, nbytes)
         try:
-            async with self._require_session().post(
+            async with self.session.post(
                 # a file-like body streams in chunks instead of one large write on the loop
-                f"{_base(addr)}/v1/{kind}", data=io.BytesIO(body), headers={"Content-Type": CONTENT_TYPE}
+                f"{_base(addr)}/v1/{kind}", data=io.BytesIO(body), headers={"Content-Type": CONTENT_TYPE},
+                timeout=self._timeout(timeout_s),
             ) as resp:
                 if resp.status != 200:
-                    raise await _peer_error(resp)
+                    raise await _refusal(resp)
                 payload = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc
         try:
-            frame: Frame = decode_frame(payload)
-        except WireError as exc:
-            raise PeerError(200, type(exc).__name__, f"{addr} sent an undecodable reply: {exc}") from exc
-        return StageReply(meta=frame.meta, tensors=frame.tensors)
+            return await self._coded(lambda: decode_frame(payload, self.limits), len(payload))
+        except SwarmdError as exc:
+            raise _bad_reply(addr, exc) from exc
 
-    def _require_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("use DataPlaneClient as an async context manager")
-        return self._session
+    async def _get_json(self, addr: str, path: str, query: dict[str, str], timeout_s: float | None) -> Any:
+        try:
+            async with self.session.get(f"{_base(addr)}/v1/{path}", params=query or None,
+                                        timeout=self._timeout(timeout_s)) as resp:
+                if resp.status != 200:
+                    raise await _refusal(resp)
+                try:
+                    return await resp.json(content_type=None)
+                except ValueError as exc:
+                    raise _bad_reply(addr, exc) from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc
+
+    def _read(self, addr: str, decode: Callable[[Any], T], value: Any) -> T:
+        """A reply decoded into its type; a peer's unreadable reply becomes a PeerError (200)."""
+        try:
+            return decode(value)
+        except SwarmdError as exc:
+            raise _bad_reply(addr, exc) from exc
+
+    async def _coded(self, fn: Callable[[], T], nbytes: int) -> T:
+        """``fn()`` (an encode or decode) inline when small, else on the codec pool."""
+        if nbytes <= INLINE_CODEC_BYTES:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._codec_pool, fn)
 
 
 def client_session(swarm_key: SwarmKey | None, **kwargs: Any) -> aiohttp.ClientSession:
@@ -148,9 +222,19 @@ def _base(addr: str) -> str:
     return addr if addr.startswith("http") else f"http://{addr}"
 
 
-async def _peer_error(resp: aiohttp.ClientResponse) -> PeerError:
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _bad_reply(addr: str, exc: Exception) -> PeerError:
+    """A reply this client cannot read: the peer's fault (status 200: it did answer)."""
+    return PeerError(200, "BadReply", f"{addr} sent a reply this client cannot read: {exc}")
+
+
+async def _refusal(resp: aiohttp.ClientResponse) -> PeerError:
+    """The peer's ``{"error", "message"}`` refusal, rebuilt as its error class when it is ours."""
     try:
         body = await resp.json(content_type=None)
-        return PeerError(resp.status, str(body.get("error", "Error")), str(body.get("message", "")))
+        return remote_error(resp.status, str(body.get("error", "Error"))[:64], str(body.get("message", ""))[:2000])
     except (ValueError, AttributeError, aiohttp.ClientError):
-        return PeerError(resp.status, "Error", (await resp.text())[:200])
+        return PeerError(resp.status, "Error", (await resp.text(errors="replace"))[:200])

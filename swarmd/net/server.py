@@ -1,13 +1,15 @@
 """The aiohttp data plane: forward and backward of one stage over msgpack frames.
 
-Endpoints (all bodies ``application/x-msgpack`` frames, see ``swarmd.net.wire``):
+Endpoints (all bodies ``application/x-msgpack`` frames, see ``swarmd.net.wire``; each
+request and reply is a type of ``swarmd.net.messages``, which validates them):
 
 - ``POST /v1/forward``  meta ``{stage, model?, codec?}``, tensors ``inputs`` (+ ``targets`` on
   the last stage) → ``outputs``, or ``loss`` when the last stage got targets.
 - ``POST /v1/backward`` meta as above, tensors ``inputs`` + ``grad_outputs`` (the last stage:
   ``inputs`` + ``targets``) → ``grad_inputs`` (none on stage 0) and meta ``loss``/``samples``.
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
-- ``GET /v1/progress``  JSON: step and samples held, for the stage's averaging rounds. With
+- ``GET /v1/progress``  JSON (``ProgressReply``, one shape): step and samples held, for the
+  stage's averaging rounds and for trainers. With
   ``?wait_step=N&wait_s=T`` a long-poll: answered once the stage reaches step ``N`` (or after
   ``T`` seconds, at most 10), so a trainer waiting for a step learns of it at once.
 - ``POST /v1/average``  a stage-mate's gradient contribution (float32, sent with any codec; the
@@ -31,6 +33,11 @@ In a private swarm (``--swarm-key``) every request, GETs included, must carry an
 header signed with the swarm key (``swarmd.swarm_key``); any other gets 401 before it is served,
 and is counted in ``/status`` (``auth.refused.data_plane``).
 
+The stage being served is never held here: every request asks the daemon's getter for the
+current ``StageRuntime`` (``swarmd.pipeline.runtime``) once, and uses that one throughout, so a
+migration swaps the stage with one assignment. Before there is one, requests get 503
+``Starting``; while draining 503 ``Draining``, while paused for a move 503 ``Migrating``.
+
 Decoding and encoding run on a small codec thread pool and compute on the stage's worker
 thread, so the event loop only moves bytes.
 """
@@ -43,50 +50,71 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from aiohttp import web
 
 from swarmd.errors import (
     Busy,
+    Draining,
     LimitExceeded,
-    RequestError,
+    Migrating,
     RequestTimeout,
+    Starting,
     SwarmdError,
+    Unauthorized,
     UnsupportedMediaType,
-    WrongStage,
 )
 from swarmd.net.codecs import CODECS
+from swarmd.net.messages import (
+    AverageRequest,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    InfoLimits,
+    InfoReply,
+    ModelInfo,
+    ProgressReply,
+    ProgressRequest,
+    StageTarget,
+)
 from swarmd.net.state_transfer import StateSnapshot, stream_state
-from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, WireLimits, decode_frame, encode_frame
-from swarmd.pipeline.averaging import StageAverager
-from swarmd.pipeline.executor import StageExecutor
-from swarmd.swarm_key import AUTH_HEADER, SwarmKey, body_sha256
+from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, Frame, WireLimits, decode_frame
+from swarmd.pipeline.runtime import RuntimeGetter, StageRuntime
+from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
+
+__all__ = ["DataPlane", "error_response"]
 
 log = logging.getLogger(__name__)
-
-MAX_PROGRESS_WAIT_S = 10.0  # the longest a /v1/progress long-poll (?wait_step=) is held open
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(status: int, error: str, message: str) -> web.Response:
+    """The data plane's refusal: JSON ``{"error", "message"}``; the client rebuilds ``error``
+    as its class (``swarmd.errors.remote_error``)."""
     return web.json_response({"error": error, "message": message}, status=status)
 
 
+def _refuse(exc: SwarmdError) -> web.Response:
+    return error_response(exc.http_status, type(exc).__name__, str(exc))
+
+
 class DataPlane:
-    """Serves one stage; owns its aiohttp runner, its codec pool and its in-flight count."""
+    """Serves the daemon's current stage; owns its aiohttp runner, its codec pool and its
+    in-flight count."""
 
     def __init__(
         self,
-        executor: StageExecutor,
+        runtime: RuntimeGetter,
         *,
         limits: WireLimits,
         read_timeout_s: float = 60.0,
         swarm_key: SwarmKey | None = None,
     ) -> None:
-        """``swarm_key``: a private swarm's key; every request must then carry a valid
+        """``runtime``: returns the stage this peer serves now (None while it has none).
+        ``swarm_key``: a private swarm's key; every request must then carry a valid
         ``X-Swarm-Auth`` header (``swarmd.swarm_key``), or is refused with 401."""
-        self.executor = executor
+        self._runtime = runtime
         self.auth = swarm_key.http() if swarm_key is not None else None
         self.limits = limits
         self.read_timeout_s = read_timeout_s
@@ -108,7 +136,6 @@ class DataPlane:
         self.app.router.add_post("/v1/average", self._average)
         # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
         self.app.router.add_get("/v1/state", self._state, allow_head=False)
-        self.averager: StageAverager | None = None  # set by the daemon once it takes part in rounds
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -164,22 +191,22 @@ class DataPlane:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.auth is not None:  # a private swarm: nothing is served to a stranger, not even /v1/info
-            refused = await self._authenticate(request)
+            refused = await self._authenticate(request, self.auth)
             if refused is not None:
                 return refused
         if self._draining:
             self.served["rejected"] += 1
-            return error_response(503, "Draining", "this peer is shutting down; send the request to another peer")
+            return _refuse(Draining("this peer is shutting down; send the request to another peer"))
         if self._paused and request.path != "/v1/progress":
             self.served["rejected"] += 1
-            return error_response(503, "Migrating", "this peer is moving to another stage; send the request elsewhere")
+            return _refuse(Migrating("this peer is moving to another stage; send the request elsewhere"))
         self.in_flight += 1
         self._idle.clear()
         try:
             return await handler(request)
         except SwarmdError as exc:
             self.served["rejected"] += 1
-            return error_response(exc.http_status, type(exc).__name__, str(exc))
+            return _refuse(exc)
         except web.HTTPException as exc:
             self.served["rejected"] += 1
             return error_response(exc.status, type(exc).__name__, exc.reason)
@@ -191,13 +218,11 @@ class DataPlane:
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _authenticate(self, request: web.Request) -> web.Response | None:
+    async def _authenticate(self, request: web.Request, auth: HttpAuth) -> web.Response | None:
         """None if the request is signed with the swarm key, else the response refusing it.
 
         The cheap checks (header, freshness, unseen nonce) come first; only then is the body read
         (under the frame limit and the read timeout; aiohttp keeps it for the handler) and hashed."""
-        auth = self.auth
-        assert auth is not None
         addr = request.remote
         checked = auth.precheck(request.headers.get(AUTH_HEADER), addr)
         if isinstance(checked, str):
@@ -207,7 +232,7 @@ class DataPlane:
             try:
                 body = await self._read_body(request)
             except SwarmdError as exc:
-                return error_response(exc.http_status, type(exc).__name__, str(exc))
+                return _refuse(exc)
         why = auth.verify(checked, request.method, request.rel_url.raw_path_qs, await body_sha256(body), addr)
         return None if why is None else _unauthorized(why)
 
@@ -225,144 +250,100 @@ class DataPlane:
         except asyncio.TimeoutError as exc:
             raise RequestTimeout(f"the request body did not arrive within {self.read_timeout_s:.0f}s") from exc
 
-    async def _read_frame(self, request: web.Request, kind: str):
+    async def _read_frame(self, request: web.Request) -> Frame:
         if request.content_type != CONTENT_TYPE:
             raise UnsupportedMediaType(f"send the body as {CONTENT_TYPE}, not {request.content_type or 'nothing'}")
         body = await self._read_body(request)
-        frame = await self._in_pool(decode_frame, body, self.limits)
-        if frame.kind != kind:
-            raise RequestError(f"this endpoint takes a '{kind}' frame, got '{frame.kind}'")
-        self._check_meta(frame.meta)
+        frame: Frame = await self._in_pool(decode_frame, body, self.limits)
         return frame
 
-    def _check_meta(self, meta: dict[str, Any]) -> None:
-        ex = self.executor
-        stage = meta.get("stage")
-        if not isinstance(stage, int) or isinstance(stage, bool):
-            raise RequestError("meta.stage (an integer) is required")
-        if stage != ex.stage:
-            raise WrongStage(f"this peer serves stage {ex.stage}, not stage {stage}")
-        model = meta.get("model")
-        if model is not None and model != ex.spec.digest:
-            raise WrongStage(f"this peer serves model {ex.spec.digest[:12]}, not {str(model)[:12]}")
-        codec = meta.get("codec", "none")
-        if not isinstance(codec, str) or codec not in CODECS:  # a list or map is unhashable: no 500
-            raise RequestError(f"meta.codec must be one of {sorted(CODECS)}, got {codec!r}")
+    def _current(self) -> StageRuntime:
+        """The runtime this request is served with (one per request, whatever a migration does)."""
+        runtime = self._runtime()
+        if runtime is None:
+            raise Starting("this peer has no stage built yet; send the request to another peer")
+        return runtime
+
+    @staticmethod
+    def _target(runtime: StageRuntime) -> StageTarget:
+        ex = runtime.executor
+        return StageTarget(stage=ex.stage, model=ex.spec.digest, grad_numel=ex.grad_numel)
 
     async def _in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._codec_pool, fn, *args)
 
-    async def _reply(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor], codec: str) -> web.Response:
-        meta = {"stage": self.executor.stage, **meta}
-        body = await self._in_pool(encode_frame, kind, meta, tensors, codec)
+    async def _reply(self, encode: Callable[[str], bytes], codec: str) -> web.Response:
+        body = await self._in_pool(encode, codec)
         return web.Response(body=body, content_type=CONTENT_TYPE)
 
     # ---- endpoints -------------------------------------------------------------------------
 
     async def _forward(self, request: web.Request) -> web.Response:
-        frame = await self._read_frame(request, "forward")
-        inputs = _required(frame.tensors, "inputs")
-        targets = frame.tensors.get("targets")
-        result = await self.executor.forward(inputs, targets, mb=_microbatch_id(frame.meta))
+        runtime = self._current()
+        req = ForwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb)
         self.served["forward"] += 1
-        codec = frame.meta.get("codec", "none")
-        out = result.outputs
-        if targets is not None:
-            return await self._reply("forward_result", {"step": result.step, "loss": float(out)}, {"loss": out}, codec)
-        return await self._reply("forward_result", {"step": result.step}, {"outputs": out}, codec)
+        loss = float(result.outputs) if req.targets is not None else None
+        reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss)
+        return await self._reply(reply.encode, req.codec)
 
     async def _backward(self, request: web.Request) -> web.Response:
-        frame = await self._read_frame(request, "backward")
-        inputs = _required(frame.tensors, "inputs")
-        step = frame.meta.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise RequestError(f"meta.step must be a non-negative integer (the step the forward reported), got {step!r}")
-        result = await self.executor.backward(
-            inputs, frame.tensors.get("grad_outputs"), frame.tensors.get("targets"), step=step,
-            mb=_microbatch_id(frame.meta),
-        )
+        runtime = self._current()
+        req = BackwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        ex = runtime.executor
+        result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb)
         self.served["backward"] += 1
-        meta: dict[str, Any] = {"step": result.step, "samples": result.samples, "accumulated": self.executor.grad_samples}
-        if result.loss is not None:
-            meta["loss"] = result.loss
-        tensors = {} if result.grad_inputs is None else {"grad_inputs": result.grad_inputs}
-        return await self._reply("backward_result", meta, tensors, frame.meta.get("codec", "none"))
+        reply = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
+                              grad_inputs=result.grad_inputs, loss=result.loss)
+        return await self._reply(reply.encode, req.codec)
 
     async def _info(self, request: web.Request) -> web.Response:
-        ex = self.executor
-        limits = self.limits
-        return web.json_response(
-            {
-                "wire_version": WIRE_VERSION,
-                "stage": ex.stage,
-                "n_stages": ex.spec.n_stages,
-                "model": {"name": ex.spec.name, "digest": ex.spec.digest, "spec": ex.spec.to_dict()},
-                "step": ex.step,
-                "codecs": sorted(CODECS),
-                "limits": {
-                    "max_frame_bytes": limits.max_frame_bytes,
-                    "max_tensors": limits.max_tensors,
-                    "max_rank": limits.max_rank,
-                    "max_elements": limits.max_elements,
-                    "max_batch_tokens": ex.max_batch_tokens,
-                },
-            }
+        ex = self._current().executor
+        reply = InfoReply(
+            wire_version=WIRE_VERSION,
+            stage=ex.stage,
+            n_stages=ex.spec.n_stages,
+            model=ModelInfo(name=ex.spec.name, digest=ex.spec.digest, spec=ex.spec.to_dict()),
+            step=ex.step,
+            codecs=tuple(sorted(CODECS)),
+            limits=InfoLimits.of(self.limits, ex.max_batch_tokens),
         )
-
+        return web.json_response(reply.to_json())
 
     async def _progress(self, request: web.Request) -> web.Response:
-        wait_step = request.query.get("wait_step")
-        if wait_step is not None:  # a long-poll: answer once the stage reaches that step (or at wait_s)
-            try:
-                step, wait_s = int(wait_step), float(request.query.get("wait_s", "1"))
-            except ValueError:
-                raise RequestError("wait_step must be an integer and wait_s a number") from None
-            if not 0.0 <= wait_s <= MAX_PROGRESS_WAIT_S:
-                raise RequestError(f"wait_s must lie in [0, {MAX_PROGRESS_WAIT_S}]")
-            await self.executor.wait_progress(wait_s, step=step)
-        if self.averager is not None and not self._paused:
-            return web.json_response(self.averager.progress())
-        ex = self.executor  # not taking part in rounds (starting, or moving to another stage)
-        return web.json_response({"stage": ex.stage, "step": ex.step, "samples": ex.grad_samples,
-                                  "averaging": ex.averaging, "leader": None, "away": True})
+        req = ProgressRequest.from_query(request.query)
+        runtime = self._current()
+        if req.wait_step is not None:  # a long-poll: answer once the stage reaches that step (or at wait_s)
+            await runtime.executor.wait_progress(req.wait_s, step=req.wait_step)
+            runtime = self._current()  # a migration may have swapped the stage meanwhile
+        averager = runtime.averager
+        if averager is not None and not self._paused:
+            return web.json_response(averager.progress().to_json())
+        ex = runtime.executor  # not taking part in rounds (starting, or moving to another stage)
+        away = ProgressReply(stage=ex.stage, step=ex.step, samples=ex.grad_samples, averaging=ex.averaging,
+                             away=True, dropped_samples=ex.dropped_samples,
+                             target_batch_size=ex.training.target_batch_size)
+        return web.json_response(away.to_json())
 
     async def _average(self, request: web.Request) -> web.Response:
-        frame = await self._read_frame(request, "average")
-        if self.averager is None:
+        runtime = self._current()
+        req = AverageRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        averager = runtime.averager
+        if averager is None:
             raise Busy("this peer is not taking part in averaging rounds yet")
-        meta = frame.meta
-        peer_id, step, samples = meta.get("peer_id"), meta.get("step"), meta.get("samples")
-        if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64:
-            raise RequestError("meta.peer_id (the contributor's peer id) is required")
-        for name, value in (("step", step), ("samples", samples)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise RequestError(f"meta.{name} must be a non-negative integer, got {value!r}")
-        grads = frame.tensors.get("grads")
-        if grads is not None:
-            if grads.dtype != torch.float32 or grads.dim() != 1 or grads.numel() != self.executor.grad_numel:
-                raise RequestError(f"'grads' must be float32 of shape [{self.executor.grad_numel}]")
-            if not bool(torch.isfinite(grads).all()):
-                raise RequestError("'grads' contain NaN or Inf; refused")
-            if not samples:  # the mean divides by samples: gradients of no sample would be weightless
-                raise RequestError("a contribution with 'grads' must count its samples (meta.samples > 0)")
-        elif samples:
-            raise RequestError("a contribution with samples must carry its 'grads'")
-        result = await self.averager.contribute(peer_id, step, samples, grads)
+        result = await averager.contribute(req.peer_id, req.step, req.samples, req.grads)
         if result.reply is not None:  # the mean, encoded once by the round for all its contributors
             return web.Response(body=result.reply, content_type=CONTENT_TYPE)
-        tensors = {"grads": result.mean_grads} if result.mean_grads is not None else {}
-        reply = {"status": result.status, "step": result.step, "samples": result.samples,
-                 "contributors": result.contributors}
-        return await self._reply("average_result", reply, tensors, "none")
+        return await self._reply(result.to_reply(req.stage).encode, "none")
 
     async def _state(self, request: web.Request) -> web.StreamResponse:
-        meta, tensors = await self.executor.snapshot_state()
+        meta, tensors = await self._current().executor.snapshot_state()
         return await stream_state(request, StateSnapshot(meta=meta, tensors=tensors))
 
 
 def _unauthorized(reason: str) -> web.Response:
-    return error_response(401, "Unauthorized", f"this swarm is private: sign requests with its --swarm-key "
-                          f"(the {AUTH_HEADER} header was {_REFUSALS.get(reason, reason)})")
+    return _refuse(Unauthorized(f"this swarm is private: sign requests with its --swarm-key "
+                                f"(the {AUTH_HEADER} header was {_REFUSALS.get(reason, reason)})"))
 
 
 _REFUSALS = {
@@ -372,18 +353,3 @@ _REFUSALS = {
     "bad_mac": "not signed with this swarm's key",
     "replay": "a replay of an earlier request",
 }
-
-
-def _microbatch_id(meta: dict[str, Any]) -> int | None:
-    """``meta.mb``: the trainer's id of the microbatch (keys the peer's activation cache)."""
-    mb = meta.get("mb")
-    if mb is not None and (not isinstance(mb, int) or isinstance(mb, bool) or not 0 <= mb < 2**64):
-        raise RequestError(f"meta.mb must be an integer in [0, 2**64) (a microbatch id), got {mb!r}")
-    return mb
-
-
-def _required(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    try:
-        return tensors[name]
-    except KeyError:
-        raise RequestError(f"the frame has no '{name}' tensor (it has {sorted(tensors) or 'none'})") from None

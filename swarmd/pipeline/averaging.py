@@ -70,19 +70,20 @@ the single leader's O(n) traffic is the cheaper price for a decision that cannot
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import torch
 
-from swarmd.errors import Busy, PeerError, WireError
-from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
+from swarmd.errors import Busy, PeerError
+from swarmd.net.client import DataPlaneClient
+from swarmd.net.messages import AverageReply, AverageRequest, ProgressReply
+from swarmd.net.wire import decode_frame
 from swarmd.pipeline.executor import Contribution, StageExecutor
 
 log = logging.getLogger(__name__)
@@ -96,16 +97,23 @@ REPLY_SLACK_S = 30.0
 #: a VM pause, SIGSTOP, swapping), its contributors may have given up and stepped without it,
 #: so it aborts instead. Well below REPLY_SLACK_S: a leader that commits is still awaited.
 COMMIT_GRACE_S = 10.0
+#: How long one poll of a stage-mate's ``/v1/progress`` may take before it counts as silent.
+POLL_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    status: str  # "ok" | "aborted"
+    status: Literal["ok", "aborted"]
     step: int
     samples: int  # total samples averaged
     contributors: int
     mean_grads: torch.Tensor | None  # flat float32, on "ok": exactly what every peer applies
     reply: bytes | None = None  # the leader's answer frame on "ok", encoded once for all contributors
+
+    def to_reply(self, stage: int) -> AverageReply:
+        """The ``POST /v1/average`` answer that says this outcome."""
+        return AverageReply(stage=stage, status=self.status, step=self.step, samples=self.samples,
+                            contributors=self.contributors, grads=self.mean_grads)
 
 
 @dataclass
@@ -134,10 +142,13 @@ class StageAverager:
         poll_s: float = 0.05,
         on_behind: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
+        """``session``: the daemon's (signed in a private swarm); the averager talks to its
+        stage-mates through a :class:`DataPlaneClient` on it and leaves it open."""
         self.executor = executor
         self.peer_id = peer_id
         self.stage_peers = stage_peers
         self.session = session
+        self.client = DataPlaneClient(session=session)
         self.poll_s = poll_s
         self.on_behind = on_behind
         self.rounds_ok = 0
@@ -151,10 +162,12 @@ class StageAverager:
         self._mates_samples = 0  # what the stage-mates held at this step, as last polled
 
     async def close(self) -> None:
-        """Cancel and await the rounds this peer leads on behalf of others."""
+        """Cancel and await the rounds this peer leads on behalf of others; stop the client's
+        codec threads (the session is the daemon's)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.close()
 
     @property
     def target(self) -> int:
@@ -164,24 +177,26 @@ class StageAverager:
     def timeout_s(self) -> float:
         return self.executor.training.averaging_timeout_s
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> ProgressReply:
+        """This peer's answer to ``GET /v1/progress`` while it takes part in rounds."""
         ex = self.executor
         rnd = self._round
         open_ = rnd is not None and not rnd.result.done()  # not answered yet
-        return {
-            "peer_id": self.peer_id,
-            "stage": ex.stage,
-            "step": ex.step,
-            "samples": ex.grad_samples + ex.out_samples,  # held, whether accumulating or out for averaging
-            "averaging": ex.averaging,
-            "leader": self._leader_view,
-            "round": rnd.step if open_ and not rnd.closed else None,  # open here (as leader) to contributions
+        return ProgressReply(
+            peer_id=self.peer_id,
+            stage=ex.stage,
+            step=ex.step,
+            samples=ex.grad_samples + ex.out_samples,  # held, whether accumulating or out for averaging
+            averaging=ex.averaging,
+            leader=self._leader_view,
+            round=rnd.step if rnd is not None and open_ and not rnd.closed else None,  # open here to contributions
             # the open round: whom it waits for, and the samples of those already in
-            "round_expected": sorted(rnd.expected) if open_ else None,
-            "round_contributors": {pid: c.samples for pid, c in sorted(rnd.contributions.items())} if open_ else None,
-            "dropped_samples": ex.dropped_samples,  # discarded by adopting a stage-mate's state (resync)
-            "target_batch_size": self.target,
-        }
+            round_expected=tuple(sorted(rnd.expected)) if rnd is not None and open_ else None,
+            round_contributors=({pid: c.samples for pid, c in sorted(rnd.contributions.items())}
+                                if rnd is not None and open_ else None),
+            dropped_samples=ex.dropped_samples,  # discarded by adopting a stage-mate's state (resync)
+            target_batch_size=self.target,
+        )
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -208,25 +223,26 @@ class StageAverager:
         mates.pop(self.peer_id, None)
         progress = await self._poll(mates)
         step = ex.step
-        ahead = [p["step"] for p in progress.values() if p["step"] > step]
+        ahead = [p.step for p in progress.values() if p.step > step]
         if ahead and self.on_behind is not None:
             log.info("stage-mates are at step %d, this peer at %d: resyncing", max(ahead), step)
             await self.on_behind(max(ahead))
             return
         if ex.averaging or self._round is not None:  # a stage-mate opened a round meanwhile
             return
-        group = {pid: mates[pid] for pid, p in progress.items() if p["step"] == step}
+        group = {pid: mates[pid] for pid, p in progress.items() if p.step == step}
         now = time.monotonic()
         candidates = sorted(pid for pid in [self.peer_id, *group] if self._suspects.get(pid, 0) <= now)
         self._leader_view = candidates[0] if candidates else self.peer_id
         leader = self._leader_view
-        joining_open_round = leader != self.peer_id and progress.get(leader, {}).get("round") == step
+        leader_progress = progress.get(leader)
+        joining_open_round = leader != self.peer_id and leader_progress is not None and leader_progress.round == step
         if not joining_open_round:
-            total = ex.grad_samples + sum(p["samples"] for pid, p in progress.items() if pid in group)
+            total = ex.grad_samples + sum(p.samples for pid, p in progress.items() if pid in group)
             self._mates_samples = total - ex.grad_samples
             if total < self.target:
                 return
-            leaders = {p.get("leader") for pid, p in progress.items() if pid in group}
+            leaders = {p.leader for pid, p in progress.items() if pid in group}
             if leaders - {leader}:
                 return  # views differ (a peer joined or left): wait until they agree
         if leader == self.peer_id:
@@ -234,23 +250,16 @@ class StageAverager:
         else:
             await self._contribute_to(self._leader_view, group[self._leader_view])
 
-    async def _poll(self, mates: dict[str, str]) -> dict[str, dict[str, Any]]:
-        async def one(pid: str, addr: str) -> tuple[str, dict[str, Any] | None]:
+    async def _poll(self, mates: dict[str, str]) -> dict[str, ProgressReply]:
+        """The progress of the stage-mates that answered and take part in this stage's rounds."""
+
+        async def one(pid: str, addr: str) -> tuple[str, ProgressReply | None]:
             try:
-                async with self.session.get(f"http://{addr}/v1/progress", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status != 200:
-                        return pid, None
-                    body = await r.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                body = await self.client.progress(addr, timeout_s=POLL_TIMEOUT_S)
+            except PeerError:  # silent, refusing or unreadable: not part of this round
                 return pid, None
-            ok = (
-                isinstance(body, dict)
-                and not body.get("away")  # a peer leaving the stage takes no part in its rounds
-                and body.get("stage") == self.executor.stage
-                and isinstance(body.get("step"), int)
-                and isinstance(body.get("samples"), int)
-            )
-            return pid, body if ok else None
+            # a peer leaving the stage (away) takes no part in its rounds
+            return pid, body if not body.away and body.stage == self.executor.stage else None
 
         answers = await asyncio.gather(*(one(pid, addr) for pid, addr in mates.items()))
         return {pid: body for pid, body in answers if body is not None}
@@ -349,9 +358,9 @@ class StageAverager:
         if set(rnd.contributions) <= {self.peer_id}:  # a lone peer: nobody to answer, nothing to encode
             return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean)
         codec = _wire_codec(mean, ex.training.grad_codec)
-        meta = {"stage": ex.stage, "status": "ok", "step": rnd.step, "samples": total,
-                "contributors": len(rnd.contributions)}
-        reply = encode_frame("average_result", meta, {"grads": mean}, codec)
+        answer = AverageReply(stage=ex.stage, status="ok", step=rnd.step, samples=total,
+                              contributors=len(rnd.contributions), grads=mean)
+        reply = answer.encode(codec)
         if codec != "none":  # lossy: apply what the contributors will decode, bit for bit
             mean = decode_frame(reply).tensors["grads"]
         return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, reply)
@@ -386,7 +395,7 @@ class StageAverager:
             mates = await self.stage_peers()
             mates.pop(self.peer_id, None)
             progress = await self._poll(mates)
-            rnd.expected |= {pid for pid, p in progress.items() if p["step"] == rnd.step}
+            rnd.expected |= {pid for pid, p in progress.items() if p.step == rnd.step}
             await self._settle(rnd)
         except asyncio.CancelledError:
             pass
@@ -416,35 +425,16 @@ class StageAverager:
         self._record(result, leader, missing=[])
 
     async def _post(self, addr: str, own: Contribution) -> RoundResult:
+        """Send our contribution to the leader at ``addr``; the round's outcome (PeerError when
+        the leader refused, did not answer in time, or answered something unreadable)."""
         ex = self.executor
-        meta = {"stage": ex.stage, "step": own.step, "samples": own.samples, "peer_id": self.peer_id}
-        tensors = {} if own.grads is None else {"grads": own.grads}
         codec = "none" if own.grads is None else _wire_codec(own.grads, ex.training.grad_codec)
-        body = await asyncio.to_thread(encode_frame, "average", meta, tensors, codec)
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s + REPLY_SLACK_S)
-        try:
-            async with self.session.post(f"http://{addr}/v1/average", data=io.BytesIO(body),
-                                         headers={"Content-Type": CONTENT_TYPE}, timeout=timeout) as r:
-                payload = await r.read()
-                if r.status != 200:
-                    raise PeerError(r.status, "AverageRefused", payload[:200].decode(errors="replace"))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise PeerError(0, type(exc).__name__, f"leader at {addr} did not answer: {exc}") from exc
-        try:
-            frame = await asyncio.to_thread(decode_frame, payload)
-        except WireError as exc:
-            raise PeerError(200, type(exc).__name__, f"leader at {addr} sent an undecodable answer") from exc
-        status = frame.meta.get("status")
-        grads = frame.tensors.get("grads")
-        if status == "ok" and (grads is None or grads.dtype != torch.float32 or grads.numel() != ex.grad_numel):
-            raise PeerError(200, "BadAverage", f"leader at {addr} sent a mean gradient of the wrong size")
-        return RoundResult(
-            status="ok" if status == "ok" else "aborted",
-            step=own.step,
-            samples=int(frame.meta.get("samples", 0)),
-            contributors=int(frame.meta.get("contributors", 0)),
-            mean_grads=grads if status == "ok" else None,
-        )
+        request = AverageRequest(stage=ex.stage, peer_id=self.peer_id, step=own.step, samples=own.samples,
+                                 grads=own.grads, codec=codec)
+        answer = await self.client.average(addr, request, grad_numel=ex.grad_numel,
+                                           timeout_s=self.timeout_s + REPLY_SLACK_S)
+        return RoundResult(status=answer.status, step=own.step, samples=answer.samples,
+                           contributors=answer.contributors, mean_grads=answer.grads)
 
     def _record(self, result: RoundResult, leader: str, missing: list[str]) -> None:
         self.last_round = {

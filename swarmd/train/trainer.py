@@ -33,25 +33,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import torch
 
-from swarmd.errors import ConfigError, PeerError, SwarmdError
-from swarmd.net.client import DataPlaneClient, StageReply, client_session
-from swarmd.pipeline.optimizer import TrainingSpec
+from swarmd.errors import ConfigError, PeerError
+from swarmd.net.client import DataPlaneClient, client_session
+from swarmd.net.messages import BackwardReply, ForwardReply
+from swarmd.pipeline.failures import Action, classify
 from swarmd.pipeline.routing import StageRouter
-from swarmd.pipeline.spec import ModelSpec
+from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.swarm_key import SwarmKey
 from swarmd.train.data import BatchSampler, load_corpus, val_batches
+from swarmd.train.events import CallDone, StepDone, StepWait, TrainerListener
+from swarmd.train.swarm_client import PeerProgress, Registration, SwarmClient, TrainerError
+
+__all__ = ["TrainSummary", "Trainer", "TrainerConfig", "TrainerError", "split_batch"]
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
 
 PROGRESS_WAIT_S = 0.5  # how long one /v1/progress long-poll may wait for a step
 
@@ -79,15 +86,12 @@ def split_batch(batch: int, microbatch: int, *, taper: bool = False) -> list[int
     return sizes
 
 
-def _front_step(progress: list[list[dict[str, Any]]]) -> int:
+def _front_step(progress: list[list[PeerProgress]]) -> int:
     """The step the whole swarm has reached: the slowest stage's most advanced peer (0 if a
     stage has no peer that answered)."""
-    fronts = [max((p["step"] for p in peers if p["step"] is not None), default=None) for peers in progress]
-    return min(f for f in fronts if f is not None) if all(f is not None for f in fronts) else 0
-
-
-class TrainerError(SwarmdError):
-    """The trainer cannot go on (no peer for a stage within the timeout, a refused request)."""
+    fronts = [max((p.step for p in peers if p.step is not None), default=None) for peers in progress]
+    known = [f for f in fronts if f is not None]
+    return min(known) if len(known) == len(fronts) and known else 0
 
 
 class _Redo(Exception):
@@ -147,25 +151,47 @@ class TrainSummary:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The summary as strict JSON values: a loss that is undefined (NaN: a step none of this
+        trainer's samples were computed at) or infinite is None, so ``json.dumps(...,
+        allow_nan=False)`` accepts it and other languages' parsers do too."""
+        return _strict_json(asdict(self))
+
+
+def _strict_json(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 class Trainer:
-    """Drives ``config.steps`` optimizer steps of the swarm behind ``config.api``."""
+    """Drives ``config.steps`` optimizer steps of the swarm behind ``config.api``.
 
-    def __init__(self, config: TrainerConfig, *, on_step: Callable[[int, float, dict[str, Any]], None] | None = None) -> None:
+    Observers: ``on_step(done, loss, progress)`` after every step of the swarm (``loss`` NaN
+    when none of this trainer's samples were computed at that step), and ``events``, a
+    listener for every typed event (``swarmd.train.events``: calls, waits for a step, steps).
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        on_step: Callable[[int, float, dict[str, Any]], None] | None = None,
+        events: TrainerListener | None = None,
+    ) -> None:
         self.config = config
         self.on_step = on_step
+        self.events = events
         self.summary = TrainSummary()
         self.spec: ModelSpec | None = None
         self.training: TrainingSpec | None = None
         self.routers: list[StageRouter] = []
         self.trainer_id: str | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._swarm: SwarmClient | None = None
         self._client: DataPlaneClient | None = None
-        self._stage_steps: list[dict[str, int]] = []  # per stage: peer -> step, from /swarm and replies
-        self._view_lock = asyncio.Lock()
-        self._view_at = 0.0
         self._step_losses: dict[int, list[tuple[float, int]]] = {}
 
     # ---- public ------------------------------------------------------------------------------
@@ -175,15 +201,17 @@ class Trainer:
         started = time.monotonic()
         async with client_session(cfg.swarm_key, timeout=aiohttp.ClientTimeout(total=30)) as http, \
                 DataPlaneClient(timeout_s=cfg.request_timeout_s, swarm_key=cfg.swarm_key) as client:
-            self._http, self._client = http, client
-            await self._register()
-            assert self.spec is not None and self.training is not None
+            self._client = client
+            self._swarm = SwarmClient(cfg.api, http=http, data=client, name=cfg.name, api_token=cfg.api_token,
+                                      refresh_s=cfg.refresh_s)
+            spec, _ = self._registered(await self._swarm.register(), first=True)
             corpus = await asyncio.to_thread(
-                load_corpus, cfg.data, max_bytes=cfg.max_corpus_bytes, seed=cfg.seed, seq_len=self.spec.seq_len
+                load_corpus, cfg.data, max_bytes=cfg.max_corpus_bytes, seed=cfg.seed, seq_len=spec.seq_len
             )
-            sampler = BatchSampler(corpus.train, self.spec.seq_len, seed=cfg.seed)
-            validation = val_batches(corpus.val, self.spec.seq_len, cfg.microbatch_size, cfg.val_batches)
-            heartbeat = asyncio.create_task(self._heartbeats(), name="swarmd-trainer-heartbeat")
+            sampler = BatchSampler(corpus.train, spec.seq_len, seed=cfg.seed)
+            validation = val_batches(corpus.val, spec.seq_len, cfg.microbatch_size, cfg.val_batches)
+            heartbeat = asyncio.create_task(self._swarm.keep_registered(cfg.heartbeat_s, self._registered_again),
+                                            name="swarmd-trainer-heartbeat")
             try:
                 await self._refresh_view(force=True)
                 if cfg.sync:
@@ -200,72 +228,43 @@ class Trainer:
         s.samples_per_s = round(s.samples / s.elapsed_s, 2) if s.elapsed_s else 0.0
         return s
 
+    def progress(self) -> dict[str, Any]:
+        s = self.summary
+        return {
+            "samples": s.samples,
+            "retries": s.retries,
+            "stale_redos": s.stale_redos,
+            "peers": [r.usable_count for r in self.routers],
+            "val_loss": s.val_loss,
+        }
+
     # ---- registration and the stage map -----------------------------------------------------
 
-    async def _register(self) -> None:
-        assert self._http is not None
-        url = self.config.api.rstrip("/")
-        try:
-            async with self._http.post(f"{url}/trainers", json={"name": self.config.name},
-                                       headers=self._auth()) as r:
-                body = await r.json(content_type=None)
-                if r.status != 201:
-                    raise TrainerError(f"{url} refused the registration ({r.status}): {body.get('message', body)}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            raise TrainerError(f"cannot register with the daemon at {url}: {exc}") from exc
-        self.trainer_id = body["trainer_id"]
-        self.spec = ModelSpec.from_dict(body["model"]["spec"])
-        self.training = TrainingSpec.from_dict(body["training"])
-        self.routers = [StageRouter(stage) for stage in range(self.spec.n_stages)]
-        self._stage_steps = [{} for _ in range(self.spec.n_stages)]
-        log.info("registered as trainer %s with swarm %r: model %s, %d stages, target batch %d",
-                 self.trainer_id, body["swarm"], self.spec.name, self.spec.n_stages, self.training.target_batch_size)
+    def _registered(self, registration: Registration, *, first: bool = False) -> tuple[ModelSpec, TrainingSpec]:
+        """Adopt a registration: the first sets up one router per stage; a registration again
+        (the daemon forgot us) only takes the new id, keeping what the routers measured."""
+        self.trainer_id = registration.trainer_id
+        if first:
+            self.spec, self.training = registration.spec, registration.training
+            self.routers = [StageRouter(stage) for stage in range(registration.spec.n_stages)]
+        return registration.spec, registration.training
 
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_token}"} if self.config.api_token else {}
-
-    async def _heartbeats(self) -> None:
-        assert self._http is not None
-        while True:
-            await asyncio.sleep(self.config.heartbeat_s)
-            # built each time: after a registration again the trainer has a new id
-            url = f"{self.config.api.rstrip('/')}/trainers/{self.trainer_id}/heartbeat"
-            try:
-                async with self._http.post(url, headers=self._auth()) as r:
-                    if r.status == 404:
-                        log.warning("the daemon forgot this trainer's registration; registering again")
-                        await self._register_again()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.warning("heartbeat to %s failed: %s", url, exc)
-
-    async def _register_again(self) -> None:
-        routers, steps = self.routers, self._stage_steps
-        await self._register()
-        self.routers, self._stage_steps = routers, steps  # keep what we measured
+    def _registered_again(self, registration: Registration) -> None:
+        self._registered(registration)
 
     async def _refresh_view(self, force: bool = False) -> None:
         """Re-read the stage map from the daemon's /swarm (at most every ``refresh_s``)."""
-        async with self._view_lock:
-            if not force and time.monotonic() - self._view_at < self.config.refresh_s:
-                return
-            assert self._http is not None
-            try:
-                async with self._http.get(f"{self.config.api.rstrip('/')}/swarm") as r:
-                    if r.status != 200:
-                        raise TrainerError(f"GET /swarm answered {r.status}")
-                    view = await r.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                log.warning("could not refresh the stage map: %s", exc)
-                return
-            finally:
-                self._view_at = time.monotonic()
-            for stage in view["stages"]:
-                k = stage["stage"]
-                if k >= len(self.routers):
-                    continue
-                serving = {p["peer_id"]: p["data_addr"] for p in stage["peers"] if p["state"] == "serving"}
-                self.routers[k].update_peers(serving)
-                self._stage_steps[k] = {p["peer_id"]: p["step"] for p in stage["peers"] if p["state"] == "serving"}
+        view = await self._require_swarm().stage_map(force=force)
+        if view is None:
+            return
+        for stage, peers in view.items():
+            if 0 <= stage < len(self.routers):
+                self.routers[stage].update_peers(peers)
+
+    def _require_swarm(self) -> SwarmClient:
+        if self._swarm is None:
+            raise RuntimeError("the trainer is not running")
+        return self._swarm
 
     # ---- the two modes ---------------------------------------------------------------------------
 
@@ -316,8 +315,8 @@ class Trainer:
                     task.result()
             # finish what is in flight rather than abandon it: every microbatch issued completes
             # (its gradients count towards the swarm's next step)
-            for task in asyncio.as_completed(in_flight):
-                await task
+            for finished in asyncio.as_completed(in_flight):
+                await finished
             in_flight = set()
         finally:
             for task in in_flight:  # only after an error: cancel the rest
@@ -326,12 +325,12 @@ class Trainer:
 
     async def _run_sync(self, sampler: BatchSampler, validation: list) -> None:
         """One global batch per step; wait until every peer of every stage has stepped."""
-        assert self.training is not None
+        training = self._require_training()
         cfg = self.config
-        batch = cfg.batch_size or self.training.target_batch_size
-        if batch < self.training.target_batch_size:
+        batch = cfg.batch_size or training.target_batch_size
+        if batch < training.target_batch_size:
             raise ConfigError(
-                f"--batch-size {batch} is below the swarm's target_batch_size {self.training.target_batch_size}: "
+                f"--batch-size {batch} is below the swarm's target_batch_size {training.target_batch_size}: "
                 "in --sync mode the stages would never step"
             )
         start = await self._swarm_step()
@@ -348,7 +347,8 @@ class Trainer:
             # and the next stage starts after the step's smallest forward, not a larger one
             led = asyncio.Event()
 
-            async def one(index: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+            async def one(index: int, x: torch.Tensor, y: torch.Tensor, led: asyncio.Event = led,
+                          semaphore: asyncio.Semaphore = semaphore) -> tuple[float, int, int]:
                 if index:
                     await led.wait()
                 async with semaphore:
@@ -362,7 +362,7 @@ class Trainer:
         losses = [entry for at in sorted(k for k in self._step_losses if k <= step)
                   for entry in self._step_losses.pop(at)]
         total = sum(n for _, n in losses)
-        loss = sum(l * n for l, n in losses) / total if total else float("nan")
+        loss = sum(value * n for value, n in losses) / total if total else float("nan")
         s = self.summary
         s.steps = done
         s.step_losses.append(loss)
@@ -372,24 +372,21 @@ class Trainer:
             s.final_loss = loss
         if self.config.val_every and done % self.config.val_every == 0:
             await self._validate(validation)
+        progress = self.progress()
+        self._emit(StepDone(done=done, step=step, loss=loss if total else None, progress=progress,
+                            at=time.perf_counter()))
         if self.on_step is not None:
-            self.on_step(done, loss, self.progress())
+            self.on_step(done, loss, progress)
 
-    def progress(self) -> dict[str, Any]:
-        s = self.summary
-        return {
-            "samples": s.samples,
-            "retries": s.retries,
-            "stale_redos": s.stale_redos,
-            "peers": [r.usable_count for r in self.routers],
-            "val_loss": s.val_loss,
-        }
+    def _emit(self, event: CallDone | StepWait | StepDone) -> None:
+        if self.events is not None:
+            self.events(event)
 
     async def _swarm_step(self) -> int:
         """The step the whole swarm has reached: the slowest stage's most advanced peer."""
         return _front_step(await self._poll_progress())
 
-    def _pace_budget(self, progress: list[list[dict[str, Any]]], in_flight_samples: int) -> int | None:
+    def _pace_budget(self, progress: list[list[PeerProgress]], in_flight_samples: int) -> int | None:
         """Samples this trainer may still start before the stages' next step (None: no limit).
 
         The stages whose backwards are step-checked (all but the last) step once their peers
@@ -397,18 +394,18 @@ class Trainer:
         at its most advanced step) and what is in flight count against it. Delayed updates
         accept a backward one step old, so they need no pacing.
         """
-        assert self.training is not None
-        if self.training.delay_updates or len(progress) < 2:
+        training = self._require_training()
+        if training.delay_updates or len(progress) < 2:
             return None
         held = 0
         for peers in progress[:-1]:
-            seen = [p for p in peers if p["step"] is not None]
+            seen = [p for p in peers if p.step is not None]
             if seen:
-                front = max(p["step"] for p in seen)
-                held = max(held, sum(p["samples"] for p in seen if p["step"] == front))
-        return self.training.target_batch_size - held - in_flight_samples
+                front = max(p.step for p in seen if p.step is not None)
+                held = max(held, sum(p.samples for p in seen if p.step == front))
+        return training.target_batch_size - held - in_flight_samples
 
-    async def _poll_progress(self, wait_step: int | None = None) -> list[list[dict[str, Any]]]:
+    async def _poll_progress(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
         """Every serving peer's ``/v1/progress`` (step, samples held, averaging), per stage.
 
         The DHT view's steps can be an announce period old; these answers are fresh. A peer
@@ -417,33 +414,9 @@ class Trainer:
         With ``wait_step``, a long-poll: each peer answers once it reaches that step, or after
         ``PROGRESS_WAIT_S``.
         """
-        assert self._http is not None
         await self._refresh_view()
-        query = "" if wait_step is None else f"?wait_step={wait_step}&wait_s={PROGRESS_WAIT_S}"
-
-        async def one(addr: str) -> dict[str, Any] | None:
-            try:
-                async with self._http.get(f"http://{addr}/v1/progress{query}",
-                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    body = await r.json()
-                return {"step": int(body["step"]), "samples": int(body["samples"]),
-                        "averaging": bool(body.get("averaging"))}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
-                return None
-
-        out: list[list[dict[str, Any]]] = []
-        for stage, router in enumerate(self.routers):
-            peers = router.snapshot()
-            answers = await asyncio.gather(*(one(p["addr"]) for p in peers))
-            stage_out = []
-            for peer, answer in zip(peers, answers):
-                if answer is None:
-                    stage_out.append({"peer_id": peer["id"], "step": None, "samples": 0, "averaging": False})
-                else:
-                    self._stage_steps[stage][peer["id"]] = answer["step"]
-                    stage_out.append({"peer_id": peer["id"], **answer})
-            out.append(stage_out)
-        return out
+        stages = [[(p["id"], p["addr"]) for p in router.snapshot()] for router in self.routers]
+        return await self._require_swarm().progress(stages, wait_step=wait_step, wait_s=PROGRESS_WAIT_S)
 
     async def _wait_all_stepped(self, step: int, sampler: BatchSampler) -> None:
         """Poll every serving peer's /v1/progress until all are at ``step`` or later.
@@ -452,7 +425,8 @@ class Trainer:
         not averaging lost gradients with a dead peer: after a short grace period it is topped
         up with fresh microbatches, so the step still aggregates a full batch.
         """
-        assert self.training is not None
+        training = self._require_training()
+        began = time.perf_counter()
         deadline = time.monotonic() + self.config.stage_wait_timeout_s
         short_since: float | None = None
         while True:
@@ -461,15 +435,16 @@ class Trainer:
             polled_at = time.monotonic()
             for stage, polled in enumerate(await self._poll_progress(wait_step=step)):
                 # a silent peer counts as lagging until the DHT forgets it (a dead one) or it answers
-                lagging += [(stage, p["peer_id"], p["step"]) for p in polled if p["step"] is None or p["step"] < step]
-                seen = [p for p in polled if p["step"] is not None]
-                front = max((p["step"] for p in seen), default=step)
+                lagging += [(stage, p.peer_id, p.step) for p in polled if p.step is None or p.step < step]
+                seen = [p for p in polled if p.step is not None]
+                front = max((p.step for p in seen if p.step is not None), default=step)
                 if front < step:  # the whole stage has yet to step: does it hold a full batch?
-                    at_front = [p for p in seen if p["step"] == front]
-                    if not any(p["averaging"] for p in at_front):
-                        held = sum(p["samples"] for p in at_front)
-                        missing = max(missing, self.training.target_batch_size - held)
+                    at_front = [p for p in seen if p.step == front]
+                    if not any(p.averaging for p in at_front):
+                        held = sum(p.samples for p in at_front)
+                        missing = max(missing, training.target_batch_size - held)
             if not lagging:
+                self._emit(StepWait(step=step, started=began, ended=time.perf_counter()))
                 return
             now = time.monotonic()
             if now > deadline:
@@ -498,10 +473,9 @@ class Trainer:
 
         ``on_forward`` is called once the first stage's forward is back (or the microbatch fails).
         """
-        assert self.spec is not None
         s = self.summary
         s.microbatches_issued += 1
-        last = self.spec.n_stages - 1
+        last = self._require_spec().n_stages - 1
         if last == 0 and on_forward is not None:  # one stage: no forward before the fused call
             on_forward()
             on_forward = None
@@ -512,22 +486,24 @@ class Trainer:
             acts, steps, served = [x], [], []
             for stage in range(last):
                 try:
-                    reply, peer = await self._call_peer(stage, "forward", inputs=acts[-1], mb=mb)
+                    forward, peer = await self._forward(stage, acts[-1], mb=mb)
                 finally:
                     if on_forward is not None:
                         on_forward()
                         on_forward = None
-                acts.append(reply.tensors["outputs"])
-                steps.append(int(reply.meta["step"]))
+                acts.append(forward.outputs)
+                steps.append(forward.step)
                 served.append(peer)
-            reply, _ = await self._call_peer(last, "backward", inputs=acts[-1], targets=y)
-            loss, last_step = float(reply.meta["loss"]), int(reply.meta["step"])
-            grad = reply.tensors.get("grad_inputs")
+            backward, _ = await self._backward(last, acts[-1], targets=y)
+            if backward.loss is None:
+                raise TrainerError(f"stage {last} answered a backward with targets without its loss")
+            loss, last_step = backward.loss, backward.step
+            grad = backward.grad_inputs
             try:
                 for stage in range(last - 1, -1, -1):
-                    reply, _ = await self._call_peer(stage, "backward", inputs=acts[stage], grad_outputs=grad,
-                                                     step=steps[stage], mb=mb, prefer=served[stage])
-                    grad = reply.tensors.get("grad_inputs")
+                    backward, _ = await self._backward(stage, acts[stage], grad_outputs=grad, step=steps[stage],
+                                                       mb=mb, prefer=served[stage])
+                    grad = backward.grad_inputs
             except _Redo:
                 s.stale_redos += 1
                 continue
@@ -537,28 +513,54 @@ class Trainer:
         self._step_losses.setdefault(last_step, []).append((loss, x.shape[0]))
         return loss, last_step, x.shape[0]
 
-    async def _call_peer(
+    async def _forward(
+        self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *, mb: int | None = None
+    ) -> tuple[ForwardReply, str]:
+        client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
+        return await self._call(
+            stage, "forward", inputs.shape[0],
+            lambda addr: client.forward(addr, stage, inputs, targets, codec=codec, model=spec.digest, mb=mb),
+        )
+
+    async def _backward(
         self,
         stage: int,
-        kind: str,
-        *,
         inputs: torch.Tensor,
-        targets: torch.Tensor | None = None,
+        *,
         grad_outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
         step: int | None = None,
         mb: int | None = None,
         prefer: str | None = None,
-    ) -> tuple[StageReply, str]:
-        """One request to some peer of ``stage``: route, retry elsewhere on failure, wait for peers;
-        the reply and the id of the peer that answered.
+    ) -> tuple[BackwardReply, str]:
+        client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
+        return await self._call(
+            stage, "backward", inputs.shape[0],
+            lambda addr: client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=spec.digest,
+                                         step=step, mb=mb),
+            prefer=prefer,
+        )
 
-        ``mb`` is the microbatch's id (the peers' activation cache); ``prefer`` a peer to try
-        first when it is usable (a backward's: the peer that ran the forward).
+    async def _call(
+        self,
+        stage: int,
+        kind: Literal["forward", "backward"],
+        samples: int,
+        send: Callable[[str], Awaitable[R]],
+        *,
+        prefer: str | None = None,
+    ) -> tuple[R, str]:
+        """One request to some peer of ``stage``: route, act on refusals (``swarmd.pipeline
+        .failures``), wait for peers; the reply and the id of the peer that answered.
+
+        ``prefer`` is a peer to try first when it is usable (a backward's: the peer that ran
+        the forward, whose activation cache holds the microbatch).
         """
-        assert self._client is not None and self.spec is not None
         router = self.routers[stage]
         tried: set[str] = set()
         waiting_since: float | None = None
+        began = time.perf_counter()
+        attempts = 0
         while True:
             choice = router.choose_preferred(prefer, exclude=tried)
             if choice is None and tried and router.usable_count:
@@ -582,30 +584,13 @@ class Trainer:
                 continue
             peer_id, addr = choice
             router.begin(peer_id)
+            attempts += 1
             started = time.monotonic()
             try:
-                if kind == "forward":
-                    reply = await self._client.forward(addr, stage, inputs, targets,
-                                                       codec=self.config.codec, model=self.spec.digest, mb=mb)
-                else:
-                    reply = await self._client.backward(addr, stage, inputs, grad_outputs, targets,
-                                                        codec=self.config.codec, model=self.spec.digest, step=step,
-                                                        mb=mb)
+                reply = await send(addr)
             except PeerError as exc:
-                if exc.error == "StaleStep":
-                    router.release(peer_id)
-                    raise _Redo() from exc
-                if exc.status == 503:  # Busy (averaging) or Draining: not this peer's fault
-                    router.release(peer_id)
-                    if exc.error == "Draining":
-                        tried.add(peer_id)
-                    await asyncio.sleep(0.02)
-                    continue
-                if exc.error in ("PeerBehind", "WrongStage"):
-                    router.release(peer_id)
-                    tried.add(peer_id)
-                    continue
-                if exc.status in (0, 408) or exc.status >= 500:
+                action = classify(exc)
+                if action is Action.BAN:
                     self.summary.retries += 1
                     self.summary.bans += 1
                     ban = router.report_failure(peer_id)
@@ -614,27 +599,51 @@ class Trainer:
                     tried.add(peer_id)
                     continue
                 router.release(peer_id)
+                if action is Action.REDO:
+                    raise _Redo() from exc
+                if action is Action.RETRY_SOON:  # e.g. Busy averaging: this peer is fine, shortly
+                    await asyncio.sleep(0.02)
+                    continue
+                if action is Action.RETRY_ELSEWHERE:  # leaving, behind, or not this stage any more
+                    tried.add(peer_id)
+                    continue
                 raise TrainerError(f"stage {stage} peer {peer_id[:12]} refused a request: {exc}") from exc
             except BaseException:
                 router.release(peer_id)
                 raise
-            router.report_success(peer_id, inputs.shape[0], time.monotonic() - started)
-            if "step" in reply.meta:
-                self._stage_steps[stage][peer_id] = int(reply.meta["step"])
+            router.report_success(peer_id, samples, time.monotonic() - started)
+            self._emit(CallDone(stage=stage, kind=kind, samples=samples, peer_id=peer_id, attempts=attempts,
+                                started=began, ended=time.perf_counter()))
             return reply, peer_id
+
+    def _require_spec(self) -> ModelSpec:
+        if self.spec is None:
+            raise RuntimeError("the trainer has not registered with the swarm yet")
+        return self.spec
+
+    def _require_training(self) -> TrainingSpec:
+        if self.training is None:
+            raise RuntimeError("the trainer has not registered with the swarm yet")
+        return self.training
+
+    def _require_client(self) -> DataPlaneClient:
+        if self._client is None:
+            raise RuntimeError("the trainer is not running")
+        return self._client
 
     # ---- validation ------------------------------------------------------------------------------
 
     async def _validate(self, batches: list) -> None:
-        assert self.spec is not None
-        last = self.spec.n_stages - 1
+        last = self._require_spec().n_stages - 1
         total, count = 0.0, 0
         for x, y in batches:
             acts = x
             for stage in range(last):
-                acts = (await self._call_peer(stage, "forward", inputs=acts))[0].tensors["outputs"]
-            reply, _ = await self._call_peer(last, "forward", inputs=acts, targets=y)
-            total += float(reply.meta["loss"]) * x.shape[0]
+                acts = (await self._forward(stage, acts))[0].outputs
+            reply, _ = await self._forward(last, acts, targets=y)
+            if reply.loss is None:
+                raise TrainerError(f"stage {last} answered a forward with targets without its loss")
+            total += reply.loss * x.shape[0]
             count += x.shape[0]
         if count:
             self.summary.val_loss = total / count

@@ -1,0 +1,610 @@
+"""The data plane's contract: one request and one reply type per endpoint, as pure code.
+
+``swarmd.net.wire`` says how a frame is laid out (meta + tensors, versioned, hostile-proof);
+this module says what each endpoint's frames *mean*. Every request and reply is a frozen
+dataclass with an ``encode`` to the wire and a ``from_frame`` / ``from_json`` that validates
+remote input and raises only typed errors (``RequestError`` 422, ``WrongStage`` 409, never an
+``assert``). ``swarmd.net.server`` decodes requests and encodes replies with them,
+``swarmd.net.client`` the other way round, so neither side handles string-keyed dicts.
+
+Endpoints (frames are ``application/x-msgpack``; info and progress answer JSON):
+
+================  ==========================  ==========================================
+endpoint          request                     reply
+================  ==========================  ==========================================
+POST /v1/forward  :class:`ForwardRequest`     :class:`ForwardReply`
+POST /v1/backward :class:`BackwardRequest`    :class:`BackwardReply`
+POST /v1/average  :class:`AverageRequest`     :class:`AverageReply`
+GET  /v1/info     (none)                      :class:`InfoReply`
+GET  /v1/progress :class:`ProgressRequest`    :class:`ProgressReply` (one shape, always)
+================  ==========================  ==========================================
+
+The frames are those of wire version 1, unchanged: compute requests carry ``meta.stage``
+(required), ``meta.model`` (the spec digest, optional), ``meta.codec`` (the codec of the
+reply's float tensors, default ``none``), and ``meta.mb``/``meta.step`` where they apply; every
+reply carries ``meta.stage`` and ``meta.step``. Decoders ignore meta keys and tensors they do
+not know, so a newer peer may add some. (``GET /v1/state`` has its own stream format:
+``swarmd.net.state_transfer``.)
+
+A request is checked in this order, so a request that is wrong in several ways always gets
+the same answer: its meta types (``stage`` an integer), then whether it is meant for the
+receiving peer (:class:`StageTarget`: stage 409, model 409), then ``codec``, then the
+endpoint's own fields and tensors (422). The shapes and values of the tensors a stage
+computes with are the executor's to check: only it knows the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, TypeGuard
+
+import torch
+
+from swarmd.errors import MalformedFrame, RequestError, WrongStage
+from swarmd.net.codecs import CODECS
+from swarmd.net.wire import Frame, WireLimits, encode_frame
+
+__all__ = [
+    "MAX_PROGRESS_WAIT_S",
+    "MAX_PEER_ID_LEN",
+    "AverageReply",
+    "AverageRequest",
+    "BackwardReply",
+    "BackwardRequest",
+    "ForwardReply",
+    "ForwardRequest",
+    "InfoLimits",
+    "InfoReply",
+    "ModelInfo",
+    "ProgressReply",
+    "ProgressRequest",
+    "StageTarget",
+]
+
+#: The longest a ``/v1/progress`` long-poll (``?wait_step=``) is held open, in seconds.
+MAX_PROGRESS_WAIT_S = 10.0
+#: A peer id is 64 hex characters; a contribution naming a longer one is refused.
+MAX_PEER_ID_LEN = 64
+
+
+@dataclass(frozen=True)
+class StageTarget:
+    """What the receiving peer serves: a request for another stage or model is refused (409)."""
+
+    stage: int
+    model: str  # the ModelSpec digest
+    grad_numel: int | None = None  # the stage's gradient size, for /v1/average
+
+
+# ---- validation helpers (remote input: typed errors, never assert) ---------------------------
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(meta: Mapping[str, Any], key: str, what: str) -> int:
+    value = meta.get(key)
+    if not _is_int(value) or value < 0:
+        raise RequestError(f"meta.{key} must be a non-negative integer ({what}), got {value!r:.60}")
+    return int(value)
+
+
+def _optional_count(meta: Mapping[str, Any], key: str, what: str) -> int | None:
+    return None if meta.get(key) is None else _count(meta, key, what)
+
+
+def _stage(meta: Mapping[str, Any]) -> int:
+    stage = meta.get("stage")
+    if not _is_int(stage):
+        raise RequestError("meta.stage (an integer) is required")
+    return int(stage)
+
+
+def _check_target(stage: int, model: Any, target: StageTarget | None) -> None:
+    if target is None:
+        return
+    if stage != target.stage:
+        raise WrongStage(f"this peer serves stage {target.stage}, not stage {stage}")
+    if model is not None and model != target.model:
+        raise WrongStage(f"this peer serves model {target.model[:12]}, not {str(model)[:12]}")
+
+
+def _codec(meta: Mapping[str, Any]) -> str:
+    codec = meta.get("codec", "none")
+    if not isinstance(codec, str) or codec not in CODECS:  # a list or map is unhashable: no 500
+        raise RequestError(f"meta.codec must be one of {sorted(CODECS)}, got {codec!r:.60}")
+    return codec
+
+
+def _model(model: Any) -> str | None:
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"meta.model must be a model digest (a string), got {model!r:.60}")
+    return model
+
+
+def _microbatch_id(meta: Mapping[str, Any]) -> int | None:
+    """``meta.mb``: the trainer's id of the microbatch (keys the peer's activation cache)."""
+    mb = meta.get("mb")
+    if mb is not None and (not _is_int(mb) or not 0 <= mb < 2**64):
+        raise RequestError(f"meta.mb must be an integer in [0, 2**64) (a microbatch id), got {mb!r:.60}")
+    return mb
+
+
+def _required(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise RequestError(f"the frame has no '{name}' tensor (it has {sorted(tensors) or 'none'})") from None
+
+
+def _kind(frame: Frame, kind: str) -> None:
+    if frame.kind != kind:
+        raise RequestError(f"this endpoint takes a '{kind}' frame, got '{frame.kind}'")
+
+
+def _reply_fields(frame: Frame, kind: str) -> tuple[int, int]:
+    """``(stage, step)`` of a reply frame; MalformedFrame when the peer sent something else."""
+    if frame.kind != kind:
+        raise MalformedFrame(f"expected a '{kind}' reply, got a '{frame.kind}' frame")
+    stage, step = frame.meta.get("stage"), frame.meta.get("step")
+    if not _is_int(stage) or not _is_int(step) or step < 0:
+        raise MalformedFrame(f"a '{kind}' reply needs integer meta.stage and meta.step, "
+                             f"got {stage!r:.30}, {step!r:.30}")
+    return int(stage), int(step)
+
+
+def _reply_float(meta: Mapping[str, Any], key: str) -> float | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MalformedFrame(f"a reply's meta.{key} must be a number, got {value!r:.30}")
+    return float(value)
+
+
+def _reply_int(meta: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if not _is_int(value) or value < 0:
+        raise MalformedFrame(f"a reply's meta.{key} must be a non-negative integer, got {value!r:.30}")
+    return int(value)
+
+
+# ---- POST /v1/forward -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """Run a stage's forward on ``inputs``; on the last stage with ``targets``, the loss.
+
+    ``mb`` names the microbatch: the peer keeps the forward's activations under it for the
+    backward (``swarmd.pipeline.executor``'s activation cache). ``codec`` is the codec of the
+    request's own float tensors and of the reply's.
+    """
+
+    stage: int
+    inputs: torch.Tensor
+    targets: torch.Tensor | None = None
+    model: str | None = None
+    codec: str = "none"
+    mb: int | None = None
+
+    KIND = "forward"
+
+    def encode(self) -> bytes:
+        meta: dict[str, Any] = {"stage": self.stage, "codec": self.codec}
+        if self.model is not None:
+            meta["model"] = self.model
+        if self.mb is not None:
+            meta["mb"] = self.mb
+        tensors = {"inputs": self.inputs} if self.targets is None else {"inputs": self.inputs, "targets": self.targets}
+        return encode_frame(self.KIND, meta, tensors, self.codec)
+
+    @classmethod
+    def from_frame(cls, frame: Frame, target: StageTarget | None = None) -> ForwardRequest:
+        _kind(frame, cls.KIND)
+        meta = frame.meta
+        stage = _stage(meta)
+        _check_target(stage, meta.get("model"), target)
+        codec = _codec(meta)
+        return cls(stage=stage, inputs=_required(frame.tensors, "inputs"), targets=frame.tensors.get("targets"),
+                   model=_model(meta.get("model")), codec=codec, mb=_microbatch_id(meta))
+
+
+@dataclass(frozen=True)
+class ForwardReply:
+    """The stage's outputs (hidden states or logits) at ``step``; with targets, the scalar
+    mean ``loss`` (then ``outputs`` is that loss as a 0-d tensor, exactly as computed)."""
+
+    stage: int
+    step: int
+    outputs: torch.Tensor
+    loss: float | None = None
+
+    KIND = "forward_result"
+
+    def encode(self, codec: str = "none") -> bytes:
+        meta: dict[str, Any] = {"stage": self.stage, "step": self.step}
+        if self.loss is not None:
+            meta["loss"] = self.loss
+            return encode_frame(self.KIND, meta, {"loss": self.outputs}, codec)
+        return encode_frame(self.KIND, meta, {"outputs": self.outputs}, codec)
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ForwardReply:
+        stage, step = _reply_fields(frame, cls.KIND)
+        loss = _reply_float(frame.meta, "loss")
+        name = "outputs" if loss is None else "loss"
+        outputs = frame.tensors.get(name)
+        if outputs is None:
+            raise MalformedFrame(f"a forward reply {'with' if loss is not None else 'without'} a loss needs "
+                                 f"a '{name}' tensor (it has {sorted(frame.tensors) or 'none'})")
+        return cls(stage=stage, step=step, outputs=outputs, loss=loss)
+
+
+# ---- POST /v1/backward ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BackwardRequest:
+    """Backpropagate ``grad_outputs`` (the last stage: the loss of ``targets``) through the stage
+    at ``inputs``, and accumulate the parameter gradients.
+
+    ``step``: the step this stage's forward reported for the microbatch (None: no check, as for
+    the last stage's fused forward + backward); a backward computed at another step is refused
+    (``StaleStep`` / ``PeerBehind``). ``mb``: the id the forward was sent with.
+    """
+
+    stage: int
+    inputs: torch.Tensor
+    grad_outputs: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    model: str | None = None
+    codec: str = "none"
+    step: int | None = None
+    mb: int | None = None
+
+    KIND = "backward"
+
+    def encode(self) -> bytes:
+        meta: dict[str, Any] = {"stage": self.stage, "codec": self.codec}
+        if self.model is not None:
+            meta["model"] = self.model
+        if self.step is not None:
+            meta["step"] = self.step
+        if self.mb is not None:
+            meta["mb"] = self.mb
+        tensors = {"inputs": self.inputs}
+        if self.grad_outputs is not None:
+            tensors["grad_outputs"] = self.grad_outputs
+        if self.targets is not None:
+            tensors["targets"] = self.targets
+        return encode_frame(self.KIND, meta, tensors, self.codec)
+
+    @classmethod
+    def from_frame(cls, frame: Frame, target: StageTarget | None = None) -> BackwardRequest:
+        _kind(frame, cls.KIND)
+        meta = frame.meta
+        stage = _stage(meta)
+        _check_target(stage, meta.get("model"), target)
+        codec = _codec(meta)
+        inputs = _required(frame.tensors, "inputs")
+        step = _optional_count(meta, "step", "the step the forward reported")
+        return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
+                   targets=frame.tensors.get("targets"), model=_model(meta.get("model")), codec=codec, step=step,
+                   mb=_microbatch_id(meta))
+
+
+@dataclass(frozen=True)
+class BackwardReply:
+    """The gradient with respect to the stage's inputs (None on stage 0: token ids have none),
+    the ``samples`` this backward added, the stage's ``accumulated`` total for ``step``, and on
+    the last stage the microbatch's mean ``loss``."""
+
+    stage: int
+    step: int
+    samples: int
+    accumulated: int
+    grad_inputs: torch.Tensor | None = None
+    loss: float | None = None
+
+    KIND = "backward_result"
+
+    def encode(self, codec: str = "none") -> bytes:
+        meta: dict[str, Any] = {"stage": self.stage, "step": self.step, "samples": self.samples,
+                                "accumulated": self.accumulated}
+        if self.loss is not None:
+            meta["loss"] = self.loss
+        tensors = {} if self.grad_inputs is None else {"grad_inputs": self.grad_inputs}
+        return encode_frame(self.KIND, meta, tensors, codec)
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> BackwardReply:
+        stage, step = _reply_fields(frame, cls.KIND)
+        return cls(stage=stage, step=step, samples=_reply_int(frame.meta, "samples"),
+                   accumulated=_reply_int(frame.meta, "accumulated", 0), grad_inputs=frame.tensors.get("grad_inputs"),
+                   loss=_reply_float(frame.meta, "loss"))
+
+
+# ---- POST /v1/average -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AverageRequest:
+    """A stage-mate's contribution to the round of ``step``: its gradient sum over ``samples``
+    samples (flat float32; None with no samples: it still receives the update).
+
+    ``codec`` is the one the gradients travel with (the swarm's ``grad_codec``); the answer
+    comes with the round's codec, whatever this one is.
+    """
+
+    stage: int
+    peer_id: str
+    step: int
+    samples: int
+    grads: torch.Tensor | None = None
+    codec: str = "none"
+
+    KIND = "average"
+
+    def encode(self) -> bytes:
+        meta = {"stage": self.stage, "step": self.step, "samples": self.samples, "peer_id": self.peer_id}
+        tensors = {} if self.grads is None else {"grads": self.grads}
+        return encode_frame(self.KIND, meta, tensors, self.codec if self.grads is not None else "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame, target: StageTarget | None = None) -> AverageRequest:
+        _kind(frame, cls.KIND)
+        meta = frame.meta
+        stage = _stage(meta)
+        _check_target(stage, meta.get("model"), target)
+        _codec(meta)
+        peer_id = meta.get("peer_id")
+        if not isinstance(peer_id, str) or not 0 < len(peer_id) <= MAX_PEER_ID_LEN:
+            raise RequestError("meta.peer_id (the contributor's peer id) is required")
+        step = _count(meta, "step", "the round's step")
+        samples = _count(meta, "samples", "the samples the gradients sum over")
+        grads = frame.tensors.get("grads")
+        numel = target.grad_numel if target is not None else None
+        if grads is not None:
+            if grads.dtype != torch.float32 or grads.dim() != 1 or (numel is not None and grads.numel() != numel):
+                raise RequestError(f"'grads' must be float32 of shape [{numel if numel is not None else 'N'}]")
+            if not bool(torch.isfinite(grads).all()):
+                raise RequestError("'grads' contain NaN or Inf; refused")
+            if not samples:  # the mean divides by samples: gradients of no sample would be weightless
+                raise RequestError("a contribution with 'grads' must count its samples (meta.samples > 0)")
+        elif samples:
+            raise RequestError("a contribution with samples must carry its 'grads'")
+        return cls(stage=stage, peer_id=peer_id, step=step, samples=samples, grads=grads)
+
+
+@dataclass(frozen=True)
+class AverageReply:
+    """The round's outcome: ``ok`` with the mean gradient every peer applies (``grads``), or
+    ``aborted`` (the contributor keeps its gradients; ``grads`` None)."""
+
+    stage: int
+    status: Literal["ok", "aborted"]
+    step: int
+    samples: int  # the round's total
+    contributors: int
+    grads: torch.Tensor | None = None
+
+    KIND = "average_result"
+
+    def encode(self, codec: str = "none") -> bytes:
+        meta = {"stage": self.stage, "status": self.status, "step": self.step, "samples": self.samples,
+                "contributors": self.contributors}
+        tensors = {} if self.grads is None else {"grads": self.grads}
+        return encode_frame(self.KIND, meta, tensors, codec)
+
+    @classmethod
+    def from_frame(cls, frame: Frame, grad_numel: int | None = None) -> AverageReply:
+        """``grad_numel``: the size an ``ok`` answer's mean must have (None: not checked)."""
+        stage, step = _reply_fields(frame, cls.KIND)
+        ok = frame.meta.get("status") == "ok"
+        grads = frame.tensors.get("grads") if ok else None
+        if ok and (grads is None or grads.dtype != torch.float32 or grads.dim() != 1
+                   or (grad_numel is not None and grads.numel() != grad_numel)):
+            raise MalformedFrame(f"an 'ok' average answer needs float32 'grads' of shape [{grad_numel or 'N'}]")
+        return cls(stage=stage, status="ok" if ok else "aborted", step=step,
+                   samples=_reply_int(frame.meta, "samples", 0), contributors=_reply_int(frame.meta, "contributors", 0),
+                   grads=grads)
+
+
+# ---- GET /v1/info ---------------------------------------------------------------------------
+
+
+def _json_field(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise MalformedFrame(f"{where}: '{key}' is missing or of the wrong type ({value!r:.40})")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    digest: str
+    spec: Mapping[str, Any]  # ModelSpec.to_dict()
+
+
+@dataclass(frozen=True)
+class InfoLimits:
+    """What the peer's decoder accepts (its ``WireLimits``) and the most tokens per batch."""
+
+    max_frame_bytes: int
+    max_tensors: int
+    max_rank: int
+    max_elements: int
+    max_batch_tokens: int
+
+    @classmethod
+    def of(cls, limits: WireLimits, max_batch_tokens: int) -> InfoLimits:
+        return cls(limits.max_frame_bytes, limits.max_tensors, limits.max_rank, limits.max_elements, max_batch_tokens)
+
+
+@dataclass(frozen=True)
+class InfoReply:
+    """``GET /v1/info``: what the peer serves and accepts."""
+
+    wire_version: int
+    stage: int
+    n_stages: int
+    model: ModelInfo
+    step: int
+    codecs: tuple[str, ...]
+    limits: InfoLimits
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "wire_version": self.wire_version,
+            "stage": self.stage,
+            "n_stages": self.n_stages,
+            "model": {"name": self.model.name, "digest": self.model.digest, "spec": dict(self.model.spec)},
+            "step": self.step,
+            "codecs": list(self.codecs),
+            "limits": {
+                "max_frame_bytes": self.limits.max_frame_bytes,
+                "max_tensors": self.limits.max_tensors,
+                "max_rank": self.limits.max_rank,
+                "max_elements": self.limits.max_elements,
+                "max_batch_tokens": self.limits.max_batch_tokens,
+            },
+        }
+
+    @classmethod
+    def from_json(cls, body: Any) -> InfoReply:
+        where = "an info reply"
+        if not isinstance(body, dict):
+            raise MalformedFrame(f"{where} must be a JSON object")
+        model = _json_field(body, "model", dict, where)
+        limits = _json_field(body, "limits", dict, where)
+        codecs = _json_field(body, "codecs", list, where)
+        return cls(
+            wire_version=_json_field(body, "wire_version", int, where),
+            stage=_json_field(body, "stage", int, where),
+            n_stages=_json_field(body, "n_stages", int, where),
+            model=ModelInfo(name=_json_field(model, "name", str, where),
+                            digest=_json_field(model, "digest", str, where),
+                            spec=MappingProxyType(dict(_json_field(model, "spec", dict, where)))),
+            step=_json_field(body, "step", int, where),
+            codecs=tuple(str(c) for c in codecs),
+            limits=InfoLimits(*(_json_field(limits, k, int, where) for k in (
+                "max_frame_bytes", "max_tensors", "max_rank", "max_elements", "max_batch_tokens"))),
+        )
+
+
+# ---- GET /v1/progress -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProgressRequest:
+    """``?wait_step=N&wait_s=T``: a long-poll, answered once the stage reaches step ``N`` or after
+    ``T`` seconds (at most :data:`MAX_PROGRESS_WAIT_S`); without ``wait_step``, at once."""
+
+    wait_step: int | None = None
+    wait_s: float = 1.0
+
+    def to_query(self) -> dict[str, str]:
+        if self.wait_step is None:
+            return {}
+        return {"wait_step": str(self.wait_step), "wait_s": repr(float(self.wait_s))}
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> ProgressRequest:
+        wait_step = query.get("wait_step")
+        if wait_step is None:
+            return cls()
+        try:
+            step, wait_s = int(wait_step), float(query.get("wait_s", "1"))
+        except ValueError:
+            raise RequestError("wait_step must be an integer and wait_s a number") from None
+        if not 0.0 <= wait_s <= MAX_PROGRESS_WAIT_S:  # NaN fails this too
+            raise RequestError(f"wait_s must lie in [0, {MAX_PROGRESS_WAIT_S}]")
+        return cls(wait_step=step, wait_s=wait_s)
+
+
+@dataclass(frozen=True)
+class ProgressReply:
+    """``GET /v1/progress``: where a peer's stage stands, for its stage-mates' rounds and for
+    trainers. One shape whether or not the peer takes part in rounds right now.
+
+    ``samples`` are those held for ``step`` (accumulating, or out for averaging while
+    ``averaging``). ``away``: the peer takes no part in its stage's rounds (starting, or moving
+    to another stage); then the round fields are None and stage-mates ignore it. ``leader``:
+    whom the peer takes for the leader of the round of ``step``; ``round``: the step of the
+    round open here (this peer leads it) to contributions; ``round_expected`` /
+    ``round_contributors``: whom that open round waits for, and the samples of those already in.
+    ``dropped_samples``: samples discarded by adopting a stage-mate's state (a resync).
+    """
+
+    stage: int
+    step: int
+    samples: int
+    averaging: bool = False
+    away: bool = False
+    peer_id: str | None = None
+    leader: str | None = None
+    round: int | None = None
+    round_expected: tuple[str, ...] | None = None
+    round_contributors: Mapping[str, int] | None = field(default=None, hash=False)
+    dropped_samples: int = 0
+    target_batch_size: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "stage": self.stage,
+            "step": self.step,
+            "samples": self.samples,
+            "averaging": self.averaging,
+            "away": self.away,
+            "leader": self.leader,
+            "round": self.round,
+            "round_expected": list(self.round_expected) if self.round_expected is not None else None,
+            "round_contributors": dict(self.round_contributors) if self.round_contributors is not None else None,
+            "dropped_samples": self.dropped_samples,
+            "target_batch_size": self.target_batch_size,
+        }
+
+    @classmethod
+    def from_json(cls, body: Any) -> ProgressReply:
+        """Validate a peer's answer. ``stage``, ``step`` and ``samples`` are required; the rest
+        default (an older peer may not send them) and unknown keys are ignored."""
+        where = "a progress reply"
+        if not isinstance(body, dict):
+            raise MalformedFrame(f"{where} must be a JSON object")
+
+        def optional(key: str, kind: type) -> Any:
+            value = body.get(key)
+            if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+                raise MalformedFrame(f"{where}: '{key}' has the wrong type ({value!r:.40})")
+            return value
+
+        expected = optional("round_expected", list)
+        contributors = optional("round_contributors", dict)
+        if expected is not None and not all(isinstance(p, str) for p in expected):
+            raise MalformedFrame(f"{where}: 'round_expected' must list peer ids")
+        if contributors is not None and not all(_is_int(n) for n in contributors.values()):
+            raise MalformedFrame(f"{where}: 'round_contributors' must map peer ids to sample counts")
+        samples = _json_field(body, "samples", int, where)
+        step = _json_field(body, "step", int, where)
+        if samples < 0 or step < 0:
+            raise MalformedFrame(f"{where}: 'step' and 'samples' must not be negative")
+        return cls(
+            stage=_json_field(body, "stage", int, where),
+            step=step,
+            samples=samples,
+            averaging=bool(optional("averaging", bool)),
+            away=bool(optional("away", bool)),
+            peer_id=optional("peer_id", str),
+            leader=optional("leader", str),
+            round=optional("round", int),
+            round_expected=tuple(expected) if expected is not None else None,
+            round_contributors=MappingProxyType(dict(contributors)) if contributors is not None else None,
+            dropped_samples=optional("dropped_samples", int) or 0,
+            target_batch_size=optional("target_batch_size", int),
+        )

@@ -1,0 +1,71 @@
+"""What a trainer does when a peer refuses a call: a pure ``PeerError -> Action`` rule.
+
+SWARM's trainers (paper, section 3.2) survive peers that are slow, leaving, or gone by routing
+around them (``swarmd.pipeline.routing`` bans and retries elsewhere). Which of those a refusal
+calls for depends on *why* the peer refused, and the peer says why by the error's class
+(``swarmd.errors``; the client rebuilds it from its name). This module is that decision, kept
+apart from the async trainer so it can be tested exhaustively; the trainer only carries it out.
+
+=========================  ===================================================================
+action                     when
+=========================  ===================================================================
+``REDO``                   ``StaleStep``: the stage stepped since this microbatch's forward; its
+                           gradient would mix two steps, so the whole microbatch is redone
+``RETRY_SOON``             ``Busy`` (the stage is averaging) and any other 503: the peer is fine
+                           and will serve shortly; pause briefly and retry, no ban
+``RETRY_ELSEWHERE``        ``Draining``, ``Migrating``, ``Starting`` (the peer is leaving or not
+                           serving yet), ``PeerBehind`` (it missed a step and resyncs),
+                           ``WrongStage`` (our view of the swarm is out of date): another peer
+                           of the stage can serve it now; no ban, the peer did nothing wrong
+``BAN``                    unreachable (status 0), a request timeout (408), a server error
+                           (5xx other than 503), or a reply we cannot read (200): the peer is
+                           broken or gone; ban it with backoff and retry elsewhere
+``FATAL``                  any other refusal (400, 401, 409, 413, 415, 422, ...): the request
+                           itself is wrong, and resending it anywhere would fail the same way
+=========================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import enum
+
+from swarmd.errors import (
+    Busy,
+    Draining,
+    Migrating,
+    PeerBehind,
+    PeerError,
+    StaleStep,
+    Starting,
+    Unavailable,
+    WrongStage,
+)
+
+__all__ = ["Action", "classify"]
+
+
+class Action(enum.Enum):
+    """What the trainer does with a call a peer refused (see the module docstring)."""
+
+    REDO = "redo"
+    RETRY_SOON = "retry_soon"
+    RETRY_ELSEWHERE = "retry_elsewhere"
+    BAN = "ban"
+    FATAL = "fatal"
+
+
+_ELSEWHERE: tuple[type[Exception], ...] = (Draining, Migrating, Starting, PeerBehind, WrongStage)
+
+
+def classify(error: PeerError) -> Action:
+    """The action for ``error``; by its class first, then (for names a peer of another version
+    may send) by its HTTP status. Total: every PeerError gets an action."""
+    if isinstance(error, StaleStep):
+        return Action.REDO
+    if isinstance(error, _ELSEWHERE):
+        return Action.RETRY_ELSEWHERE
+    if isinstance(error, (Busy, Unavailable)) or error.status == 503:
+        return Action.RETRY_SOON
+    if error.status in (0, 200, 408) or error.status >= 500:
+        return Action.BAN
+    return Action.FATAL

@@ -1,0 +1,184 @@
+"""The trainer's view of the swarm: registration, heartbeats, the stage map and stage progress.
+
+A trainer runs no DHT node (SWARM, section 3.2: trainers are light clients). It registers with
+any daemon's control plane (``POST /trainers``), renews the registration with heartbeats (and
+registers again when the daemon forgot it: a restart, a long silence), reads the stage map
+from that daemon's ``GET /swarm``, and asks the serving peers themselves where their stages
+stand (``GET /v1/progress``, through :class:`~swarmd.net.client.DataPlaneClient`), since the
+DHT's view can be an announce period old. The bodies are parsed with the control plane's own
+models (``swarmd.api.models``), so client and server share one schema.
+
+This is I/O only; what the trainer does with the answers lives in ``swarmd.train.trainer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from pydantic import ValidationError
+
+from swarmd.api.models import SwarmView, TrainerWelcome
+from swarmd.errors import PeerError, SwarmdError
+from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+
+__all__ = ["PeerProgress", "Registration", "SwarmClient", "TrainerError"]
+
+log = logging.getLogger(__name__)
+
+#: How long one /v1/progress poll of a peer may take (a long-poll: on top of its wait).
+PROGRESS_TIMEOUT_S = 5.0
+
+
+class TrainerError(SwarmdError):
+    """The trainer cannot go on (no peer for a stage within the timeout, a refused request)."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a daemon answered ``POST /trainers`` with: this trainer's id and the swarm's settings."""
+
+    trainer_id: str
+    swarm: str
+    spec: ModelSpec
+    training: TrainingSpec
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One serving peer's answer to ``GET /v1/progress``; ``step`` None when it did not answer
+    (it may be dead, its record expiring soon, or merely slow)."""
+
+    peer_id: str
+    step: int | None
+    samples: int = 0
+    averaging: bool = False
+
+
+class SwarmClient:
+    """Talks to one daemon's control plane and to the stages' data planes, for one trainer."""
+
+    def __init__(
+        self,
+        api: str,
+        *,
+        http: aiohttp.ClientSession,
+        data: DataPlaneClient,
+        name: str = "trainer",
+        api_token: str | None = None,
+        refresh_s: float = 2.0,
+    ) -> None:
+        self.api = api.rstrip("/")
+        self.name = name
+        self.refresh_s = refresh_s
+        self.registration: Registration | None = None
+        self._http = http
+        self._data = data
+        self._headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+        self._view_lock = asyncio.Lock()
+        self._view_at = 0.0
+
+    # ---- registration ----------------------------------------------------------------------
+
+    async def register(self) -> Registration:
+        """Register (again) with the daemon; TrainerError when it refuses or cannot be reached."""
+        try:
+            async with self._http.post(f"{self.api}/trainers", json={"name": self.name}, headers=self._headers) as r:
+                body = await r.json(content_type=None)
+                if r.status != 201:
+                    message = body.get("message", body) if isinstance(body, dict) else body
+                    raise TrainerError(f"{self.api} refused the registration ({r.status}): {message}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise TrainerError(f"cannot register with the daemon at {self.api}: {exc}") from exc
+        try:
+            welcome = TrainerWelcome.model_validate(body)
+            registration = Registration(trainer_id=welcome.trainer_id, swarm=welcome.swarm,
+                                        spec=ModelSpec.from_dict(welcome.model.spec),
+                                        training=TrainingSpec.from_dict(welcome.training))
+        except (ValidationError, SwarmdError, ValueError, TypeError) as exc:
+            raise TrainerError(f"the daemon at {self.api} answered the registration with an unreadable body: "
+                               f"{exc}") from exc
+        self.registration = registration
+        log.info("registered as trainer %s with swarm %r: model %s, %d stages, target batch %d",
+                 registration.trainer_id, registration.swarm, registration.spec.name, registration.spec.n_stages,
+                 registration.training.target_batch_size)
+        return registration
+
+    async def heartbeat(self) -> bool:
+        """Renew the registration; False when the daemon no longer knows it (register again).
+        A heartbeat that does not get through is logged and counts as renewed."""
+        if self.registration is None:
+            return False
+        # built each time: after a registration again the trainer has a new id
+        url = f"{self.api}/trainers/{self.registration.trainer_id}/heartbeat"
+        try:
+            async with self._http.post(url, headers=self._headers) as r:
+                return r.status != 404
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("heartbeat to %s failed: %s", url, exc)
+            return True
+
+    async def keep_registered(self, period_s: float, on_registered: Callable[[Registration], None]) -> None:
+        """Heartbeat every ``period_s`` until cancelled; register again when forgotten and tell
+        ``on_registered``. A failed registration is retried at the next period."""
+        while True:
+            await asyncio.sleep(period_s)
+            if await self.heartbeat():
+                continue
+            log.warning("the daemon forgot this trainer's registration; registering again")
+            try:
+                on_registered(await self.register())
+            except TrainerError as exc:
+                log.warning("registering again failed: %s", exc)
+
+    # ---- the stage map ---------------------------------------------------------------------
+
+    async def stage_map(self, *, force: bool = False) -> dict[int, dict[str, str]] | None:
+        """The serving peers (``peer_id -> data_addr``) of each stage the daemon's ``/swarm``
+        lists; None when it was read less than ``refresh_s`` ago (unless ``force``) or could not
+        be read (logged: the trainer keeps its last view)."""
+        async with self._view_lock:
+            if not force and time.monotonic() - self._view_at < self.refresh_s:
+                return None
+            try:
+                async with self._http.get(f"{self.api}/swarm") as r:
+                    if r.status != 200:
+                        raise TrainerError(f"GET /swarm answered {r.status}")
+                    view = SwarmView.model_validate(await r.json(content_type=None))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, ValidationError, TrainerError) as exc:
+                log.warning("could not refresh the stage map: %s", exc)
+                return None
+            finally:
+                self._view_at = time.monotonic()
+        return {stage.stage: {p.peer_id: p.data_addr for p in stage.peers if p.state == "serving"}
+                for stage in view.stages}
+
+    # ---- progress --------------------------------------------------------------------------
+
+    async def progress(
+        self, stages: Sequence[Sequence[tuple[str, str]]], *, wait_step: int | None = None, wait_s: float = 0.5
+    ) -> list[list[PeerProgress]]:
+        """Every listed peer's progress (``stages[k]``: ``(peer_id, data_addr)`` pairs), per stage,
+        all polled at once. With ``wait_step``, a long-poll: each peer answers once it reaches
+        that step, or after ``wait_s``."""
+
+        async def one(peer_id: str, addr: str) -> PeerProgress:
+            try:
+                reply = await self._data.progress(addr, wait_step=wait_step, wait_s=wait_s if wait_step is not None
+                                                  else None, timeout_s=PROGRESS_TIMEOUT_S + wait_s)
+            except PeerError:
+                return PeerProgress(peer_id, None)
+            return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging)
+
+        flat = await asyncio.gather(*(one(pid, addr) for peers in stages for pid, addr in peers))
+        out: list[list[PeerProgress]] = []
+        at = 0
+        for peers in stages:
+            out.append(list(flat[at:at + len(peers)]))
+            at += len(peers)
+        return out

@@ -1,0 +1,89 @@
+"""The trainer's failure classifier (swarmd.pipeline.failures): every refusal gets its action."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swarmd import errors
+from swarmd.errors import PeerError, remote_error
+from swarmd.pipeline.failures import Action, classify
+
+# Every error class a peer may name, with the action its refusal calls for. The test below
+# checks this table covers all of them, so a new error class must be classified on purpose.
+BY_CLASS: dict[str, Action] = {
+    "StaleStep": Action.REDO,
+    "Busy": Action.RETRY_SOON,
+    "Unavailable": Action.RETRY_SOON,
+    "Starting": Action.RETRY_ELSEWHERE,
+    "Draining": Action.RETRY_ELSEWHERE,
+    "Migrating": Action.RETRY_ELSEWHERE,
+    "PeerBehind": Action.RETRY_ELSEWHERE,
+    "WrongStage": Action.RETRY_ELSEWHERE,
+    "RequestTimeout": Action.BAN,  # 408: the peer did not read our body in time
+    "StepMismatch": Action.FATAL,  # 409 of neither direction: nothing to retry
+    "RequestError": Action.FATAL,
+    "WireError": Action.FATAL,
+    "MalformedFrame": Action.FATAL,
+    "UnsupportedVersion": Action.FATAL,
+    "UnknownCodec": Action.FATAL,
+    "UnsupportedDtype": Action.FATAL,
+    "LimitExceeded": Action.FATAL,
+    "UnsupportedMediaType": Action.FATAL,
+    "Unauthorized": Action.FATAL,
+    "ConfigError": Action.FATAL,
+    # never sent by a data plane, but a name a peer could send: by their status
+    "SwarmdError": Action.BAN,  # 500
+    "DHTError": Action.RETRY_SOON,  # 503
+    "BootstrapError": Action.RETRY_SOON,
+    "RecordError": Action.FATAL,
+    "MalformedRecord": Action.FATAL,
+    "UnsupportedRecordVersion": Action.FATAL,
+    "BadSignature": Action.FATAL,
+    "PeerIdMismatch": Action.FATAL,
+    "RecordTooLarge": Action.FATAL,
+    "RecordExpired": Action.FATAL,
+}
+
+
+def test_the_table_covers_every_error_a_peer_can_name() -> None:
+    assert set(BY_CLASS) == set(errors._REMOTE)
+
+
+@pytest.mark.parametrize(("name", "action"), sorted(BY_CLASS.items()))
+def test_a_refusal_is_classified_by_its_class(name: str, action: Action) -> None:
+    cls = getattr(errors, name)
+    assert classify(remote_error(cls.http_status, name, "why")) is action
+
+
+@pytest.mark.parametrize(("status", "action"), [
+    (0, Action.BAN),  # unreachable, timed out
+    (200, Action.BAN),  # answered something unreadable
+    (400, Action.FATAL),
+    (401, Action.FATAL),
+    (404, Action.FATAL),  # an older peer without the endpoint
+    (405, Action.FATAL),
+    (408, Action.BAN),
+    (409, Action.FATAL),
+    (413, Action.FATAL),
+    (422, Action.FATAL),
+    (500, Action.BAN),
+    (502, Action.BAN),
+    (503, Action.RETRY_SOON),  # a name we do not know, but "unavailable" all the same
+    (504, Action.BAN),
+])
+def test_an_unknown_name_is_classified_by_its_status(status: int, action: Action) -> None:
+    assert classify(PeerError(status, "SomethingNewer", "m")) is action
+
+
+def test_the_class_wins_over_the_status() -> None:
+    # a Draining peer answers 503, which alone would mean "retry soon, same peer"
+    assert classify(remote_error(503, "Draining", "")) is Action.RETRY_ELSEWHERE
+    # a StaleStep is a 409, which alone would be fatal
+    assert classify(remote_error(409, "StaleStep", "")) is Action.REDO
+
+
+@given(status=st.integers(0, 999), name=st.text(max_size=20))
+def test_every_peer_error_gets_an_action(status: int, name: str) -> None:
+    assert isinstance(classify(remote_error(status, name, "")), Action)

@@ -1,0 +1,298 @@
+"""The data plane's typed contract (swarmd.net.messages) and errors rebuilt from their names."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd import errors
+from swarmd.errors import (
+    Busy,
+    Draining,
+    MalformedFrame,
+    PeerBehind,
+    PeerError,
+    RequestError,
+    StaleStep,
+    StepMismatch,
+    SwarmdError,
+    Unavailable,
+    WrongStage,
+    remote_error,
+)
+from swarmd.net.messages import (
+    MAX_PROGRESS_WAIT_S,
+    AverageReply,
+    AverageRequest,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    InfoLimits,
+    InfoReply,
+    ModelInfo,
+    ProgressReply,
+    ProgressRequest,
+    StageTarget,
+)
+from swarmd.net.wire import Frame, WireLimits, decode_frame, encode_frame
+
+TARGET = StageTarget(stage=1, model="d" * 64, grad_numel=10)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def hidden(*shape: int) -> torch.Tensor:
+    return torch.randn(*(shape or (2, 8, 4)), generator=torch.Generator().manual_seed(1))
+
+
+def wire(body: bytes) -> Frame:
+    return decode_frame(body)
+
+
+# ---- round trips --------------------------------------------------------------------------------
+
+
+def test_forward_request_and_reply_round_trip() -> None:
+    req = ForwardRequest(stage=1, inputs=hidden(), targets=tokens(), model="d" * 64, codec="none", mb=2**64 - 1)
+    back = ForwardRequest.from_frame(wire(req.encode()), TARGET)
+    assert (back.stage, back.model, back.codec, back.mb) == (1, "d" * 64, "none", 2**64 - 1)
+    assert torch.equal(back.inputs, req.inputs) and back.targets is not None and torch.equal(back.targets, req.targets)
+
+    outputs = ForwardReply(stage=0, step=3, outputs=hidden())
+    got = ForwardReply.from_frame(wire(outputs.encode("none")))
+    assert got.loss is None and got.step == 3 and torch.equal(got.outputs, outputs.outputs)
+    loss = torch.tensor(2.5)
+    with_loss = ForwardReply.from_frame(wire(ForwardReply(stage=1, step=0, outputs=loss, loss=2.5).encode()))
+    assert with_loss.loss == 2.5 and torch.equal(with_loss.outputs, loss)
+    # the wire is unchanged: what older peers and tools read
+    frame = wire(ForwardReply(stage=1, step=0, outputs=loss, loss=2.5).encode())
+    assert frame.kind == "forward_result" and frame.meta == {"stage": 1, "step": 0, "loss": 2.5}
+    assert set(frame.tensors) == {"loss"}
+
+
+def test_backward_request_and_reply_round_trip() -> None:
+    req = BackwardRequest(stage=1, inputs=hidden(), grad_outputs=hidden(), step=4, mb=7, codec="fp16")
+    back = BackwardRequest.from_frame(wire(req.encode()), TARGET)
+    assert (back.step, back.mb, back.codec, back.targets) == (4, 7, "fp16", None)
+    assert back.grad_outputs is not None and back.grad_outputs.shape == (2, 8, 4)
+
+    reply = BackwardReply(stage=1, step=4, samples=2, accumulated=6, grad_inputs=hidden(), loss=1.25)
+    got = BackwardReply.from_frame(wire(reply.encode()))
+    assert (got.step, got.samples, got.accumulated, got.loss) == (4, 2, 6, 1.25)
+    assert got.grad_inputs is not None and torch.equal(got.grad_inputs, reply.grad_inputs)
+    first = BackwardReply.from_frame(wire(BackwardReply(stage=0, step=0, samples=2, accumulated=2).encode()))
+    assert first.grad_inputs is None and first.loss is None
+
+
+def test_average_request_and_reply_round_trip() -> None:
+    grads = torch.arange(10, dtype=torch.float32)
+    req = AverageRequest(stage=1, peer_id="p" * 64, step=5, samples=3, grads=grads, codec="none")
+    back = AverageRequest.from_frame(wire(req.encode()), TARGET)
+    assert (back.peer_id, back.step, back.samples) == ("p" * 64, 5, 3)
+    assert back.grads is not None and torch.equal(back.grads, grads)
+    empty = AverageRequest.from_frame(wire(AverageRequest(stage=1, peer_id="q", step=5, samples=0).encode()), TARGET)
+    assert empty.grads is None and empty.samples == 0
+
+    ok = AverageReply(stage=1, status="ok", step=5, samples=32, contributors=3, grads=grads)
+    got = AverageReply.from_frame(wire(ok.encode("none")), grad_numel=10)
+    assert (got.status, got.samples, got.contributors) == ("ok", 32, 3) and got.grads is not None
+    aborted = AverageReply.from_frame(wire(AverageReply(stage=1, status="aborted", step=5, samples=0,
+                                                         contributors=0).encode()))
+    assert aborted.status == "aborted" and aborted.grads is None
+
+
+def test_info_reply_json_round_trip() -> None:
+    info = InfoReply(wire_version=1, stage=0, n_stages=2, model=ModelInfo("tiny", "d" * 64, {"name": "tiny"}),
+                     step=3, codecs=("8bit", "none"), limits=InfoLimits.of(WireLimits(), 4096))
+    body = json.loads(json.dumps(info.to_json()))
+    assert InfoReply.from_json(body) == info
+    assert body["model"]["digest"] == "d" * 64 and body["limits"]["max_batch_tokens"] == 4096
+    with pytest.raises(MalformedFrame):
+        InfoReply.from_json({**body, "limits": {"max_frame_bytes": "big"}})
+
+
+def test_progress_has_one_shape_whether_away_or_averaging() -> None:
+    away = ProgressReply(stage=0, step=1, samples=4, away=True, target_batch_size=16)
+    averaging = ProgressReply(stage=0, step=1, samples=4, averaging=True, peer_id="a", leader="a", round=1,
+                              round_expected=("a", "b"), round_contributors={"a": 4}, dropped_samples=2,
+                              target_batch_size=16)
+    assert set(away.to_json()) == set(averaging.to_json())
+    for reply in (away, averaging):
+        assert ProgressReply.from_json(json.loads(json.dumps(reply.to_json()))) == reply
+    # an older peer's reply (no away, no round fields) still reads; unknown keys are ignored
+    old = ProgressReply.from_json({"stage": 0, "step": 2, "samples": 1, "future": [1, 2]})
+    assert old == ProgressReply(stage=0, step=2, samples=1)
+
+
+@pytest.mark.parametrize("body", [
+    None, [], "x", {"stage": 0, "step": 1}, {"stage": "0", "step": 1, "samples": 0},
+    {"stage": 0, "step": -1, "samples": 0}, {"stage": 0, "step": 1, "samples": True},
+    {"stage": 0, "step": 1, "samples": 0, "away": "yes"},
+    {"stage": 0, "step": 1, "samples": 0, "round_expected": [1]},
+    {"stage": 0, "step": 1, "samples": 0, "round_contributors": {"a": "many"}},
+])
+def test_a_bad_progress_reply_is_a_typed_error(body: Any) -> None:
+    with pytest.raises(MalformedFrame):
+        ProgressReply.from_json(body)
+
+
+def test_progress_request_query() -> None:
+    assert ProgressRequest.from_query({}) == ProgressRequest()
+    req = ProgressRequest(wait_step=7, wait_s=0.5)
+    assert ProgressRequest.from_query(req.to_query()) == req
+    assert ProgressRequest().to_query() == {}
+    for query in ({"wait_step": "x"}, {"wait_step": "1", "wait_s": "-1"}, {"wait_step": "1", "wait_s": "nan"},
+                  {"wait_step": "1", "wait_s": str(MAX_PROGRESS_WAIT_S + 1)}):
+        with pytest.raises(RequestError):
+            ProgressRequest.from_query(query)
+
+
+# ---- requests: remote input, typed errors, checked in a fixed order -------------------------------
+
+
+def forward_frame(meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Frame:
+    return wire(encode_frame("forward", meta, {"inputs": hidden()} if tensors is None else tensors))
+
+
+@pytest.mark.parametrize(("meta", "tensors", "error", "words"), [
+    ({}, None, RequestError, "meta.stage"),
+    ({"stage": True}, None, RequestError, "meta.stage"),
+    ({"stage": 0}, None, WrongStage, "stage 1"),
+    ({"stage": 1, "model": "0" * 64}, None, WrongStage, "model"),
+    ({"stage": 1, "model": 5}, None, WrongStage, "model"),
+    ({"stage": 0, "codec": []}, None, WrongStage, "stage"),  # the target first, then the codec
+    ({"stage": 1, "codec": []}, None, RequestError, "codec"),
+    ({"stage": 1, "codec": "zip"}, None, RequestError, "codec"),
+    ({"stage": 1}, {"x": hidden()}, RequestError, "'inputs'"),
+    ({"stage": 1, "mb": -1}, None, RequestError, "meta.mb"),
+    ({"stage": 1, "mb": 1.5}, None, RequestError, "meta.mb"),
+])
+def test_a_bad_forward_request_gets_its_typed_error(
+    meta: dict[str, Any], tensors: Any, error: type, words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        ForwardRequest.from_frame(forward_frame(meta, tensors), TARGET)
+
+
+def test_a_request_of_another_kind_is_refused() -> None:
+    with pytest.raises(RequestError, match="'forward' frame"):
+        ForwardRequest.from_frame(wire(encode_frame("backward", {"stage": 1}, {"inputs": hidden()})), TARGET)
+
+
+@pytest.mark.parametrize("step", [-1, "3", 1.0, True])
+def test_a_backward_step_must_be_a_non_negative_integer(step: Any) -> None:
+    frame = wire(encode_frame("backward", {"stage": 1, "step": step}, {"inputs": hidden()}))
+    with pytest.raises(RequestError, match="meta.step"):
+        BackwardRequest.from_frame(frame, TARGET)
+
+
+def average_frame(meta: dict[str, Any], grads: torch.Tensor | None = None) -> Frame:
+    base = {"stage": 1, "peer_id": "p", "step": 0, "samples": 1}
+    return wire(encode_frame("average", {**base, **meta}, {} if grads is None else {"grads": grads}))
+
+
+NAN = torch.zeros(10)
+NAN[3] = math.nan
+
+
+@pytest.mark.parametrize(("meta", "grads", "words"), [
+    ({"peer_id": ""}, torch.zeros(10), "peer_id"),
+    ({"peer_id": "p" * 65}, torch.zeros(10), "peer_id"),
+    ({"peer_id": 3}, torch.zeros(10), "peer_id"),
+    ({"step": -1}, torch.zeros(10), "meta.step"),
+    ({"samples": "2"}, torch.zeros(10), "meta.samples"),
+    ({}, torch.zeros(11), "shape \\[10\\]"),
+    ({}, torch.zeros(10, dtype=torch.float16), "float32"),
+    ({}, torch.zeros(2, 5), "float32"),
+    ({}, NAN, "NaN"),
+    ({"samples": 0}, torch.zeros(10), "count its samples"),
+    ({}, None, "carry its 'grads'"),
+])
+def test_a_bad_contribution_gets_a_422(meta: dict[str, Any], grads: torch.Tensor | None, words: str) -> None:
+    with pytest.raises(RequestError, match=words):
+        AverageRequest.from_frame(average_frame(meta, grads), TARGET)
+
+
+@given(meta=st.dictionaries(st.sampled_from(["stage", "model", "codec", "mb", "step", "peer_id", "samples", "x"]),
+                            st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+                            | st.text(max_size=70) | st.lists(st.integers(-5, 5), max_size=2), max_size=8),
+       kind=st.sampled_from(["forward", "backward", "average"]))
+@settings(max_examples=300, deadline=None)
+def test_decoding_any_meta_raises_only_typed_errors(meta: dict[str, Any], kind: str) -> None:
+    frame = wire(encode_frame(kind, meta, {"inputs": hidden(), "grads": torch.zeros(10)}))
+    decoder = {"forward": ForwardRequest, "backward": BackwardRequest, "average": AverageRequest}[kind]
+    for target in (TARGET, None):
+        try:
+            decoder.from_frame(frame, target)  # type: ignore[attr-defined]
+        except SwarmdError as exc:
+            assert exc.http_status in (409, 422), exc
+
+
+# ---- replies: a peer's garbage is MalformedFrame (the client makes it a PeerError) -----------------
+
+
+@pytest.mark.parametrize(("frame", "decode"), [
+    (Frame("forward_result", {"stage": 0}, {"outputs": hidden()}), ForwardReply.from_frame),
+    (Frame("forward_result", {"stage": 0, "step": -2}, {"outputs": hidden()}), ForwardReply.from_frame),
+    (Frame("backward_result", {"stage": 0, "step": 0, "samples": 1}, {}), ForwardReply.from_frame),
+    (Frame("forward_result", {"stage": 0, "step": 0}, {"loss": hidden()}), ForwardReply.from_frame),
+    (Frame("forward_result", {"stage": 0, "step": 0, "loss": "low"}, {"loss": hidden()}), ForwardReply.from_frame),
+    (Frame("backward_result", {"stage": 0, "step": 0}, {}), BackwardReply.from_frame),
+    (Frame("average_result", {"stage": 0, "step": 0, "status": "ok"}, {}), AverageReply.from_frame),
+    (Frame("average_result", {"stage": 0, "step": 0, "status": "ok", "samples": -1}, {"grads": torch.zeros(3)}),
+     AverageReply.from_frame),
+])
+def test_a_bad_reply_is_malformed(frame: Frame, decode: Any) -> None:
+    with pytest.raises(MalformedFrame):
+        decode(frame)
+
+
+def test_an_ok_average_answer_of_the_wrong_size_is_malformed() -> None:
+    frame = wire(AverageReply(stage=0, status="ok", step=0, samples=4, contributors=2,
+                              grads=torch.zeros(9)).encode())
+    assert AverageReply.from_frame(frame).grads is not None  # size unchecked without grad_numel
+    with pytest.raises(MalformedFrame):
+        AverageReply.from_frame(frame, grad_numel=10)
+
+
+# ---- errors rebuilt from their names ---------------------------------------------------------------
+
+
+def test_every_data_plane_error_is_rebuilt_as_its_class_and_a_peer_error() -> None:
+    names = ["Busy", "Starting", "Draining", "Migrating", "StaleStep", "PeerBehind", "WrongStage", "RequestError",
+             "MalformedFrame", "LimitExceeded", "UnsupportedMediaType", "RequestTimeout", "Unauthorized",
+             "UnknownCodec", "UnsupportedDtype", "UnsupportedVersion"]
+    for name in names:
+        cls = getattr(errors, name)
+        exc = remote_error(cls.http_status, name, "why")
+        assert isinstance(exc, cls) and isinstance(exc, PeerError), name
+        assert (exc.status, exc.error, exc.message, exc.http_status) == (cls.http_status, name, "why", cls.http_status)
+        assert type(remote_error(cls.http_status, name, "again")) is type(exc)  # one class per name
+
+
+def test_refusals_are_caught_by_their_class() -> None:
+    with pytest.raises(StaleStep):
+        raise remote_error(409, "StaleStep", "the stage stepped")
+    with pytest.raises(StepMismatch):
+        raise remote_error(409, "PeerBehind", "behind")
+    with pytest.raises(Unavailable):
+        raise remote_error(503, "Draining", "bye")
+    with pytest.raises(PeerError):
+        raise remote_error(503, "Busy", "averaging")
+    assert not isinstance(remote_error(409, "StaleStep", ""), (PeerBehind, Busy, Draining))
+
+
+@pytest.mark.parametrize("name", ["HTTPNotFound", "InternalError", "PeerError", "StateTransferError", "", "x" * 64,
+                                  "__class__", "TrainerError"])
+def test_other_names_give_a_plain_peer_error(name: str) -> None:
+    exc = remote_error(500, name, "m")
+    assert type(exc) is PeerError and exc.error == name
