@@ -13,139 +13,35 @@ wrong token gets 401. Read-only endpoints (``/status``, ``/swarm``, ``/trainers`
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 import hmac
+from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, Field
 from starlette.routing import Match
 
 from swarmd import __version__
+from swarmd.api.models import (
+    Detail,
+    ErrorBody,
+    Health,
+    MigrateRequest,
+    Migration,
+    Status,
+    SwarmView,
+    TrainerInfo,
+    TrainerRequest,
+    TrainerWelcome,
+)
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.errors import SwarmdError
 
-
-class ModelInfo(BaseModel):
-    name: str = Field(description="the model spec's name (a preset name or the model file's stem)")
-    digest: str = Field(description="stable sha256 of the spec; peers of one swarm must agree on it")
-
-
-class Status(BaseModel):
-    peer_id: str | None = Field(description="derived from the peer's ed25519 public key")
-    stage: int | None = Field(description="the pipeline stage this peer serves (None while choosing)")
-    n_stages: int | None
-    state: str = Field(description="starting | joining | serving | draining | stopped")
-    swarm: str = Field(description="the swarm's name")
-    model: ModelInfo | None
-    step: int = Field(description="optimizer steps applied to this stage's parameters")
-    queue: int = Field(description="compute jobs waiting or running on the stage's worker thread")
-    in_flight: int = Field(description="data-plane requests being served")
-    throughput: float = Field(description="samples/s for forward+backward (bias-corrected EMA, alpha 0.1)")
-    grad_samples: int = Field(description="samples whose gradients are accumulated since the last step")
-    stale_dropped: int = Field(description="backwards refused because their forward ran at an older step")
-    stale_applied: int = Field(description="delayed updates: backwards one step old, applied to the next update")
-    activation_cache: dict[str, int] | None = Field(
-        default=None,
-        description="forwards' activations kept for their backward on this peer: entries, bytes, max_entries, "
-        "max_bytes, hits, misses (recomputed), mismatches (same id, other inputs), evictions (dropped unused: "
-        "expired, or the step changed), skipped (not kept: the cache was full)",
-    )
-    worker_cpu_s: float = Field(default=0.0, description="CPU seconds the stage's worker thread spent computing")
-    params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
-    averaging: dict[str, Any] | None = Field(
-        description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round"
-    )
-    synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
-    migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason")
-    served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
-    auth: dict[str, Any] | None = Field(
-        default=None,
-        description="private swarms (--swarm-key): private, key_id (a fingerprint of the key), and refused: "
-        "DHT datagrams and data-plane requests refused for lacking the key, by reason "
-        "(missing, malformed, stale, bad_mac, replay)",
-    )
-    data_addr: str | None = Field(description="host:port of the aiohttp data plane")
-    api_addr: str | None = Field(description="host:port of this control plane")
-    dht_addr: str | None = Field(description="host:port of this peer's DHT node (UDP); others --join it")
-    founder: bool = Field(description="whether this peer founded the swarm (started without --join)")
-    announcements: int = Field(description="peer records this daemon published to the DHT")
-    device: str
-    version: str
-    uptime_s: float
-
-
-class SwarmPeer(BaseModel):
-    peer_id: str
-    state: str = Field(description="joining | serving | migrating | draining")
-    data_addr: str
-    api_addr: str
-    throughput: float
-    queue: int
-    step: int
-    params_digest: str | None
-    version: str
-    age_s: float = Field(description="seconds since the peer last announced itself")
-
-
-class SwarmStage(BaseModel):
-    stage: int
-    throughput: float = Field(description="summed throughput of the stage's peers, samples/s")
-    peers: list[SwarmPeer]
-
-
-class SwarmModel(ModelInfo):
-    spec: dict[str, Any]
-
-
-class SwarmView(BaseModel):
-    swarm: str
-    model: SwarmModel
-    training: dict[str, Any]
-    stages: list[SwarmStage]
-    dht: dict[str, Any] = Field(description="DHT health: routing_table_size, rejected records, dropped datagrams")
-
-
-class TrainerRequest(BaseModel):
-    name: str = Field(default="trainer", max_length=64, description="a label shown in GET /trainers")
-
-
-class TrainerWelcome(BaseModel):
-    trainer_id: str = Field(description="send heartbeats to POST /trainers/{trainer_id}/heartbeat")
-    ttl_s: float = Field(description="the registration expires after this long without a heartbeat")
-    swarm: str
-    model: SwarmModel
-    training: dict[str, Any] = Field(description="the swarm's TrainingSpec (target_batch_size, optimizer, ...)")
-    step: int = Field(description="the optimizer step of the stage this daemon serves")
-
-
-class TrainerInfo(BaseModel):
-    trainer_id: str
-    name: str
-    registered_at: float = Field(description="unix time")
-    last_seen_s: float = Field(description="seconds since its last heartbeat")
-
-
-class MigrateRequest(BaseModel):
-    model_config = {"extra": "forbid"}
-
-    stage: int = Field(ge=0, description="the stage to move to")
-    force: bool = Field(default=False, description="move even if this peer is the last one of its stage")
-
-
-class Migration(BaseModel):
-    model_config = {"extra": "allow"}
-
-    to: int = Field(description="the stage this peer is moving to")
-    phase: str = Field(description="starting | draining | building | downloading | done | failed")
-    reason: str
-
-
-class Health(BaseModel):
-    ok: bool
-    state: str
+# Documented refusals, so that /openapi.json lists every status code the control plane answers.
+Responses = dict[int | str, dict[str, Any]]
+_BAD_JSON: Responses = {400: {"model": Detail, "description": "the body is not JSON (or not UTF-8)"}}
+_TOKEN: Responses = {401: {"model": Detail, "description": "this daemon has an API token and the request lacks it"}}
+_NOT_SERVING: Responses = {503: {"model": ErrorBody, "description": "this peer is not serving (starting, moving or draining)"}}
 
 
 class DaemonView(Protocol):
@@ -205,7 +101,8 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
     async def status() -> dict[str, Any]:
         return daemon.status()
 
-    @app.get("/swarm", response_model=SwarmView, summary="The model and every stage's live peers, from the DHT")
+    @app.get("/swarm", response_model=SwarmView, summary="The model and every stage's live peers, from the DHT",
+             responses={**_NOT_SERVING})
     async def swarm() -> Any:
         if daemon.state not in ("joining", "serving", "migrating"):
             return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
@@ -213,7 +110,8 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
 
     @app.post("/trainers", response_model=TrainerWelcome, status_code=201, dependencies=guarded,
               summary="Register a trainer; returns its id, the swarm's model, training settings and step",
-              responses={503: {"description": "not serving yet, or too many trainers"}})
+              responses={**_BAD_JSON, **_TOKEN,
+                         503: {"model": ErrorBody, "description": "not serving yet, or too many trainers"}})
     async def register_trainer(body: TrainerRequest | None = None) -> Any:
         if daemon.state != "serving":
             return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
@@ -229,7 +127,8 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
 
     @app.post("/trainers/{trainer_id}/heartbeat", status_code=204, response_model=None, dependencies=guarded,
               summary="Keep a registration alive",
-              responses={404: {"description": "unknown or expired registration: register again"}})
+              responses={**_TOKEN, 404: {"model": ErrorBody,
+                                         "description": "unknown or expired registration: register again"}})
     async def heartbeat(trainer_id: str) -> Response:
         if not registry.heartbeat(trainer_id):
             return JSONResponse({"error": "UnknownTrainer", "message": "unknown or expired trainer id; register again"},
@@ -238,8 +137,10 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
 
     @app.post("/migrate", response_model=Migration, status_code=202, dependencies=guarded,
               summary="Move this peer to another stage (drain, download the stage's state, serve it)",
-              responses={409: {"description": "it would empty this peer's stage (unless force), or the peer "
-                               "is not serving"}, 422: {"description": "a bad body or a stage that does not exist"}})
+              responses={**_BAD_JSON, **_TOKEN,
+                         409: {"model": ErrorBody, "description": "it would empty this peer's stage (unless force), "
+                               "or the peer is not serving"},
+                         422: {"description": "a bad body or a stage that does not exist"}})
     async def migrate(body: MigrateRequest) -> Any:
         try:
             return await daemon.request_migration(body.stage, force=body.force, reason="POST /migrate")

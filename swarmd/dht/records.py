@@ -54,6 +54,7 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 from swarmd.dht.identity import PEER_ID_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
+from swarmd.peer_state import ANNOUNCED
 from swarmd.errors import (
     BadSignature,
     MalformedRecord,
@@ -84,7 +85,7 @@ __all__ = [
 ENVELOPE_VERSION = 1
 MAX_RECORD_BYTES = 1024  # a signed record, envelope included; refused unread above this
 MAX_TTL_S = 3600.0  # how far in the future an expiry may lie
-PEER_STATES = ("joining", "serving", "migrating", "draining")  # on the wire: the index; append only
+PEER_STATES = ANNOUNCED  # on the wire: the index; append only (swarmd.peer_state)
 
 MAX_ADDR_CHARS = 128
 MAX_VERSION_CHARS = 32

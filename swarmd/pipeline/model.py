@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -244,8 +245,13 @@ def params_digest(module: nn.Module) -> str:
     Equal digests mean bit-identical parameters, which is how peers of one stage check that
     they start from (or, after averaging, agree on) the same weights without shipping them.
     """
+    return tensors_digest(module.named_parameters())
+
+
+def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """:func:`params_digest` of named tensors (e.g. a downloaded state, checked before adopting it)."""
     h = hashlib.sha256(_PARAMS_DIGEST_VERSION)
-    for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+    for name, param in sorted(named, key=lambda item: item[0]):
         data = param.detach().contiguous().cpu().reshape(-1)
         header = f"{name}\0{str(data.dtype).removeprefix('torch.')}\0"
         header += f"{','.join(map(str, param.shape))}\0{data.numel() * data.element_size()}\0"

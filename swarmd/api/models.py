@@ -1,0 +1,151 @@
+"""The control plane's schema: every JSON body it reads or writes, as pydantic models.
+
+``/status`` is built by the daemon from :class:`Status` itself (``Daemon.status``), so the
+OpenAPI schema at ``/docs`` and what the daemon reports are one definition and cannot drift;
+``extra="forbid"`` makes a field the daemon adds without declaring it here an error in tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ModelInfo(BaseModel):
+    name: str = Field(description="the model spec's name (a preset name or the model file's stem)")
+    digest: str = Field(description="stable sha256 of the spec; peers of one swarm must agree on it")
+
+
+class Status(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    peer_id: str | None = Field(description="derived from the peer's ed25519 public key")
+    stage: int | None = Field(description="the pipeline stage this peer serves (None while choosing)")
+    n_stages: int | None
+    state: str = Field(description="starting | joining | serving | migrating | draining | stopped")
+    swarm: str = Field(description="the swarm's name")
+    model: ModelInfo | None
+    step: int = Field(description="optimizer steps applied to this stage's parameters")
+    queue: int = Field(description="compute jobs waiting or running on the stage's worker thread")
+    in_flight: int = Field(description="data-plane requests being served")
+    throughput: float = Field(description="samples/s for forward+backward (bias-corrected EMA, alpha 0.1)")
+    grad_samples: int = Field(description="samples whose gradients are accumulated since the last step")
+    stale_dropped: int = Field(description="backwards refused because their forward ran at an older step")
+    stale_applied: int = Field(description="delayed updates: backwards one step old, applied to the next update")
+    activation_cache: dict[str, int] | None = Field(
+        default=None,
+        description="forwards' activations kept for their backward on this peer: entries, bytes, max_entries, "
+        "max_bytes, hits, misses (recomputed), mismatches (same id, other inputs), evictions (dropped unused: "
+        "expired, or the step changed), skipped (not kept: the cache was full)",
+    )
+    worker_cpu_s: float = Field(default=0.0, description="CPU seconds the stage's worker thread spent computing")
+    params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
+    averaging: dict[str, Any] | None = Field(
+        description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round"
+    )
+    synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
+    migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason")
+    served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
+    auth: dict[str, Any] | None = Field(
+        default=None,
+        description="private swarms (--swarm-key): private, key_id (a fingerprint of the key), and refused: "
+        "DHT datagrams and data-plane requests refused for lacking the key, by reason "
+        "(missing, malformed, stale, bad_mac, replay)",
+    )
+    data_addr: str | None = Field(description="host:port of the aiohttp data plane")
+    api_addr: str | None = Field(description="host:port of this control plane")
+    dht_addr: str | None = Field(description="host:port of this peer's DHT node (UDP); others --join it")
+    founder: bool = Field(description="whether this peer founded the swarm (started without --join)")
+    announcements: int = Field(description="peer records this daemon published to the DHT")
+    task_crashes: dict[str, int] = Field(
+        default_factory=dict,
+        description="background tasks that crashed (logged with their traceback), by name: how often",
+    )
+    device: str
+    version: str
+    uptime_s: float
+
+
+class SwarmPeer(BaseModel):
+    peer_id: str
+    state: str = Field(description="joining | serving | migrating | draining")
+    data_addr: str
+    api_addr: str
+    throughput: float
+    queue: int
+    step: int
+    params_digest: str | None
+    version: str
+    age_s: float = Field(description="seconds since the peer last announced itself")
+
+
+class SwarmStage(BaseModel):
+    stage: int
+    throughput: float = Field(description="summed throughput of the stage's peers, samples/s")
+    peers: list[SwarmPeer]
+
+
+class SwarmModel(ModelInfo):
+    spec: dict[str, Any]
+
+
+class SwarmView(BaseModel):
+    swarm: str
+    model: SwarmModel
+    training: dict[str, Any]
+    stages: list[SwarmStage]
+    dht: dict[str, Any] = Field(description="DHT health: routing_table_size, rejected records, dropped datagrams")
+
+
+class TrainerRequest(BaseModel):
+    name: str = Field(default="trainer", max_length=64, description="a label shown in GET /trainers")
+
+
+class TrainerWelcome(BaseModel):
+    trainer_id: str = Field(description="send heartbeats to POST /trainers/{trainer_id}/heartbeat")
+    ttl_s: float = Field(description="the registration expires after this long without a heartbeat")
+    swarm: str
+    model: SwarmModel
+    training: dict[str, Any] = Field(description="the swarm's TrainingSpec (target_batch_size, optimizer, ...)")
+    step: int = Field(description="the optimizer step of the stage this daemon serves")
+
+
+class TrainerInfo(BaseModel):
+    trainer_id: str
+    name: str
+    registered_at: float = Field(description="unix time")
+    last_seen_s: float = Field(description="seconds since its last heartbeat")
+
+
+class MigrateRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    stage: int = Field(ge=0, description="the stage to move to")
+    force: bool = Field(default=False, description="move even if this peer is the last one of its stage")
+
+
+class Migration(BaseModel):
+    model_config = {"extra": "allow"}
+
+    to: int = Field(description="the stage this peer is moving to")
+    phase: str = Field(description="starting | draining | building | downloading | done | failed")
+    reason: str
+
+
+class Health(BaseModel):
+    ok: bool
+    state: str
+
+
+class Detail(BaseModel):
+    """FastAPI's own refusals: a body that is not JSON (400), a missing or wrong token (401)."""
+
+    detail: str
+
+
+class ErrorBody(BaseModel):
+    """Every refusal of the control plane (4xx/5xx) that is not FastAPI's own validation error."""
+
+    error: str = Field(description="the error's class name, e.g. NotReady, MigrationRefused")
+    message: str

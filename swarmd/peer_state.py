@@ -1,0 +1,29 @@
+"""The states a peer goes through, from start-up to stop.
+
+``starting`` → ``joining`` (announced; downloading the stage's state) → ``serving`` ⇄
+``migrating`` (moving to another stage) → ``draining`` → ``stopped``. The four in
+:data:`ANNOUNCED` appear in DHT peer records, where a state travels as its index in that tuple
+(append only, so old and new peers read each other's records).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class PeerState(str, Enum):
+    STARTING = "starting"  # joining the DHT, learning the model, building the stage
+    JOINING = "joining"  # announced; downloading its stage's state from a stage-mate
+    SERVING = "serving"  # answers forward/backward and takes part in its stage's rounds
+    MIGRATING = "migrating"  # moving to another stage (drain, build, download)
+    DRAINING = "draining"  # shutting down: finishes in-flight requests, refuses new ones
+    STOPPED = "stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The states a DHT peer record can carry, in wire order (the index is what travels).
+ANNOUNCED: tuple[PeerState, ...] = (PeerState.JOINING, PeerState.SERVING, PeerState.MIGRATING, PeerState.DRAINING)
+#: A peer on its way into a stage: it will add capacity there once its download is done.
+PENDING: tuple[PeerState, ...] = (PeerState.JOINING, PeerState.MIGRATING)

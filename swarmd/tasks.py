@@ -1,0 +1,101 @@
+"""Supervised background tasks: one owner, no silent deaths.
+
+A daemon's long-running loops (announcing, averaging, rebalancing, a migration in progress, the
+control plane) all live in one :class:`TaskSet`. Every task is awaited on shutdown, and a task
+that ends with an exception is never discarded (``gather(return_exceptions=True)`` would): its
+traceback is logged, then the task is either restarted after a short backoff
+(``restart=True``: a loop whose next iteration can recover, e.g. rebalancing) or the set's
+``on_fatal`` callback is told, so the daemon drains and exits non-zero (a loop it cannot do
+without, e.g. the control plane).
+
+Cancelling a task through :meth:`TaskSet.cancel` or :meth:`TaskSet.close` is not a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+#: Backoff between restarts of a crashing loop: doubles from the first to the last value.
+RESTART_BACKOFF_S = (0.5, 30.0)
+
+
+@dataclass
+class _Supervised:
+    name: str
+    factory: Callable[[], Awaitable[None]]
+    restart: bool
+    task: asyncio.Task[None] | None = None
+    crashes: int = 0
+
+
+class TaskSet:
+    """Owns named background tasks; see the module docstring for what a crash does."""
+
+    def __init__(self, on_fatal: Callable[[str, BaseException], None]) -> None:
+        self._on_fatal = on_fatal
+        self._tasks: dict[str, _Supervised] = {}
+        self._closed = False
+
+    def spawn(self, name: str, factory: Callable[[], Awaitable[None]], *, restart: bool = False) -> asyncio.Task[None]:
+        """Start ``factory()`` as task ``name`` (one task per name at a time)."""
+        if self._closed:
+            raise RuntimeError(f"cannot start {name!r}: the task set is closed")
+        current = self._tasks.get(name)
+        if current is not None and current.task is not None and not current.task.done():
+            raise RuntimeError(f"a task named {name!r} is already running")
+        entry = _Supervised(name, factory, restart)
+        self._tasks[name] = entry
+        entry.task = asyncio.create_task(self._supervise(entry), name=f"swarmd-{name}")
+        return entry.task
+
+    def get(self, name: str) -> asyncio.Task[None] | None:
+        entry = self._tasks.get(name)
+        return entry.task if entry is not None else None
+
+    def running(self, name: str) -> bool:
+        entry = self._tasks.get(name)
+        return entry is not None and entry.task is not None and not entry.task.done()
+
+    def crashes(self) -> dict[str, int]:
+        """How often each task has crashed (for ``/status``)."""
+        return {name: e.crashes for name, e in self._tasks.items() if e.crashes}
+
+    async def _supervise(self, entry: _Supervised) -> None:
+        delay = RESTART_BACKOFF_S[0]
+        while True:
+            try:
+                await entry.factory()
+                return  # finished on its own
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                entry.crashes += 1
+                if not entry.restart:
+                    log.critical("background task %r crashed; stopping the daemon", entry.name, exc_info=exc)
+                    self._on_fatal(entry.name, exc)
+                    return
+                log.error("background task %r crashed (%d so far); restarting it in %.1fs",
+                          entry.name, entry.crashes, delay, exc_info=exc)
+            await asyncio.sleep(delay)
+            delay = min(RESTART_BACKOFF_S[1], delay * 2)
+
+    async def cancel(self, name: str) -> None:
+        """Cancel task ``name`` (if running) and wait until it has ended."""
+        entry = self._tasks.pop(name, None)
+        if entry is None or entry.task is None:
+            return
+        if entry.task is asyncio.current_task():
+            return  # a task ending itself: it returns on its own
+        entry.task.cancel()
+        await asyncio.wait({entry.task})
+
+    async def close(self) -> None:
+        """Cancel every task, newest first, and wait for each to end."""
+        self._closed = True
+        for name in reversed(list(self._tasks)):
+            await self.cancel(name)

@@ -1,0 +1,90 @@
+"""The daemon's supervised task set: a crash is never silent (issue #10)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from swarmd import tasks
+from swarmd.tasks import TaskSet
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tasks, "RESTART_BACKOFF_S", (0.01, 0.02))
+
+
+async def test_a_crashing_loop_is_logged_with_its_traceback_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    fatal: list[str] = []
+    runs = 0
+    again = asyncio.Event()
+
+    async def flaky() -> None:
+        nonlocal runs
+        runs += 1
+        if runs < 3:
+            raise KeyError(f"bug number {runs}")
+        again.set()
+        await asyncio.Event().wait()
+
+    ts = TaskSet(on_fatal=lambda name, exc: fatal.append(name))
+    with caplog.at_level(logging.ERROR, logger="swarmd.tasks"):
+        ts.spawn("rebalance", flaky, restart=True)
+        await asyncio.wait_for(again.wait(), 5)
+    assert runs == 3 and fatal == []
+    assert ts.crashes() == {"rebalance": 2}
+    crashed = [r for r in caplog.records if "rebalance" in r.getMessage()]
+    assert len(crashed) == 2 and all(r.exc_info and r.exc_info[0] is KeyError for r in crashed)
+    assert ts.running("rebalance")
+    await ts.close()
+    assert not ts.running("rebalance")
+
+
+async def test_a_crash_of_a_loop_that_is_not_restarted_is_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    fatal: list[tuple[str, BaseException]] = []
+
+    async def broken() -> None:
+        raise RuntimeError("the control plane went away")
+
+    ts = TaskSet(on_fatal=lambda name, exc: fatal.append((name, exc)))
+    with caplog.at_level(logging.CRITICAL, logger="swarmd.tasks"):
+        task = ts.spawn("control-plane", broken)
+        await asyncio.wait({task})
+    assert [name for name, _ in fatal] == ["control-plane"]
+    assert isinstance(fatal[0][1], RuntimeError)
+    assert any(r.exc_info and "control-plane" in r.getMessage() for r in caplog.records)
+    await ts.close()
+
+
+async def test_cancel_and_close_are_not_crashes_and_wait_for_every_task() -> None:
+    fatal: list[str] = []
+    finished: list[str] = []
+
+    async def forever(name: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            finished.append(name)
+
+    ts = TaskSet(on_fatal=lambda name, exc: fatal.append(name))
+    ts.spawn("a", lambda: forever("a"))
+    ts.spawn("b", lambda: forever("b"), restart=True)
+    ts.spawn("c", lambda: forever("c"))
+    await asyncio.sleep(0)
+    await ts.cancel("a")
+    assert finished == ["a"]
+    await ts.close()
+    assert finished == ["a", "c", "b"]  # newest first
+    assert fatal == [] and ts.crashes() == {}
+    with pytest.raises(RuntimeError, match="closed"):
+        ts.spawn("d", lambda: forever("d"))
+
+
+async def test_one_task_per_name() -> None:
+    ts = TaskSet(on_fatal=lambda name, exc: None)
+    ts.spawn("x", lambda: asyncio.sleep(10))
+    with pytest.raises(RuntimeError, match="already running"):
+        ts.spawn("x", lambda: asyncio.sleep(10))
+    await ts.close()
