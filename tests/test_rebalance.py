@@ -106,6 +106,25 @@ def test_stage_totals_count_serving_now_and_downloads_in_future_but_never_draini
     assert bottleneck(s) == 0.0
 
 
+@pytest.mark.parametrize("newcomer_state", ["joining", "migrating"])
+def test_a_newcomer_not_yet_measured_counts_as_capacity_so_no_peer_moves_to_fill_its_gap(newcomer_state: str) -> None:
+    # The demo's 1/3 ending: stage 1's peer was killed and its replacement is downloading its
+    # state and announces 0 samples/s. Counted as 0, stage 1 looked half empty
+    # and adaptive moved a stage-0 peer there on the "leave" event, leaving stage 0 with one peer.
+    s = snap(2, peer("a", 0, 400.0), peer("b", 0, 400.0), peer("c", 1, 200.0), peer("d", 1, 0.0, newcomer_state))
+    assert AdaptiveRebalancing().decide(s, event="leave") == []
+    assert AdaptiveRebalancing().decide(s, event="period") == []
+    t = stage_totals(s)
+    assert t.future == (800.0, 200.0 + 1000.0 / 3)  # d counts as the swarm's mean measured speed
+    # the paper's Algorithm 2 measures: only measured throughput counts there
+    assert stage_totals(s, estimate_unmeasured=False).future[1] == 200.0
+    nobody = snap(2, peer("a", 0, 0.0), peer("d", 1, 0.0, "joining"))
+    assert stage_totals(nobody).future == (0.0, 0.0)
+    # and a stage that really is short still gets help
+    short = snap(2, peer("a", 0, 400.0), peer("b", 0, 400.0), peer("e", 0, 400.0), peer("c", 1, 200.0))
+    assert AdaptiveRebalancing().decide(short, event="leave") != []
+
+
 def test_stage_totals_do_not_depend_on_peer_order() -> None:
     # 0.1 + 0.2 + 0.3 rounds differently from 0.3 + 0.2 + 0.1 with plain sums; fsum does not.
     a = snap(1, peer("a", 0, 0.1), peer("b", 0, 0.2), peer("c", 0, 0.3))

@@ -66,8 +66,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-STATES = ("joining", "serving", "migrating", "draining")
-PENDING_STATES = ("joining", "migrating")
+from swarmd.peer_state import ANNOUNCED, PENDING
+
+STATES = ANNOUNCED
+PENDING_STATES = PENDING
 DEFAULT_POLICY = "adaptive"
 DEFAULT_DOWNLOAD_S = 60.0
 EVENTS = ("period", "join", "leave")
@@ -161,16 +163,40 @@ class StageTotals:
     peers: tuple[int, ...]  # serving plus downloading (draining peers are gone)
 
 
-def stage_totals(snapshot: SwarmSnapshot) -> StageTotals:
-    """Sum the snapshot per stage; exactly rounded, so the order of ``peers`` never matters."""
+def expected_speeds(snapshot: SwarmSnapshot) -> dict[str, float]:
+    """Each peer's throughput, with an estimate for the pending ones that have not measured yet.
+
+    A peer that is joining (downloading its stage's state) announces 0 samples/s. Counted as 0 it
+    makes its stage look empty for an announce period, and a policy would move a second peer to
+    fill a gap that the newcomer is already filling (the demo's 1/3 ending). So a pending peer
+    (joining or migrating) with no throughput counts as the mean throughput of every peer that
+    has one (0 when nobody has measured anything yet). The mean is over the whole swarm, not the
+    newcomer's stage, so that no move changes it (a mover keeps announcing what it served):
+    the greedy plans of the policies stay exact. Serving peers count as measured: one that
+    serves and measures nothing is no capacity (a daemon that has just started serving
+    announces its donor's throughput until it has measured its own).
+    """
+    known = [p.throughput for p in snapshot.peers if p.state != "draining" and p.throughput > 0]
+    guess = math.fsum(known) / len(known) if known else 0.0
+    return {p.peer_id: guess if p.state in PENDING_STATES and p.throughput <= 0 else p.throughput
+            for p in snapshot.peers}
+
+
+def stage_totals(snapshot: SwarmSnapshot, *, estimate_unmeasured: bool = True) -> StageTotals:
+    """Sum the snapshot per stage; exactly rounded, so the order of ``peers`` never matters.
+
+    ``estimate_unmeasured``: count pending peers that announce 0 samples/s at :func:`expected_speeds`
+    (the adaptive policy); False counts measured throughput only (the paper's Algorithm 2).
+    """
     n = snapshot.n_stages
+    speed = expected_speeds(snapshot) if estimate_unmeasured else {p.peer_id: p.throughput for p in snapshot.peers}
     now_speeds: list[list[float]] = [[] for _ in range(n)]
     pending_speeds: list[list[float]] = [[] for _ in range(n)]
     for p in snapshot.peers:
         if p.state == "serving":
-            now_speeds[p.stage].append(p.throughput)
+            now_speeds[p.stage].append(speed[p.peer_id])
         elif p.state in PENDING_STATES:
-            pending_speeds[p.stage].append(p.throughput)
+            pending_speeds[p.stage].append(speed[p.peer_id])
     return StageTotals(
         capacity=tuple(math.fsum(x) for x in now_speeds),
         future=tuple(math.fsum(x + y) for x, y in zip(now_speeds, pending_speeds)),
@@ -181,7 +207,7 @@ def stage_totals(snapshot: SwarmSnapshot) -> StageTotals:
 
 def bottleneck(snapshot: SwarmSnapshot) -> float:
     """The pipeline's throughput now: the least capacity over stages."""
-    return min(stage_totals(snapshot).capacity)
+    return min(stage_totals(snapshot, estimate_unmeasured=False).capacity)
 
 
 class Policy(Protocol):
@@ -225,7 +251,7 @@ class NoRebalancing:
 
     def choose_stage(self, snapshot: SwarmSnapshot, throughput: float) -> int:
         """Least measured capacity, then fewest peers, then lowest index (:func:`choose_stage`)."""
-        t = stage_totals(snapshot)
+        t = stage_totals(snapshot, estimate_unmeasured=False)
         return min(range(snapshot.n_stages), key=lambda s: (t.capacity[s], t.peers[s], s))
 
 
@@ -246,7 +272,7 @@ class SwarmRebalancing:
         _check_args(snapshot, event, download_s)
         if event != "period":
             return []
-        t = stage_totals(snapshot)
+        t = stage_totals(snapshot, estimate_unmeasured=False)
         cap = t.capacity
         n = snapshot.n_stages
         dst = min(range(n), key=lambda s: (cap[s], s))  # most loaded: least capacity
