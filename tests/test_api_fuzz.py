@@ -2,8 +2,10 @@
 
 The schema is the daemon's own ``/openapi.json``; every operation is called with data
 schemathesis generates from it, both conforming (positive) and violating it (negative: wrong
-types, missing or extra fields, out-of-range values), through real HTTP. The check is
-schemathesis's ``not_a_server_error``: no 5xx, except the 503s the schema documents for a peer
+types, missing or extra fields, out-of-range values), through real HTTP. The checks are
+schemathesis's ``not_a_server_error`` (no 5xx), ``status_code_conformance`` (ST103: every status code
+the control plane answers is documented), ``content_type_conformance`` and
+``response_schema_conformance`` (every body is the one its schema says); no 5xx except the 503s the schema documents for a peer
 that is not serving (``/healthz``, ``/swarm``, ``POST /trainers`` while it migrates: a generated
 ``POST /migrate`` may well move it).
 
@@ -24,13 +26,19 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 TOKEN = "fuzz-token-of-enough-length-0123456789"
 FUZZ = settings(max_examples=200, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 # documented answers of a peer that is not serving (a generated POST /migrate can move it)
 NOT_SERVING = {("GET", "/healthz"), ("GET", "/swarm"), ("POST", "/trainers")}
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MUTATING = {("POST", "/trainers"), ("POST", "/trainers/{trainer_id}/heartbeat"), ("POST", "/migrate")}
 
 
@@ -60,7 +68,9 @@ def _fuzz_control_plane(api: str, token: str | None) -> dict[tuple[str, str], se
             assert body.get("error") in ("NotReady", "TooManyTrainers") or body.get("ok") is False, body
             return
         assert response.status_code < 500, (key, response.status_code, response.text[:300])
-        case.validate_response(response, checks=[not_a_server_error], headers=headers)  # schemathesis's own check
+        # schemathesis's own checks: no 5xx, and every status code, content type and body is the one the
+        # schema documents (status_code_conformance is ST103, "undocumented status code")
+        case.validate_response(response, checks=CHECKS, headers=headers)
         if token is not None and key in MUTATING and auth != "right":
             assert response.status_code == 401, (key, auth, response.status_code)
 

@@ -44,6 +44,12 @@ _CTL = os.environ.get("SWARMD_TEST_STOP_CTL")
 if _CTL:
     from swarmd.pipeline import averaging as _averaging
 
+    # a shorter patience for the leader's answer (and commit grace), so that a test that must
+    # outwait it does not take 40 s: the same protocol, scaled down
+    if os.environ.get("SWARMD_TEST_REPLY_SLACK_S"):
+        _averaging.REPLY_SLACK_S = float(os.environ["SWARMD_TEST_REPLY_SLACK_S"])
+        _averaging.COMMIT_GRACE_S = _averaging.REPLY_SLACK_S / 3
+
     _original = _averaging.StageAverager._post
     _fired = []
 
@@ -429,7 +435,8 @@ async def test_a_leader_frozen_past_its_contributors_patience_does_not_step_alon
     than its contributors wait for an answer. They gave up, kept their gradients and stepped
     without it. When it wakes it must not apply its stale mean: that would put it at the same
     step as the others with different parameters, and nothing would ever reconcile them."""
-    timeout_s = 2.0  # contributors give up after timeout_s + 30 s
+    timeout_s = 2.0  # contributors give up after timeout_s + REPLY_SLACK_S (30 s; 9 s here, grace 3 s)
+    monkeypatch.setenv("SWARMD_TEST_REPLY_SLACK_S", "9")
     procs, ctl = await start_stage(tmp_path, monkeypatch, 3, timeout_s)
     try:
         ids = {d.info["peer_id"]: d for d in procs}
