@@ -128,7 +128,8 @@ class SwarmKey:
             raise SwarmKeyError(f"--swarm-key {p} is empty ({hint})")
         if len(secret) < MIN_SECRET_BYTES:
             raise SwarmKeyError(
-                f"--swarm-key {p} holds {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}: use a long random secret ({hint})"
+                f"--swarm-key {p} holds {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}: "
+                f"use a long random secret ({hint})"
             )
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             log.warning("--swarm-key %s is readable by other users (mode %o); chmod 600 it", p, stat.S_IMODE(mode))

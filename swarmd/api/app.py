@@ -41,7 +41,9 @@ from swarmd.errors import SwarmdError
 Responses = dict[int | str, dict[str, Any]]
 _BAD_JSON: Responses = {400: {"model": Detail, "description": "the body is not JSON (or not UTF-8)"}}
 _TOKEN: Responses = {401: {"model": Detail, "description": "this daemon has an API token and the request lacks it"}}
-_NOT_SERVING: Responses = {503: {"model": ErrorBody, "description": "this peer is not serving (starting, moving or draining)"}}
+_NOT_SERVING: Responses = {
+    503: {"model": ErrorBody, "description": "this peer is not serving (starting, moving or draining)"},
+}
 
 
 class DaemonView(Protocol):

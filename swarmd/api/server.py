@@ -93,6 +93,7 @@ def embedded_server(app: FastAPI, *, request_timeout_s: float) -> EmbeddedUvicor
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=5,
-        http=functools.partial(DeadlineH11Protocol, request_timeout_s=request_timeout_s),
+        # uvicorn calls ``http`` as a protocol factory; its annotation asks for the class itself
+        http=functools.partial(DeadlineH11Protocol, request_timeout_s=request_timeout_s),  # type: ignore[arg-type]
     )
     return EmbeddedUvicorn(config)

@@ -315,7 +315,9 @@ class DHTNode:
             timeout = min(self.rpc_timeout, max(deadline - loop.time(), 0.05))
             outcomes = await _gather(*(self._probe(addr, timeout) for addr in addrs))
             contacts = [node for node, _ in outcomes if node is not None]
-            failures = "; ".join(f"{_fmt(a)}: {why}" for a, (node, why) in zip(addrs, outcomes) if node is None)
+            failures = "; ".join(
+                f"{_fmt(a)}: {why}" for a, (node, why) in zip(addrs, outcomes, strict=True) if node is None
+            )
             if contacts:
                 if failures:
                     log.warning("DHT bootstrap: some addresses failed (%s); joining through the others", failures)
@@ -341,7 +343,7 @@ class DHTNode:
     def _key_hint(self) -> str:
         """Why a live bootstrap peer may stay silent: the swarm key (its members drop the datagrams
         of anyone without the same key, unanswered)."""
-        if self._auth is not None:
+        if self._auth is not None and self.swarm_key is not None:
             refused = sum(self._auth.refused.values())
             seen = f"; {refused} datagrams from others were refused" if refused else ""
             return (f" (this node uses --swarm-key {self.swarm_key.source or '(given)'}: the bootstrap peers must "
@@ -370,7 +372,7 @@ class DHTNode:
                 return None, f"cannot resolve {host!r}: {exc}"
             if not infos:
                 return None, f"cannot resolve {host!r}"
-            sockaddr = (infos[0][4][0], infos[0][4][1])
+            sockaddr = (str(infos[0][4][0]), int(infos[0][4][1]))
         node_id = await self._proto().ping_address(sockaddr, timeout=timeout)
         if node_id is None:
             return None, f"no answer within {timeout:.1f} s"

@@ -280,7 +280,7 @@ class DHTProtocol(KademliaProtocol):
         self.tasks = TaskSet("dht protocol")
         self.dropped: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()  # requests sent, by RPC name
-        self._outstanding: dict[bytes, _Pending] = {}  # type: ignore[assignment]
+        self._outstanding: dict[bytes, _Pending] = {}
         self._pinging: set[bytes] = set()
         self._closed = False
         self._lost: asyncio.Future[None] | None = None
@@ -310,7 +310,7 @@ class DHTProtocol(KademliaProtocol):
         # to (if any) ends by timeout. A UDP socket cannot say which destination it was.
         log.debug("DHT socket error: %s", exc)
 
-    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:  # type: ignore[override]
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
         if self._closed:
             return
         if self.auth is not None:  # a private swarm: authenticate before parsing anything
@@ -468,7 +468,7 @@ class DHTProtocol(KademliaProtocol):
 
     # --- handlers -------------------------------------------------------------------------------
 
-    def rpc_store(  # type: ignore[override]
+    def rpc_store(
         self, sender: tuple[Any, ...], nodeid: bytes, key: bytes, value: bytes
     ) -> bool:
         self.welcome_if_new(Node(nodeid, sender[0], sender[1]))

@@ -49,12 +49,11 @@ import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 
 from swarmd.dht.identity import PEER_ID_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
-from swarmd.peer_state import ANNOUNCED
 from swarmd.errors import (
     BadSignature,
     MalformedRecord,
@@ -63,6 +62,7 @@ from swarmd.errors import (
     RecordTooLarge,
     UnsupportedRecordVersion,
 )
+from swarmd.peer_state import ANNOUNCED
 
 __all__ = [
     "ENVELOPE_VERSION",
@@ -100,7 +100,7 @@ _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _SIGNING_PREFIX = b"swarmd-dht\x00"
 _UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
 
-Scalar = Union[None, bool, int, float, str]
+Scalar = None | bool | int | float | str
 
 
 # --- field checks (shared by construction and decoding: one path, one error type) ---------------
@@ -120,7 +120,7 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> int:
 
 
 def _check_float(name: str, value: object, *, lo: float = 0.0) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or value < lo:
+    if not isinstance(value, (int, float)) or type(value) is bool or not math.isfinite(value) or value < lo:
         raise _bad(name, value, f"a finite number >= {lo:g}")
     return float(value)
 
@@ -310,7 +310,7 @@ class SwarmRecord:
         )
 
 
-Record = Union[PeerRecord, SwarmRecord]
+Record = PeerRecord | SwarmRecord
 RECORD_TYPES: dict[str, type[PeerRecord] | type[SwarmRecord]] = {
     PeerRecord.TYPE: PeerRecord,
     SwarmRecord.TYPE: SwarmRecord,

@@ -316,7 +316,7 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, rank 0 included)."""
     if tensor.numel() == 0:  # empty tensors may carry strides that no byte view accepts
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _numel(shape: tuple[int, ...]) -> int:

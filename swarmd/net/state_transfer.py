@@ -238,7 +238,7 @@ def _generate(header: bytes, tensors: list[torch.Tensor], total: int, chunk_byte
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's raw bytes without a copy (one copy if it is not a contiguous CPU tensor)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def _chunk_message(index: int, offset: int, digest: bytes, parts: list[memoryview], size: int) -> bytes:
@@ -495,7 +495,7 @@ class StateStreamDecoder:
         try:
             for name, dtype, shape in specs:
                 tensor = torch.empty(shape, dtype=dtype)
-                view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                view = tensor.reshape(-1).view(torch.uint8).numpy().data
                 self._slots.append(_Slot(name, tensor, view))
         except RuntimeError as exc:  # torch's out-of-memory on the CPU allocator
             self._slots = []

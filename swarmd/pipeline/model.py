@@ -256,7 +256,7 @@ def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         header = f"{name}\0{str(data.dtype).removeprefix('torch.')}\0"
         header += f"{','.join(map(str, param.shape))}\0{data.numel() * data.element_size()}\0"
         h.update(header.encode())
-        h.update(data.view(torch.uint8).numpy())
+        h.update(data.view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

@@ -199,9 +199,9 @@ def stage_totals(snapshot: SwarmSnapshot, *, estimate_unmeasured: bool = True) -
             pending_speeds[p.stage].append(speed[p.peer_id])
     return StageTotals(
         capacity=tuple(math.fsum(x) for x in now_speeds),
-        future=tuple(math.fsum(x + y) for x, y in zip(now_speeds, pending_speeds)),
+        future=tuple(math.fsum(x + y) for x, y in zip(now_speeds, pending_speeds, strict=True)),
         serving=tuple(len(x) for x in now_speeds),
-        peers=tuple(len(x) + len(y) for x, y in zip(now_speeds, pending_speeds)),
+        peers=tuple(len(x) + len(y) for x, y in zip(now_speeds, pending_speeds, strict=True)),
     )
 
 
@@ -406,7 +406,7 @@ class AdaptiveRebalancing:
 
 
 POLICIES: Mapping[str, Policy] = MappingProxyType(
-    {p.name: p for p in (NoRebalancing(), SwarmRebalancing(), AdaptiveRebalancing())}
+    {p.name: p for p in (NoRebalancing(), SwarmRebalancing(), AdaptiveRebalancing())}  # type: ignore[misc]
 )
 
 

@@ -35,7 +35,7 @@ def single_process_step(
         (loss * x.shape[0]).backward()
         total += x.shape[0]
         weighted += loss.item() * x.shape[0]
-    for stage, opt in zip(stages, optimizers):
+    for stage, opt in zip(stages, optimizers, strict=True):
         params = list(stage.parameters())
         for p in params:
             assert p.grad is not None, "every parameter takes part in the loss"
