@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarmd.net.wire import DEFAULT_LIMITS, WireLimits
+from swarmd.net.limits import DEFAULT_LIMITS, WireLimits
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.swarm_key import SwarmKey
 
