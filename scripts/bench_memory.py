@@ -23,8 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarmd.demo import Peer  # noqa: E402
+from swarmd.local_swarm import DaemonProcess  # noqa: E402
 from swarmd.train.trainer import Trainer, TrainerConfig  # noqa: E402
+
+
+def _peer(index: int, workdir: Path, args: list[str]) -> DaemonProcess:
+    """A daemon through the real CLI, its files peerN.json, peerN.log and peerN/ in ``workdir``."""
+    return DaemonProcess(args, workdir, name=f"peer{index}")
 
 
 def rss_mb(pid: int | str = "self") -> float:
@@ -47,14 +52,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-memory-") as tmp:
         work = Path(tmp)
-        founder = Peer(0, work, ["--model", "tiny", "--stage", "0", "--swarm", "bench-memory",
-                                 "--target-batch-size", str(args.target_batch_size), "--log-level", "WARNING"])
+        founder = _peer(0, work, ["--model", "tiny", "--stage", "0", "--swarm", "bench-memory",
+                                  "--target-batch-size", str(args.target_batch_size), "--log-level", "WARNING"])
         peers = [founder]
         try:
             founder.wait_ready()
             for k in range(1, args.stages):
-                peers.append(Peer(k, work, ["--join", founder.info["dht_addr"], "--stage", str(k),
-                                            "--swarm", "bench-memory", "--log-level", "WARNING"]))
+                peers.append(_peer(k, work, ["--join", founder.info["dht_addr"], "--stage", str(k),
+                                             "--swarm", "bench-memory", "--log-level", "WARNING"]))
             for peer in peers[1:]:
                 peer.wait_ready()
             samples: list[dict[str, float]] = []

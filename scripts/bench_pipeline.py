@@ -73,7 +73,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,11 +80,12 @@ from typing import Any
 
 import torch
 
-from swarmd.net.client import StageReply
+from swarmd.local_swarm import DaemonProcess, DaemonStartError
 from swarmd.pipeline.model import build_stage
-from swarmd.pipeline.optimizer import TrainingSpec, build_optimizer
-from swarmd.pipeline.spec import PRESETS
+from swarmd.pipeline.optimizer import build_optimizer
+from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from swarmd.train.data import BatchSampler, load_corpus
+from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
 from swarmd.train.reference import single_process_step
 from swarmd.train.trainer import Trainer, TrainerConfig, split_batch
 
@@ -253,52 +253,20 @@ def _stop(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> int | None:
     return proc.wait(10)
 
 
-class DaemonProc:
-    """One ``python -m swarmd`` child on free ports, its state and log in ``workdir``."""
+class DaemonProc(DaemonProcess):
+    """One daemon of the swarm run (the local-swarm harness): on CPU, files ``peerN.*`` in ``workdir``.
+
+    With ``profile``, the child runs under cProfile: its main thread (the event loop: HTTP, codecs'
+    hand-offs, the averaging protocol), written to ``peerN.prof`` when it exits; the worker
+    thread's compute is not in it.
+    """
 
     def __init__(self, index: int, workdir: Path, args: Sequence[str], *, profile: bool = False) -> None:
         self.index = index
-        self.ready = workdir / f"peer{index}.json"
-        self.log_path = workdir / f"peer{index}.log"
-        # cProfile of the daemon's main thread (the event loop: HTTP, codecs' hand-offs, the
-        # averaging protocol), written when it exits; the worker thread's compute is not in it
         self.profile_path = workdir / f"peer{index}.prof" if profile else None
-        self.info: dict[str, Any] = {}
-        prefix = ["-m", "cProfile", "-o", str(self.profile_path)] if self.profile_path else []
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, *prefix, "-m", "swarmd", "--port", "0", "--api-port", "0", "--dht-port", "0",
-                 "--device", "cpu", "--drain-timeout", "5", "--state-dir", str(workdir / f"peer{index}"),
-                 "--ready-file", str(self.ready), "--log-level", "WARNING", *args],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"daemon {self.index} failed to start; the end of its log:\n{self.log_tail()}")
-            time.sleep(0.05)
-        self.info = json.loads(self.ready.read_text())
-        return self.info
-
-    def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"http://{self.info['api_addr']}/status", timeout=5) as r:
-            body: dict[str, Any] = json.load(r)
-        return body
-
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> int | None:
-        return _stop(self.proc)
+        command = [sys.executable, "-m", "cProfile", "-o", str(self.profile_path), "-m", "swarmd"] if profile else None
+        super().__init__(["--device", "cpu", "--drain-timeout", "5", "--log-level", "WARNING", *args], workdir,
+                         name=f"peer{index}", command=command, threads=None)  # --threads is in args
 
 
 @dataclass
@@ -328,7 +296,7 @@ class Window:
     trainer_cpu_s: float = 0.0  # this process's CPU time inside the window
     machine_busy_s: float = 0.0  # every process's, see machine_busy_seconds
     step_ends: list[float] = field(default_factory=list)
-    wait_s: float = 0.0  # in _wait_all_stepped: every microbatch done, waiting for the stages to step
+    wait_s: float = 0.0  # StepWait events: every microbatch done, waiting for the stages to step
     calls: dict[str, CallStats] = field(default_factory=dict)
     trace: list[tuple[int, str, int, float, float]] = field(default_factory=list)  # stage, kind, samples, start, end
     statuses: list[dict[str, Any]] = field(default_factory=list)
@@ -339,7 +307,21 @@ class Window:
     def _daemon_main_cpu(self) -> dict[int, float | None]:
         return {d.pid: cpu_seconds(d.pid, d.pid) for d in self.daemons}
 
-    def on_step(self, done: int, loss: float, info: dict[str, Any]) -> None:
+    def observe(self, event: TrainerEvent) -> None:
+        """The trainer's listener (``Trainer(config, events=window.observe)``): books steps,
+        the waits for them and every stage call, inside the window."""
+        if isinstance(event, StepDone):
+            self.on_step(event.done, event.progress)
+        elif isinstance(event, StepWait):
+            if self.open:
+                self.wait_s += event.ended - event.started
+        elif isinstance(event, CallDone) and self.open:
+            stats = self.calls.setdefault(f"stage{event.stage}.{event.kind}", CallStats())
+            stats.count += 1
+            stats.seconds += event.ended - event.started
+            self.trace.append((event.stage, event.kind, event.samples, event.started, event.ended))
+
+    def on_step(self, done: int, info: dict[str, Any]) -> None:
         if done == self.warmup:  # before the clock starts (in sync mode nothing runs at this moment)
             self.worker_cpu0 = [float(d.status().get("worker_cpu_s", 0.0)) for d in self.daemons]
         now = time.perf_counter()
@@ -363,45 +345,6 @@ class Window:
             self.machine_busy_s += machine_busy_seconds()
             # before the trainer's final validation, which would feed the daemons' rate EMAs
             self.statuses = [d.status() for d in self.daemons]
-
-
-class TimedTrainer(Trainer):
-    """A Trainer that books time spent waiting for steps and per stage call, inside the window."""
-
-    def __init__(self, config: TrainerConfig, window: Window) -> None:
-        super().__init__(config, on_step=window.on_step)
-        self.window = window
-
-    async def _wait_all_stepped(self, step: int, sampler: BatchSampler) -> None:
-        started = time.perf_counter()
-        try:
-            await super()._wait_all_stepped(step, sampler)
-        finally:
-            if self.window.open:
-                self.window.wait_s += time.perf_counter() - started
-
-    async def _call_peer(
-        self,
-        stage: int,
-        kind: str,
-        *,
-        inputs: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        grad_outputs: torch.Tensor | None = None,
-        step: int | None = None,
-        mb: int | None = None,
-        prefer: str | None = None,
-    ) -> tuple[StageReply, str]:
-        started = time.perf_counter()
-        reply, peer = await super()._call_peer(stage, kind, inputs=inputs, targets=targets, grad_outputs=grad_outputs,
-                                               step=step, mb=mb, prefer=prefer)
-        if self.window.open:
-            ended = time.perf_counter()
-            stats = self.window.calls.setdefault(f"stage{stage}.{kind}", CallStats())
-            stats.count += 1
-            stats.seconds += ended - started
-            self.window.trace.append((stage, kind, int(inputs.shape[0]), started, ended))
-        return reply, peer
 
 
 async def swarm_run(
@@ -428,7 +371,7 @@ async def swarm_run(
         microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window, sync=s.sync,
         val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench", taper=s.taper,
     )
-    trainer = TimedTrainer(config, window)
+    trainer = Trainer(config, events=window.observe)
     summary = await trainer.run()
     assert trainer.training is not None
     if window.t1 == 0.0:
@@ -685,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BenchError as exc:
+    except (BenchError, DaemonStartError) as exc:
         print(f"bench_pipeline: error: {exc}", file=sys.stderr)
         return 1
     profile_text = result["swarm"].get("profile", {}).pop("text", None)

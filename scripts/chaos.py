@@ -33,8 +33,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarmd.demo import Peer  # noqa: E402  (the same child-process handling as the demo)
+from swarmd.local_swarm import DaemonProcess  # noqa: E402  (the demo's child-process harness)
 from swarmd.train.trainer import Trainer, TrainerConfig  # noqa: E402
+
+
+def _peer(index: int, workdir: Path, args: list[str]) -> DaemonProcess:
+    """A daemon through the real CLI, its files peerN.json, peerN.log and peerN/ in ``workdir``."""
+    return DaemonProcess(args, workdir, name=f"peer{index}")
+
 
 ANNOUNCE_S = 1.0
 REQUEST_TIMEOUT_S = 10.0
@@ -44,21 +50,21 @@ REQUEST_TIMEOUT_S = 10.0
 VAL_BATCHES = 16
 
 
-def start_swarm(workdir: Path, stages: int, peers: int, target: int, tag: str) -> list[Peer]:
+def start_swarm(workdir: Path, stages: int, peers: int, target: int, tag: str) -> list[DaemonProcess]:
     common = ["--swarm", f"chaos-{tag}", "--announce-period", str(ANNOUNCE_S), "--log-level", "WARNING",
               "--rebalance-policy", "none"]
-    founder = Peer(0, workdir, [*common, "--model", "tiny", "--stage", "0", "--target-batch-size", str(target),
-                                "--averaging-timeout", "5"])
+    founder = _peer(0, workdir, [*common, "--model", "tiny", "--stage", "0", "--target-batch-size", str(target),
+                                 "--averaging-timeout", "5"])
     founder.wait_ready()
     swarm = [founder]
     for i in range(1, stages * peers):
-        swarm.append(Peer(i, workdir, [*common, "--join", founder.info["dht_addr"], "--stage", str(i % stages)]))
+        swarm.append(_peer(i, workdir, [*common, "--join", founder.info["dht_addr"], "--stage", str(i % stages)]))
     for p in swarm[1:]:
         p.wait_ready()
     return swarm
 
 
-def collect_rounds(peers: list[Peer], rounds: dict[tuple[int, int], int]) -> None:
+def collect_rounds(peers: list[DaemonProcess], rounds: dict[tuple[int, int], int]) -> None:
     """Merge every live peer's recent successful rounds into {(stage, step): samples}."""
     for p in peers:
         if p.proc.poll() is not None:
@@ -97,10 +103,10 @@ async def chaos_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 victim = rng.choice(live)
                 victim.proc.kill()
                 kills += 1
-                replacement = Peer(len(peers), workdir / "chaos",
-                                   ["--swarm", "chaos-run", "--announce-period", str(ANNOUNCE_S), "--log-level",
-                                    "WARNING", "--rebalance-policy", "none", "--join", peers[0].info["dht_addr"],
-                                    "--stage", str(victim.info["stage"])])
+                replacement = _peer(len(peers), workdir / "chaos",
+                                    ["--swarm", "chaos-run", "--announce-period", str(ANNOUNCE_S), "--log-level",
+                                     "WARNING", "--rebalance-policy", "none", "--join", peers[0].info["dht_addr"],
+                                     "--stage", str(victim.info["stage"])])
                 peers.append(replacement)
                 await asyncio.to_thread(replacement.wait_ready)
         summary = await training

@@ -1,3 +1,5 @@
+"""``python -m swarmd``: the same entry point as the ``swarmd`` console script."""
+
 import sys
 
 from swarmd.cli import main

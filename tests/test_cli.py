@@ -7,12 +7,16 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import sysconfig
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from swarmd.local_swarm import DaemonProcess, DaemonStartError
 from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
 from swarmd.pipeline.model import build_stage
 from tests.conftest import TINY, swarmd_command
@@ -169,3 +173,90 @@ def test_control_plane_off_loopback_needs_a_token(tmp_path) -> None:
     short.write_text("abc\n")
     out = run_cli("--api-host", "0.0.0.0", "--api-token-file", str(short), "--state-dir", str(tmp_path))
     assert out.returncode == 2 and "shorter than 16 characters" in out.stderr
+
+
+# --- the command line's own weight: fast --help, and no test-only package needed -----------------
+
+HEAVY = ("torch", "bitsandbytes", "fastapi")
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["train"], ["demo"]], ids=["swarmd", "serve", "train", "demo"])
+def test_help_imports_no_torch(command: list[str]) -> None:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "swarmd", *command, "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "usage: swarmd" in out.stdout, out.stderr[-2000:]
+    # -X importtime: one "import time: self | cumulative | module" line per module imported
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "swarmd.cli.common" in imported  # the measurement works
+    assert not {m for m in imported if m.split(".")[0] in HEAVY}, sorted(m for m in imported if "torch" in m)[:5]
+
+
+# What `pip install swarmd` without the test extra gives: site-packages without the test-only
+# packages. Not a sys.meta_path blocker: torch probes importlib.util.find_spec("hypothesis"), which
+# must answer None (not installed), not raise. Every module of swarmd is imported (what the demo
+# runs in its own process and in its daemons; not __main__, which would run a daemon) and
+# `swarmd demo --help` is run.
+TEST_ONLY = ("httpx", "pytest", "_pytest", "py.py", "hypothesis", "_hypothesis", "schemathesis")
+WITHOUT_TEST_EXTRAS = r"""
+import importlib, importlib.util, pkgutil, sys
+
+for name in ("httpx", "pytest", "hypothesis", "schemathesis"):
+    if importlib.util.find_spec(name) is not None:
+        raise SystemExit(f"{name} is importable: the test's site-packages is wrong")
+import swarmd
+names = sorted(m.name for m in pkgutil.walk_packages(swarmd.__path__, "swarmd.") if m.name != "swarmd.__main__")
+for name in names:
+    importlib.import_module(name)
+print("imported", len(names), "modules:", " ".join(names))
+from swarmd.cli import main
+try:
+    main(["demo", "--help"])
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+"""
+
+
+def site_without_test_packages(tmp_path: Path) -> Path:
+    """A copy of this venv's site-packages, as symlinks, without the test extra's packages."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if entry.name.lower().startswith(TEST_ONLY) or entry.suffix == ".pth" or entry.name.startswith("__editable"):
+            continue
+        (site / entry.name).symlink_to(entry)
+    return site
+
+
+def test_swarmd_needs_no_test_only_package(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(site_without_test_packages(tmp_path))])}
+    out = subprocess.run([sys.executable, "-S", "-c", WITHOUT_TEST_EXTRAS], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=repo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "usage: swarmd demo" in out.stdout
+    assert all(f" {m}" in out.stdout for m in ("swarmd.cli.demo", "swarmd.local_swarm", "swarmd.daemon"))
+
+
+def test_serve_is_the_default_command_and_has_its_own_name() -> None:
+    out = run_cli("serve", "--stage", "x")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("swarmd serve: error: argument --stage: 'x' is not a stage: give a number or "
+                                  "'auto'. See 'swarmd serve --help'.")
+    assert run_cli("--version").stdout.startswith("swarmd ")
+
+
+
+
+def test_the_harness_reports_a_child_that_dies_with_its_log(tmp_path) -> None:
+    d = DaemonProcess(["--model", "enormous"], tmp_path, name="doomed")
+    with d, pytest.raises(DaemonStartError) as failure:
+        d.wait_ready(60)
+    assert "swarmd doomed exited with 2" in str(failure.value) and "enormous" in str(failure.value)
+    assert d.ready_file == tmp_path / "doomed.json" and d.log_path == tmp_path / "doomed.log"
+
+
+async def test_the_harness_starts_reads_status_and_stops_a_daemon(tmp_path) -> None:
+    with DaemonProcess(["--model", "tiny", "--stage", "0", "--swarm", "harness"], tmp_path) as d:
+        info = await d.wait_ready_async(60)
+        assert d.state_dir.is_dir() and (await d.status_async())["peer_id"] == info["peer_id"]
+        assert d.stop() == 0 and not d.running()

@@ -87,7 +87,7 @@ def test_8bit_requantisation_is_not_the_identity() -> None:
 
 
 def test_the_founder_flag_sets_the_swarm_grad_codec(tmp_path) -> None:
-    from swarmd.cli import build_parser, config_from_args
+    from swarmd.cli.serve import build_parser, config_from_args
 
     def training(*flags: str):
         args = build_parser().parse_args(["--state-dir", str(tmp_path), *flags])

@@ -1,26 +1,46 @@
-"""``swarmd train``: run a trainer against a swarm from the command line."""
+"""``swarmd train``: run a trainer against a swarm from the command line.
+
+The parser imports nothing heavy; the trainer (torch) and tqdm are imported once flags are valid.
+:func:`run_trainer` is also what ``swarmd demo`` drives its trainer with.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import logging
-import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from swarmd.cli import non_negative_int, positive_int
+from swarmd.cli import config_file
+from swarmd.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    Parser,
+    add_log_level,
+    load_swarm_key,
+    non_negative_int,
+    positive_int,
+    read_token,
+    seconds,
+    setup_logging,
+)
 from swarmd.errors import ConfigError, SwarmdError
 
+if TYPE_CHECKING:
+    from swarmd.train.trainer import TrainerConfig, TrainSummary
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = parser_class(
-        prog="swarmd train",
+
+def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
+    p = Parser(
+        prog=prog,
         description="Train the swarm's model: route microbatches of text through its stages.",
-        epilog="Example: swarmd train --api http://127.0.0.1:8080 --steps 50",
+        epilog=f"Example: {prog} --api http://127.0.0.1:8080 --steps 50",
     )
+    config_file.add_config_option(p)
     p.add_argument("--api", default="http://127.0.0.1:8080", metavar="URL",
                    help="control plane of any daemon of the swarm (default: http://127.0.0.1:8080)")
     p.add_argument("--api-token-file", default=None, metavar="FILE",
@@ -42,22 +62,16 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
                    help="one global batch per step, waiting for every stage to step (exact, slower)")
     p.add_argument("--val-every", type=non_negative_int, default=10,
                    help="steps between validation losses; 0: only at the end (default: 10)")
-    p.add_argument("--stage-wait-timeout", type=float, default=120.0, metavar="SECONDS",
+    p.add_argument("--stage-wait-timeout", type=seconds, default=120.0, metavar="SECONDS",
                    help="give up when a stage has had no live peer this long (default: 120)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
-    p.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="WARNING",
-                   help="log verbosity (default: WARNING)")
+    add_log_level(p, "WARNING")
     return p
 
 
-def config_from_args(args: argparse.Namespace):  # -> TrainerConfig
+def config_from_args(args: argparse.Namespace) -> TrainerConfig:
+    """Map parsed flags onto the trainer's config; ConfigError for an unusable token or key file."""
     from swarmd.train.trainer import TrainerConfig
-
-    if not (args.stage_wait_timeout > 0 and math.isfinite(args.stage_wait_timeout)):
-        raise ConfigError("--stage-wait-timeout must be a positive number of seconds")
-    from pathlib import Path
-
-    from swarmd.cli import load_swarm_key, read_token
 
     return TrainerConfig(
         api=args.api,
@@ -76,7 +90,7 @@ def config_from_args(args: argparse.Namespace):  # -> TrainerConfig
     )
 
 
-async def run_trainer(config: Any, *, show_progress: bool = True) -> Any:
+async def run_trainer(config: TrainerConfig, *, show_progress: bool = True) -> TrainSummary:
     """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage) on stderr."""
     from tqdm import tqdm
 
@@ -99,21 +113,20 @@ async def run_trainer(config: Any, *, show_progress: bool = True) -> Any:
         bar.close()
 
 
-def main(argv: Sequence[str], parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
-    args = build_parser(parser_class).parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+def main(argv: Sequence[str], prog: str = "swarmd train") -> int:
+    args = config_file.parse_args(build_parser(prog), argv)
+    setup_logging(args.log_level)
     try:
         config = config_from_args(args)
         summary = asyncio.run(run_trainer(config, show_progress=sys.stderr.isatty() or not args.json))
     except ConfigError as exc:
-        print(f"swarmd train: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except SwarmdError as exc:
-        print(f"swarmd train: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     if args.json:
         print(json.dumps(summary.to_json()))
     else:

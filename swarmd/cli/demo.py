@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,56 +21,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
+from swarmd.cli.common import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, Parser, load_swarm_key
+from swarmd.errors import ConfigError
+from swarmd.local_swarm import DaemonProcess, DaemonStartError
+
+MODEL = "tiny"
 
 
-class DemoError(Exception):
-    pass
-
-
-class Peer:
-    """One ``swarmd`` child process with free ports, its log in the demo's folder."""
-
-    def __init__(self, index: int, workdir: Path, args: Sequence[str]) -> None:
-        self.index = index
-        self.ready = workdir / f"peer{index}.json"
-        self.log_path = workdir / f"peer{index}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "swarmd", "--port", "0", "--api-port", "0", "--dht-port", "0",
-                 "--threads", "1", "--state-dir", str(workdir / f"peer{index}"), "--ready-file", str(self.ready),
-                 "--log-level", "INFO", *args],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
-        self.info: dict[str, Any] = {}
-
-    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                raise DemoError(f"peer {self.index} failed to start; the end of its log:\n{tail}")
-            time.sleep(0.05)
-        self.info = json.loads(self.ready.read_text())
-        return self.info
-
-    def status(self) -> dict[str, Any]:
-        return httpx.get(f"http://{self.info['api_addr']}/status", timeout=5).json()
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(10)
-
-
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = parser_class(prog="swarmd demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, choices=range(1, 9), default=2, metavar="S", help="pipeline stages (default: 2)")
-    p.add_argument("--peers", type=int, choices=range(1, 9), default=2, metavar="P", help="peers per stage (default: 2)")
+def build_parser(prog: str = "swarmd demo") -> argparse.ArgumentParser:
+    p = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, choices=range(1, 9), default=2, metavar="S",
+                   help="pipeline stages (default: 2)")
+    p.add_argument("--peers", type=int, choices=range(1, 9), default=2, metavar="P",
+                   help="peers per stage (default: 2)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps to train (default: 60)")
     p.add_argument("--target-batch-size", type=int, default=32, help="samples per step (default: 32)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
@@ -87,34 +49,31 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     return p
 
 
-def main(argv: Sequence[str], parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
-    args = build_parser(parser_class).parse_args(argv)
+def main(argv: Sequence[str], prog: str = "swarmd demo") -> int:
+    args = build_parser(prog).parse_args(argv)
     if args.steps < 2 or args.target_batch_size < 1:
-        print("swarmd demo: error: --steps must be at least 2 and --target-batch-size at least 1", file=sys.stderr)
-        return 2
-    from swarmd.cli import load_swarm_key
-    from swarmd.errors import ConfigError
-
+        print(f"{prog}: error: --steps must be at least 2 and --target-batch-size at least 1", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args.swarm_key = load_swarm_key(args.swarm_key)  # checked before any peer starts
     except ConfigError as exc:
-        print(f"swarmd demo: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM cleans up the children exactly like Ctrl-C
 
     signal.signal(signal.SIGTERM, interrupt)
-    peers: list[Peer] = []
+    peers: list[DaemonProcess] = []
     with tempfile.TemporaryDirectory(prefix="swarmd-demo-") as tmp:
         try:
             return asyncio.run(_demo(args, Path(tmp), peers))
         except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)
-            return 130
-        except DemoError as exc:
-            print(f"swarmd demo: error: {exc}", file=sys.stderr)
-            return 1
+            return EXIT_INTERRUPTED
+        except DaemonStartError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return EXIT_RUNTIME
         finally:
             codes = [p.stop() for p in peers]
             if peers:
@@ -127,34 +86,39 @@ def _say(text: str) -> None:
     tqdm.write(text, file=sys.stderr)  # above the trainer's progress bar, not through it
 
 
-async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> int:
-    from swarmd.train.cli import run_trainer
+def _peer(peers: list[DaemonProcess], workdir: Path, args: Sequence[str]) -> DaemonProcess:
+    """Start peer number ``len(peers)`` (its files: peerN.json, peerN.log, peerN/) and keep it in ``peers``."""
+    peer = DaemonProcess([*args, "--log-level", "INFO"], workdir, name=f"peer{len(peers)}")
+    peers.append(peer)
+    return peer
+
+
+async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProcess]) -> int:
+    from swarmd.cli.train import run_trainer
     from swarmd.train.trainer import TrainerConfig
 
-    model = "tiny"
     common = ["--swarm", "demo", "--announce-period", "2"]
     if args.swarm_key is not None:
         common += ["--swarm-key", args.swarm_key.source]
     _say(f"starting a swarm of {args.stages} stages x {args.peers} peers on 127.0.0.1 through the swarmd CLI ...")
-    founder = Peer(0, workdir, [*common, "--model", model, "--stage", "0", "--target-batch-size",
-                                str(args.target_batch_size), "--lr", str(args.lr), "--averaging-timeout", "10",
-                                *(["--delay-updates"] if args.delay_updates else [])])
-    peers.append(founder)
-    await asyncio.to_thread(founder.wait_ready)
+    founder = _peer(peers, workdir, [*common, "--model", MODEL, "--stage", "0", "--target-batch-size",
+                                     str(args.target_batch_size), "--lr", str(args.lr), "--averaging-timeout", "10",
+                                     *(["--delay-updates"] if args.delay_updates else [])])
+    await founder.wait_ready_async()
     join = [*common, "--join", founder.info["dht_addr"]]
     _say(f"  peer 0 founded swarm 'demo' (DHT udp://{founder.info['dht_addr']}) on stage 0")
     for i in range(1, args.stages * args.peers):
-        peers.append(Peer(i, workdir, [*join, "--stage", str(i % args.stages)]))
-    await asyncio.gather(*(asyncio.to_thread(p.wait_ready) for p in peers[1:]))
+        _peer(peers, workdir, [*join, "--stage", str(i % args.stages)])
+    await asyncio.gather(*(p.wait_ready_async() for p in peers[1:]))
     for p in peers[1:]:
-        _say(f"  peer {p.index} joined with --join {founder.info['dht_addr']} on stage {p.info['stage']}")
+        _say(f"  peer {p.name.removeprefix('peer')} joined with --join {founder.info['dht_addr']} "
+             f"on stage {p.info['stage']}")
 
-    config = TrainerConfig(api=f"http://{founder.info['api_addr']}", steps=args.steps, codec=args.codec,
+    config = TrainerConfig(api=founder.api, steps=args.steps, codec=args.codec,
                            microbatch_size=8, window=8, val_every=max(1, args.steps // 6), sync=not args.asynchronous,
                            swarm_key=args.swarm_key)
     kill_at = None if args.no_kill or args.peers < 2 else args.steps // 2
     victim = peers[-1] if kill_at is not None else None
-    replacement: list[Peer] = []
     killed_at_step: list[int] = []
 
     async def watch_for_halfway() -> None:
@@ -162,22 +126,20 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> i
             return
         while True:
             await asyncio.sleep(0.2)
-            step = await asyncio.to_thread(lambda: min(_step_of(p) for p in peers if p.proc.poll() is None))
+            step = await asyncio.to_thread(lambda: min(_step_of(p) for p in peers if p.running()))
             if step >= kill_at:
                 break
-        victim.proc.kill()
+        victim.kill()
         killed_at_step.append(step)
-        _say(f"\n>>> step {step}: SIGKILL peer {victim.index} (stage {victim.info['stage']}); "
+        _say(f"\n>>> step {step}: SIGKILL peer {victim.name.removeprefix('peer')} (stage {victim.info['stage']}); "
              "training goes on through its stage-mates")
-        new = Peer(len(peers), workdir, [*join, "--stage", str(victim.info["stage"])])
-        peers.append(new)
-        replacement.append(new)
-        await asyncio.to_thread(new.wait_ready)
-        st = new.status()
-        _say(f">>> replacement peer {new.index} joined stage {st['stage']} over the DHT and downloaded its state "
-             f"(step {st['step']}) from peer {str(st['synced_from'])[:12]}\n")
+        new = _peer(peers, workdir, [*join, "--stage", str(victim.info["stage"])])
+        await new.wait_ready_async()
+        st = await new.status_async()
+        _say(f">>> replacement peer {new.name.removeprefix('peer')} joined stage {st['stage']} over the DHT "
+             f"and downloaded its state (step {st['step']}) from peer {str(st['synced_from'])[:12]}\n")
 
-    _say(f"\ntraining the {model} model on the Python standard library's sources "
+    _say(f"\ntraining the {MODEL} model on the Python standard library's sources "
          f"({args.codec} activations, {args.target_batch_size} samples per step) ...")
     watcher = asyncio.create_task(watch_for_halfway())
     started = time.monotonic()
@@ -191,7 +153,7 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> i
             _say(f"(the kill-and-replace step failed: {outcome!r})")
     elapsed = time.monotonic() - started
 
-    alive = [p for p in peers if p.proc.poll() is None]
+    alive = [p for p in peers if p.running()]
     statuses = await asyncio.to_thread(_settled, alive)
     by_stage: dict[int, set[str]] = {}
     for st in statuses:
@@ -214,9 +176,9 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[Peer]) -> i
     return 0 if identical else 1
 
 
-def _settled(alive: list[Peer], timeout: float = 15.0) -> list[dict[str, Any]]:
+def _settled(alive: list[DaemonProcess], timeout_s: float = 15.0) -> list[dict[str, Any]]:
     """Every live peer's /status once the peers of each stage are at one step (or the timeout)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout_s
     while True:
         statuses = [p.status() for p in alive]
         steps: dict[int, set[int]] = {}
@@ -227,8 +189,9 @@ def _settled(alive: list[Peer], timeout: float = 15.0) -> list[dict[str, Any]]:
         time.sleep(0.2)
 
 
-def _step_of(peer: Peer) -> int:
+def _step_of(peer: DaemonProcess) -> int:
+    """A peer's step, 0 while its control plane does not answer (killed, starting)."""
     try:
         return int(peer.status()["step"])
-    except (httpx.HTTPError, KeyError, ValueError):
+    except (OSError, KeyError, TypeError, ValueError):  # URLError and timeouts are OSErrors
         return 0

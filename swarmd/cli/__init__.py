@@ -1,0 +1,54 @@
+"""``swarmd``: the command line, one module per command.
+
+``swarmd [serve] FLAGS`` serves a stage (``serve`` is the default, so ``swarmd --stage 0`` works
+as it always has), ``swarmd train`` runs a trainer, ``swarmd demo`` a local demo swarm. The first
+word picks the command from :data:`COMMANDS`, whose module is imported only then; each command
+owns a :class:`~swarmd.cli.common.Parser` and a ``main(argv, prog) -> int``. A dispatch table
+rather than argparse sub-parsers because the default command takes its flags with no word in
+front, and because each command reads its own ``--config`` file against its own parser
+(``config_file``). A new command (``status``, ``export``) is one module and one entry here.
+
+Layering, so there is no import circle and ``swarmd --help`` imports no torch: ``common`` and
+``config_file`` import nothing of swarmd but ``errors``; the commands import those two, and the
+heavy modules (daemon, trainer, torch, fastapi) only inside the functions that run them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_COMMAND = "serve"
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str  # imported on use: exposes main(argv: Sequence[str], prog: str) -> int
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("swarmd.cli.serve", "serve one pipeline stage (the default command)"),
+    "train": Command("swarmd.cli.train", "train the swarm's model through its stages"),
+    "demo": Command("swarmd.cli.demo", "a local demo swarm that trains, loses a peer and heals"),
+}
+
+
+def commands_epilog() -> str:
+    lines = "; ".join(f"'swarmd {name} --help' ({c.summary})" for name, c in COMMANDS.items() if name != "serve")
+    return (f"Example: swarmd --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status. "
+            f"Commands: swarmd [serve] (this help); {lines}.")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = argv[0] if argv[:1] and argv[0] in COMMANDS else None
+    rest = argv[1:] if name is not None else argv
+    module = importlib.import_module(COMMANDS[name or DEFAULT_COMMAND].module)
+    if (name or DEFAULT_COMMAND) == DEFAULT_COMMAND:
+        code: int = module.main(rest, prog="swarmd serve" if name else "swarmd", epilog=commands_epilog())
+    else:
+        code = module.main(rest, prog=f"swarmd {name}")
+    return code

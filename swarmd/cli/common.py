@@ -1,0 +1,145 @@
+"""What every ``swarmd`` command shares: the parser that fails in one sentence, argument types, logging.
+
+Nothing here imports torch, fastapi or bitsandbytes (``swarmd --help`` stays fast): the argument
+types are plain functions of a string, and the swarm key is loaded through a lazy import. Every
+type raises :class:`argparse.ArgumentTypeError` with a message that completes the sentence
+"argument --flag: ...", which is also what a config file's bad value reports (``config_file``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from swarmd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from swarmd.swarm_key import SwarmKey
+
+EXIT_RUNTIME = 1  # the environment failed (a port taken, no bootstrap peer answered)
+EXIT_USAGE = 2  # the user asked for something impossible (a bad flag, a bad file)
+EXIT_INTERRUPTED = 130  # a second Ctrl-C during shutdown
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one sentence (plus a hint), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail_usage(message, self.prog)
+
+
+def fail_usage(message: str, prog: str = "swarmd") -> NoReturn:
+    """Print ``prog: error: <message>. See 'prog --help'.`` on one line and exit 2."""
+    message = " ".join(message.split()).rstrip(".")  # one line, whatever the message held
+    print(f"{prog}: error: {message}. See '{prog} --help'.", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+# ---- argument types -----------------------------------------------------------------------------
+
+
+def port(text: str) -> int:
+    """A TCP/UDP port; 0 asks the OS for a free one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535; 0 picks a free port)")
+    return value
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of a live peer (``[v6]:port`` too); port 0 cannot be dialled."""
+    host, sep, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:31337)")
+    value = port(port_text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} has port 0; give the port the peer's DHT listens on")
+    return host, value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("0 must be at least 1")
+    return value
+
+
+def positive_number(what: str) -> Callable[[str], float]:
+    """A type for a finite number > 0; ``what`` names it in errors ("a number of seconds")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text} must be a positive {what.removeprefix('a ')}")
+        return value
+
+    parse.__name__ = what.removeprefix("a ").replace(" ", "_")  # what argparse calls it in "invalid ... value"
+    return parse
+
+
+seconds = positive_number("a number of seconds")
+learning_rate = positive_number("a learning rate")
+
+
+# ---- secrets ------------------------------------------------------------------------------------
+
+
+def read_token(path: Path) -> str:
+    """The first line of ``path``: a secret of at least 16 characters; ConfigError otherwise."""
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --api-token-file {path}: {exc.strerror or exc}") from exc
+    token = text.splitlines()[0].strip() if text else ""
+    if len(token) < 16:
+        raise ConfigError(f"the token in {path} is shorter than 16 characters; use a long random secret "
+                          "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
+def load_swarm_key(path: Path | str | None) -> SwarmKey | None:
+    """The ``--swarm-key`` file's key (None without the flag); ConfigError if it is unusable."""
+    if path is None:
+        return None
+    from swarmd.swarm_key import SwarmKey
+
+    return SwarmKey.load(path)
+
+
+# ---- logging ------------------------------------------------------------------------------------
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--log-level`` with one spelling and one set of choices for every command."""
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
+                        help=f"log verbosity (default: {default})")
+
+
+def setup_logging(level: str) -> None:
+    """Timestamped lines on stderr; kademlia's chatter only from WARNING up, whatever the level."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("kademlia").setLevel(max(logging.WARNING, logging.getLogger().level))

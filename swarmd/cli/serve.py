@@ -1,0 +1,251 @@
+"""``swarmd [serve]``: one daemon serving one pipeline stage, flags mapped onto ``swarmd.config``.
+
+Bad flags exit 2 with one sentence; an environment failure (a port already taken) exits 1
+with one sentence; SIGTERM/SIGINT drain gracefully and exit 0 (or the daemon's exit code,
+non-zero when one of its background loops crashed). The parser imports nothing heavy: the
+config tree, the model spec and the daemon (torch, fastapi) are imported once flags are valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from swarmd import __version__
+from swarmd.cli import config_file
+from swarmd.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME,
+    Parser,
+    add_log_level,
+    fail_usage,
+    host_port,
+    learning_rate,
+    load_swarm_key,
+    non_negative_int,
+    port,
+    positive_int,
+    read_token,
+    seconds,
+    setup_logging,
+)
+from swarmd.config import DEFAULT_API_PORT  # the config tree is torch-free: --help stays fast
+from swarmd.errors import ConfigError, SwarmdError
+
+if TYPE_CHECKING:
+    from swarmd.config import Config
+
+
+READY_KEYS = ("peer_id", "stage", "data_addr", "api_addr", "dht_addr", "swarm", "model")
+
+
+def stage(text: str) -> int | None:
+    """A stage number, or ``auto`` (None): the stage that needs this peer most."""
+    if text == "auto":
+        return None
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a stage: give a number or 'auto'") from None
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "swarmd"
+
+
+def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.ArgumentParser:
+    p = Parser(
+        prog=prog,
+        description="Serve one pipeline stage of a model in a SWARM-parallel training swarm.",
+        epilog=epilog or f"Example: {prog} --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status.",
+    )
+    p.add_argument("--version", action="version", version=f"swarmd {__version__}")
+    config_file.add_config_option(p)
+    p.add_argument("--join", type=host_port, action="append", default=[], metavar="HOST:PORT",
+                   help="DHT address of any live member to join through (repeatable); without it, found a new swarm")
+    p.add_argument("--stage", type=stage, default=None, metavar="N|auto",
+                   help="pipeline stage to serve; auto picks the stage with the lowest total throughput "
+                   "(default: auto)")
+    p.add_argument("--model", default=None, metavar="PRESET|FILE",
+                   help="model preset (tiny, small, base) or a JSON file of ModelSpec fields; a founder defaults to "
+                   "tiny, a joiner serves the swarm's model and refuses a --model that differs")
+    p.add_argument("--swarm", default="default", help="name of the swarm to serve in (default: default)")
+    founding = p.add_argument_group("training settings (a founder publishes them; joiners take the swarm's)")
+    founding.add_argument("--target-batch-size", type=positive_int, default=None,
+                          help="samples per optimizer step over the whole swarm (default: 32)")
+    founding.add_argument("--lr", type=learning_rate, default=None, metavar="RATE",
+                          help="peak learning rate (default: 1e-3)")
+    founding.add_argument("--optimizer", choices=("adamw", "lamb"), default=None, help="(default: adamw)")
+    founding.add_argument("--warmup-steps", type=non_negative_int, default=None, help="(default: 10)")
+    founding.add_argument("--delay-updates", action="store_true", default=None,
+                          help="delayed parameter updates: keep serving with the previous parameters while a "
+                          "stage averages; gradients one step stale are applied to the next update")
+    founding.add_argument("--averaging-timeout", type=seconds, default=None, metavar="SECONDS",
+                          help="a stage's all-reduce stops waiting for missing peers after this (default: 30)")
+    founding.add_argument("--grad-codec", choices=("none", "fp16", "8bit"), default=None,
+                          help="codec of the gradients a stage's peers average (lossy codecs keep the peers "
+                          "bit-identical; default: none)")
+    p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
+    p.add_argument("--port", type=port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
+    p.add_argument("--api-host", default="127.0.0.1", help="control-plane listen address (default: 127.0.0.1)")
+    p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
+                   help="make the swarm private: a file holding a pre-shared secret (>= 16 bytes) that every peer "
+                   "and trainer of the swarm is given; DHT messages and data-plane requests without it are refused "
+                   "(create one: head -c 32 /dev/urandom | base64 > swarm.key; chmod 600 swarm.key)")
+    p.add_argument("--api-token-file", type=Path, default=None, metavar="FILE",
+                   help="a file holding the control plane's bearer token; required when --api-host is not a "
+                   "loopback address (mutating endpoints then need 'Authorization: Bearer <token>')")
+    p.add_argument("--api-port", type=port, default=DEFAULT_API_PORT,
+                   help=f"control-plane port; 0 picks a free one (default: {DEFAULT_API_PORT})")
+    p.add_argument("--dht-host", default="127.0.0.1", help="DHT (UDP) listen address (default: 127.0.0.1)")
+    p.add_argument("--dht-port", type=port, default=0, help="DHT (UDP) port; 0 picks a free one (default: 0)")
+    p.add_argument("--announce-period", type=seconds, default=10.0, metavar="SECONDS",
+                   help="how often this peer refreshes its DHT record; records expire after 3 periods (default: 10)")
+    p.add_argument("--bootstrap-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="give up joining when no --join address answers within this (default: 30)")
+    p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help=f"where the peer's identity key is kept, one directory per daemon "
+                   f"(default: {default_state_dir()})")
+    p.add_argument("--rebalance-policy", choices=("adaptive", "swarm", "none"), default="adaptive",
+                   help="how peers move between stages: adaptive (ours), swarm (the paper's Algorithm 2) or none; "
+                   "every peer of a swarm should use the same (default: adaptive)")
+    p.add_argument("--rebalance-period", type=seconds, default=300.0, metavar="SECONDS",
+                   help="how often the policy runs (adaptive also runs when peers join or leave) (default: 300)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the stage computes: auto uses a GPU when torch sees one (default: auto)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch compute threads (default: torch's choice)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long to wait for in-flight requests (default: 30)")
+    p.add_argument("--ready-file", type=Path, default=None, metavar="PATH",
+                   help="once serving, write a JSON object with the bound addresses here (for scripts and tests)")
+    add_log_level(p, "INFO")
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but torch sees no CUDA device (try --device cpu)")
+    return device
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
+    from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
+    from swarmd.pipeline.spec import TrainingSpec, load_spec
+
+    spec = load_spec(args.model) if args.model is not None else None
+    given = {
+        "target_batch_size": args.target_batch_size,
+        "lr": args.lr,
+        "optimizer": args.optimizer,
+        "warmup_steps": args.warmup_steps,
+        "averaging_timeout_s": args.averaging_timeout,
+        "delay_updates": args.delay_updates,
+        "grad_codec": args.grad_codec,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    training = TrainingSpec(**given) if given else None
+    if spec is not None and args.stage is not None and args.stage >= spec.n_stages:
+        raise ConfigError(f"--stage {args.stage} is out of range: model {spec.name} has stages 0..{spec.n_stages - 1}")
+    if not args.drain_timeout >= 0:
+        raise ConfigError("--drain-timeout must be a non-negative number of seconds")
+    token = read_token(args.api_token_file) if args.api_token_file else None
+    swarm_key = load_swarm_key(args.swarm_key)
+    if token is None and not is_loopback(args.api_host):
+        raise ConfigError(
+            f"--api-host {args.api_host} exposes the control plane beyond this machine: give --api-token-file FILE "
+            "so that migrating or registering needs the token"
+        )
+    return Config(
+        swarm=args.swarm,
+        net=NetConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout),
+        api=ApiConfig(host=args.api_host, port=args.api_port, token=token),
+        dht=DHTConfig(
+            host=args.dht_host,
+            port=args.dht_port,
+            join=tuple(args.join),
+            announce_period_s=args.announce_period,
+            bootstrap_timeout_s=args.bootstrap_timeout,
+            state_dir=args.state_dir or default_state_dir(),
+        ),
+        rebalance=RebalanceConfig(policy=args.rebalance_policy, period_s=args.rebalance_period),
+        swarm_key=swarm_key,
+        pipeline=PipelineConfig(
+            spec=spec, stage=args.stage, training=training, device=resolve_device(args.device), threads=args.threads
+        ),
+    )
+
+
+async def serve(config: Config, ready_file: Path | None) -> int:
+    """Run a daemon until SIGTERM/SIGINT; write ``ready_file`` once it serves. Its exit code."""
+    from swarmd.daemon import Daemon
+
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    try:
+        runner = asyncio.create_task(daemon.run(), name="swarmd-daemon")
+        ready = asyncio.create_task(daemon.ready.wait())
+        await asyncio.wait({runner, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready_file is not None:
+            write_ready_file(ready_file, daemon.status())
+        ready.cancel()
+        await runner
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    # a daemon that exposes one: non-zero when a background loop crashed and stopped it
+    code = getattr(daemon, "exit_code", 0)
+    return code if isinstance(code, int) else EXIT_RUNTIME
+
+
+def write_ready_file(path: Path, status: Mapping[str, Any]) -> None:
+    """The bound addresses as one JSON object, written atomically: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({k: status[k] for k in READY_KEYS}) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str], prog: str = "swarmd", epilog: str | None = None) -> int:
+    args = config_file.parse_args(build_parser(prog, epilog), argv)
+    setup_logging(args.log_level)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        fail_usage(str(exc), prog)
+    try:
+        return asyncio.run(serve(config, args.ready_file))
+    except ConfigError as exc:
+        fail_usage(str(exc), prog)
+    except SwarmdError as exc:  # e.g. no bootstrap peer answered
+        print(f"swarmd: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except OSError as exc:
+        print(f"swarmd: error: cannot start: {exc.strerror or exc}. "
+              "Pick another port (0 picks a free one) or check the address.", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return EXIT_INTERRUPTED
