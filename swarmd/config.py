@@ -22,6 +22,9 @@ class NetConfig:
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: the OS picks a free port; the bound port is logged and shown in /status
+    # --announce: the host (and port) others dial; None learns it (swarmd.net.addresses)
+    announce_host: str | None = None
+    announce_port: int | None = None
     limits: WireLimits = DEFAULT_LIMITS
     drain_timeout_s: float = 30.0  # how long shutdown waits for in-flight requests
     read_timeout_s: float = 60.0  # a request body must arrive within this

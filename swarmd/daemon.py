@@ -40,6 +40,7 @@ Shutdown (SIGTERM/SIGINT via the CLI, or ``request_stop``), in this order:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 import socket
@@ -58,8 +59,17 @@ from swarmd.dht.membership import Membership
 from swarmd.dht.node import DHTNode
 from swarmd.dht.records import PeerRecord
 from swarmd.errors import ConfigError, SwarmdError
-from swarmd.net import codecs
-from swarmd.net.addresses import format_addr
+from swarmd.net import codecs, reachability
+from swarmd.net.addresses import (
+    Announced,
+    choose_host,
+    default_route_source,
+    family_of,
+    format_addr,
+    is_wildcard,
+    loopback_mismatch,
+    route_source,
+)
 from swarmd.net.client import client_session
 from swarmd.net.server import DataPlane
 from swarmd.net.state_sync import adopt_state, choose_donors
@@ -98,6 +108,9 @@ class Daemon:
         self.announcements = 0  # successful record publications, for /status and tests
         self.synced_from: str | None = None  # the stage-mate whose state this peer adopted last
         self.last_sync_s: float | None = None  # how long the last state download took
+        self.announced: Announced | None = None  # the host others dial (swarmd.net.addresses)
+        self.reachability = reachability.Reachability()  # whether they can (swarmd.net.reachability)
+        self._probes = reachability.ProbeService(lambda: self.peer_id, lambda: self._session)
         self.migrator = Migrator(self)
         self.tasks = TaskSet(on_fatal=self._on_fatal)
         self._stage: int | None = None  # chosen before the runtime is built
@@ -138,14 +151,32 @@ class Daemon:
 
     @property
     def data_addr(self) -> str | None:
-        return format_addr(self.data_plane.address) if self.data_plane else None
+        """The data-plane address this peer announces: what trainers and stage-mates dial."""
+        if self.data_plane is None or self.data_plane.address is None:
+            return None
+        bound = self.data_plane.address
+        if self.announced is None:
+            return format_addr(bound)
+        return self.announced.addr(self.config.net.announce_port or bound[1])
+
+    @property
+    def dht_addr(self) -> str | None:
+        """The DHT contact address to give others (``--join``): announced host, bound port."""
+        if self.dht is None or not self.dht.running:
+            return None
+        host, port = self.dht.address
+        if is_wildcard(host) and self.announced is not None:
+            host = self.announced.host
+        return format_addr((host, port))
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         cfg = self.config
         try:
+            self._check_static_address()
             await self._join_dht()
+            await self._learn_address()
             self.spec, self.training = await self._resolve_swarm()
             self._stage = await self._resolve_stage(self.spec)
             await asyncio.to_thread(codecs.warm_up)
@@ -153,13 +184,16 @@ class Daemon:
             self._session = client_session(cfg.swarm_key)  # signs requests to stage-mates in a private swarm
             self.data_plane = DataPlane(lambda: self.runtime, limits=cfg.net.limits,
                                         read_timeout_s=cfg.net.read_timeout_s, swarm_key=cfg.swarm_key)
+            self._probes.install(self.data_plane.app)
             data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
-            log.info("data plane listening on http://%s", format_addr(data_addr))
+            log.info("data plane listening on http://%s, announced as %s (%s)", format_addr(data_addr),
+                     self.data_addr, self.announced.how if self.announced else "bound")
             await self._start_api()
             log.info("control plane listening on http://%s (docs at /docs)", format_addr(self.api_addr))
             self.state = PeerState.JOINING
             await self.announce()
             await self.sync_state(min_step=0, required=False)
+            await self.check_reachability()
             self.state = PeerState.SERVING
             await self.announce()
             self.tasks.spawn(ANNOUNCE_TASK, self._announce_loop, restart=True)
@@ -339,6 +373,75 @@ class Daemon:
                  ", ".join(f"stage {x.stage}: {x.peers} peers, {x.throughput:.0f} samples/s" for x in loads))
         return stage
 
+    def _check_static_address(self) -> None:
+        """Before anything is bound: a loopback --announce or --host into a swarm beyond loopback."""
+        net = self.config.net
+        host = net.announce_host or (None if is_wildcard(net.host) else net.host)
+        problem = loopback_mismatch(host, self.config.dht.join) if host else None
+        if problem is not None:
+            raise ConfigError(problem)
+
+    async def _learn_address(self) -> None:
+        """Choose the host to announce (``swarmd.net.addresses``); refuse a loopback one that
+        would go into a swarm beyond this machine."""
+        assert self.dht is not None  # _join_dht ran
+        net, dht = self.config.net, self.config.dht
+        observed: list[str] = []
+        route: str | None = None
+        if net.announce_host is None and is_wildcard(net.host):
+            join = [addr for addr in dht.join if not is_wildcard(addr[0]) and _is_ip(addr[0])]
+            if dht.join:
+                seen = await self.dht.observe_self(extra=join, timeout=1.0)
+                observed = [ip for _, ip in seen]
+                route = route_source(dht.join[0][0])
+            if route is None:
+                route = default_route_source(family_of(net.host))
+        self.announced = choose_host(bound=net.host, flag=net.announce_host, observed=observed, route=route)
+        problem = loopback_mismatch(self.announced.host, dht.join)
+        if problem is not None:
+            raise ConfigError(problem)
+        if self.announced.how == "loopback" and is_wildcard(net.host):
+            log.warning("bound to %s, but no route and no DHT contact tells which address others reach this peer "
+                        "at: announcing %s; give --announce HOST for a swarm beyond this machine",
+                        net.host, self.announced.host)
+
+    async def _relearn_address(self) -> None:
+        """A founder bound to a wildcard announced the route's address; once two or more DHT
+        contacts agree on what they see, announce that instead."""
+        announced = self.announced
+        if self.dht is None or announced is None or announced.how not in ("route", "loopback"):
+            return
+        seen = await self.dht.observe_self(timeout=1.0)
+        better = choose_host(bound=self.config.net.host, observed=[ip for _, ip in seen], route=announced.host)
+        if better.how == "observed" and better.host != announced.host:
+            log.info("DHT contacts see this peer at %s: announcing it instead of %s", better.host, announced.host)
+            self.announced = better
+            self.reachability = reachability.Reachability()  # a new address: check it again
+        elif better.how == "observed":
+            self.announced = better
+
+    async def check_reachability(self) -> None:
+        """Ask other members to dial the announced data address (``swarmd.net.reachability``)."""
+        assert self.membership is not None and self.spec is not None and self._session is not None
+        addr, peer_id = self.data_addr, self.peer_id
+        if addr is None or peer_id is None:
+            return
+        try:
+            stages = await self.membership.stage_peers(self.spec.n_stages)
+        except SwarmdError as exc:
+            log.warning("cannot check this peer's reachability: %s", exc)
+            return
+        members = [r for records in stages for r in records.values()]
+        result = await reachability.check(self._session, peer_id=peer_id, addr=addr, members=members)
+        changed = result.status != self.reachability.status
+        self.reachability = result
+        if result.status == "no":
+            log.error("no member of the swarm could dial this peer's data plane at %s (%s): it will not be used. "
+                      "Open TCP port %s in the firewall, forward it through the NAT, or give --announce HOST:PORT",
+                      addr, "; ".join(f"{pid[:12]}: {why}" for pid, why in result.by.items()), addr.rsplit(":", 1)[-1])
+        elif changed and result.status == "yes":
+            log.info("reachable at %s (checked by %d member(s))", addr, sum(v == "reached" for v in result.by.values()))
+
     # ---- state sync ----------------------------------------------------------------------------
 
     async def _resync(self, step: int) -> None:
@@ -403,6 +506,7 @@ class Daemon:
             version=__version__,
             timestamp=now,
             expiry=now + self.config.dht.record_ttl_s,
+            reachable=self.reachability.status,
         )
 
     async def announce(self) -> None:
@@ -419,6 +523,9 @@ class Daemon:
         while True:
             await asyncio.sleep(period * random_jitter())
             try:
+                await self._relearn_address()
+                if self.reachability.status == "unknown":  # e.g. a founder alone at first: ask once others are here
+                    await self.check_reachability()
                 await self.announce()
                 await self.membership.publish_swarm(self.spec, self.training.to_dict())
             except SwarmdError as exc:
@@ -432,7 +539,9 @@ class Daemon:
         cached = self._mates_cache
         if cached is None or now - cached[0] > max_age_s or cached[2] != stage:
             records = await self.dht.get_stage_peers(self.config.swarm, stage)
-            mates = {pid: r.data_addr for pid, r in records.items() if r.state == "serving"}
+            # this peer, and the stage-mates the others can dial (an unreachable one cannot take part)
+            mates = {pid: r.data_addr for pid, r in records.items()
+                     if r.state == "serving" and (r.usable or pid == self.peer_id)}
             self._mates_cache = cached = (now, mates, stage)
         return dict(cached[1])
 
@@ -502,6 +611,7 @@ class Daemon:
                             "step": r.step,
                             "params_digest": r.params_digest,
                             "version": r.version,
+                            "reachable": r.reachable,
                             "age_s": round(max(0.0, now - r.timestamp), 3),
                         }
                         for r in sorted(records.values(), key=lambda r: r.peer_id)
@@ -524,6 +634,18 @@ class Daemon:
                 "dht": dht_auth or {},
                 "data_plane": dp.auth.counts() if dp is not None and dp.auth is not None else {},
             },
+        }
+
+    def _addresses(self) -> dict[str, Any]:
+        """Bound and announced addresses, and how the announced host was chosen."""
+        dp = self.data_plane
+        return {
+            "data_bound": format_addr(dp.address) if dp is not None else None,
+            "data_announced": self.data_addr,
+            "dht_bound": format_addr(self.dht.address) if self.dht is not None and self.dht.running else None,
+            "dht_announced": self.dht_addr,
+            "how": self.announced.how if self.announced is not None else None,
+            "observed": list(self.announced.observed) if self.announced is not None else [],
         }
 
     def status(self) -> dict[str, Any]:
@@ -561,7 +683,9 @@ class Daemon:
             auth=self._auth_status(),
             data_addr=self.data_addr,
             api_addr=format_addr(self.api_addr),
-            dht_addr=format_addr(self.dht.address) if self.dht and self.dht.running else None,
+            dht_addr=self.dht_addr,
+            addresses=self._addresses(),
+            reachability=self.reachability.to_dict(),
             founder=self.founder,
             announcements=self.announcements,
             task_crashes=self.tasks.crashes(),
@@ -574,3 +698,11 @@ class Daemon:
 def random_jitter() -> float:
     """A factor in [0.9, 1.1]: periodic loops of many peers do not fall into step."""
     return random.uniform(0.9, 1.1)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True

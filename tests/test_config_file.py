@@ -19,6 +19,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "swarmd.example.toml
 # every serve flag: (its value in a file, the same setting as flags); none is the flag's default
 SERVE_SAMPLES: dict[str, tuple[Any, list[str]]] = {
     "join": (["127.0.0.1:31337", "[::1]:31338"], ["--join", "127.0.0.1:31337", "--join", "[::1]:31338"]),
+    "announce": ("[2001:db8::7]:7000", ["--announce", "[2001:db8::7]:7000"]),
     "stage": (1, ["--stage", "1"]),
     "model": ("tiny", ["--model", "tiny"]),
     "swarm": ("from-a-file", ["--swarm", "from-a-file"]),

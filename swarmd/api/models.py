@@ -56,6 +56,17 @@ class Status(BaseModel):
     data_addr: str | None = Field(description="host:port of the aiohttp data plane")
     api_addr: str | None = Field(description="host:port of this control plane")
     dht_addr: str | None = Field(description="host:port of this peer's DHT node (UDP); others --join it")
+    addresses: dict[str, Any] = Field(
+        default_factory=dict,
+        description="data_bound/data_announced and dht_bound/dht_announced host:port, and how the announced "
+        "host was chosen: flag (--announce), bound (a specific --host), observed (two or more DHT contacts agree "
+        "on what they see), route (the local address of the route to the bootstrap peer), loopback",
+    )
+    reachability: dict[str, Any] = Field(
+        default_factory=dict,
+        description="whether other members could dial data_addr: status unknown | yes | no, the addr probed, "
+        "by (prober peer id -> 'reached' or why not), checked_at (unix time)",
+    )
     founder: bool = Field(description="whether this peer founded the swarm (started without --join)")
     announcements: int = Field(description="peer records this daemon published to the DHT")
     task_crashes: dict[str, int] = Field(
@@ -77,6 +88,7 @@ class SwarmPeer(BaseModel):
     step: int
     params_digest: str | None
     version: str
+    reachable: str = Field(default="unknown", description="whether members could dial data_addr: unknown | yes | no")
     age_s: float = Field(description="seconds since the peer last announced itself")
 
 

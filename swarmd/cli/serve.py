@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import os
 import signal
@@ -96,6 +95,10 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
                           "bit-identical; default: none)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
+    p.add_argument("--announce", type=announce_addr, default=None, metavar="HOST[:PORT]",
+                   help="the address others dial for this peer's data plane (and its DHT contact host): behind a "
+                   "port forward or with several interfaces. Without it, a specific --host is announced as is, and "
+                   "a wildcard (0.0.0.0, ::) is replaced by the address the swarm's DHT contacts see this peer at")
     p.add_argument("--api-host", default="127.0.0.1", help="control-plane listen address (default: 127.0.0.1)")
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
                    help="make the swarm private: a file holding a pre-shared secret (>= 16 bytes) that every peer "
@@ -131,13 +134,17 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
     return p
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def announce_addr(text: str) -> tuple[str, int | None]:
+    """``--announce HOST[:PORT]``: a specific host (IPv6 in brackets with a port), never a wildcard."""
+    from swarmd.net.addresses import is_wildcard, parse_host_port
+
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+        host, value = parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if is_wildcard(host):
+        raise argparse.ArgumentTypeError(f"{text!r} is a wildcard address; announce the address others dial")
+    return host, value
 
 
 def resolve_device(device: str) -> str:
@@ -153,6 +160,7 @@ def resolve_device(device: str) -> str:
 def config_from_args(args: argparse.Namespace) -> Config:
     """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
     from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
+    from swarmd.net.addresses import is_loopback
     from swarmd.pipeline.spec import TrainingSpec, load_spec
 
     spec = load_spec(args.model) if args.model is not None else None
@@ -180,7 +188,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         )
     return Config(
         swarm=args.swarm,
-        net=NetConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout),
+        net=NetConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
+                      announce_host=args.announce[0] if args.announce else None,
+                      announce_port=args.announce[1] if args.announce else None),
         api=ApiConfig(host=args.api_host, port=args.api_port, token=token),
         dht=DHTConfig(
             host=args.dht_host,

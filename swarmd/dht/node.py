@@ -19,11 +19,11 @@ Lookups
     ``get`` per bucket, run in parallel. ``scripts/bench_dht.py`` measures these.
 
 Sizes and limits (measured; ``tests/test_dht_node.py`` and ``test_dht_records.py`` pin them)
-    - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest): 295 bytes;
+    - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest): 298 bytes;
     - the largest datagram rpcudp sends: 8213 bytes (21 of header + 8192 of msgpack), which
       leaves 8137 bytes for one key's bundle (``MAX_BUNDLE_BYTES``); a private swarm
       (``swarm_key``) wraps it in 25 more bytes, 8238 in all;
-    - so one key holds 27 such PeerRecords (298 bytes each inside a bundle);
+    - so one key holds 27 such PeerRecords (301 bytes each inside a bundle);
     - a stage's peers are spread over ``bucket_count`` keys (default 4:
       :func:`stage_key` ``(swarm, stage, bucket)``, ``bucket = bucket_of(peer_id)``), read in
       parallel by :meth:`DHTNode.get_stage_peers`: up to 4 x 27 = 108 peers per stage. When a
@@ -299,6 +299,20 @@ class DHTNode:
         if self._protocol is None:
             return []
         return [(n.ip, n.port) for n in self._protocol.router.find_neighbors(self.node, k)]
+
+    async def observe_self(self, *, contacts: int = 4, timeout: float | None = None,
+                           extra: Sequence[tuple[str, int]] = ()) -> list[tuple[tuple[str, int], str]]:
+        """Ask up to ``contacts`` contacts (``extra`` first, e.g. the bootstrap addresses, then
+        the routing table's) which IP this node's datagrams come from: ``[(contact, ip), ...]``
+        for those that answered (``whoami``, see ``swarmd.dht.protocol``)."""
+        protocol = self._proto()
+        asked: list[tuple[str, int]] = []
+        for addr in [*extra, *self.neighbors()]:
+            if addr not in asked:
+                asked.append(addr)
+        asked = asked[:contacts]
+        answers = await _gather(*(protocol.observed_from(addr, timeout=timeout) for addr in asked))
+        return [(addr, seen[0]) for addr, seen in zip(asked, answers, strict=True) if seen is not None]
 
     # --- bootstrap -------------------------------------------------------------------------------
 

@@ -1,4 +1,8 @@
-"""Kademlia's four RPCs over UDP (Maymounkov & Mazières, section 2.3), hardened for untrusted input.
+"""Kademlia's four RPCs over UDP (Maymounkov & Mazières, section 2.3), hardened for untrusted input,
+plus ``whoami``: the answering node returns the ``[ip, port]`` it saw the request come from (as
+a STUN binding response does), so that a daemon bound to ``0.0.0.0`` learns the address others
+reach it at (``swarmd.net.addresses``). A node of an older build drops it as an unknown RPC,
+which counts as no answer.
 
 The framing is rpcudp 5.0.1's, unchanged, so every message is one datagram::
 
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import ipaddress
 import logging
 import os
 import socket
@@ -199,8 +204,29 @@ def _is_value_or_contacts(x: object) -> bool:
     return _is_contact_list(x)
 
 
+def unmapped(ip: str) -> str:
+    """``::ffff:10.0.0.1`` (an IPv4 peer on a dual-stack socket) → ``10.0.0.1``; others unchanged."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return str(mapped) if mapped is not None else str(addr)
+
+
 def _is_bool(x: object) -> bool:
     return type(x) is bool
+
+
+def _is_observed(x: object) -> bool:
+    """A ``whoami`` answer: ``[ip, port]`` as the answering node saw the request come from."""
+    if not (isinstance(x, list) and len(x) == 2 and type(x[0]) is str and type(x[1]) is int):
+        return False
+    try:
+        ipaddress.ip_address(x[0])
+    except ValueError:
+        return False
+    return 0 < x[1] < 65536
 
 
 _REQUESTS: dict[str, Callable[[list[Any]], bool]] = {
@@ -208,6 +234,7 @@ _REQUESTS: dict[str, Callable[[list[Any]], bool]] = {
     "store": lambda a: len(a) == 3 and _is_id(a[0]) and _is_id(a[1]) and type(a[2]) is bytes,
     "find_node": lambda a: len(a) == 2 and _is_id(a[0]) and _is_id(a[1]),
     "find_value": lambda a: len(a) == 2 and _is_id(a[0]) and _is_id(a[1]),
+    "whoami": lambda a: len(a) == 1 and _is_id(a[0]),
 }
 _UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
 
@@ -425,6 +452,23 @@ class DHTProtocol(KademliaProtocol):
             self._drop("bad_response", address)
             return None
         return answer
+
+    async def observed_from(self, address: tuple[str, int], *, timeout: float | None = None) -> tuple[str, int] | None:
+        """The address this node's datagrams come from, as the node at ``address`` sees it (its
+        ``whoami`` answer, like a STUN binding response), or None without a valid answer in time."""
+        ok, answer = await self._call(address, "whoami", self.source_node.id, timeout=timeout)
+        if not ok:
+            return None
+        if not _is_observed(answer):
+            self._drop("bad_response", address)
+            return None
+        return unmapped(answer[0]), answer[1]
+
+    def rpc_whoami(self, sender: tuple[Any, ...], nodeid: bytes) -> list[Any]:
+        """Answer with the address the request came from, so a node bound to a wildcard address
+        (or behind a NAT) learns how others see it. Like ``ping``, it also welcomes the sender."""
+        self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
+        return [unmapped(str(sender[0])), int(sender[1])]
 
     async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
         result = await self._call((node_to_ask.ip, node_to_ask.port), "ping", self.source_node.id)

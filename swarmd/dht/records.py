@@ -22,7 +22,8 @@ envelope; compatible additions are new body fields, which older decoders ignore.
 
 Body keys: PeerRecord ``i`` peer_id (20 raw bytes), ``g`` stage, ``s`` state (its index in
 ``PEER_STATES``), ``d`` data_addr, ``a`` api_addr, ``h`` throughput, ``q`` queue, ``n`` step,
-``p`` params_digest (raw bytes or nil), ``v`` version, ``t`` timestamp, ``e`` expiry.
+``p`` params_digest (raw bytes or nil), ``v`` version, ``t`` timestamp, ``e`` expiry, ``r``
+reachable (index in ``REACHABILITY``; absent, from older builds, means unknown).
 SwarmRecord ``w`` swarm, ``m`` spec, ``r`` training, ``f`` founder (20 raw bytes), ``t``
 timestamp, ``e`` expiry. Hex fields travel as raw bytes (half the size) and come back as
 lowercase hex.
@@ -31,8 +32,8 @@ Size
 ----
 A realistic signed PeerRecord (IPv4 data address ``203.0.113.45:31337``, IPv6 API address
 ``[2001:db8:85a3::8a2e:370:7334]:31338``, a 64-hex params digest, version ``0.1.0``, state
-``migrating``) is **295 bytes**: 116 of envelope (64 signature, 32 key, headers) and a
-179-byte body. In a bundle each record costs 3 more bytes (msgpack bin16 header), so one DHT
+``migrating``) is **298 bytes**: 116 of envelope (64 signature, 32 key, headers) and a
+182-byte body. In a bundle each record costs 3 more bytes (msgpack bin16 header), so one DHT
 key's 8137-byte bundle holds 27 of them. A SwarmRecord of the tiny preset's spec and three
 training settings is 340 bytes. Verifying one costs ~0.1 ms (ed25519), hence :class:`RecordCache`.
 (``tests/test_dht_records.py`` pins these numbers.)
@@ -86,6 +87,7 @@ ENVELOPE_VERSION = 1
 MAX_RECORD_BYTES = 1024  # a signed record, envelope included; refused unread above this
 MAX_TTL_S = 3600.0  # how far in the future an expiry may lie
 PEER_STATES = ANNOUNCED  # on the wire: the index; append only (swarmd.peer_state)
+REACHABILITY = ("unknown", "yes", "no")  # on the wire: the index; append only
 
 MAX_ADDR_CHARS = 128
 MAX_VERSION_CHARS = 32
@@ -156,6 +158,12 @@ def _check_scalar_map(name: str, value: object) -> dict[str, Scalar]:
     return out
 
 
+def _reachability_of(code: object) -> str:
+    if type(code) is not int or not 0 <= code < len(REACHABILITY):
+        raise _bad("reachable", code, f"a reachability code in [0, {len(REACHABILITY) - 1}]")
+    return REACHABILITY[code]
+
+
 def _state_of(code: object) -> str:
     if type(code) is not int or not 0 <= code < len(PEER_STATES):
         raise _bad("state", code, f"a state code in [0, {len(PEER_STATES) - 1}]")
@@ -197,9 +205,13 @@ class PeerRecord:
     version: str  # swarmd version
     timestamp: float  # unix time of publication; newer wins per peer
     expiry: float  # absolute unix time after which the record is dropped
+    # whether other members could dial data_addr (swarmd.net.reachability): unknown | yes | no
+    reachable: str = "unknown"
 
     def __post_init__(self) -> None:
         _check_peer_id("peer_id", self.peer_id)
+        if self.reachable not in REACHABILITY:
+            raise _bad("reachable", self.reachable, f"one of {', '.join(REACHABILITY)}")
         _check_int("stage", self.stage, 0, 2**16 - 1)
         if self.state not in PEER_STATES:
             raise _bad("state", self.state, f"one of {', '.join(PEER_STATES)}")
@@ -237,11 +249,18 @@ class PeerRecord:
             "v": self.version,
             "t": self.timestamp,
             "e": self.expiry,
+            "r": REACHABILITY.index(self.reachable),
         }
+
+    @property
+    def usable(self) -> bool:
+        """Serving, and not known to be out of reach: what trainers and stage-mates may dial."""
+        return self.state == "serving" and self.reachable != "no"
 
     @classmethod
     def _from_body(cls, body: Mapping[str, Any]) -> PeerRecord:
         digest = body.get("p")
+        reach = body.get("r", 0)  # absent in records of older builds: unknown
         return cls(
             peer_id=_hex_bytes("peer_id", body.get("i"), PEER_ID_BYTES),
             stage=body.get("g"),  # type: ignore[arg-type]  # checked in __post_init__
@@ -255,6 +274,7 @@ class PeerRecord:
             version=body.get("v"),  # type: ignore[arg-type]
             timestamp=body.get("t"),  # type: ignore[arg-type]
             expiry=body.get("e"),  # type: ignore[arg-type]
+            reachable=_reachability_of(reach),
         )
 
 

@@ -43,10 +43,10 @@ def choose_donors(
     min_step: int,
     rng: random.Random | None = None,
 ) -> list[PeerRecord]:
-    """The stage-mates to try, in order: serving, not this peer, at ``min_step`` or later,
+    """The stage-mates to try, in order: serving and reachable, not this peer, at ``min_step`` or later,
     newest step first, in random order among equal steps."""
     peers = list(records.values()) if isinstance(records, Mapping) else list(records)
-    donors = [r for r in peers if r.peer_id != self_id and r.state == "serving" and r.step >= min_step]
+    donors = [r for r in peers if r.peer_id != self_id and r.usable and r.step >= min_step]
     (rng or random).shuffle(donors)
     donors.sort(key=lambda r: -r.step)  # stable: the shuffle decides among equal steps
     return donors

@@ -137,7 +137,7 @@ class Migrator:
         host = self.host
         assert host.membership is not None and host.spec is not None  # only called once serving
         stages = await host.membership.stage_peers(host.spec.n_stages)
-        return sum(1 for pid, r in stages[stage].items() if pid != host.peer_id and r.state == "serving")
+        return sum(1 for pid, r in stages[stage].items() if pid != host.peer_id and r.usable)
 
     async def request(self, stage: int, *, force: bool = False, reason: str = "by hand") -> dict[str, Any]:
         """Check a move to ``stage`` and start it in the background; MigrationRefused says why not."""
@@ -218,7 +218,8 @@ class Migrator:
             except SwarmdError as exc:
                 log.warning("rebalancing could not read the swarm: %s", exc)
                 continue
-            records = [r for records in stages for r in records.values()]
+            # a peer nobody can dial serves nobody: it is no capacity, and no stage relies on it
+            records = [r for records in stages for r in records.values() if r.reachable != "no"]
             ids = {r.peer_id for r in records if r.state != "draining"}
             event = None
             if known is not None and ids != known:

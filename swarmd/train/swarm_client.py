@@ -139,7 +139,7 @@ class SwarmClient:
     # ---- the stage map ---------------------------------------------------------------------
 
     async def stage_map(self, *, force: bool = False) -> dict[int, dict[str, str]] | None:
-        """The serving peers (``peer_id -> data_addr``) of each stage the daemon's ``/swarm``
+        """The serving, not unreachable peers (``peer_id -> data_addr``) of each stage the daemon's ``/swarm``
         lists; None when it was read less than ``refresh_s`` ago (unless ``force``) or could not
         be read (logged: the trainer keeps its last view)."""
         async with self._view_lock:
@@ -155,7 +155,9 @@ class SwarmClient:
                 return None
             finally:
                 self._view_at = time.monotonic()
-        return {stage.stage: {p.peer_id: p.data_addr for p in stage.peers if p.state == "serving"}
+        # a peer the swarm could not dial (``reachable: no``, swarmd.net.reachability) would only cost timeouts
+        return {stage.stage: {p.peer_id: p.data_addr for p in stage.peers
+                              if p.state == "serving" and p.reachable != "no"}
                 for stage in view.stages}
 
     # ---- progress --------------------------------------------------------------------------
