@@ -23,7 +23,7 @@ from swarmd.dht.node import DHTNode
 from swarmd.errors import ConfigError
 from swarmd.net.addresses import choose_host, format_addr, loopback_mismatch, parse_host_port, route_source
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
-from swarmd.train.trainer import Trainer, TrainerConfig
+from swarmd.train.trainer import Trainer, TrainerConfig, TrainerError
 
 TINY = PRESETS["tiny"]
 TRAINING = TrainingSpec(target_batch_size=8, lr=3e-3, warmup_steps=1, averaging_timeout_s=10.0)
@@ -213,3 +213,16 @@ async def test_hostile_probes_get_4xx_and_dial_nothing_but_ip_literals() -> None
             assert "another" in r.json()["reason"]
         assert d.status()["state"] == "serving"
 
+
+
+async def test_a_trainer_whose_stage_nobody_can_dial_gives_up_in_one_sentence_naming_the_address() -> None:
+    wrong = _free_port()
+    async with started(_config(0)) as (founder,):
+        async with started(_config(1, (founder.dht.address,), announce=("127.0.0.1", wrong))) as (bad,):
+            assert bad.reachability.status == "no"
+            run = TrainerConfig(api=f"http://{founder.status()['api_addr']}", steps=1, sync=True, codec="none",
+                                microbatch_size=4, val_every=0, max_corpus_bytes=1 << 20, stage_wait_timeout_s=2.0)
+            with pytest.raises(TrainerError) as caught:
+                await Trainer(run).run()
+    message = str(caught.value)
+    assert "stage 1" in message and f"127.0.0.1:{wrong}" in message and "--announce" in message, message

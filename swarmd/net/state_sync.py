@@ -94,7 +94,12 @@ async def adopt_state(
             await executor.load_state(snapshot.meta, snapshot.tensors)
         except (SwarmdError, ValueError, KeyError, TypeError) as exc:
             # ValueError/KeyError/TypeError: a state whose tensors or optimizer layout do not fit this stage
-            log.warning("state download from %s failed: %s; trying the next stage-mate", donor.peer_id[:12], exc)
+            hint = ""
+            if isinstance(exc, StateTransferError) and exc.status == 0 and ("Connect" in exc.message
+                                                                             or "within" in exc.message):
+                hint = " (could not connect: a firewall or NAT in the way, or a wrong --announce on that peer?)"
+            log.warning("state download from %s at %s failed: %s%s; trying the next stage-mate",
+                        donor.peer_id[:12], donor.data_addr, exc, hint)
             continue
         seconds = time.monotonic() - started
         log.info("adopted the state of stage %d at step %d from %s in %.2fs (params %s)",

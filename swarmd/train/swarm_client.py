@@ -82,6 +82,7 @@ class SwarmClient:
         self._headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
         self._view_lock = asyncio.Lock()
         self._view_at = 0.0
+        self.unreachable: dict[int, list[str]] = {}  # stage -> data addrs nobody could dial
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -156,6 +157,8 @@ class SwarmClient:
             finally:
                 self._view_at = time.monotonic()
         # a peer the swarm could not dial (``reachable: no``, swarmd.net.reachability) would only cost timeouts
+        self.unreachable = {stage.stage: [p.data_addr for p in stage.peers if p.reachable == "no"]
+                            for stage in view.stages}
         return {stage.stage: {p.peer_id: p.data_addr for p in stage.peers
                               if p.state == "serving" and p.reachable != "no"}
                 for stage in view.stages}

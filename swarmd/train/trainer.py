@@ -36,7 +36,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -167,6 +167,21 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
+def unreachable_hint(failures: dict[str, PeerError], unreachable: Sequence[str] = ()) -> str:
+    """The end of a give-up sentence: the addresses that failed and why, or that no member of the
+    swarm could dial, with the likely cause (a firewall, a NAT, a wrong ``--announce``)."""
+    cause = "a firewall or NAT in the way, or a wrong --announce on that peer?"
+    parts = []
+    if unreachable:
+        parts.append(f"{len(unreachable)} peer(s) listed at {', '.join(unreachable[:3])} could not be dialled by "
+                     f"other members (reachable: no; {cause})")
+    if failures:
+        shown = "; ".join(f"{addr}: {exc.message or exc.error}" for addr, exc in list(failures.items())[-3:])
+        hint = f" ({cause})" if all(exc.status == 0 for exc in failures.values()) else ""
+        parts.append(f"its peers failed: {shown}{hint}")
+    return (". " + "; ".join(parts)) if parts else ""
+
+
 class Trainer:
     """Drives ``config.steps`` optimizer steps of the swarm behind ``config.api``.
 
@@ -189,6 +204,7 @@ class Trainer:
         self.spec: ModelSpec | None = None
         self.training: TrainingSpec | None = None
         self.routers: list[StageRouter] = []
+        self._last_failures: dict[int, dict[str, PeerError]] = {}  # stage -> addr -> its last failure
         self.trainer_id: str | None = None
         self._swarm: SwarmClient | None = None
         self._client: DataPlaneClient | None = None
@@ -576,6 +592,8 @@ class Trainer:
                 elif now - waiting_since > self.config.stage_wait_timeout_s:
                     raise TrainerError(
                         f"stage {stage} has had no usable peer for {self.config.stage_wait_timeout_s:.0f}s; giving up"
+                        + unreachable_hint(self._last_failures.get(stage, {}),
+                                           self._swarm.unreachable.get(stage, []) if self._swarm else [])
                     )
                 tried.clear()
                 unban = router.next_unban_in()
@@ -591,6 +609,7 @@ class Trainer:
             except PeerError as exc:
                 action = classify(exc)
                 if action is Action.BAN:
+                    self._last_failures.setdefault(stage, {})[addr] = exc
                     self.summary.retries += 1
                     self.summary.bans += 1
                     ban = router.report_failure(peer_id)
