@@ -1,0 +1,315 @@
+"""Training throughput of a swarm of separate hosts over a shaped WAN, against the same swarm unshaped.
+
+SWARM's claim C2: with many microbatches in flight, training stays competitive under internet
+latency (100 ms) where GPipe loses 2-3x. This benchmark runs one training job on the network lab
+(``scripts/netlab.py``: one Linux network namespace per peer, needs root) in several network
+settings, each on a fresh lab and a fresh swarm:
+
+- ``lan``: no shaping (the lab's veths and bridge; RTT ~0.05 ms);
+- ``wan50``: 50 ms RTT (25 ms one-way egress delay on every host) and every host's egress capped at 500 Mbit/s;
+- ``wan100``: 100 ms RTT (50 ms per host) and 100 Mbit/s.
+
+The job: ``--preset`` (small: 2 stages) with ``--peers-per-stage`` daemons per stage (2), one per lab
+host, started through the real CLI bound to the host's own address (``--host A --dht-host A
+--api-host 127.0.0.1``), ``--rebalance-policy none`` so the 2 x 2 layout stays put, 1 torch thread
+each; the trainer (activations in ``--codec`` 8bit, ``--sync`` by default, ``--window`` microbatches in
+flight) runs inside the founder's host, as a volunteer would run it (the control plane stays on that
+host's loopback). Timed like ``bench_pipeline.py``: samples completed between the end of warm-up step
+W and the end of step W + N, over that wall time; ``ratio`` is a shaped run's samples/s over the
+``lan`` run's. Each scenario also reports the lab's measured link (TCP RTT and throughput from host 1
+to host 0), the trainer's mean call latency per stage and kind, how much of the window was spent
+waiting for the stages to step (sync mode), and every daemon's CPU time over the run.
+
+    sudo .venv/bin/python scripts/bench_wan.py --json
+    sudo .venv/bin/python scripts/bench_wan.py --scenarios lan wan100 --no-sync --window 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # netlab.py beside this file, run as a script
+
+import netlab  # noqa: E402
+from swarmd.local_swarm import DaemonProcess, DaemonStartError  # noqa: E402
+
+SEED = 0
+CORPUS_BYTES = 8 * 2**20
+TRAINER_TIMEOUT_S = 1800.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A network setting: the RTT between any two hosts (half of it on each host's egress) and a cap."""
+
+    name: str
+    rtt_ms: float
+    rate: str | None
+
+    @property
+    def delay_s(self) -> float:
+        return self.rtt_ms / 2 / 1e3
+
+
+SCENARIOS = {s.name: s for s in (Scenario("lan", 0.0, None), Scenario("wan50", 50.0, "500mbit"),
+                                 Scenario("wan100", 100.0, "100mbit"))}
+
+
+@dataclass(frozen=True)
+class Settings:
+    preset: str = "small"
+    peers_per_stage: int = 2
+    steps: int = 10
+    warmup: int = 3
+    batch_size: int = 32
+    microbatch_size: int = 8
+    window: int = 4
+    codec: str = "8bit"
+    sync: bool = True
+    grad_codec: str = "none"  # how the stage's peers send gradients to each other when they average
+
+
+class BenchError(Exception):
+    """A run could not be completed (a daemon or the trainer failed)."""
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a live process (pids are global: the lab separates networks only)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+# ---- the trainer, inside the founder's host ---------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """The trainer's view between the end of warm-up step W and the end of step W + N."""
+
+    warmup: int
+    last: int
+    open: bool = False
+    t0: float = 0.0
+    t1: float = 0.0
+    samples0: int = 0
+    samples1: int = 0
+    wait_s: float = 0.0
+    step_ends: list[float] = field(default_factory=list)
+    calls: dict[str, list[float]] = field(default_factory=dict)
+
+    def observe(self, event: Any) -> None:
+        from swarmd.train.events import CallDone, StepDone, StepWait
+
+        if isinstance(event, StepDone):
+            if event.done == self.warmup:
+                self.open, self.t0, self.samples0 = True, event.at, int(event.progress["samples"])
+            if self.open:
+                self.step_ends.append(event.at)
+            if event.done == self.last and self.open:
+                self.open, self.t1, self.samples1 = False, event.at, int(event.progress["samples"])
+        elif isinstance(event, StepWait) and self.open:
+            self.wait_s += event.ended - event.started
+        elif isinstance(event, CallDone) and self.open:
+            self.calls.setdefault(f"stage{event.stage}.{event.kind}", []).append(event.ended - event.started)
+
+
+def trainer_child(s: Settings, api: str) -> dict[str, Any]:
+    """Run the trainer (this process is inside the founder's host) and report its timed window."""
+    import asyncio
+
+    import torch
+
+    from swarmd.train.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    window = Window(warmup=s.warmup, last=s.warmup + s.steps)
+    config = TrainerConfig(api=api, steps=s.warmup + s.steps, batch_size=s.batch_size,
+                           microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window,
+                           sync=s.sync, val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench-wan")
+    summary = asyncio.run(Trainer(config, events=window.observe).run())
+    if window.t1 == 0.0:
+        raise BenchError(f"the trainer finished without reaching step {window.last}")
+    wall = window.t1 - window.t0
+    step_s = [b - a for a, b in itertools.pairwise(window.step_ends)]
+    return {
+        "samples_per_s": (window.samples1 - window.samples0) / wall,
+        "samples": window.samples1 - window.samples0,
+        "wall_s": wall,
+        "step_ms_median": statistics.median(step_s) * 1e3 if step_s else None,
+        "step_ms_max": max(step_s) * 1e3 if step_s else None,
+        "wait_all_stepped_s": window.wait_s,  # sync mode: every microbatch done, the stages still stepping
+        "calls": {k: {"count": len(v), "mean_ms": statistics.fmean(v) * 1e3, "max_ms": max(v) * 1e3}
+                  for k, v in sorted(window.calls.items())},
+        "retries": summary.retries,
+        "stale_redos": summary.stale_redos,
+        "topup_microbatches": summary.topup_microbatches,
+        "step_losses": summary.step_losses,
+    }
+
+
+# ---- one scenario: a lab, a swarm in it, the trainer -------------------------------------------------
+
+
+def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
+    stages = _stages(s.preset)
+    hosts = stages * s.peers_per_stage
+    daemons: list[DaemonProcess] = []
+    with netlab.Lab(hosts, rate=sc.rate, delay_s=sc.delay_s) as lab:
+        link = netlab.measure(lab, 1, 0, nbytes=4 << 20)
+        try:
+            for i in range(hosts):  # host i serves stage i % stages; host 0 founds the swarm
+                addr = lab.addr(i)
+                args = ["--host", addr, "--dht-host", addr, "--api-host", "127.0.0.1", "--swarm", "bench-wan",
+                        "--device", "cpu", "--drain-timeout", "5", "--log-level", "WARNING",
+                        "--announce-period", "2", "--rebalance-policy", "none", "--stage", str(i % stages)]
+                if i == 0:
+                    args += ["--model", s.preset, "--target-batch-size", str(s.batch_size),
+                             "--grad-codec", s.grad_codec]
+                else:
+                    args += ["--join", daemons[0].info["dht_addr"]]
+                daemons.append(DaemonProcess(args, workdir, name=f"{sc.name}-host{i}", env={"OMP_NUM_THREADS": "1"},
+                                             command=lab.command(i, [sys.executable, "-m", "swarmd"]), threads=1))
+                if i == 0:
+                    daemons[0].wait_ready(300)
+            for d in daemons[1:]:
+                d.wait_ready(300)
+            cpu0 = [cpu_seconds(d.pid) for d in daemons]
+            api = f"http://{daemons[0].info['api_addr']}"
+            done = lab.run(0, [sys.executable, str(Path(__file__).resolve()), "--trainer-child",
+                               json.dumps({"settings": asdict(s), "api": api})],
+                           capture_output=True, text=True, timeout=TRAINER_TIMEOUT_S)
+            cpu1 = [cpu_seconds(d.pid) for d in daemons]
+            if done.returncode != 0:
+                raise BenchError(f"the trainer exited with {done.returncode}: {done.stderr[-3000:]}")
+            result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        except BaseException:
+            for d in daemons:
+                print(f"--- {d.name} log (end) ---\n{d.log_tail()}", file=sys.stderr)
+            raise
+        finally:
+            codes = [d.stop() for d in daemons]
+    result.update({
+        "scenario": sc.name, "rtt_ms": sc.rtt_ms, "rate": sc.rate, "link": link,
+        "daemons": [{"host": i, "stage": i % stages, "addr": d.info.get("data_addr"), "exit_code": code,
+                     "cpu_s": None if a is None or b is None else b - a}
+                    for i, (d, a, b, code) in enumerate(zip(daemons, cpu0, cpu1, codes, strict=True))],
+    })
+    return result
+
+
+def _stages(preset: str) -> int:
+    from swarmd.pipeline.spec import PRESETS
+
+    return PRESETS[preset].n_stages
+
+
+def run(s: Settings, scenarios: Sequence[Scenario]) -> dict[str, Any]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="swarmd-bench-wan-") as tmp:
+        for sc in scenarios:
+            print(f"bench_wan: {sc.name} (RTT {sc.rtt_ms:g} ms, rate {sc.rate or 'unlimited'})", file=sys.stderr)
+            results.append(run_scenario(s, sc, Path(tmp)))
+    base = next((r["samples_per_s"] for r in results if r["scenario"] == "lan"), None)
+    for r in results:
+        r["ratio"] = r["samples_per_s"] / base if base else None
+    lan_losses = next((r["step_losses"] for r in results if r["scenario"] == "lan"), None)
+    for r in results:
+        losses = r.pop("step_losses")
+        if lan_losses is not None and s.sync:  # sync mode computes the same steps whatever the network
+            diffs = [abs(a - b) for a, b in zip(losses, lan_losses, strict=False)]  # same steps, unless one failed
+            r["step_losses_max_abs_diff_vs_lan"] = max(diffs, default=None)
+        r["final_loss"] = losses[-1] if losses else None
+    return {"settings": asdict(s), "mode": "sync" if s.sync else "async", "scenarios": results,
+            "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
+            "load_average_1m_at_end": os.getloadavg()[0]}
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    st = r["settings"]
+    print(f"preset {st['preset']}, {st['peers_per_stage']} peers per stage, batch {st['batch_size']} in "
+          f"microbatches of {st['microbatch_size']}, window {st['window']}, codec {st['codec']} "
+          f"(gradients between peers: {st['grad_codec']}), {r['mode']}, "
+          f"{st['steps']} timed steps after {st['warmup']} warm-up")
+    for sc in r["scenarios"]:
+        link = sc["link"]
+        ratio = "" if sc["ratio"] is None else f"  ratio {sc['ratio']:.2f}"
+        print(f"{sc['scenario']:<7} measured RTT {link['rtt_ms_median']:.1f} ms, "
+              f"{link['throughput_mbit_s'] or 0:.0f} Mbit/s: {sc['samples_per_s']:.1f} samples/s{ratio}, "
+              f"step {sc['step_ms_median']:.0f} ms median, waiting for steps {sc['wait_all_stepped_s']:.1f}s "
+              f"of {sc['wall_s']:.1f}s")
+        for name, c in sc["calls"].items():
+            print(f"    {name:<18} {c['count']:4d} calls, {c['mean_ms']:7.1f} ms mean, {c['max_ms']:7.1f} ms max")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
+                   help="network settings to run, in order (default: lan wan50 wan100; ratios need lan)")
+    p.add_argument("--preset", default="small", help="model preset (default: small)")
+    p.add_argument("--peers-per-stage", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default: 3)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--microbatch-size", type=int, default=8)
+    p.add_argument("--window", type=int, default=4, help="the trainer's microbatches in flight (default: 4)")
+    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit")
+    p.add_argument("--grad-codec", choices=("none", "fp16", "8bit"), default="none",
+                   help="the swarm's codec for gradients between a stage's peers when they average (default: none)")
+    p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
+                   help="one global batch per step, wait for every stage (default: --sync)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--trainer-child", metavar="JSON", help=argparse.SUPPRESS)  # internal
+    args = p.parse_args(argv)
+    if args.trainer_child is not None:
+        spec = json.loads(args.trainer_child)
+        print(json.dumps(trainer_child(Settings(**spec["settings"]), spec["api"])))
+        return 0
+    problem = netlab.support_problem()
+    if problem is not None:
+        print(f"bench_wan: {problem}", file=sys.stderr)
+        return 2
+    settings = Settings(preset=args.preset, peers_per_stage=args.peers_per_stage, steps=args.steps,
+                        warmup=args.warmup, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
+                        window=args.window, codec=args.codec, sync=args.sync, grad_codec=args.grad_codec)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the daemons and removes the lab like Ctrl-C does
+
+    signal.signal(signal.SIGTERM, interrupt)
+    started = time.monotonic()
+    try:
+        result = run(settings, [SCENARIOS[n] for n in args.scenarios])
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (BenchError, DaemonStartError, netlab.LabError, subprocess.TimeoutExpired) as exc:
+        print(f"bench_wan: error: {exc}", file=sys.stderr)
+        return 1
+    result["bench_wall_s"] = time.monotonic() - started
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_summary(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
