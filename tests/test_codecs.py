@@ -20,6 +20,7 @@ from swarmd.net.codecs import (
     Codec,
     EightBitCodec,
     EncodedTensor,
+    _bin_codes,
     _code_map,
     eight_bit_error_bound,
     get_codec,
@@ -167,7 +168,7 @@ def test_eight_bit_bound_holds_at_every_code_midpoint() -> None:
     """Dense sweep of every interval between adjacent codes, tightest around the midpoints."""
     code = torch.sort(_code_map().double()).values.numpy()
     sweeps = []
-    for lo, hi in zip(code[:-1], code[1:]):
+    for lo, hi in zip(code[:-1], code[1:], strict=True):
         mid, gap = (lo + hi) / 2, hi - lo
         sweeps += [np.linspace(lo, hi, 1001), np.linspace(mid - 0.01 * gap, mid + 0.01 * gap, 1001)]
     values = torch.from_numpy(np.concatenate(sweeps).astype(np.float32))
@@ -237,6 +238,50 @@ def test_eight_bit_frame_is_a_quarter_of_float32() -> None:
     enc = CODECS["8bit"].encode(torch.randn(3, 4096 + 1))
     assert len(enc.payload) == 3 * 4097 and enc.blocksize == 4096
     assert enc.absmax is not None and len(enc.absmax) == 4 * 4  # ceil(12291 / 4096) blocks
+
+
+def test_eight_bit_table_holds_the_code_nearest_each_bin_centre() -> None:
+    """swarmd's encoder looks codes up per bin of 2**-16 over [-1, 1]: every entry is checked by
+    brute force against all 256 codes (ties between two equally near codes may go either way)."""
+    code = _code_map().double()
+    table = _bin_codes().long()
+    assert table.numel() == 2**17
+    for start in range(0, table.numel(), 8192):
+        k = torch.arange(start, start + 8192, dtype=torch.float64)
+        centres = (k + 0.5) * 2.0**-16 - 1.0
+        distance = (centres[:, None] - code[None, :]).abs()
+        chosen = distance.gather(1, table[start : start + 8192, None]).squeeze(1)
+        assert torch.equal(chosen, distance.min(dim=1).values)
+
+
+def test_eight_bit_codes_are_those_of_bitsandbytes_away_from_midpoints() -> None:
+    """The same quantizer as bitsandbytes' quantize_blockwise: the two pick different codes only
+    for values within the table's bin width of a midpoint between those two codes."""
+    import bitsandbytes.functional as bnb
+
+    t = torch.cat([torch.randn(3 * 4096, generator=torch.Generator().manual_seed(5)), torch.linspace(-1, 1, 4096)])
+    ours = torch.frombuffer(bytearray(CODECS["8bit"].encode(t).payload), dtype=torch.uint8).long()
+    theirs, state = bnb.quantize_blockwise(t, code=_code_map().clone(), blocksize=4096)
+    theirs = theirs.reshape(-1).long()
+    differ = ours != theirs
+    assert float(differ.float().mean()) < 0.01
+    code = _code_map().double()
+    scaled = (t.double() / _block_absmax(t, 4096).double())[differ]
+    midpoints = (code[ours[differ]] + code[theirs[differ]]) / 2
+    assert bool(((scaled - midpoints).abs() <= 2.0**-16 + 2.0**-20).all())
+
+
+def test_eight_bit_blocks_of_zeros_and_of_non_finite_values() -> None:
+    t = torch.randn(4 * 4096 + 10, generator=torch.Generator().manual_seed(6))
+    t[:4096] = 0.0
+    t[4096 + 7] = float("inf")
+    t[2 * 4096 + 100] = float("nan")
+    t[3 * 4096 + 1] = float("-inf")
+    out = _round_trip(CODECS["8bit"], t)
+    assert bool((out[:4096] == 0).all())
+    assert bool(out[4096 : 4 * 4096].isnan().all())  # a non-finite value spoils its whole block
+    tail = t[4 * 4096 :]
+    assert float((out[4 * 4096 :] - tail).abs().max()) <= EIGHT_BIT_REL_ERROR * float(tail.abs().max())
 
 
 # --- shared behaviour and refusals ---------------------------------------------------------------

@@ -19,12 +19,13 @@ Codecs (``CODECS``, looked up with :func:`get_codec`):
     (2**-11 for float16, 2**-8 for bfloat16); float16 additionally overflows to ``inf`` above
     65504 and loses precision below 6.1e-5 (subnormals), bfloat16 keeps float32's range.
 ``8bit``
-    ``bitsandbytes`` dynamic blockwise quantization (Dettmers et al., "8-bit Optimizers via
-    Block-wise Quantization"): each block of ``blocksize`` (default 4096) consecutive elements is
-    divided by its absolute maximum and every value is replaced by the index of the nearest of
-    the 256 values of the signed dynamic code map (``create_dynamic_map(signed=True)``, which
-    both sides compute and which is never sent). The frame carries one byte per element plus one
-    float32 absmax per block.
+    Dynamic blockwise quantization as in ``bitsandbytes`` (Dettmers et al., "8-bit Optimizers
+    via Block-wise Quantization"): each block of ``blocksize`` (default 4096) consecutive elements
+    is divided by its absolute maximum and every value is replaced by the index of (within
+    2**-16) the nearest of the 256 values of the signed dynamic code map
+    (``bitsandbytes.functional.create_dynamic_map(signed=True)``, which both sides compute and
+    which is never sent). The frame carries one byte per element plus one float32 absmax per
+    block. Decoding is bitsandbytes' ``dequantize_blockwise``; encoding is swarmd's own (below).
 
 The 8-bit error bound
 ---------------------
@@ -36,13 +37,26 @@ The bound is derived from the code map by :func:`eight_bit_error_bound`: a neare
 quantizer is off by at most half the largest gap between adjacent code values (0.0140625 / 2,
 between the two codes closest to -1 and to +1), or by the distance from -1 / +1 to the
 outermost code, whichever is larger (the same 0.00703 here: the map stops at -0.99297). Two
-slack terms are added: the CPU kernel of bitsandbytes 0.50 does not pick the exact nearest code
-within about 2**-16 of a midpoint between two codes (measured: it never errs farther than
-1.52e-5 from a midpoint), and float32 rounding of ``x / absmax`` and ``code * absmax`` adds a few
-units of 2**-24. So ``EIGHT_BIT_REL_ERROR = 0.0070313 + 2**-16 + 2**-20 ~= 0.0070475``; the
-largest error measured over a dense sweep of every code interval is 0.0070463 (see
-``tests/test_codecs.py``). Blocks that contain ``inf`` or ``nan`` decode as ``nan`` throughout:
-the stage rejects non-finite values anyway.
+slack terms are added: the encoder picks the code nearest to the centre of the bin of width
+``w = 2**-16`` that holds ``x / absmax``, not to ``x / absmax`` itself, which costs at most ``w``
+more (``|v - code(c)| <= |v - c| + |c - code(v)| <= 2|v - c| + |v - code(v)|``, with
+``|v - c| <= w / 2``); and float32 rounding of ``x / absmax``, of the bin and of
+``code * absmax`` adds a few units of 2**-24. So
+``EIGHT_BIT_REL_ERROR = 0.0070313 + 2**-16 + 2**-20 ~= 0.0070475``, the same bound the
+bitsandbytes 0.50 CPU kernel met (it, too, errs up to about 2**-16 from a midpoint); the
+largest error measured over a dense sweep of every code interval stays below it (see
+``tests/test_codecs.py``). Blocks that contain ``inf`` or ``nan`` decode as ``nan`` throughout,
+blocks of zeros as zeros: the stage rejects non-finite values anyway.
+
+The 8-bit encoder
+-----------------
+bitsandbytes' CPU ``quantize_blockwise`` searches the code map for every element, one thread,
+about 8 ns an element: 4 ms for one 4x256x512 activation, on the critical path of every
+forward and backward RPC. swarmd instead looks the code up in a table of :data:`_LUT_BINS`
+(2**17) bins over [-1, 1], built once from the map (``_bin_codes``): per element a divide, a
+multiply-add, a truncation and a gather, all vectorised by torch: 0.6-1.3 ms for that
+activation on one core (``scripts/bench_rpc.py`` in ``docs/BENCHMARKS.md``). The bytes it
+produces are ordinary 8-bit frames; any peer decodes them.
 
 Conventions shared by all codecs:
 
@@ -91,8 +105,10 @@ EIGHT_BIT_DEFAULT_BLOCKSIZE = 4096
 # rather than handed to native code.
 EIGHT_BIT_BLOCKSIZES: frozenset[int] = frozenset({64, 128, 256, 512, 1024, 2048, 4096})
 
-# Slack terms of the 8-bit bound; see the module docstring.
-_KERNEL_SEARCH_SLACK = 2.0**-16
+# Bins of the encoder's look-up table over [-1, 1], each 2**-16 wide; see the module docstring.
+_LUT_BINS = 2**17
+# Slack terms of the 8-bit bound: the table's bin width, and float32 rounding.
+_LUT_SLACK = 2.0 / _LUT_BINS
 _FLOAT_SLACK = 2.0**-20
 # eight_bit_error_bound() rounded up in its 7th decimal; tests check the two agree.
 EIGHT_BIT_REL_ERROR = 0.0070475
@@ -209,11 +225,7 @@ class EightBitCodec(Codec):
         cpu = self._cpu_input(tensor).float()
         if cpu.numel() == 0:
             return EncodedTensor(payload=b"", absmax=b"", blocksize=self.blocksize)
-        functional = _bnb_functional()
-        # A private copy of the map: some bitsandbytes releases overwrite code[0] in place during
-        # quantization, and the map both peers use must stay the standard one.
-        codes, state = functional.quantize_blockwise(cpu, code=_code_map().clone(), blocksize=self.blocksize)
-        absmax = state.absmax.to(torch.float32).contiguous()
+        codes, absmax = _quantize_blockwise(cpu.reshape(-1), self.blocksize)
         return EncodedTensor(payload=_bytes_view(codes), absmax=_bytes_view(absmax).tobytes(), blocksize=self.blocksize)
 
     def decode(self, enc: EncodedTensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -237,16 +249,43 @@ class EightBitCodec(Codec):
         return values.to(dtype).reshape(shape)
 
 
+def _quantize_blockwise(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 codes and float32 absmax per block of a flat float32 tensor (see "The 8-bit encoder").
+
+    Each value is divided by its block's absmax (so it lies in [-1, 1] exactly: IEEE division
+    is monotone), its bin of :data:`_LUT_BINS` equal bins over [-1, 1] is computed, and the bin's
+    code is looked up. A block of zeros keeps absmax 0 (it decodes as zeros); a block holding
+    ``inf`` or ``nan`` gets absmax ``nan`` (it decodes as ``nan`` throughout).
+    """
+    n = flat.numel()
+    blocks = -(-n // blocksize)
+    if n % blocksize:
+        flat = torch.cat([flat, flat.new_zeros(blocks * blocksize - n)])
+    values = flat.view(blocks, blocksize)
+    absmax = values.abs().amax(dim=1)
+    usable = torch.isfinite(absmax) & (absmax > 0)
+    all_usable = bool(usable.all())
+    divisor = absmax if all_usable else torch.where(usable, absmax, torch.ones_like(absmax))
+    half = _LUT_BINS / 2
+    bins = values.div(divisor.unsqueeze(1)).mul_(half).add_(half)
+    if not all_usable:  # inf / nan in a block: any valid bin will do, the block decodes as nan
+        bins.nan_to_num_(nan=half, posinf=half, neginf=half)
+        absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
+    # int32 bin numbers and index_select: three times faster than int64 and take
+    codes = torch.index_select(_bin_codes(), 0, bins.clamp_(0, _LUT_BINS - 1).to(torch.int32).reshape(-1))
+    return codes[:n], absmax
+
+
 def eight_bit_error_bound() -> float:
     """The 8-bit per-element error bound, relative to the block's absmax, from the code map.
 
     Half the largest gap between adjacent codes (or the distance from +-1 to the outermost code,
-    if larger), plus the kernel's midpoint slack and float32 slack: see the module docstring.
+    if larger), plus the encoder's bin width and float32 slack: see the module docstring.
     """
     code = torch.sort(_code_map().double()).values
     half_gap = float((code[1:] - code[:-1]).max()) / 2
     edge = max(1.0 - float(code[-1]), float(code[0]) + 1.0)
-    return max(half_gap, edge) + _KERNEL_SEARCH_SLACK + _FLOAT_SLACK
+    return max(half_gap, edge) + _LUT_SLACK + _FLOAT_SLACK
 
 
 _REGISTRY: dict[str, Codec] = {codec.name: codec for codec in (NoneCodec(), Fp16Codec(), Bf16Codec(), EightBitCodec())}
@@ -266,6 +305,7 @@ def get_codec(name: str) -> Codec:
 _lazy_lock = threading.Lock()
 _bnb: ModuleType | None = None
 _code: torch.Tensor | None = None
+_lut: torch.Tensor | None = None
 
 
 class _NoFourBitKernelNotice(logging.Filter):
@@ -293,12 +333,29 @@ def _bnb_functional() -> ModuleType:
 
 
 def warm_up() -> None:
-    """Import bitsandbytes and build the code map now (seconds), not on the first 8-bit request.
+    """Import bitsandbytes, build the code map and the encoder's table now (seconds), not on the
+    first 8-bit request.
 
     The daemon calls this off the event loop during start-up, so a peer that reports ready
     answers its first 8-bit request as fast as any other.
     """
-    _code_map()
+    _bin_codes()
+
+
+def _bin_codes() -> torch.Tensor:
+    """The encoder's look-up table: for each of :data:`_LUT_BINS` equal bins over [-1, 1], the
+    index of the code nearest to the bin's centre (exact: midpoints compared in float64)."""
+    global _lut
+    if _lut is None:
+        code = _code_map().double()
+        centres = (torch.arange(_LUT_BINS, dtype=torch.float64) + 0.5) * (2.0 / _LUT_BINS) - 1.0
+        order = torch.argsort(code)
+        midpoints = (code[order][1:] + code[order][:-1]) / 2
+        lut = order[torch.searchsorted(midpoints, centres)].to(torch.uint8)
+        with _lazy_lock:
+            if _lut is None:
+                _lut = lut
+    return _lut
 
 
 def _code_map() -> torch.Tensor:

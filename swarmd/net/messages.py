@@ -43,6 +43,7 @@ from typing import Any, Literal, TypeGuard
 import torch
 
 from swarmd.errors import MalformedFrame, RequestError, WrongStage
+from swarmd.finite import all_finite
 from swarmd.net.codecs import CODECS
 from swarmd.net.wire import Frame, WireLimits, encode_frame
 
@@ -371,7 +372,7 @@ class AverageRequest:
         if grads is not None:
             if grads.dtype != torch.float32 or grads.dim() != 1 or (numel is not None and grads.numel() != numel):
                 raise RequestError(f"'grads' must be float32 of shape [{numel if numel is not None else 'N'}]")
-            if not bool(torch.isfinite(grads).all()):
+            if not all_finite(grads):
                 raise RequestError("'grads' contain NaN or Inf; refused")
             if not samples:  # the mean divides by samples: gradients of no sample would be weightless
                 raise RequestError("a contribution with 'grads' must count its samples (meta.samples > 0)")
