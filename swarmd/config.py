@@ -25,6 +25,9 @@ class NetConfig:
     # --announce: the host (and port) others dial; None learns it (swarmd.net.addresses)
     announce_host: str | None = None
     announce_port: int | None = None
+    # relaying for peers nobody can dial (swarmd.net.relay): how many at most (0: none), bytes/s over all
+    relay_max_peers: int = 8
+    relay_budget_bytes_s: float = 50 * 2**20
     limits: WireLimits = DEFAULT_LIMITS
     drain_timeout_s: float = 30.0  # how long shutdown waits for in-flight requests
     read_timeout_s: float = 60.0  # a request body must arrive within this
@@ -78,6 +81,14 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of the served stage under the state directory (``swarmd.checkpoint``)."""
+
+    every: int = 50  # steps between checkpoints (and one on graceful shutdown); 0: never write one
+    keep: int = 3  # the newest this many per stage are kept, older ones deleted
+
+
+@dataclass(frozen=True)
 class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     swarm: str = "default"
@@ -85,4 +96,5 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # needs dht.state_dir
     swarm_key: SwarmKey | None = None  # a private swarm's pre-shared key (--swarm-key): DHT and data plane

@@ -1,7 +1,8 @@
 """The daemon's state directory (``--state-dir``): one per daemon, held by a lock for its life.
 
 It keeps the peer's ed25519 key (``swarmd.dht.identity``), so a restarted peer keeps its peer
-id. Two daemons sharing one directory would share that key, announce the same peer id and
+id, and its checkpoints (``checkpoints/``, ``swarmd.checkpoint``), so it resumes its stage.
+Two daemons sharing one directory would share that key, announce the same peer id and
 overwrite each other's records: the lock makes the second one exit with a sentence instead.
 """
 

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from swarmd.errors import LimitExceeded, RequestError
+from swarmd.finite import all_finite
 from swarmd.net.optimizer_state import load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, capture_forward
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
@@ -82,6 +83,7 @@ class ProgressSnapshot:
     stale_dropped: int  # backwards refused because they were computed at an older step
     stale_applied: int  # delayed updates: backwards one step old, accumulated into the next update
     dropped_samples: int  # accumulated samples discarded by adopting a stage-mate's state
+    handed_in_samples: int  # samples whose gradients leaving stage-mates handed to this peer
     throughput: float  # samples/s for a forward + backward (see StageExecutor.throughput)
     worker_cpu_s: float  # CPU time of the worker thread's jobs (the stage's compute)
     cache: CacheStats
@@ -174,6 +176,10 @@ class StageExecutor:
         return self.progress_snapshot.dropped_samples
 
     @property
+    def handed_in_samples(self) -> int:
+        return self.progress_snapshot.handed_in_samples
+
+    @property
     def worker_cpu_s(self) -> float:
         return self.progress_snapshot.worker_cpu_s
 
@@ -241,6 +247,15 @@ class StageExecutor:
         if samples < 1:
             raise ValueError(f"a gradient sum covers at least one sample, got {samples}")
         await self._run(lambda: self._add_gradients_sync(flat, samples))
+
+    async def receive_gradients(self, flat: torch.Tensor, samples: int, step: int) -> None:
+        """Accumulate a leaving stage-mate's gradient sum of ``samples`` samples computed at ``step``
+        (the step protocol's ``receive``: the same step only, never while averaging)."""
+        if samples < 1:
+            raise RequestError(f"handed-over gradients cover at least one sample, got {samples}")
+        if flat.numel() != self.grad_numel:
+            raise RequestError(f"handed-over gradients must have {self.grad_numel} values, got {flat.numel()}")
+        await self._run(lambda: self._receive_gradients_sync(flat, samples, step))
 
     async def wait_progress(self, timeout: float, *, samples: int | None = None, step: int | None = None) -> bool:
         """Sleep until ``grad_samples >= samples`` or ``self.step >= step`` (whichever is given),
@@ -344,6 +359,7 @@ class StageExecutor:
             stale_dropped=steps.stale_dropped,
             stale_applied=steps.stale_applied,
             dropped_samples=steps.dropped_samples,
+            handed_in_samples=steps.handed_in_samples,
             throughput=1.0 / sum(1.0 / r for r in rates) if rates else 0.0,
             worker_cpu_s=self._cpu_s,
             cache=self._cache.stats(),
@@ -460,6 +476,10 @@ class StageExecutor:
         self._grads.put(flat, accumulate=True)
         self._steps.accumulated(samples)
 
+    def _receive_gradients_sync(self, flat: torch.Tensor, samples: int, step: int) -> None:
+        self._steps.receive(step, samples)  # the step rule first: a refused hand-over changes nothing
+        self._grads.put(flat, accumulate=True)
+
     def _take_contribution_sync(self) -> Contribution:
         taken = self._steps.take()
         if taken.samples:
@@ -544,5 +564,5 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
 
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
-    if not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         raise RequestError(f"{what} contain NaN or Inf; refused")

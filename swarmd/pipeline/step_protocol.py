@@ -24,6 +24,10 @@ accumulated, however the batch was split into microbatches. A round *takes* the 
 (backwards are refused meanwhile, unless updates are delayed), and either applies the
 stage-wide mean as the update of that step or, when the round fails, *restores* the sum.
 Adopting a stage-mate's state drops whatever was accumulated (counted in ``dropped_samples``).
+A stage-mate that leaves gracefully hands its accumulated sum over instead of dropping it
+(:meth:`StepProtocol.receive`): accepted only for the very step this peer is at and while its
+gradients are not out for averaging, so a handed-over gradient obeys the step rule too
+(counted in ``handed_in_samples``).
 
 :func:`judge_backward` is the rule as a pure function; :class:`StepProtocol` applies it and
 keeps the counts (plain Python, no tensors); :class:`GradientAccumulator` holds the gradient
@@ -41,6 +45,7 @@ import torch
 from torch import nn
 
 from swarmd.errors import Busy, PeerBehind, RequestError, StaleStep
+from swarmd.finite import all_finite
 
 __all__ = ["GradientAccumulator", "StepProtocol", "Taken", "Verdict", "judge_backward"]
 
@@ -92,6 +97,7 @@ class StepProtocol:
         self.stale_dropped = 0  # backwards refused because they were computed at an older step
         self.stale_applied = 0  # delayed updates: backwards one step old, accumulated into the next update
         self.dropped_samples = 0  # accumulated samples discarded by adopting a stage-mate's state
+        self.handed_in_samples = 0  # samples whose gradients a leaving stage-mate handed to this peer
 
     @property
     def held_samples(self) -> int:
@@ -122,6 +128,22 @@ class StepProtocol:
     def accumulated(self, samples: int) -> None:
         """A backward of ``samples`` samples added its gradient sum."""
         self.grad_samples += samples
+
+    def receive(self, step: int, samples: int) -> None:
+        """A leaving stage-mate hands over a gradient sum of ``samples`` samples computed at ``step``.
+
+        Raises ``Busy`` while this peer's gradients are out for averaging (the leaver tries another
+        stage-mate), ``StaleStep`` or ``PeerBehind`` when the steps differ: a gradient of another
+        version of the parameters is never mixed in.
+        """
+        if self.averaging:
+            raise Busy(f"stage {self.stage} is averaging the gradients of step {self.step}; hand them to another peer")
+        if step < self.step:
+            raise StaleStep(f"handed-over gradients of step {step} reached stage {self.stage} at step {self.step}")
+        if step > self.step:
+            raise PeerBehind(f"stage {self.stage} on this peer is at step {self.step}, behind step {step}")
+        self.grad_samples += samples
+        self.handed_in_samples += samples
 
     def take(self) -> Taken:
         """A round takes the accumulated gradients out; backwards are refused until it settles."""
@@ -183,7 +205,9 @@ class GradientAccumulator:
         (``grad_outputs`` of 3e38 give parameter gradients of Inf), and one Inf would poison the
         stage's next update. ``old + new`` is the very addition autograd's accumulation does, so
         accepted gradients are bit-identical to letting it accumulate; the sums replace the held
-        gradients only once all of them are known to be finite.
+        gradients only once all of them are known to be finite. They are summed into the fresh
+        gradients, which this backward's autograd owns (no second 4-bytes-per-parameter buffer
+        per backward), and checked with :func:`~swarmd.finite.all_finite`.
         """
         held = self.hold()
         try:
@@ -191,9 +215,9 @@ class GradientAccumulator:
             fresh = [p.grad for p in self.params]
         finally:
             self.reinstate(held)
-        summed = [new if old is None or new is None else old + new for old, new in zip(held, fresh, strict=True)]
+        summed = [new if old is None or new is None else new.add_(old) for old, new in zip(held, fresh, strict=True)]
         for total in summed:
-            if total is not None and not bool(torch.isfinite(total).all()):
+            if total is not None and not all_finite(total):
                 raise RequestError("the request's gradients overflow to Inf or NaN; refused and not applied")
         for p, total in zip(self.params, summed, strict=True):
             if total is not None:

@@ -1,0 +1,50 @@
+"""``swarmd generate``: sample text from a model exported by ``swarmd export``, on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from swarmd.cli.common import EXIT_RUNTIME, Parser, add_log_level, non_negative_int, positive_int, setup_logging
+
+
+def temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a temperature") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text} must lie in [0, 100] (0: greedy)")
+    return value
+
+
+def build_parser(prog: str = "swarmd generate") -> argparse.ArgumentParser:
+    p = Parser(prog=prog, description=__doc__)
+    p.add_argument("--model", type=Path, required=True, metavar="FILE", help="a file written by 'swarmd export'")
+    p.add_argument("--prompt", default="", help="the text to continue (default: none)")
+    p.add_argument("--tokens", type=non_negative_int, default=200, metavar="N", help="bytes to sample (default: 200)")
+    p.add_argument("--temperature", type=temperature, default=0.8, help="0 is greedy (default: 0.8)")
+    p.add_argument("--top-k", type=positive_int, default=40, metavar="K", help="sample among the K likeliest "
+                   "bytes (default: 40)")
+    p.add_argument("--seed", type=int, default=0, help="the sample's random seed (default: 0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_log_level(p, "WARNING")
+    return p
+
+
+def main(argv: Sequence[str], prog: str = "swarmd generate") -> int:
+    args = build_parser(prog).parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    from swarmd.export import ExportError, load_model
+    from swarmd.generate import sample_text
+
+    try:
+        model = load_model(args.model, device=args.device)
+    except ExportError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    print(sample_text(model, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                      seed=args.seed))
+    return 0

@@ -1,0 +1,91 @@
+"""Durable training end to end: real ``swarmd`` processes stopped and restarted on their state dirs.
+
+Two runs of the same 2-stage swarm (sync mode, codec none, so the losses are exact): one trains
+6 steps uninterrupted; the other trains 3, has every daemon SIGTERMed (each writes a last
+checkpoint), restarts them on the same state dirs (the founder without ``--model`` or training
+flags: it re-founds from its checkpoint; the joiner with ``--stage auto``: it picks the stage it
+holds), and trains 3 more. The resumed run's per-step losses equal the uninterrupted run's.
+Then the only peer of stage 1 is SIGKILLed and restarted from its state dir: the stage comes back
+from its checkpoint, not from fresh parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarmd.local_swarm import DaemonProcess
+from swarmd.train.trainer import Trainer, TrainerConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+COMMON = ["--swarm", "resume", "--announce-period", "1", "--bootstrap-timeout", "20", "--drain-timeout", "5"]
+FOUNDING = ["--model", "tiny", "--stage", "0", "--target-batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1",
+            "--averaging-timeout", "10"]
+
+
+def start(workdir: Path, name: str, *args: str) -> DaemonProcess:
+    ready = workdir / f"{name}.json"
+    ready.unlink(missing_ok=True)  # a restart: wait for the new ready file, not the old one
+    return DaemonProcess([*COMMON, "--checkpoint-every", "2", *args], workdir, name=name)
+
+
+async def train(api: str, steps: int, seed: int) -> list[float]:
+    summary = await Trainer(TrainerConfig(api=api, steps=steps, sync=True, codec="none", microbatch_size=4, window=4,
+                                          val_every=0, seed=seed, max_corpus_bytes=1 << 20)).run()
+    assert summary.steps == steps
+    return summary.step_losses
+
+
+async def swarm_of_two(workdir: Path, *, founder_args: list[str], joiner_args: list[str]) -> list[DaemonProcess]:
+    founder = start(workdir, "peer0", *founder_args)
+    await founder.wait_ready_async()
+    joiner = start(workdir, "peer1", "--join", founder.info["dht_addr"], *joiner_args)
+    await joiner.wait_ready_async()
+    return [founder, joiner]
+
+
+async def test_a_swarm_stopped_and_restarted_resumes_exactly(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    resumed.mkdir()
+    peers: list[DaemonProcess] = []
+    try:
+        # the uninterrupted run
+        peers = await swarm_of_two(straight, founder_args=FOUNDING, joiner_args=["--stage", "1"])
+        await train(peers[0].api, 3, seed=0)
+        expected = await train(peers[0].api, 3, seed=1)
+
+        # every peer of stage 1 killed (its only one), restarted from its state dir
+        before = peers[1].status()
+        assert before["step"] == 6 and before["checkpoint"]["newest"]["step"] == 6
+        peers[1].kill()
+        peers[1] = start(straight, "peer1", "--join", peers[0].info["dht_addr"], "--stage", "1")
+        await peers[1].wait_ready_async()
+        after = peers[1].status()
+        assert after["peer_id"] == before["peer_id"]  # same state dir, same identity
+        assert after["step"] == 6 and after["params_digest"] == before["params_digest"]
+        assert after["checkpoint"]["resumed_from_step"] == 6 and after["synced_from"] is None
+        assert "resumed stage 1 from checkpoint" in peers[1].log()
+        await train(peers[0].api, 1, seed=2)  # and it trains on
+        for p in peers:
+            assert p.stop() == 0
+
+        # the interrupted run: 3 steps, SIGTERM everyone, restart on the same state dirs, 3 steps
+        peers = await swarm_of_two(resumed, founder_args=FOUNDING, joiner_args=["--stage", "1"])
+        first = await train(peers[0].api, 3, seed=0)
+        assert all(p.stop() == 0 for p in peers)  # SIGTERM: drain, last checkpoint, exit 0
+        for name in ("peer0", "peer1"):
+            assert (resumed / name / "checkpoints" / f"s{name[-1]}-0000000003.json").exists()
+        peers = await swarm_of_two(resumed, founder_args=["--stage", "0"], joiner_args=[])
+        founder, joiner = (p.status() for p in peers)
+        assert founder["step"] == joiner["step"] == 3 and joiner["stage"] == 1
+        assert founder["checkpoint"]["resumed_from_step"] == 3 and joiner["checkpoint"]["resumed_from_step"] == 3
+        assert "re-founding swarm 'resume' with the model" in peers[0].log()
+        got = await train(peers[0].api, 3, seed=1)
+    finally:
+        for p in peers:
+            p.stop()
+    assert len(first) == 3 and first[-1] < first[0]
+    assert got == pytest.approx(expected, rel=1e-6)
