@@ -7,21 +7,29 @@ never reaches into its internals, and the OpenAPI docs at ``/docs`` describe eve
 Security: with an API token (required by the CLI when the control plane listens on anything
 but loopback), every endpoint that changes state (``POST /migrate``, ``POST /trainers``, the
 heartbeat) requires ``Authorization: Bearer <token>``, compared in constant time; a missing or
-wrong token gets 401. Read-only endpoints (``/status``, ``/swarm``, ``/trainers``, ``/healthz``,
-``/docs``) stay open: they reveal nothing a swarm member could not read from the DHT.
+wrong token gets 401. Read-only endpoints (``/status``, ``/swarm``, ``/trainers``, ``/training``,
+``/metrics``, the dashboard at ``/``, ``/healthz``, ``/docs``) stay open: they reveal nothing a
+swarm member could not read from the DHT.
+
+Seeing the swarm: ``GET /`` is a self-contained dashboard (``swarmd.api.dashboard``), ``GET
+/metrics`` the Prometheus exposition (``swarmd.api.metrics``), ``GET /training`` the loss curves
+(``swarmd.training_summary``).
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Any, Protocol
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 
 from swarmd import __version__
+from swarmd.api import dashboard
+from swarmd.api.metrics import CONTENT_TYPE, DaemonMetrics
 from swarmd.api.models import (
     Detail,
     ErrorBody,
@@ -31,11 +39,14 @@ from swarmd.api.models import (
     Status,
     SwarmView,
     TrainerInfo,
+    TrainerReport,
     TrainerRequest,
     TrainerWelcome,
+    TrainingView,
 )
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.errors import SwarmdError
+from swarmd.training_summary import TrainingLog
 
 # Documented refusals, so that /openapi.json lists every status code the control plane answers.
 Responses = dict[int | str, dict[str, Any]]
@@ -61,7 +72,10 @@ class DaemonView(Protocol):
     async def request_migration(self, stage: int, *, force: bool = False, reason: str = ...) -> dict[str, Any]: ...
 
 
-def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_token: str | None = None) -> FastAPI:
+def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_token: str | None = None, *,
+               metrics: DaemonMetrics | None = None, training: TrainingLog | None = None) -> FastAPI:
+    """The control plane of ``daemon``; ``metrics`` (``GET /metrics``) and ``training`` (``GET
+    /training``, the dashboard's curves) are the daemon's own, and answer 404 when not given."""
     registry = trainers or TrainerRegistry()
     app = FastAPI(
         title="swarmd control plane",
@@ -99,6 +113,44 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
                     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
             return await call_next(request)
 
+    if metrics is not None:
+
+        @app.middleware("http")
+        async def observe(request: Request, call_next: Any) -> Response:
+            """Counts and times every request by its route's template (``swarmd_control_plane_...``)."""
+            started = time.perf_counter()
+            response: Response = await call_next(request)
+            route = request.scope.get("route")
+            endpoint = route.path if isinstance(route, APIRoute) else "other"
+            metrics.observe_api(endpoint, response.status_code, time.perf_counter() - started)
+            return response
+
+    @app.get("/", response_class=Response, summary="The dashboard: the swarm's stages, peers and loss, live",
+             responses={200: {"content": {"text/html": {}}, "description": "a self-contained HTML page"}})
+    async def index() -> Response:
+        return dashboard.index()
+
+    @app.get("/static/{name}", response_class=Response, summary="The dashboard's script and stylesheet",
+             responses={200: {"content": {"text/javascript": {}, "text/css": {}, "text/html": {}}},
+                        404: {"model": Detail, "description": "no such file"}})
+    async def static(name: str) -> Response:
+        return dashboard.asset(name)
+
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics of this peer (text format)",
+             responses={200: {"content": {CONTENT_TYPE: {}}, "description": "the Prometheus text exposition"},
+                        404: {"model": Detail, "description": "this control plane has no metrics registry"}})
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            raise HTTPException(status_code=404, detail="no metrics registry on this control plane")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/training", response_model=TrainingView, summary="Loss curves: this daemon's trainers and the swarm's",
+             responses={404: {"model": Detail, "description": "this control plane keeps no training log"}})
+    async def training_view(limit: int = Query(default=1024, ge=1, le=4096)) -> Any:
+        if training is None:
+            raise HTTPException(status_code=404, detail="no training log on this control plane")
+        return training.view(limit=limit)
+
     @app.get("/status", response_model=Status, summary="This peer's identity, stage, load and addresses")
     async def status() -> dict[str, Any]:
         return daemon.status()
@@ -128,11 +180,12 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
         return registry.live()
 
     @app.post("/trainers/{trainer_id}/heartbeat", status_code=204, response_model=None, dependencies=guarded,
-              summary="Keep a registration alive",
-              responses={**_TOKEN, 404: {"model": ErrorBody,
-                                         "description": "unknown or expired registration: register again"}})
-    async def heartbeat(trainer_id: str) -> Response:
-        if not registry.heartbeat(trainer_id):
+              summary="Keep a registration alive; the body (optional) reports the trainer's steps and losses",
+              responses={**_BAD_JSON, **_TOKEN,
+                         404: {"model": ErrorBody, "description": "unknown or expired registration: register again"},
+                         422: {"description": "a report that is not a TrainerReport"}})
+    async def heartbeat(trainer_id: str, body: TrainerReport | None = None) -> Response:
+        if not registry.heartbeat(trainer_id, body):
             return JSONResponse({"error": "UnknownTrainer", "message": "unknown or expired trainer id; register again"},
                                 status_code=404)
         return Response(status_code=204)

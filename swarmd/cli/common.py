@@ -9,6 +9,7 @@ type raises :class:`argparse.ArgumentTypeError` with a message that completes th
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import sys
@@ -26,6 +27,8 @@ EXIT_USAGE = 2  # the user asked for something impossible (a bad flag, a bad fil
 EXIT_INTERRUPTED = 130  # a second Ctrl-C during shutdown
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+JSON_LOG_KEYS = ("ts", "level", "logger", "msg", "pid", "task")
 
 
 class Parser(argparse.ArgumentParser):
@@ -134,12 +137,37 @@ def load_swarm_key(path: Path | str | None) -> SwarmKey | None:
 
 
 def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
-    """``--log-level`` with one spelling and one set of choices for every command."""
+    """``--log-level`` and ``--log-format`` with one spelling and one set of choices for every command."""
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
                         help=f"log verbosity (default: {default})")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="text: timestamped lines; json: one JSON object per line with the stable keys "
+                        f"{', '.join(JSON_LOG_KEYS)} (+ exc when there is a traceback) (default: text)")
 
 
-def setup_logging(level: str) -> None:
-    """Timestamped lines on stderr; kademlia's chatter only from WARNING up, whatever the level."""
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, stable keys (:data:`JSON_LOG_KEYS`), for log shippers (Loki, journald, jq)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "pid": record.process,
+            "task": record.threadName if record.threadName != "MainThread" else None,
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def setup_logging(level: str, log_format: str = "text") -> None:
+    """Lines on stderr (timestamped text, or JSON objects); kademlia's chatter only from WARNING up."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("kademlia").setLevel(max(logging.WARNING, logging.getLogger().level))

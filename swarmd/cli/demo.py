@@ -4,8 +4,9 @@ It starts ``--stages`` x ``--peers`` daemons on 127.0.0.1 as subprocesses throug
 (the first founds the swarm, the rest join it over the DHT), trains the tiny model on the Python
 standard library's own sources with a trainer in this process, SIGKILLs one peer halfway, starts
 a replacement that joins through the DHT and downloads its stage's state from a survivor, and
-ends with a summary: the loss, what the kill cost, and every peer's parameter digest (the peers
-of a stage must agree). Ctrl-C, SIGTERM or any failure stops every child process.
+ends with a summary: the loss, what the kill cost, every peer's parameter digest (the peers
+of a stage must agree), and a short sample of text from the trained model, assembled from the
+swarm as ``swarmd export`` does. Ctrl-C, SIGTERM or any failure stops every child process.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def build_parser(prog: str = "swarmd demo") -> argparse.ArgumentParser:
     p.add_argument("--swarm-key", default=None, metavar="FILE",
                    help="run a private swarm: every peer and the trainer get this key file (see 'swarmd --help')")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
+    p.add_argument("--out", type=Path, default=Path("swarmd-demo"), metavar="DIR",
+                   help="where the run's training.csv and training.png (with matplotlib) are kept "
+                   "(default: ./swarmd-demo)")
     return p
 
 
@@ -144,7 +148,8 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
     watcher = asyncio.create_task(watch_for_halfway())
     started = time.monotonic()
     try:
-        summary = await run_trainer(config)
+        args.out.mkdir(parents=True, exist_ok=True)
+        summary = await run_trainer(config, log_csv=args.out / "training.csv")
     finally:
         if not watcher.done():
             watcher.cancel()
@@ -170,10 +175,39 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
              + (f" (state downloaded from {st['synced_from'][:12]})" if st["synced_from"] else ""))
     _say("the peers of every stage hold identical parameters" if identical
          else "WARNING: peers of a stage disagree on their parameters")
+    _say(_plot(args.out / "training.csv"))
+    _say(f"the dashboard of every peer shows the swarm live, e.g. {founder.api}/ (swarmd status --api {founder.api})")
+    sample = await _sample(founder.api, args.swarm_key)
+    if sample is not None:
+        _say(f"\na sample of what the swarm learned (swarmd export, then swarmd generate --prompt 'def '):\n{sample}")
     if args.json:
         print(json.dumps({**summary.to_json(), "killed_at_step": killed_at_step[0] if killed_at_step else None,
                           "identical_params": identical, "peers": len(alive)}))
     return 0 if identical else 1
+
+
+def _plot(csv_path: Path) -> str:
+    """The run's curves as a PNG beside its CSV (``swarmd.train.plot``), when matplotlib is there."""
+    from swarmd.train.plot import have_matplotlib, plot_training
+
+    if not have_matplotlib():
+        return f"per-step loss in {csv_path} (install matplotlib for a PNG: pip install 'swarmd[plot]')"
+    png = plot_training(csv_path, csv_path.with_suffix(".png"), title="swarmd demo")
+    return f"training curves: {png} (per-step numbers in {csv_path})"
+
+
+async def _sample(api: str, swarm_key: Any, prompt: str = "def ", tokens: int = 160) -> str | None:
+    """The trained model assembled from the live swarm (as ``swarmd export`` does) and a short sample."""
+    from swarmd.errors import SwarmdError
+    from swarmd.export import from_swarm
+    from swarmd.generate import sample_text
+
+    try:
+        model = await from_swarm(api, swarm_key=swarm_key)
+    except SwarmdError as exc:
+        _say(f"(could not assemble the model for a sample: {exc})")
+        return None
+    return await asyncio.to_thread(sample_text, model.to_full_model(), prompt, tokens, temperature=0.7, seed=0)
 
 
 def _settled(alive: list[DaemonProcess], timeout_s: float = 15.0) -> list[dict[str, Any]]:

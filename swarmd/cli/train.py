@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import json
+import math
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +68,9 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
     p.add_argument("--stage-wait-timeout", type=seconds, default=120.0, metavar="SECONDS",
                    help="give up when a stage has had no live peer this long (default: 120)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
+    p.add_argument("--log-csv", default=None, metavar="FILE",
+                   help="write one CSV row per step (step, loss, samples/s, val loss); "
+                   "plot it with scripts/plot_training.py FILE")
     add_log_level(p, "WARNING")
     return p
 
@@ -90,15 +96,34 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     )
 
 
-async def run_trainer(config: TrainerConfig, *, show_progress: bool = True) -> TrainSummary:
-    """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage) on stderr."""
+#: The columns ``--log-csv`` writes (``scripts/plot_training.py`` reads them by name).
+CSV_COLUMNS = ("step", "elapsed_s", "loss", "samples_per_s", "val_loss")
+
+
+async def run_trainer(config: TrainerConfig, *, show_progress: bool = True,
+                      log_csv: Path | None = None) -> TrainSummary:
+    """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage) on stderr, and with
+    ``log_csv`` one row per step (:data:`CSV_COLUMNS`; an undefined loss is an empty cell)."""
     from tqdm import tqdm
 
     from swarmd.train.trainer import Trainer
 
     bar = tqdm(total=config.steps, unit="step", disable=not show_progress, file=sys.stderr, dynamic_ncols=True)
+    started = time.monotonic()
+    csv_file = log_csv.open("w", newline="") if log_csv is not None else None
+    rows = csv.writer(csv_file) if csv_file is not None else None
+    if rows is not None:
+        rows.writerow(CSV_COLUMNS)
+
+    def cell(value: float | None) -> str:
+        return "" if value is None or not math.isfinite(value) else f"{value:.6g}"
 
     def on_step(step: int, loss: float, info: dict[str, Any]) -> None:
+        if rows is not None and csv_file is not None:
+            elapsed_s = time.monotonic() - started
+            rows.writerow([step, f"{elapsed_s:.3f}", cell(loss),
+                           cell(info["samples"] / elapsed_s if elapsed_s else None), cell(info["val_loss"])])
+            csv_file.flush()  # a run that dies still leaves its curve
         elapsed = bar.format_dict.get("elapsed") or 0.0
         rate = info["samples"] / elapsed if elapsed else 0.0
         postfix = {"loss": f"{loss:.3f}", "samples/s": f"{rate:.0f}", "peers": "/".join(map(str, info["peers"]))}
@@ -111,16 +136,22 @@ async def run_trainer(config: TrainerConfig, *, show_progress: bool = True) -> T
         return await Trainer(config, on_step=on_step).run()
     finally:
         bar.close()
+        if csv_file is not None:
+            csv_file.close()
 
 
 def main(argv: Sequence[str], prog: str = "swarmd train") -> int:
     args = config_file.parse_args(build_parser(prog), argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
-        summary = asyncio.run(run_trainer(config, show_progress=sys.stderr.isatty() or not args.json))
+        summary = asyncio.run(run_trainer(config, show_progress=sys.stderr.isatty() or not args.json,
+                                          log_csv=Path(args.log_csv) if args.log_csv else None))
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # --log-csv cannot be written
+        print(f"{prog}: error: cannot write --log-csv {args.log_csv}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except SwarmdError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -2,7 +2,9 @@
 
 A trainer runs no DHT node (SWARM, section 3.2: trainers are light clients). It registers with
 any daemon's control plane (``POST /trainers``), renews the registration with heartbeats (and
-registers again when the daemon forgot it: a restart, a long silence), reads the stage map
+registers again when the daemon forgot it: a restart, a long silence; each heartbeat reports
+the steps finished since the last one, with their loss and validation loss, and samples/s, so
+the daemons can show the swarm's loss: ``swarmd.training_summary``), reads the stage map
 from that daemon's ``GET /swarm``, and asks the serving peers themselves where their stages
 stand (``GET /v1/progress``, through :class:`~swarmd.net.client.DataPlaneClient`), since the
 DHT's view can be an announce period old. The bodies are parsed with the control plane's own
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import aiohttp
 from pydantic import ValidationError
 
-from swarmd.api.models import SwarmView, TrainerWelcome
+from swarmd.api.models import MAX_REPORT_STEPS, SwarmView, TrainerWelcome
 from swarmd.errors import PeerError, SwarmdError
 from swarmd.net.client import DataPlaneClient
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: How long one /v1/progress poll of a peer may take (a long-poll: on top of its wait).
 PROGRESS_TIMEOUT_S = 5.0
+#: How long the last report may take when the trainer finishes.
+FLUSH_TIMEOUT_S = 5.0
 
 
 class TrainerError(SwarmdError):
@@ -83,6 +88,10 @@ class SwarmClient:
         self._view_lock = asyncio.Lock()
         self._view_at = 0.0
         self.unreachable: dict[int, list[str]] = {}  # stage -> data addrs nobody could dial
+        self._steps: list[dict[str, object]] = []  # steps finished since the last heartbeat got through
+        self._samples = 0
+        self._rate = 0.0
+        self._rate_from: tuple[float, int] | None = None  # (monotonic, samples) at the last heartbeat
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -110,19 +119,50 @@ class SwarmClient:
                  registration.training.target_batch_size)
         return registration
 
+    def observe_step(self, step: int, loss: float | None, samples: int, val_loss: float | None = None) -> None:
+        """A step the swarm took, as this trainer saw it: reported with the next heartbeat."""
+        def finite(v: float | None) -> float | None:
+            return v if v is not None and math.isfinite(v) else None
+
+        if self._rate_from is None:
+            self._rate_from = (time.monotonic(), self._samples)
+        self._samples = samples
+        self._steps.append({"step": step, "loss": finite(loss), "val_loss": finite(val_loss)})
+        del self._steps[:-MAX_REPORT_STEPS]  # a long silence: the newest steps are the ones to show
+
+    def _report(self) -> dict[str, object]:
+        now = time.monotonic()
+        if self._rate_from is not None and now > self._rate_from[0]:
+            self._rate = max(0.0, (self._samples - self._rate_from[1]) / (now - self._rate_from[0]))
+            self._rate_from = (now, self._samples)
+        return {"steps": list(self._steps), "samples": self._samples, "samples_per_s": round(self._rate, 3)}
+
     async def heartbeat(self) -> bool:
-        """Renew the registration; False when the daemon no longer knows it (register again).
-        A heartbeat that does not get through is logged and counts as renewed."""
+        """Renew the registration, reporting the steps since the last heartbeat; False when the
+        daemon no longer knows it (register again). A heartbeat that does not get through is
+        logged and counts as renewed (its steps go with the next one)."""
         if self.registration is None:
             return False
         # built each time: after a registration again the trainer has a new id
         url = f"{self.api}/trainers/{self.registration.trainer_id}/heartbeat"
+        report = self._report()
         try:
-            async with self._http.post(url, headers=self._headers) as r:
+            async with self._http.post(url, json=report, headers=self._headers) as r:
+                if r.status == 204:
+                    del self._steps[:len(report["steps"])]  # type: ignore[arg-type]  # a list, built above
                 return r.status != 404
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("heartbeat to %s failed: %s", url, exc)
             return True
+
+    async def flush(self) -> None:
+        """Report the last steps when the trainer finishes (bounded: a gone daemon costs seconds)."""
+        if not self._steps:
+            return
+        try:
+            await asyncio.wait_for(self.heartbeat(), FLUSH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("the last training report to %s timed out", self.api)
 
     async def keep_registered(self, period_s: float, on_registered: Callable[[Registration], None]) -> None:
         """Heartbeat every ``period_s`` until cancelled; register again when forgotten and tell

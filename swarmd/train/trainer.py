@@ -239,6 +239,7 @@ class Trainer:
             finally:
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, return_exceptions=True)
+                await self._swarm.flush()  # the last steps' losses, for the daemons' curves
         s = self.summary
         s.elapsed_s = round(time.monotonic() - started, 3)
         s.samples_per_s = round(s.samples / s.elapsed_s, 2) if s.elapsed_s else 0.0
@@ -386,9 +387,12 @@ class Trainer:
             s.first_loss = loss
         if total:
             s.final_loss = loss
-        if self.config.val_every and done % self.config.val_every == 0:
+        validated = bool(self.config.val_every and done % self.config.val_every == 0)
+        if validated:
             await self._validate(validation)
         progress = self.progress()
+        if self._swarm is not None:  # reported with the next heartbeat (swarmd.training_summary)
+            self._swarm.observe_step(step, loss if total else None, s.samples, s.val_loss if validated else None)
         self._emit(StepDone(done=done, step=step, loss=loss if total else None, progress=progress,
                             at=time.perf_counter()))
         if self.on_step is not None:

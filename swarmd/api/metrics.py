@@ -1,0 +1,294 @@
+"""``GET /metrics``: one Prometheus registry per daemon, in the text format of ``prometheus-client``.
+
+Two kinds of metric, so that nothing is counted twice and nothing drifts from ``/status``:
+
+- most families are *read at scrape time* from the daemon's own ``/status`` document (the
+  :class:`~swarmd.api.models.Status` model: throughput, queue, step, averaging rounds, served
+  requests, auth refusals, activation cache, checkpoint, relay ...), its DHT counters and its
+  training log, by :class:`StatusCollector`: the daemon keeps counting where it always did, and
+  a scrape turns those counters into families;
+- request counts, bytes and latency histograms, which no counter held before, are observed as
+  requests pass: :meth:`DaemonMetrics.data_plane_middleware` on the aiohttp data plane and
+  :meth:`DaemonMetrics.observe_api` on the control plane. Their endpoint label is the route's
+  template (``/v1/forward``, ``/trainers/{trainer_id}/heartbeat``), never the raw path, so a
+  scanner cannot grow the registry.
+
+Names follow Prometheus conventions: ``swarmd_`` prefix, base units (``_seconds``, ``_bytes``),
+counters end in ``_total``. Registries are per daemon (never the global default), so several
+daemons in one process (the tests) keep their own numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from swarmd.training_summary import TrainingLog
+
+__all__ = ["CONTENT_TYPE", "DaemonMetrics", "MetricsSource", "StatusCollector"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: Request latency buckets: a loopback forward takes milliseconds, a WAN state download minutes.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+STATES = ("starting", "joining", "serving", "migrating", "draining", "stopped")
+
+
+class MetricsSource(Protocol):
+    """What the collector reads from a daemon at scrape time."""
+
+    def status(self) -> dict[str, Any]: ...
+
+    def dht_stats(self) -> dict[str, Any] | None: ...
+
+    @property
+    def training_log(self) -> TrainingLog: ...
+
+
+class _Changed:
+    """When a value last changed, as seen by scrapes (the age of the step, of the params digest)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._value: object = None
+        self._since = clock()
+
+    def age(self, value: object) -> float:
+        if value != self._value:
+            self._value, self._since = value, self._clock()
+        return self._clock() - self._since
+
+
+def _gauge(name: str, doc: str, value: float | None, labels: Mapping[str, str] | None = None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=list(labels or {}))
+    if value is not None:
+        family.add_metric(list((labels or {}).values()), float(value))
+    return family
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value))
+
+
+def _by(name: str, doc: str, label: str, values: Mapping[str, Any], *, counter: bool = True) -> Metric:
+    family: Metric = (CounterMetricFamily(name, doc, labels=[label]) if counter
+                      else GaugeMetricFamily(name, doc, labels=[label]))
+    for key, value in sorted(values.items()):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            family.add_metric([str(key)], float(value))  # type: ignore[attr-defined]
+    return family
+
+
+class StatusCollector(Collector):
+    """Families read from the daemon's ``/status``, DHT counters and training log at each scrape."""
+
+    def __init__(self, source: MetricsSource, clock: Callable[[], float] = time.monotonic) -> None:
+        self._source = source
+        self._step_changed = _Changed(clock)
+        self._digest_changed = _Changed(clock)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._source.status()
+        info = InfoMetricFamily("swarmd_peer", "who this peer is")
+        model = s.get("model") or {}
+        info.add_metric([], {"peer_id": s.get("peer_id") or "", "swarm": s["swarm"], "version": s["version"],
+                             "device": s["device"], "model": model.get("name", ""),
+                             "model_digest": model.get("digest", "")})
+        yield info
+        state = GaugeMetricFamily("swarmd_state", "1 for the state this peer is in", labels=["state"])
+        for name in STATES:
+            state.add_metric([name], 1.0 if s["state"] == name else 0.0)
+        yield state
+        yield _gauge("swarmd_stage", "the pipeline stage this peer serves", s["stage"])
+        yield _gauge("swarmd_stages", "stages of the model", s["n_stages"])
+        yield _gauge("swarmd_throughput_samples_per_second", "forward+backward samples/s (EMA)", s["throughput"])
+        yield _gauge("swarmd_queue_jobs", "compute jobs waiting or running on the stage's worker", s["queue"])
+        yield _gauge("swarmd_in_flight_requests", "data-plane requests being served", s["in_flight"])
+        yield _gauge("swarmd_step", "optimizer steps applied to this stage's parameters", s["step"])
+        yield _gauge("swarmd_step_age_seconds", "seconds since the step last changed (as seen by scrapes)",
+                     self._step_changed.age((s["stage"], s["step"])))
+        yield _gauge("swarmd_params_digest_age_seconds", "seconds since the params digest last changed "
+                     "(as seen by scrapes)", self._digest_changed.age(s["params_digest"]))
+        yield _gauge("swarmd_grad_samples", "samples accumulated since the last step", s["grad_samples"])
+        yield _counter("swarmd_stale_backwards_dropped", "backwards refused: forward at an older step",
+                       s["stale_dropped"])
+        yield _counter("swarmd_stale_backwards_applied", "backwards one step old, applied to the next update",
+                       s["stale_applied"])
+        yield _counter("swarmd_worker_cpu_seconds", "CPU seconds of the stage's worker thread", s["worker_cpu_s"])
+        yield _by("swarmd_served_requests", "data-plane requests answered, by kind", "kind", s["served"])
+        yield _counter("swarmd_announcements", "peer records published to the DHT", s["announcements"])
+        yield _by("swarmd_task_crashes", "background task crashes, by task", "task", s["task_crashes"])
+        yield _gauge("swarmd_uptime_seconds", "seconds since the daemon started", s["uptime_s"])
+        yield from self._averaging(s.get("averaging"))
+        yield from self._cache(s.get("activation_cache"))
+        yield from self._auth(s.get("auth"))
+        yield from self._migration(s.get("migration"))
+        yield from self._checkpoint(s.get("checkpoint"))
+        yield from self._relay(s.get("relay") or {})
+        handover = s.get("gradient_handover") or {}
+        yield _by("swarmd_gradient_handover_samples", "gradients handed over on graceful leave, in samples",
+                  "direction", {k: v for k, v in handover.items() if k in ("handed_out", "dropped", "handed_in")})
+        reach = str((s.get("reachability") or {}).get("status"))
+        yield _gauge("swarmd_reachable", "1 when other members could dial this peer's data plane, 0 when not, "
+                     "absent while unknown", {"yes": 1.0, "no": 0.0}.get(reach))
+        yield from self._dht(self._source.dht_stats())
+        yield from self._training(self._source.training_log)
+
+    @staticmethod
+    def _averaging(averaging: Mapping[str, Any] | None) -> Iterator[Metric]:
+        rounds = CounterMetricFamily("swarmd_averaging_rounds", "averaging rounds this peer took part in, by result",
+                                     labels=["result"])
+        if averaging is not None:
+            rounds.add_metric(["ok"], float(averaging["rounds_ok"]))
+            rounds.add_metric(["aborted"], float(averaging["rounds_aborted"]))
+        yield rounds
+
+    @staticmethod
+    def _cache(cache: Mapping[str, int] | None) -> Iterator[Metric]:
+        cache = cache or {}
+        for key in ("hits", "misses", "mismatches", "evictions", "skipped"):
+            yield _counter(f"swarmd_activation_cache_{key}", f"activation cache {key}", cache.get(key, 0))
+        yield _gauge("swarmd_activation_cache_entries", "forwards' graphs kept for their backward",
+                     cache.get("entries", 0))
+        yield _gauge("swarmd_activation_cache_bytes", "bytes held by the activation cache", cache.get("bytes", 0))
+
+    @staticmethod
+    def _auth(auth: Mapping[str, Any] | None) -> Iterator[Metric]:
+        family = CounterMetricFamily("swarmd_auth_refusals", "requests and datagrams refused for lacking the swarm "
+                                     "key, by plane and reason", labels=["plane", "reason"])
+        refused = (auth or {}).get("refused") or {}
+        for plane in ("dht", "data_plane"):
+            for reason, count in sorted((refused.get(plane) or {}).items()):
+                family.add_metric([plane, reason], float(count))
+        yield family
+
+    @staticmethod
+    def _migration(migration: Mapping[str, Any] | None) -> Iterator[Metric]:
+        family = GaugeMetricFamily("swarmd_migration_info", "the last move between stages (1)",
+                                   labels=["from_stage", "to_stage", "phase", "reason"])
+        started = None
+        if migration is not None:
+            family.add_metric([str(migration.get("from")), str(migration.get("to")), str(migration.get("phase")),
+                               str(migration.get("reason"))[:64]], 1.0)
+            started = migration.get("started_at")
+        yield family
+        yield _gauge("swarmd_migration_started_timestamp_seconds", "unix time the last move started", started)
+
+    @staticmethod
+    def _checkpoint(checkpoint: Mapping[str, Any] | None) -> Iterator[Metric]:
+        newest = (checkpoint or {}).get("newest") or {}
+        yield _gauge("swarmd_checkpoint_age_seconds", "age of the newest checkpoint under --state-dir",
+                     newest.get("age_s"))
+        yield _counter("swarmd_checkpoint_writes", "checkpoints written", (checkpoint or {}).get("writes", 0))
+        yield _counter("swarmd_checkpoint_failures", "checkpoint writes that failed",
+                       (checkpoint or {}).get("failures", 0))
+
+    @staticmethod
+    def _relay(relay: Mapping[str, Any]) -> Iterator[Metric]:
+        server = relay.get("server") or {}
+        client = relay.get("client") or {}
+        yield _counter("swarmd_relay_served_requests", "requests relayed for unreachable peers",
+                       server.get("requests", 0))
+        yield _counter("swarmd_relay_served_bytes", "bytes relayed for unreachable peers", server.get("bytes", 0))
+        yield _gauge("swarmd_relay_peers", "unreachable peers relayed through this one", len(server.get("peers") or {}))
+        yield _gauge("swarmd_relayed", "1 while this peer is reached through a relay",
+                     1.0 if client.get("state") == "relayed" else 0.0)
+
+    @staticmethod
+    def _dht(stats: Mapping[str, Any] | None) -> Iterator[Metric]:
+        stats = stats or {}
+        yield _gauge("swarmd_dht_routing_table_peers", "DHT contacts in the routing table",
+                     stats.get("routing_table_size", 0))
+        yield _gauge("swarmd_dht_stored_records", "records this DHT node stores", stats.get("stored_records", 0))
+        yield _by("swarmd_dht_rejected_records", "DHT records refused, by reason", "reason",
+                  stats.get("rejected") or {})
+        yield _by("swarmd_dht_dropped_datagrams", "DHT datagrams dropped, by reason", "reason",
+                  stats.get("dropped_datagrams") or {})
+
+    @staticmethod
+    def _training(training: TrainingLog) -> Iterator[Metric]:
+        live = training.live_trainers()
+        yield _gauge("swarmd_trainers", "trainers registered here that reported lately", len(live))
+        yield _gauge("swarmd_trainer_samples_per_second", "samples/s of the trainers registered here",
+                     sum(r.samples_per_s for r in live.values()))
+        losses = [r.loss for r in live.values() if r.loss is not None]
+        yield _gauge("swarmd_trainer_loss", "mean newest training loss of the trainers registered here",
+                     sum(losses) / len(losses) if losses else None)
+        swarm = training.swarm[-1] if training.swarm else None
+        yield _gauge("swarmd_swarm_loss", "the swarm's training loss, merged from every daemon's DHT record",
+                     swarm.loss if swarm is not None else None)
+        yield _gauge("swarmd_swarm_val_loss", "the swarm's validation loss, merged from the DHT",
+                     swarm.val_loss if swarm is not None else None)
+        yield _gauge("swarmd_swarm_samples_per_second", "the swarm's samples/s, summed over reporting trainers",
+                     swarm.samples_per_s if swarm is not None else None)
+
+
+class DaemonMetrics:
+    """One daemon's registry: the scrape-time collector plus the request observations."""
+
+    def __init__(self, source: MetricsSource) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)  # no scrape-time read at construction
+        self.registry.register(StatusCollector(source))
+        r = self.registry
+        self.data_requests = Counter("swarmd_data_plane_requests", "data-plane requests, by endpoint and status",
+                                     ["endpoint", "status"], registry=r)
+        self.data_seconds = Histogram("swarmd_data_plane_request_duration_seconds", "data-plane request latency",
+                                      ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.data_in = Counter("swarmd_data_plane_received_bytes", "request bodies received, by endpoint",
+                               ["endpoint"], registry=r)
+        self.data_out = Counter("swarmd_data_plane_sent_bytes", "reply bodies sent, by endpoint (state transfer: "
+                                "/v1/state)", ["endpoint"], registry=r)
+        self.api_requests = Counter("swarmd_control_plane_requests", "control-plane requests, by endpoint and "
+                                    "status (401: token refusals)", ["endpoint", "status"], registry=r)
+        self.api_seconds = Histogram("swarmd_control_plane_request_duration_seconds", "control-plane latency",
+                                     ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+
+    def render(self) -> bytes:
+        """The exposition, in Prometheus text format (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+    def observe_api(self, endpoint: str, status: int, seconds: float) -> None:
+        self.api_requests.labels(endpoint, str(status)).inc()
+        self.api_seconds.labels(endpoint).observe(seconds)
+
+    def data_plane_middleware(self) -> Middleware:
+        """An aiohttp middleware counting the data plane's requests, bytes and latency by route."""
+
+        @web.middleware
+        async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+            started = time.perf_counter()
+            route = request.match_info.route.resource
+            endpoint = route.canonical if route is not None else "other"
+            status = 500
+            response: web.StreamResponse | None = None
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            finally:
+                self.data_requests.labels(endpoint, str(status)).inc()
+                self.data_seconds.labels(endpoint).observe(time.perf_counter() - started)
+                self.data_in.labels(endpoint).inc(request.content_length or 0)
+                self.data_out.labels(endpoint).inc(_body_bytes(response))
+
+        return observe
+
+
+def _body_bytes(response: web.StreamResponse | None) -> int:
+    """A reply's body size: a plain Response knows it; a streamed one (GET /v1/state) counts what it wrote."""
+    if response is None:
+        return 0
+    if isinstance(response, web.Response) and response.body is not None:
+        size = response.content_length
+        return size if size is not None else 0
+    return int(getattr(response, "body_length", 0) or 0)

@@ -1,0 +1,67 @@
+"""The dashboard at ``GET /`` in a real headless browser (Debian's ``chromium``), against a live 2x2 swarm.
+
+The page must show every peer of the swarm and, once a trainer has run, a loss curve. A screenshot
+is saved as a test artifact (``$SWARMD_TEST_ARTIFACTS/dashboard.png``, else the test's tmp dir).
+Skips with the reason where no chromium is installed (``scripts/_venv.sh`` installs it as root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from swarmd.train.trainer import Trainer, TrainerConfig
+from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
+
+CHROMIUM = next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))),
+                None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)")
+
+
+def chromium(url: str, *action: str, profile: Path) -> subprocess.CompletedProcess[str]:
+    """Headless chromium on ``url``; the page's script runs for 4 s of virtual time first."""
+    assert CHROMIUM is not None
+    args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+            f"--user-data-dir={profile}", "--hide-scrollbars", "--virtual-time-budget=4000", *action, url]
+    return subprocess.run(args, capture_output=True, text=True, timeout=90)
+
+
+async def test_dashboard_shows_every_peer_and_the_loss_curve(tmp_path: Path) -> None:
+    async with swarm(TINY, TRAINING) as daemons:
+        api = f"http://{daemons[0].status()['api_addr']}"
+        async with httpx.AsyncClient() as c:
+            page = await c.get(f"{api}/")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert "https://" not in page.text and "http://" not in page.text  # nothing fetched from elsewhere
+            script = await c.get(f"{api}/static/dashboard.js")
+            assert script.status_code == 200 and "fetch(" in script.text
+            assert (await c.get(f"{api}/static/..%2Fapp.py")).status_code == 404
+
+        before = await asyncio.to_thread(chromium, f"{api}/", "--dump-dom", profile=tmp_path / "p1")
+        assert before.returncode == 0, before.stderr[-2000:]
+        shown = set(re.findall(r'data-peer-id="([0-9a-f]{40})"', before.stdout))
+        assert shown == {d.peer_id for d in daemons}, before.stdout[-3000:]
+        assert 'class="loss"' not in before.stdout  # no trainer yet: no curve
+
+        run = TrainerConfig(api=api, steps=3, sync=True, codec="none", microbatch_size=MICRO, val_every=2,
+                            max_corpus_bytes=CORPUS_BYTES)
+        await Trainer(run).run()
+        after = await asyncio.to_thread(chromium, f"{api}/", "--dump-dom", profile=tmp_path / "p2")
+        curve = re.search(r'<path class="loss" d="M[^"]+" data-points="(\d+)"', after.stdout)
+        assert curve is not None and int(curve.group(1)) == 3, after.stdout[-3000:]
+        assert re.search(r'<path class="val" d="M[^"]+" data-points="1"', after.stdout)
+        assert "at step 2" in after.stdout
+
+        artifacts = Path(os.environ.get("SWARMD_TEST_ARTIFACTS", tmp_path))
+        artifacts.mkdir(parents=True, exist_ok=True)
+        png = artifacts / "dashboard.png"
+        shot = await asyncio.to_thread(chromium, f"{api}/", f"--screenshot={png}", "--window-size=1366,1100",
+                                       profile=tmp_path / "p3")
+        assert shot.returncode == 0 and png.stat().st_size > 10_000, shot.stderr[-2000:]
