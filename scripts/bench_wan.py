@@ -7,7 +7,11 @@ settings, each on a fresh lab and a fresh swarm:
 
 - ``lan``: no shaping (the lab's veths and bridge; RTT ~0.05 ms);
 - ``wan50``: 50 ms RTT (25 ms one-way egress delay on every host) and every host's egress capped at 500 Mbit/s;
-- ``wan100``: 100 ms RTT (50 ms per host) and 100 Mbit/s.
+- ``wan100``: 100 ms RTT (50 ms per host) and 100 Mbit/s;
+- ``nat``: no shaping, but the last host (a stage-1 peer) sits behind a masquerading NAT: nobody can
+  dial it, so it serves through a relay (a reachable peer; ``swarmd.net.relay``). Against ``lan``:
+  what the relayed hop costs the swarm, and (``daemons[].throughput``, ``relayed_for_others``) what
+  relaying costs the relay's own serving.
 
 The job: ``--preset`` (small: 2 stages) with ``--peers-per-stage`` daemons per stage (2), one per lab
 host, started through the real CLI bound to the host's own address (``--host A --dht-host A
@@ -59,6 +63,7 @@ class Scenario:
     name: str
     rtt_ms: float
     rate: str | None
+    nat: tuple[int, ...] = ()  # hosts behind a masquerading NAT: they serve through a relay (swarmd.net.relay)
 
     @property
     def delay_s(self) -> float:
@@ -66,7 +71,9 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in (Scenario("lan", 0.0, None), Scenario("wan50", 50.0, "500mbit"),
-                                 Scenario("wan100", 100.0, "100mbit"))}
+                                 Scenario("wan100", 100.0, "100mbit"),
+                                 # the last host (a stage-1 peer with 2 peers per stage) behind NAT, relayed
+                                 Scenario("nat", 0.0, None, nat=(-1,)))}
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,8 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
     stages = _stages(s.preset)
     hosts = stages * s.peers_per_stage
     daemons: list[DaemonProcess] = []
-    with netlab.Lab(hosts, rate=sc.rate, delay_s=sc.delay_s) as lab:
+    nat = tuple(h % hosts for h in sc.nat)
+    with netlab.Lab(hosts, rate=sc.rate, delay_s=sc.delay_s, nat=nat) as lab:
         link = netlab.measure(lab, 1, 0, nbytes=4 << 20)
         try:
             for i in range(hosts):  # host i serves stage i % stages; host 0 founds the swarm
@@ -197,6 +205,7 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
                                json.dumps({"settings": asdict(s), "api": api})],
                            capture_output=True, text=True, timeout=TRAINER_TIMEOUT_S)
             cpu1 = [cpu_seconds(d.pid) for d in daemons]
+            statuses = [host_status(lab, i, d) for i, d in enumerate(daemons)]
             if done.returncode != 0:
                 raise BenchError(f"the trainer exited with {done.returncode}: {done.stderr[-3000:]}")
             result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -208,11 +217,26 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
             codes = [d.stop() for d in daemons]
     result.update({
         "scenario": sc.name, "rtt_ms": sc.rtt_ms, "rate": sc.rate, "link": link,
-        "daemons": [{"host": i, "stage": i % stages, "addr": d.info.get("data_addr"), "exit_code": code,
-                     "cpu_s": None if a is None or b is None else b - a}
-                    for i, (d, a, b, code) in enumerate(zip(daemons, cpu0, cpu1, codes, strict=True))],
+        "daemons": [{"host": i, "stage": i % stages, "addr": st.get("data_addr"), "exit_code": code,
+                     "behind_nat": i in nat, "cpu_s": None if a is None or b is None else b - a,
+                     "throughput": st.get("throughput"), "served": st.get("served"),
+                     "relay_client": (st.get("relay") or {}).get("client"),
+                     "relayed_for_others": {k: v for k, v in ((st.get("relay") or {}).get("server") or {}).items()
+                                            if k in ("peers", "requests", "bytes", "over_budget")}}
+                    for i, (d, a, b, code, st) in enumerate(zip(daemons, cpu0, cpu1, codes, statuses, strict=True))],
     })
     return result
+
+
+def host_status(lab: netlab.Lab, host: int, d: DaemonProcess) -> dict[str, Any]:
+    """A daemon's ``/status``, read from inside its own host (its control plane is on that loopback)."""
+    port = d.info["api_addr"].rsplit(":", 1)[1]
+    code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/status').read().decode())"
+    done = lab.run(host, [sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    try:
+        return json.loads(done.stdout) if done.returncode == 0 else {}
+    except ValueError:
+        return {}
 
 
 def _stages(preset: str) -> int:

@@ -25,6 +25,11 @@ Topology (run id ``R``, 6 random hex digits, so parallel and leftover runs never
   that is what lets the hub delay it. ``X`` and the ULA prefix are chosen per run so that they do not overlap
   the root namespace's routes (they are isolated anyway: the hub has no way out).
 
+NAT (``nat=[i, ...]``): the hub masquerades what host ``i`` sends (it leaves with the gateway's
+address) and drops every new connection or UDP flow towards it (``iptables``/``ip6tables``, conntrack):
+a home router without port forwards. The host keeps its own address, which it may announce, but nobody
+can dial it; it can dial everyone.
+
 Bandwidth: ``tc qdisc add dev eth0 root tbf rate R burst B latency 100ms`` on the host's egress, inside the
 host's namespace (``B`` = 5 ms at the rate, at least 64 KiB). Only egress is capped; to cap a host both ways,
 cap the other hosts too (a symmetric WAN is every host capped).
@@ -227,6 +232,14 @@ def support_problem() -> str | None:
     return None
 
 
+def nat_problem() -> str | None:
+    """Why hosts cannot be put behind a NAT here (no ``iptables``), or None when they can."""
+    for tool in ("iptables", "ip6tables"):
+        if not any((Path(d) / tool).exists() for d in os.environ.get("PATH", "").split(":") + ["/usr/sbin", "/sbin"]):
+            return f"NAT in the lab needs `{tool}` (Debian: apt-get install iptables)"
+    return None
+
+
 def _proc_start_time(pid: int) -> int | None:
     """A process's start time (clock ticks since boot), to tell it from a later process with its pid."""
     try:
@@ -277,9 +290,12 @@ class Lab:
 
     def __init__(self, hosts: int, *, rate: str | None = None, delay_s: float = 0.0,
                  shapes: Mapping[int, Shape] | None = None, persistent: bool = False,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, nat: Sequence[int] = ()) -> None:
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"a lab has 1 to {MAX_HOSTS} hosts")
+        if not all(0 <= i < hosts for i in nat):
+            raise ValueError(f"nat names hosts outside 0..{hosts - 1}")
+        self.nat = tuple(sorted(set(nat)))
         if shapes and not all(0 <= i < hosts for i in shapes):
             raise ValueError(f"shapes name hosts outside 0..{hosts - 1}")
         self.run_id = run_id or os.urandom(3).hex()
@@ -374,10 +390,23 @@ class Lab:
                 burst = max(MIN_TBF_BURST_BYTES, h.shape.rate_bits // 8 // 200)  # 5 ms at the rate
                 _run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                       "rate", f"{h.shape.rate_bits}bit", "burst", str(burst), "latency", TBF_QUEUE_LATENCY])
+        for i in self.nat:
+            self._put_behind_nat(self.hosts[i])
         delayed = [h for h in self.hosts if h.shape.delay_s > 0]
         if delayed:
             self._start_relay(delayed)
         self._write_state()
+
+    def _put_behind_nat(self, h: Host) -> None:
+        """Make the hub the host's masquerading home router: what it sends leaves with the gateway's
+        address (its connections and UDP flows out work, their answers come back through conntrack),
+        and nobody can open a connection or a UDP flow *to* it (dropped, as a NAT without a port
+        forward drops it: callers time out)."""
+        for tool, addr in (("iptables", h.addr), ("ip6tables", h.addr6)):
+            _run(["ip", "netns", "exec", self.hub, tool, "-t", "nat", "-A", "POSTROUTING", "-s", addr,
+                  "-j", "MASQUERADE"])
+            _run(["ip", "netns", "exec", self.hub, tool, "-A", "FORWARD", "-d", addr, "-m", "conntrack",
+                  "--ctstate", "NEW,INVALID", "-j", "DROP"])
 
     def _start_relay(self, delayed: Sequence[Host]) -> None:
         _sysctl(self.hub, {"net.ipv4.conf.all.rp_filter": "0"})

@@ -35,6 +35,30 @@ HOW = ("flag", "bound", "observed", "route", "loopback")
 _PUBLIC_PROBE: dict[int, str] = {socket.AF_INET: "203.0.113.1", socket.AF_INET6: "2001:db8::1"}
 
 
+#: The header that asks a relay to pass a request on to the peer it names (``swarmd.net.relay``).
+RELAY_HEADER = "X-Swarm-Relay"
+#: Where a relayed peer attaches its WebSocket on its relay's data plane.
+RELAY_ATTACH_PATH = "/v1/relay"
+
+
+def format_relayed(peer_id: str, relay_addr: str) -> str:
+    """The address a relayed peer announces: ``<peer id>@<relay host:port>``."""
+    return f"{peer_id}@{relay_addr}"
+
+
+def dial_target(addr: str) -> tuple[str, dict[str, str]]:
+    """Where to send a request for the peer announced at ``addr``, and the headers it needs:
+    ``"10.0.0.5:7000"`` → ``("http://10.0.0.5:7000", {})``; a relayed ``"<id>@10.0.0.9:7000"`` →
+    ``("http://10.0.0.9:7000", {"X-Swarm-Relay": "<id>"})``."""
+    peer, sep, host_port = addr.rpartition("@")
+    base = host_port if host_port.startswith("http") else f"http://{host_port}"
+    return (base, {RELAY_HEADER: peer}) if sep else (base, {})
+
+
+def is_relayed(addr: str) -> bool:
+    return "@" in addr
+
+
 def format_addr(addr: tuple[str, int] | None) -> str | None:
     """``("10.0.0.1", 7000)`` → ``"10.0.0.1:7000"``; ``("2001:db8::1", 7000)`` → ``"[2001:db8::1]:7000"``."""
     if addr is None:

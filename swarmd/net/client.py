@@ -17,7 +17,6 @@ or uses one it is given (the daemon's, signed with the swarm key) and leaves tha
 from __future__ import annotations
 
 import asyncio
-import io
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,6 +25,7 @@ import aiohttp
 import torch
 
 from swarmd.errors import PeerError, SwarmdError, remote_error
+from swarmd.net.addresses import dial_target
 from swarmd.net.messages import (
     AverageReply,
     AverageRequest,
@@ -45,6 +45,7 @@ __all__ = ["INLINE_CODEC_BYTES", "DataPlaneClient", "client_session"]
 #: Frames (or, before encoding, tensor bytes) up to this size are coded on the event loop: a
 #: hop to the pool costs more than encoding a few KiB, and progress polls stay cheap.
 INLINE_CODEC_BYTES = 64 * 2**10
+CONNECT_TIMEOUT_S = 10.0  # a TCP connect that takes longer: the address is not reachable
 
 T = TypeVar("T")
 
@@ -161,16 +162,20 @@ class DataPlaneClient:
     # ---- plumbing --------------------------------------------------------------------------
 
     def _timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.timeout_s if timeout_s is None else timeout_s)
+        total = self.timeout_s if timeout_s is None else timeout_s
+        # an address nobody answers at (a firewall that drops, a wrong --announce) fails in seconds, not at `total`
+        return aiohttp.ClientTimeout(total=total, sock_connect=min(total, CONNECT_TIMEOUT_S))
 
     async def _post(
         self, addr: str, kind: str, encode: Callable[[], bytes], nbytes: int, *, timeout_s: float | None = None
     ) -> Frame:
         body = await self._coded(encode, nbytes)
+        base, relay = dial_target(addr)
         try:
             async with self.session.post(
-                # a file-like body streams in chunks instead of one large write on the loop
-                f"{_base(addr)}/v1/{kind}", data=io.BytesIO(body), headers={"Content-Type": CONTENT_TYPE},
+                # bytes, not a file-like body: io.BytesIO costs aiohttp two more copies of the frame
+                # (getbuffer unshares it, then 64 KiB reads) and a loop iteration per chunk
+                f"{base}/v1/{kind}", data=body, headers={"Content-Type": CONTENT_TYPE, **relay},
                 timeout=self._timeout(timeout_s),
             ) as resp:
                 if resp.status != 200:
@@ -184,8 +189,9 @@ class DataPlaneClient:
             raise _bad_reply(addr, exc) from exc
 
     async def _get_json(self, addr: str, path: str, query: dict[str, str], timeout_s: float | None) -> Any:
+        base, relay = dial_target(addr)
         try:
-            async with self.session.get(f"{_base(addr)}/v1/{path}", params=query or None,
+            async with self.session.get(f"{base}/v1/{path}", params=query or None, headers=relay,
                                         timeout=self._timeout(timeout_s)) as resp:
                 if resp.status != 200:
                     raise await _refusal(resp)
@@ -216,10 +222,6 @@ def client_session(swarm_key: SwarmKey | None, **kwargs: Any) -> aiohttp.ClientS
     if swarm_key is not None:
         kwargs["middlewares"] = (*kwargs.get("middlewares", ()), signing_middleware(swarm_key.http()))
     return aiohttp.ClientSession(**kwargs)
-
-
-def _base(addr: str) -> str:
-    return addr if addr.startswith("http") else f"http://{addr}"
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

@@ -42,7 +42,7 @@ import aiohttp
 from aiohttp import web
 
 from swarmd.dht.records import PeerRecord
-from swarmd.net.addresses import is_wildcard, parse_host_port
+from swarmd.net.addresses import RELAY_HEADER, dial_target, is_wildcard, parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,11 @@ class ProbeService:
             return _bad("peer_id must be 40 lowercase hex characters")
         if not (isinstance(nonce, str) and _NONCE.fullmatch(nonce)):
             return _bad("nonce must be 16-64 lowercase hex characters")
-        if not isinstance(addr, str) or len(addr) > 64:
-            return _bad("addr must be a string HOST:PORT")
+        if not isinstance(addr, str) or len(addr) > 128:
+            return _bad("addr must be a string HOST:PORT (or PEER_ID@HOST:PORT for a relayed peer)")
+        relayed, _, addr = addr.rpartition("@")
+        if relayed and not _PEER_ID.fullmatch(relayed):
+            return _bad("a relayed address is PEER_ID@HOST:PORT with a 40-hex peer id")
         try:
             host, port = parse_host_port(addr)
             ip = ipaddress.ip_address(host)
@@ -124,7 +127,7 @@ class ProbeService:
             return web.json_response({"error": "Busy", "message": "too many probes at once; retry later"}, status=503)
         self._running += 1
         try:
-            reachable, reason, rtt = await dial(session, ip, port, peer_id=peer_id, nonce=nonce)
+            reachable, reason, rtt = await dial(session, ip, port, peer_id=peer_id, nonce=nonce, relayed=relayed)
         finally:
             self._running -= 1
         self.probes_served += 1
@@ -136,11 +139,13 @@ def _url(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
 
 
 async def dial(session: aiohttp.ClientSession, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, *,
-               peer_id: str, nonce: str) -> tuple[bool, str | None, float | None]:
-    """Dial ``ip:port``'s ``/v1/ping``: (reached, why not, round trip in ms)."""
+               peer_id: str, nonce: str, relayed: str = "") -> tuple[bool, str | None, float | None]:
+    """Dial ``ip:port``'s ``/v1/ping`` (through that relay, for peer ``relayed``, when given):
+    (reached, why not, round trip in ms)."""
     started = time.monotonic()
+    headers = {RELAY_HEADER: relayed} if relayed else {}
     try:
-        async with session.get(f"{_url(ip, port)}/v1/ping", params={"nonce": nonce},
+        async with session.get(f"{_url(ip, port)}/v1/ping", params={"nonce": nonce}, headers=headers,
                                timeout=aiohttp.ClientTimeout(total=DIAL_TIMEOUT_S)) as resp:
             if resp.status != 200:
                 return False, f"it answered HTTP {resp.status}", None
@@ -168,8 +173,9 @@ async def check(session: aiohttp.ClientSession, *, peer_id: str, addr: str, memb
     nonce = secrets.token_hex(16)
 
     async def ask(member: PeerRecord) -> tuple[str, bool | None, str]:
+        base, relay = dial_target(member.data_addr)
         try:
-            async with session.post(f"http://{member.data_addr}/v1/probe",
+            async with session.post(f"{base}/v1/probe", headers=relay,
                                     json={"peer_id": peer_id, "addr": addr, "nonce": nonce},
                                     timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as resp:
                 answer = await resp.json(content_type=None)

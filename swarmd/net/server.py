@@ -15,6 +15,8 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
 - ``POST /v1/average``  a stage-mate's gradient contribution (float32, sent with any codec; the
   swarm's ``grad_codec``); answered with the round's mean, encoded once with that codec for all
   contributors (``swarmd.pipeline.averaging``).
+- ``POST /v1/gradients`` a leaving stage-mate's accumulated gradients, accepted for this very
+  step only (``swarmd.net.handover``).
 - ``GET /v1/state``     a consistent snapshot of the stage (parameters, optimizer state, step),
   streamed in checksummed chunks for a joining peer (``swarmd.net.state_transfer``).
 
@@ -48,7 +50,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -63,7 +65,9 @@ from swarmd.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from swarmd.net.addresses import RELAY_ATTACH_PATH, RELAY_HEADER
 from swarmd.net.codecs import CODECS
+from swarmd.net.handover import GradientsRequest
 from swarmd.net.messages import (
     AverageRequest,
     BackwardReply,
@@ -83,6 +87,9 @@ from swarmd.pipeline.runtime import RuntimeGetter, StageRuntime
 from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
 
 __all__ = ["DataPlane", "error_response"]
+
+if TYPE_CHECKING:
+    from swarmd.net.relay import RelayServer
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +117,17 @@ class DataPlane:
         limits: WireLimits,
         read_timeout_s: float = 60.0,
         swarm_key: SwarmKey | None = None,
+        relay: RelayServer | None = None,
+        peer_id: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``runtime``: returns the stage this peer serves now (None while it has none).
         ``swarm_key``: a private swarm's key; every request must then carry a valid
-        ``X-Swarm-Auth`` header (``swarmd.swarm_key``), or is refused with 401."""
+        ``X-Swarm-Auth`` header (``swarmd.swarm_key``), or is refused with 401.
+        ``relay``: passes requests addressed to peers relayed through this one (``X-Swarm-Relay``
+        naming another ``peer_id()`` than this peer's) on to them (``swarmd.net.relay``)."""
         self._runtime = runtime
+        self.relay = relay
+        self.relay_self = peer_id
         self.auth = swarm_key.http() if swarm_key is not None else None
         self.limits = limits
         self.read_timeout_s = read_timeout_s
@@ -134,6 +147,7 @@ class DataPlane:
         self.app.router.add_get("/v1/info", self._info)
         self.app.router.add_get("/v1/progress", self._progress)
         self.app.router.add_post("/v1/average", self._average)
+        self.app.router.add_post("/v1/gradients", self._gradients)  # a leaver's hand-over (net/handover.py)
         # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
         self.app.router.add_get("/v1/state", self._state, allow_head=False)
 
@@ -194,12 +208,18 @@ class DataPlane:
             refused = await self._authenticate(request, self.auth)
             if refused is not None:
                 return refused
+        target = request.headers.get(RELAY_HEADER)
+        if target is not None and self.relay is not None and target != self.relay_self():
+            # for a peer relayed through this one (swarmd.net.relay): passed on as it came, signature and all
+            return await self.relay.forward(request, target, await request.read())
         if self._draining:
             self.served["rejected"] += 1
             return _refuse(Draining("this peer is shutting down; send the request to another peer"))
         if self._paused and request.path != "/v1/progress":
             self.served["rejected"] += 1
             return _refuse(Migrating("this peer is moving to another stage; send the request elsewhere"))
+        if self.relay is not None and request.path == RELAY_ATTACH_PATH:
+            return await handler(request)  # a relayed peer's long-lived WebSocket: not a request to drain
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -335,6 +355,14 @@ class DataPlane:
         if result.reply is not None:  # the mean, encoded once by the round for all its contributors
             return web.Response(body=result.reply, content_type=CONTENT_TYPE)
         return await self._reply(result.to_reply(req.stage).encode, "none")
+
+    async def _gradients(self, request: web.Request) -> web.Response:
+        """A leaving stage-mate's accumulated gradients (``swarmd.net.handover``)."""
+        ex = self._current().executor
+        req = GradientsRequest.from_frame(await self._read_frame(request), stage=ex.stage, model=ex.spec.digest,
+                                          grad_numel=ex.grad_numel)
+        await ex.receive_gradients(req.grads, req.samples, req.step)
+        return web.json_response({"accepted": req.samples, "step": req.step})
 
     async def _state(self, request: web.Request) -> web.StreamResponse:
         meta, tensors = await self._current().executor.snapshot_state()

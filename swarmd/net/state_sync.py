@@ -29,6 +29,7 @@ import aiohttp
 
 from swarmd.dht.records import PeerRecord
 from swarmd.errors import StateTransferError, SwarmdError
+from swarmd.net.addresses import dial_target, is_relayed
 from swarmd.net.state_transfer import download_state
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.model import tensors_digest
@@ -48,7 +49,8 @@ def choose_donors(
     peers = list(records.values()) if isinstance(records, Mapping) else list(records)
     donors = [r for r in peers if r.peer_id != self_id and r.usable and r.step >= min_step]
     (rng or random).shuffle(donors)
-    donors.sort(key=lambda r: -r.step)  # stable: the shuffle decides among equal steps
+    # stable: the shuffle decides among equals; a relayed donor only when no direct one has the step
+    donors.sort(key=lambda r: (is_relayed(r.data_addr), -r.step))
     return donors
 
 
@@ -78,7 +80,8 @@ async def adopt_state(
     tried = 0
     for donor in donors:
         tried += 1
-        url = f"http://{donor.data_addr}/v1/state"
+        base, relay = dial_target(donor.data_addr)
+        url = f"{base}/v1/state"
 
         def expected(meta: dict[str, Any], url: str = url) -> None:
             if meta.get("stage") != stage or meta.get("model") != model_digest:
@@ -86,7 +89,7 @@ async def adopt_state(
 
         started = time.monotonic()
         try:
-            snapshot = await download_state(session, url, expected=expected)
+            snapshot = await download_state(session, url, expected=expected, headers=relay)
             params = [(k.removeprefix("param."), t) for k, t in snapshot.tensors.items() if k.startswith("param.")]
             digest = await asyncio.to_thread(tensors_digest, params)  # hashing a large state: off the loop
             if digest != snapshot.meta.get("params_digest"):

@@ -60,7 +60,7 @@ import json
 import logging
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -731,8 +731,11 @@ async def download_state(
     expected: Callable[[dict[str, Any]], None] | None = None,
     limits: StateLimits = DEFAULT_STATE_LIMITS,
     executor: Executor | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> StateSnapshot:
     """GET ``url`` and rebuild the state it streams, verified; see the module docstring.
+
+    ``headers``: extra request headers (a relayed donor's ``X-Swarm-Relay``, ``swarmd.net.relay``).
 
     ``timeout_s`` bounds the whole download (connect, headers, body), replacing the session's
     own timeouts, which are usually sized for small requests. ``expected(meta)`` may reject the
@@ -744,7 +747,7 @@ async def download_state(
     """
     decoder = StateStreamDecoder(max_total_bytes=max_total_bytes, limits=limits, expected=expected, url=url)
     try:
-        return await asyncio.wait_for(_download(session, url, decoder, executor), timeout_s)
+        return await asyncio.wait_for(_download(session, url, decoder, executor, headers or {}), timeout_s)
     except StateTransferError:
         raise
     except asyncio.TimeoutError as exc:
@@ -757,14 +760,15 @@ async def download_state(
 
 
 async def _download(
-    session: aiohttp.ClientSession, url: str, decoder: StateStreamDecoder, executor: Executor | None
+    session: aiohttp.ClientSession, url: str, decoder: StateStreamDecoder, executor: Executor | None,
+    headers: Mapping[str, str],
 ) -> StateSnapshot:
     loop = asyncio.get_running_loop()
     async with session.get(
         url,
         timeout=aiohttp.ClientTimeout(total=None),  # the caller's deadline rules, see download_state
         read_bufsize=_READ_BYTES,
-        headers={"Accept": STATE_CONTENT_TYPE},
+        headers={"Accept": STATE_CONTENT_TYPE, **headers},
         auto_decompress=False,
     ) as resp:
         if resp.status != 200:

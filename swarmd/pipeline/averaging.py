@@ -10,8 +10,9 @@ Rule of a round, for the peers of one stage at step ``s``:
 1. **Progress.** Every peer polls its stage-mates' ``GET /v1/progress`` (step, samples held,
    whom it takes for the round's leader) a few times a second. When the samples held at step
    ``s`` sum to ``>= target_batch_size`` and every peer that answered names the same leader,
-   a round starts. The leader is the smallest peer id among the peers at step ``s``: a pure
-   function of the view, so peers with the same view agree without talking.
+   a round starts. The leader is the smallest peer id among the peers at step ``s`` (directly
+   reachable ones first: a relayed peer leads only a stage of relayed peers): a pure function
+   of the view, so peers with the same view agree without talking.
 2. **Contribution.** Each peer takes its gradients out of the stage (``StageExecutor
    .take_contribution``; from then on it refuses backwards with ``Busy`` until the round
    settles) and sends them, with its sample count, to the leader's ``POST /v1/average``. A peer
@@ -81,6 +82,7 @@ import aiohttp
 import torch
 
 from swarmd.errors import Busy, PeerError
+from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import AverageReply, AverageRequest, ProgressReply
 from swarmd.net.wire import decode_frame
@@ -220,7 +222,7 @@ class StageAverager:
         if ex.averaging or self._round is not None:
             return
         mates = await self.stage_peers()
-        mates.pop(self.peer_id, None)
+        own = mates.pop(self.peer_id, None) or ""
         progress = await self._poll(mates)
         step = ex.step
         ahead = [p.step for p in progress.values() if p.step > step]
@@ -232,7 +234,11 @@ class StageAverager:
             return
         group = {pid: mates[pid] for pid, p in progress.items() if p.step == step}
         now = time.monotonic()
-        candidates = sorted(pid for pid in [self.peer_id, *group] if self._suspects.get(pid, 0) <= now)
+        # a relayed peer (swarmd.net.relay) leads only when no direct one can: its stage-mates reach it
+        # through one more hop, and its relay's death would abort the round
+        addrs = {**group, self.peer_id: own}
+        candidates = sorted((pid for pid in addrs if self._suspects.get(pid, 0) <= now),
+                            key=lambda pid: (is_relayed(addrs[pid]), pid))
         self._leader_view = candidates[0] if candidates else self.peer_id
         leader = self._leader_view
         leader_progress = progress.get(leader)
