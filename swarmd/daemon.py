@@ -51,13 +51,24 @@ import aiohttp
 
 from swarmd import __version__
 from swarmd.api.app import create_app
-from swarmd.api.models import ModelInfo, Status
+from swarmd.api.metrics import DaemonMetrics
+from swarmd.api.models import ModelInfo, Status, TrainerReport
 from swarmd.api.server import EmbeddedUvicorn, bind_socket, embedded_server
+from swarmd.api.trainers import TrainerRegistry
+from swarmd.checkpoint import (
+    Checkpointer,
+    CheckpointInfo,
+    Resume,
+    find_checkpoints,
+    mismatch,
+    newest_valid,
+    resume_decision,
+)
 from swarmd.config import Config
 from swarmd.dht.identity import Identity
 from swarmd.dht.membership import Membership
 from swarmd.dht.node import DHTNode
-from swarmd.dht.records import PeerRecord
+from swarmd.dht.records import PeerRecord, sign_record
 from swarmd.errors import ConfigError, SwarmdError
 from swarmd.net import codecs, reachability
 from swarmd.net.addresses import (
@@ -66,11 +77,14 @@ from swarmd.net.addresses import (
     default_route_source,
     family_of,
     format_addr,
+    is_relayed,
     is_wildcard,
     loopback_mismatch,
     route_source,
 )
 from swarmd.net.client import client_session
+from swarmd.net.handover import GradientsRequest, hand_over
+from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
 from swarmd.net.state_sync import adopt_state, choose_donors
 from swarmd.peer_state import PeerState
@@ -82,10 +96,14 @@ from swarmd.pipeline.runtime import StageRuntime
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
 from swarmd.state_dir import lock_state_dir
 from swarmd.tasks import TaskSet
+from swarmd.training_summary import TrainingLog, training_key
 
 log = logging.getLogger(__name__)
 
 ANNOUNCE_TASK, AVERAGER_TASK, REBALANCE_TASK, API_TASK = "announce", "averager", "rebalance", "control-plane"
+RELAY_TASK = "relay"
+CHECKPOINT_TASK = "checkpoint"
+TRAINING_TASK = "training-summary"
 
 
 class Daemon:
@@ -111,8 +129,17 @@ class Daemon:
         self.announced: Announced | None = None  # the host others dial (swarmd.net.addresses)
         self.reachability = reachability.Reachability()  # whether they can (swarmd.net.reachability)
         self._probes = reachability.ProbeService(lambda: self.peer_id, lambda: self._session)
+        net = config.net
+        self.relay_server = RelayServer(lambda: self.identity, addr=lambda: self.data_addr,
+                                        enabled=self._relays_for_others, max_peers=net.relay_max_peers,
+                                        budget_bytes_s=net.relay_budget_bytes_s)
+        self.relay_client: RelayClient | None = None  # while this peer, unreachable, is relayed
+        self.relayed_addr: str | None = None  # what it announces then: <peer id>@<relay address>
         self.migrator = Migrator(self)
         self.tasks = TaskSet(on_fatal=self._on_fatal)
+        self._init_observability()
+        self.checkpoints = self._checkpointer()  # None without a --state-dir (swarmd.checkpoint)
+        self.handover: dict[str, Any] = {"handed_out": 0, "dropped": 0, "to": None}  # on graceful leave
         self._stage: int | None = None  # chosen before the runtime is built
         self._session: aiohttp.ClientSession | None = None
         self._mates_cache: tuple[float, dict[str, str], int] | None = None  # (when, mates, stage)
@@ -154,6 +181,8 @@ class Daemon:
         """The data-plane address this peer announces: what trainers and stage-mates dial."""
         if self.data_plane is None or self.data_plane.address is None:
             return None
+        if self.relayed_addr is not None:
+            return self.relayed_addr
         bound = self.data_plane.address
         if self.announced is None:
             return format_addr(bound)
@@ -183,8 +212,11 @@ class Daemon:
             self.runtime = await self.build_runtime(self._stage)
             self._session = client_session(cfg.swarm_key)  # signs requests to stage-mates in a private swarm
             self.data_plane = DataPlane(lambda: self.runtime, limits=cfg.net.limits,
-                                        read_timeout_s=cfg.net.read_timeout_s, swarm_key=cfg.swarm_key)
+                                        read_timeout_s=cfg.net.read_timeout_s, swarm_key=cfg.swarm_key,
+                                        relay=self.relay_server, peer_id=lambda: self.peer_id)
             self._probes.install(self.data_plane.app)
+            self.data_plane.app.middlewares.insert(0, self.metrics.data_plane_middleware())  # outermost: sees all
+            self.relay_server.install(self.data_plane.app)
             data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
             log.info("data plane listening on http://%s, announced as %s (%s)", format_addr(data_addr),
                      self.data_addr, self.announced.how if self.announced else "bound")
@@ -192,13 +224,17 @@ class Daemon:
             log.info("control plane listening on http://%s (docs at /docs)", format_addr(self.api_addr))
             self.state = PeerState.JOINING
             await self.announce()
-            await self.sync_state(min_step=0, required=False)
+            await self._resume_or_sync()
             await self.check_reachability()
+            if self.reachability.status == "no":
+                self._start_relaying()
             self.state = PeerState.SERVING
             await self.announce()
             self.tasks.spawn(ANNOUNCE_TASK, self._announce_loop, restart=True)
+            self.tasks.spawn(TRAINING_TASK, self._training_summary_loop, restart=True)
             self.start_averaging()
             self.tasks.spawn(REBALANCE_TASK, self.migrator.rebalance_loop, restart=True)
+            self._start_checkpointing()
         except BaseException:
             await self.shutdown()
             raise
@@ -283,8 +319,9 @@ class Daemon:
         was_serving = self.state in (PeerState.SERVING, PeerState.MIGRATING)
         self.state = PeerState.DRAINING
         self.ready.clear()
-        for name in (REBALANCE_TASK, Migrator.TASK, ANNOUNCE_TASK):
+        for name in (REBALANCE_TASK, Migrator.TASK, ANNOUNCE_TASK, RELAY_TASK, CHECKPOINT_TASK):
             await self.tasks.cancel(name)
+        await self.relay_server.close()  # the peers relayed through this one find another relay
         await self.stop_averaging()
         if was_serving:
             try:  # tell trainers and peers at once rather than letting the record expire
@@ -293,6 +330,8 @@ class Daemon:
                 log.warning("could not announce draining: %s", exc or "timed out")
         if self.data_plane is not None:
             await self.data_plane.drain(self.config.net.drain_timeout_s)
+            if was_serving:
+                await self._leave_durably()
             await self.data_plane.close()
         if self.runtime is not None:
             await self.runtime.close()
@@ -329,9 +368,8 @@ class Daemon:
             log.info("private swarm: DHT datagrams and data-plane requests are authenticated with the swarm key "
                      "from %s (key id %s)", key.source or "the config", key.key_id)
         await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s)
-        verb = "joined the swarm's DHT" if dht.join else "founded a new DHT"
-        log.info("%s; DHT node on udp://%s (join others with --join %s)",
-                 verb, format_addr(self.dht.address), format_addr(self.dht.address))
+        log.info("%s; DHT node on udp://%s", "joined the swarm's DHT" if dht.join else "founded a new DHT",
+                 format_addr(self.dht.address))
         self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s)
 
     async def _resolve_swarm(self) -> tuple[ModelSpec, TrainingSpec]:
@@ -339,7 +377,7 @@ class Daemon:
         assert self.membership is not None  # _join_dht ran
         asked = self.config.pipeline.spec
         if self.founder:
-            spec = asked or PRESETS["tiny"]
+            spec, self.training = await self._founding_settings(asked)
             await self.membership.publish_swarm(spec, self.training.to_dict())
             return spec, self.training
         info = await self.membership.wait_for_swarm(self.config.dht.bootstrap_timeout_s)
@@ -368,7 +406,8 @@ class Daemon:
         for stage, records in enumerate(stages):
             live = [r for pid, r in records.items() if pid != self.peer_id and r.state != "draining"]
             loads.append(StageLoad(stage, len(live), sum(r.throughput for r in live)))
-        stage = choose_stage(loads)
+        held = await self._checkpointed_empty_stage(stages, spec)
+        stage = choose_stage(loads) if held is None else held
         log.info("--stage auto chose stage %d (%s)", stage,
                  ", ".join(f"stage {x.stage}: {x.peers} peers, {x.throughput:.0f} samples/s" for x in loads))
         return stage
@@ -397,6 +436,8 @@ class Daemon:
             if route is None:
                 route = default_route_source(family_of(net.host))
         self.announced = choose_host(bound=net.host, flag=net.announce_host, observed=observed, route=route)
+        log.info("others reach this peer at %s (%s); join others with --join %s",
+                 self.announced.host, self.announced.how, self.dht_addr)
         problem = loopback_mismatch(self.announced.host, dht.join)
         if problem is not None:
             raise ConfigError(problem)
@@ -435,12 +476,62 @@ class Daemon:
         result = await reachability.check(self._session, peer_id=peer_id, addr=addr, members=members)
         changed = result.status != self.reachability.status
         self.reachability = result
-        if result.status == "no":
-            log.error("no member of the swarm could dial this peer's data plane at %s (%s): it will not be used. "
-                      "Open TCP port %s in the firewall, forward it through the NAT, or give --announce HOST:PORT",
-                      addr, "; ".join(f"{pid[:12]}: {why}" for pid, why in result.by.items()), addr.rsplit(":", 1)[-1])
+        if result.status == "no" and self.relayed_addr is None:
+            log.error("no member of the swarm could dial this peer's data plane at %s (%s): it will serve through "
+                      "a relay if one accepts. Open TCP port %s in the firewall, forward it through the NAT, or give "
+                      "--announce HOST:PORT", addr, "; ".join(f"{pid[:12]}: {why}" for pid, why in result.by.items()),
+                      addr.rsplit(":", 1)[-1])
         elif changed and result.status == "yes":
             log.info("reachable at %s (checked by %d member(s))", addr, sum(v == "reached" for v in result.by.values()))
+
+    # ---- relays (swarmd.net.relay) -------------------------------------------------------------
+
+    def _relays_for_others(self) -> bool:
+        """A peer relays when others can dial it directly (and --relay-max-peers is not 0)."""
+        return (self.config.net.relay_max_peers > 0 and self.relayed_addr is None
+                and self.reachability.status != "no" and self.state in (PeerState.SERVING, PeerState.MIGRATING))
+
+    def _start_relaying(self) -> None:
+        """Nobody could dial this peer: serve through a relay (a task that keeps one attached)."""
+        assert self.identity is not None and self._session is not None  # started
+        if self.tasks.running(RELAY_TASK):
+            return
+        self.relay_client = RelayClient(self.identity, self._session, local_base=self._local_base,
+                                        candidates=self._relay_candidates, on_change=self._on_relay_change,
+                                        retry_s=self.config.dht.announce_period_s)
+        self.tasks.spawn(RELAY_TASK, self.relay_client.run, restart=True)
+
+    def _local_base(self) -> str:
+        """This peer's own data plane, as it dials it itself (relayed requests are served there)."""
+        assert self.data_plane is not None and self.data_plane.address is not None
+        host, port = self.data_plane.address
+        if is_wildcard(host):
+            host = "::1" if ":" in host else "127.0.0.1"
+        return f"http://{format_addr((host, port))}"
+
+    async def _relay_candidates(self) -> list[PeerRecord]:
+        """Members that may relay: serving, dialled directly by others, not relayed themselves."""
+        assert self.membership is not None and self.spec is not None
+        try:
+            stages = await self.membership.stage_peers(self.spec.n_stages)
+        except SwarmdError as exc:
+            log.warning("cannot list possible relays: %s", exc)
+            return []
+        return [r for records in stages for r in records.values()
+                if r.usable and r.reachable == "yes" and not is_relayed(r.data_addr) and r.peer_id != self.peer_id]
+
+    async def _on_relay_change(self, relayed: str | None) -> None:
+        """Announce the relayed address at once (or stop announcing one), then check it."""
+        self.relayed_addr = relayed
+        self._mates_cache = None
+        if relayed is None:
+            self.reachability = reachability.Reachability(status="no", addr=self.data_addr)
+        else:
+            await self.check_reachability()  # through the relay, by the same probers
+        try:
+            await self.announce()
+        except SwarmdError as exc:
+            log.warning("could not announce the relayed address: %s", exc)
 
     # ---- state sync ----------------------------------------------------------------------------
 
@@ -480,6 +571,176 @@ class Daemon:
                 self.migrator.last_throughput = result.donor.throughput
             return True
 
+    # ---- durability: checkpoints, resume, the hand-over on leave (swarmd.checkpoint) -----------
+
+    def _checkpointer(self) -> Checkpointer | None:
+        state_dir = self.config.dht.state_dir
+        if state_dir is None:
+            return None
+        ck = self.config.checkpoint
+        return Checkpointer(state_dir, swarm=self.config.swarm, every=ck.every, keep=ck.keep)
+
+    async def _own_checkpoints(self) -> list[CheckpointInfo]:
+        """This peer's checkpoints of this swarm, newest first (sidecars only; tensors are checked on use)."""
+        if self.checkpoints is None:
+            return []
+        found = await asyncio.to_thread(find_checkpoints, self.checkpoints.directory)
+        return [c for c in found if c.swarm == self.config.swarm]
+
+    async def _founding_settings(self, asked: ModelSpec | None) -> tuple[ModelSpec, TrainingSpec]:
+        """A founder restarted on a state dir that holds checkpoints of its swarm re-founds it with their
+        model and training settings; ``--model`` and the training flags, when given, win."""
+        found = await self._own_checkpoints()
+        if not found:
+            return asked or PRESETS["tiny"], self.training
+        newest = found[0]
+        spec = asked
+        if spec is None:
+            try:
+                spec = ModelSpec.from_dict(newest.model)
+            except ConfigError as exc:
+                log.warning("checkpoint %s holds an unreadable model spec (%s); founding with the tiny model",
+                            newest.path, exc)
+                return PRESETS["tiny"], self.training
+        training = self.training
+        if self.config.pipeline.training is None:
+            try:
+                training = TrainingSpec.from_dict(newest.training)
+            except ConfigError as exc:
+                log.warning("checkpoint %s holds unreadable training settings (%s); using the defaults",
+                            newest.path, exc)
+        if spec.digest == newest.model_digest:
+            log.info("re-founding swarm %r with the model (%s) and training settings of checkpoint %s (step %d)",
+                     self.config.swarm, spec.digest[:12], newest.path.with_suffix(""), newest.step)
+        return spec, training
+
+    async def _checkpointed_empty_stage(self, stages: list[dict[str, PeerRecord]], spec: ModelSpec) -> int | None:
+        """``--stage auto`` on a state dir with checkpoints: the stage of the newest one whose stage has no
+        live peer, so that a stage that lost every peer comes back from it; None: choose as usual."""
+        for c in await self._own_checkpoints():
+            if c.model_digest != spec.digest or c.stage >= spec.n_stages:
+                continue
+            if not any(pid != self.peer_id and r.state != "draining" for pid, r in stages[c.stage].items()):
+                log.info("stage %d has no live peer and this peer holds its checkpoint of step %d: serving it",
+                         c.stage, c.step)
+                return c.stage
+        return None
+
+    async def _swarm_trained(self, own: list[CheckpointInfo]) -> bool:
+        """Whether anything in the swarm has stepped: a live peer's step or checkpoint, or one held here."""
+        assert self.membership is not None and self.spec is not None
+        if any(c.step > 0 and c.model_digest == self.spec.digest for c in own):
+            return True
+        try:
+            stages = await self.membership.stage_peers(self.spec.n_stages)
+        except SwarmdError:
+            return False
+        return any(r.step > 0 or (r.checkpoint or 0) > 0
+                   for records in stages for pid, r in records.items() if pid != self.peer_id)
+
+    async def _resume_or_sync(self) -> None:
+        """Resume from this peer's newest valid checkpoint of its stage unless a live stage-mate is at or past
+        it (then download, as every joiner does); never serve fresh parameters once the swarm has trained."""
+        assert self.dht is not None and self.spec is not None and self.runtime is not None
+        runtime, spec = self.runtime, self.spec
+        own = await self._own_checkpoints()
+        mine = [c for c in own if c.stage == runtime.stage]
+
+        def accept(info: CheckpointInfo) -> str | None:
+            return mismatch(info, swarm=self.config.swarm, model_digest=spec.digest,
+                            training_digest=self.training.digest)
+
+        loaded = await asyncio.to_thread(newest_valid, mine, accept=accept) if mine else None
+        records = await self.dht.get_stage_peers(self.config.swarm, runtime.stage)
+        live = [r.step for r in choose_donors(records, self_id=self.peer_id, min_step=0)]
+        decision = resume_decision(loaded[0].step if loaded else None, live,
+                                   swarm_trained=await self._swarm_trained(own))
+        if decision is Resume.DOWNLOAD and await self.sync_state(min_step=loaded[0].step if loaded else 0,
+                                                                  required=False):
+            return
+        if loaded is not None:
+            info, tensors = loaded
+            try:
+                await runtime.executor.load_state(info.state_meta, tensors)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("checkpoint %s does not fit stage %d (%s); not used", info.path, runtime.stage, exc)
+            else:
+                assert self.checkpoints is not None  # it was read from there
+                self.checkpoints.newest = self.checkpoints.resumed_from = info
+                log.info("resumed stage %d from checkpoint %s at step %d (params %s)", runtime.stage,
+                         info.path.with_suffix(""), info.step, info.params_digest[:12])
+                return
+        if decision is Resume.FRESH or not await self._swarm_trained(own):
+            return  # nothing has trained: the deterministic initial parameters are the stage's state
+        await self._wait_for_stage_state(runtime.stage)
+
+    async def _wait_for_stage_state(self, stage: int) -> None:
+        """The swarm has trained but stage ``stage`` has no live peer and no checkpoint here: wait (joining)
+        for a peer that holds its state rather than serve fresh parameters that would undo the training."""
+        log.warning("stage %d has no live peer and this peer holds no checkpoint of it, but the swarm has trained: "
+                    "waiting for a peer that holds its state (one restarted with its --state-dir) rather than "
+                    "serving fresh parameters", stage)
+        period = self.config.dht.announce_period_s
+        while not await self.sync_state(min_step=1, required=False):
+            try:
+                await asyncio.wait_for(self._stop.wait(), period)
+            except asyncio.TimeoutError:
+                await self.announce()  # stay listed as joining, so nobody else is sent to this stage
+                continue
+            raise SwarmdError(f"stopped while waiting for a peer that holds the state of stage {stage}")
+
+    def _served(self) -> tuple[StageExecutor, TrainingSpec] | None:
+        """What the checkpoint task writes: the stage served now (None while moving or stopping)."""
+        runtime = self.runtime
+        if runtime is None or self.state != PeerState.SERVING:
+            return None
+        return runtime.executor, self.training
+
+    def _start_checkpointing(self) -> None:
+        checkpoints = self.checkpoints
+        if checkpoints is not None and checkpoints.enabled:
+            self.tasks.spawn(CHECKPOINT_TASK, lambda: checkpoints.run(self._served), restart=True)
+
+    async def _leave_durably(self) -> None:
+        """A graceful stop, once in-flight requests are done: hand the accumulated gradients to a live
+        stage-mate (``swarmd.net.handover``), then write a last checkpoint."""
+        runtime = self.runtime
+        if runtime is None:
+            return
+        await self._hand_over_gradients(runtime)
+        if self.checkpoints is not None:
+            try:
+                await self.checkpoints.save(runtime.executor, self.training)
+            except RuntimeError as exc:  # the executor is already closed
+                log.warning("no checkpoint on shutdown: %s", exc)
+
+    async def _hand_over_gradients(self, runtime: StageRuntime) -> None:
+        ex = runtime.executor
+        if ex.grad_samples == 0 or self.identity is None or self._session is None or self.spec is None:
+            return
+        contribution = await ex.take_contribution()
+        if contribution.grads is None or contribution.samples == 0:
+            return
+        try:
+            mates = await self._stage_mates(max_age_s=0.0)
+        except SwarmdError as exc:
+            log.warning("cannot list stage-mates for the hand-over: %s", exc)
+            mates = {}
+        candidates = [(pid, addr) for pid, addr in sorted(mates.items()) if pid != self.identity.peer_id]
+        request = GradientsRequest(stage=runtime.stage, model=self.spec.digest, step=contribution.step,
+                                   samples=contribution.samples, peer_id=self.identity.peer_id,
+                                   grads=contribution.grads)
+        result = await hand_over(self._session, candidates, request)
+        if result.accepted_by is not None:
+            self.handover["handed_out"] += result.samples
+            self.handover["to"] = result.accepted_by
+            log.info("handed the gradients of %d samples (step %d) to stage-mate %s", result.samples,
+                     contribution.step, result.accepted_by[:12])
+        else:
+            self.handover["dropped"] += result.samples
+            log.warning("no stage-mate took the gradients of %d samples (step %d): dropped (%s)", result.samples,
+                        contribution.step, "; ".join(result.refusals) or "no serving stage-mate")
+
     # ---- announcements -------------------------------------------------------------------------
 
     def _peer_record(self) -> PeerRecord:
@@ -507,6 +768,7 @@ class Daemon:
             timestamp=now,
             expiry=now + self.config.dht.record_ttl_s,
             reachable=self.reachability.status,
+            checkpoint=self.checkpoints.newest_step(stage) if self.checkpoints is not None else None,
         )
 
     async def announce(self) -> None:
@@ -526,6 +788,8 @@ class Daemon:
                 await self._relearn_address()
                 if self.reachability.status == "unknown":  # e.g. a founder alone at first: ask once others are here
                     await self.check_reachability()
+                    if self.reachability.status == "no":
+                        self._start_relaying()
                 await self.announce()
                 await self.membership.publish_swarm(self.spec, self.training.to_dict())
             except SwarmdError as exc:
@@ -545,13 +809,49 @@ class Daemon:
             self._mates_cache = cached = (now, mates, stage)
         return dict(cached[1])
 
+    # ---- seeing the swarm: metrics and the training summary -----------------------------------
+
+    def _init_observability(self) -> None:
+        """The per-daemon Prometheus registry (``swarmd.api.metrics``), the trainer registry and the
+        training log its heartbeats feed (``swarmd.training_summary``)."""
+        self.training_log = TrainingLog(live_s=self.config.dht.record_ttl_s)
+        self.trainers = TrainerRegistry(on_report=self._on_trainer_report)
+        self.metrics = DaemonMetrics(self)
+
+    def _on_trainer_report(self, trainer_id: str, report: TrainerReport) -> None:
+        self.training_log.report(trainer_id, steps=[(p.step, p.loss, p.val_loss) for p in report.steps],
+                                 samples=report.samples, samples_per_s=report.samples_per_s)
+
+    def dht_stats(self) -> dict[str, Any] | None:
+        return self.dht.stats() if self.dht is not None else None
+
+    async def publish_training_summary(self) -> None:
+        """Publish what this daemon's trainers reported (if any is live), then merge every daemon's
+        record into the swarm's curve."""
+        assert self.dht is not None and self.identity is not None  # started once serving
+        key = training_key(self.config.swarm)
+        record = self.training_log.record(self.identity.peer_id, self.config.dht.record_ttl_s)
+        if record is not None:
+            await self.dht.store(key, sign_record(self.identity, record))
+        self.training_log.merge(await self.dht.get(key))
+
+    async def _training_summary_loop(self) -> None:
+        period = self.config.dht.announce_period_s
+        while True:
+            await asyncio.sleep(period * random_jitter())
+            try:
+                await self.publish_training_summary()
+            except SwarmdError as exc:
+                log.warning("could not publish or read the swarm's training summary: %s", exc)
+
     # ---- the control plane ---------------------------------------------------------------------
 
     async def _start_api(self) -> None:
         sock = bind_socket(self.config.api.host, self.config.api.port)
         self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
-        app = create_app(self, api_token=self.config.api.token)
+        app = create_app(self, self.trainers, api_token=self.config.api.token, metrics=self.metrics,
+                         training=self.training_log)
         server = self._api_server = embedded_server(app, request_timeout_s=self.config.api.request_timeout_s)
 
         async def serve() -> None:
@@ -686,9 +986,13 @@ class Daemon:
             dht_addr=self.dht_addr,
             addresses=self._addresses(),
             reachability=self.reachability.to_dict(),
+            relay={"client": self.relay_client.status.to_dict() if self.relay_client is not None else None,
+                   "server": self.relay_server.stats()},
             founder=self.founder,
             announcements=self.announcements,
             task_crashes=self.tasks.crashes(),
+            checkpoint=self.checkpoints.status() if self.checkpoints is not None else None,
+            gradient_handover={**self.handover, "handed_in": ex.handed_in_samples if ex else 0},
             device=self.config.pipeline.device,
             version=__version__,
             uptime_s=round(time.monotonic() - self._started_at, 3),

@@ -102,10 +102,11 @@ async def test_whoami_tells_a_node_the_address_its_datagrams_come_from() -> None
 
 
 def _config(stage: int, join: tuple = (), *, host: str = "127.0.0.1", dht_host: str = "127.0.0.1",
-            announce: tuple[str | None, int | None] = (None, None)) -> Config:
+            announce: tuple[str | None, int | None] = (None, None), relay_max_peers: int = 8) -> Config:
     return Config(
         swarm="addr-test",
-        net=NetConfig(host=host, port=0, drain_timeout_s=5.0, announce_host=announce[0], announce_port=announce[1]),
+        net=NetConfig(host=host, port=0, drain_timeout_s=5.0, announce_host=announce[0], announce_port=announce[1],
+                      relay_max_peers=relay_max_peers),
         api=ApiConfig(host="127.0.0.1", port=0),
         dht=DHTConfig(host=dht_host, join=join, announce_period_s=1.0, bootstrap_timeout_s=10.0),
         rebalance=RebalanceConfig(policy="none"),
@@ -149,10 +150,12 @@ async def test_a_daemon_bound_to_the_wildcard_never_announces_it() -> None:
 
 
 async def test_a_peer_with_a_wrong_announce_is_reported_unreachable_and_never_used() -> None:
+    # nobody relays here (tests/test_relay.py: with a relay, such a peer serves through it)
     wrong = _free_port()
-    async with started(_config(0)) as (founder,):
+    async with started(_config(0, relay_max_peers=0)) as (founder,):
         join = (founder.dht.address,)
-        async with started(_config(1, join), _config(1, join, announce=("127.0.0.1", wrong))) as (good, bad):
+        async with started(_config(1, join, relay_max_peers=0),
+                           _config(1, join, announce=("127.0.0.1", wrong))) as (good, bad):
             assert good.reachability.status == "yes"
             assert bad.reachability.status == "no", bad.reachability
             assert bad.data_addr == f"127.0.0.1:{wrong}"
@@ -217,7 +220,7 @@ async def test_hostile_probes_get_4xx_and_dial_nothing_but_ip_literals() -> None
 
 async def test_a_trainer_whose_stage_nobody_can_dial_gives_up_in_one_sentence_naming_the_address() -> None:
     wrong = _free_port()
-    async with started(_config(0)) as (founder,):
+    async with started(_config(0, relay_max_peers=0)) as (founder,):
         async with started(_config(1, (founder.dht.address,), announce=("127.0.0.1", wrong))) as (bad,):
             assert bad.reachability.status == "no"
             run = TrainerConfig(api=f"http://{founder.status()['api_addr']}", steps=1, sync=True, codec="none",

@@ -20,6 +20,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "swarmd.example.toml
 SERVE_SAMPLES: dict[str, tuple[Any, list[str]]] = {
     "join": (["127.0.0.1:31337", "[::1]:31338"], ["--join", "127.0.0.1:31337", "--join", "[::1]:31338"]),
     "announce": ("[2001:db8::7]:7000", ["--announce", "[2001:db8::7]:7000"]),
+    "relay-max-peers": (2, ["--relay-max-peers", "2"]),
+    "relay-budget": (12.5, ["--relay-budget", "12.5"]),
     "stage": (1, ["--stage", "1"]),
     "model": ("tiny", ["--model", "tiny"]),
     "swarm": ("from-a-file", ["--swarm", "from-a-file"]),
@@ -43,11 +45,14 @@ SERVE_SAMPLES: dict[str, tuple[Any, list[str]]] = {
     "state-dir": ("/var/lib/swarmd", ["--state-dir", "/var/lib/swarmd"]),
     "rebalance-policy": ("swarm", ["--rebalance-policy", "swarm"]),
     "rebalance-period": (120, ["--rebalance-period", "120"]),
+    "checkpoint-every": (10, ["--checkpoint-every", "10"]),
+    "keep-checkpoints": (5, ["--keep-checkpoints", "5"]),
     "device": ("cpu", ["--device", "cpu"]),
     "threads": (3, ["--threads", "3"]),
     "drain-timeout": (5, ["--drain-timeout", "5"]),
     "ready-file": ("/run/swarmd/ready.json", ["--ready-file", "/run/swarmd/ready.json"]),
     "log-level": ("debug", ["--log-level", "debug"]),
+    "log-format": ("json", ["--log-format", "json"]),
 }
 
 

@@ -65,6 +65,7 @@ def peer(identity: Identity = ALICE, *, t: float = NOW, ttl: float = 90.0, **cha
         version="0.1.0",
         timestamp=t,
         expiry=t + ttl,
+        checkpoint=123450,
     )
     fields.update(changes)
     return PeerRecord(**fields)
@@ -132,9 +133,9 @@ def test_peer_record_round_trip_and_size():
     raw = sign_record(ALICE, record)
     assert open_record(raw, now=NOW) == record
     # Pinned in the module docstrings of records.py and node.py: keep them in sync.
-    assert len(raw) == 298
-    assert len(unpacked(raw)["b"]) == 182
-    assert bundle_entry_size(len(raw)) == 301
+    assert len(raw) == 305
+    assert len(unpacked(raw)["b"]) == 189
+    assert bundle_entry_size(len(raw)) == 308
 
 
 def test_peer_record_without_digest_round_trips():
@@ -514,18 +515,18 @@ def test_subkey_cap_keeps_incumbents():
     assert set(store.records(KEY)) == {i.peer_id for i in IDS[:3]}
 
 
-def test_byte_cap_fits_27_realistic_peer_records_per_key():
+def test_byte_cap_fits_26_realistic_peer_records_per_key():
     store = RecordStorage(clock=lambda: NOW)
     held = 0
     for ident in IDS:
         if store.merge(KEY, bundle((ident, peer(ident)))).ok:
             held += 1
-    assert held == 27  # 8137 // 301, pinned in node.py's docstring
-    assert store.rejected == {"full": len(IDS) - 27}
+    assert held == 26  # 8137 // 308, pinned in node.py's docstring
+    assert store.rejected == {"full": len(IDS) - 26}
     assert len(store.get(KEY)) <= MAX_BUNDLE_BYTES
     # a record that grows its slot past the cap is refused, the smaller refresh is accepted
     member = next(i for i in IDS if i.peer_id in store.records(KEY))
-    assert not store.merge(KEY, bundle((member, peer(member, t=NOW + 1, api_addr="x" * 128)))).ok
+    assert not store.merge(KEY, bundle((member, peer(member, t=NOW + 1, api_addr="x" * 128, data_addr="x" * 128)))).ok
     assert store.merge(KEY, bundle((member, peer(member, t=NOW + 1, version="0.1")))).ok
 
 

@@ -62,6 +62,12 @@ class Status(BaseModel):
         "host was chosen: flag (--announce), bound (a specific --host), observed (two or more DHT contacts agree "
         "on what they see), route (the local address of the route to the bootstrap peer), loopback",
     )
+    relay: dict[str, Any] = Field(
+        default_factory=dict,
+        description="client: whether this peer is relayed (state direct | searching | relayed | none, relay_id, "
+        "relay_addr, relayed_addr, requests, why); server: what it relays for others (enabled, max_peers, "
+        "budget_bytes_s, peers, requests, bytes, over_budget, refused)",
+    )
     reachability: dict[str, Any] = Field(
         default_factory=dict,
         description="whether other members could dial data_addr: status unknown | yes | no, the addr probed, "
@@ -72,6 +78,17 @@ class Status(BaseModel):
     task_crashes: dict[str, int] = Field(
         default_factory=dict,
         description="background tasks that crashed (logged with their traceback), by name: how often",
+    )
+    checkpoint: dict[str, Any] | None = Field(
+        default=None,
+        description="checkpoints under --state-dir (None without one): every (steps; 0: none written), keep, "
+        "dir, newest (step, stage, age_s, bytes, path), resumed_from_step, writes, failures, last_error, "
+        "last_write_s",
+    )
+    gradient_handover: dict[str, Any] = Field(
+        default_factory=dict,
+        description="gradients handed over on graceful leave (POST /v1/gradients), in samples: handed_out and "
+        "to (this peer, leaving), dropped (nobody took them), handed_in (from leaving stage-mates)",
     )
     device: str
     version: str
@@ -128,6 +145,64 @@ class TrainerInfo(BaseModel):
     name: str
     registered_at: float = Field(description="unix time")
     last_seen_s: float = Field(description="seconds since its last heartbeat")
+    step: int | None = Field(default=None, description="the newest step it reported (None: no report yet)")
+    loss: float | None = Field(default=None, description="the newest training loss it reported")
+    val_loss: float | None = Field(default=None, description="the newest validation loss it reported")
+    samples: int | None = Field(default=None, description="samples it has computed, as it reported")
+    samples_per_s: float | None = Field(default=None, description="its samples/s, as it reported")
+
+
+MAX_REPORT_STEPS = 256  # steps one heartbeat may report (a trainer reports every ~10 s)
+
+
+class ReportStep(BaseModel):
+    step: int = Field(ge=0, description="the swarm's step index")
+    loss: float | None = Field(default=None, description="mean training loss of this trainer's samples at it")
+    val_loss: float | None = Field(default=None, description="a validation loss, when one was computed at it")
+
+
+class TrainerReport(BaseModel):
+    """What a heartbeat may carry (``swarmd.training_summary``): the steps since the last one."""
+
+    steps: list[ReportStep] = Field(default_factory=list, max_length=MAX_REPORT_STEPS)
+    samples: int = Field(default=0, ge=0, description="samples computed since the trainer started")
+    samples_per_s: float = Field(default=0.0, ge=0, description="the trainer's samples/s lately")
+
+
+class TrainingPointInfo(BaseModel):
+    t: float = Field(description="unix time the daemon received it")
+    trainer_id: str
+    step: int
+    loss: float | None
+    val_loss: float | None
+    samples_per_s: float
+
+
+class SwarmPointInfo(BaseModel):
+    t: float = Field(description="unix time the daemon merged it from the DHT")
+    step: int
+    loss: float | None = Field(description="mean of the publishing daemons' newest losses")
+    val_loss: float | None
+    samples_per_s: float = Field(description="summed over the swarm's reporting trainers")
+    trainers: int
+    publishers: int = Field(description="daemons whose trainers reported")
+
+
+class TrainingPublisher(BaseModel):
+    peer_id: str
+    step: int
+    samples: int
+    loss: float | None
+    val_loss: float | None
+    samples_per_s: float
+    trainers: int
+    age_s: float
+
+
+class TrainingView(BaseModel):
+    local: list[TrainingPointInfo] = Field(description="steps reported by the trainers registered with this daemon")
+    swarm: list[SwarmPointInfo] = Field(description="the swarm's curve, merged from every daemon's DHT record")
+    publishers: list[TrainingPublisher] = Field(description="the daemons' training records read last")
 
 
 class MigrateRequest(BaseModel):

@@ -33,6 +33,9 @@ COMMANDS: dict[str, Command] = {
     "serve": Command("swarmd.cli.serve", "serve one pipeline stage (the default command)"),
     "train": Command("swarmd.cli.train", "train the swarm's model through its stages"),
     "demo": Command("swarmd.cli.demo", "a local demo swarm that trains, loses a peer and heals"),
+    "export": Command("swarmd.cli.export", "the trained model as one safetensors file (from the swarm or checkpoints)"),
+    "generate": Command("swarmd.cli.generate", "sample text from an exported model"),
+    "status": Command("swarmd.cli.status", "the swarm's stages, peers and loss in a terminal (--watch, --json)"),
 }
 
 

@@ -32,6 +32,7 @@ from swarmd.cli.common import (
     non_negative_int,
     port,
     positive_int,
+    positive_number,
     read_token,
     seconds,
     setup_logging,
@@ -95,6 +96,12 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
                           "bit-identical; default: none)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
+    p.add_argument("--relay-max-peers", type=non_negative_int, default=8, metavar="N",
+                   help="relay for at most N peers that nobody can dial (behind a NAT); 0: relay for none "
+                   "(default: 8)")
+    p.add_argument("--relay-budget", type=positive_number("a number of MiB/s"), default=50.0, metavar="MIB_S",
+                   help="bytes per second (in MiB/s) this peer relays for others at most, over all of them; "
+                   "requests beyond it are refused and go elsewhere (default: 50)")
     p.add_argument("--announce", type=announce_addr, default=None, metavar="HOST[:PORT]",
                    help="the address others dial for this peer's data plane (and its DHT contact host): behind a "
                    "port forward or with several interfaces. Without it, a specific --host is announced as is, and "
@@ -116,8 +123,13 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
     p.add_argument("--bootstrap-timeout", type=seconds, default=30.0, metavar="SECONDS",
                    help="give up joining when no --join address answers within this (default: 30)")
     p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
-                   help=f"where the peer's identity key is kept, one directory per daemon "
+                   help=f"where the peer's identity key and its checkpoints are kept, one directory per daemon "
                    f"(default: {default_state_dir()})")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=50, metavar="STEPS",
+                   help="write the stage's state (parameters, optimizer, step) under --state-dir every STEPS steps "
+                   "and on graceful shutdown; a restarted peer resumes from it; 0 disables (default: 50)")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="K",
+                   help="keep the newest K checkpoints of each stage, delete older ones (default: 3)")
     p.add_argument("--rebalance-policy", choices=("adaptive", "swarm", "none"), default="adaptive",
                    help="how peers move between stages: adaptive (ours), swarm (the paper's Algorithm 2) or none; "
                    "every peer of a swarm should use the same (default: adaptive)")
@@ -159,7 +171,7 @@ def resolve_device(device: str) -> str:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
-    from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
+    from swarmd.config import ApiConfig, CheckpointConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
     from swarmd.net.addresses import is_loopback
     from swarmd.pipeline.spec import TrainingSpec, load_spec
 
@@ -190,7 +202,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         swarm=args.swarm,
         net=NetConfig(host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                       announce_host=args.announce[0] if args.announce else None,
-                      announce_port=args.announce[1] if args.announce else None),
+                      announce_port=args.announce[1] if args.announce else None,
+                      relay_max_peers=args.relay_max_peers, relay_budget_bytes_s=args.relay_budget * 2**20),
         api=ApiConfig(host=args.api_host, port=args.api_port, token=token),
         dht=DHTConfig(
             host=args.dht_host,
@@ -201,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             state_dir=args.state_dir or default_state_dir(),
         ),
         rebalance=RebalanceConfig(policy=args.rebalance_policy, period_s=args.rebalance_period),
+        checkpoint=CheckpointConfig(every=args.checkpoint_every, keep=args.keep_checkpoints),
         swarm_key=swarm_key,
         pipeline=PipelineConfig(
             spec=spec, stage=args.stage, training=training, device=resolve_device(args.device), threads=args.threads
@@ -241,7 +255,7 @@ def write_ready_file(path: Path, status: Mapping[str, Any]) -> None:
 
 def main(argv: Sequence[str], prog: str = "swarmd", epilog: str | None = None) -> int:
     args = config_file.parse_args(build_parser(prog, epilog), argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ConfigError as exc:

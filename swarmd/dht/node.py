@@ -19,14 +19,14 @@ Lookups
     ``get`` per bucket, run in parallel. ``scripts/bench_dht.py`` measures these.
 
 Sizes and limits (measured; ``tests/test_dht_node.py`` and ``test_dht_records.py`` pin them)
-    - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest): 298 bytes;
+    - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest, checkpoint step): 305 bytes;
     - the largest datagram rpcudp sends: 8213 bytes (21 of header + 8192 of msgpack), which
       leaves 8137 bytes for one key's bundle (``MAX_BUNDLE_BYTES``); a private swarm
       (``swarm_key``) wraps it in 25 more bytes, 8238 in all;
-    - so one key holds 27 such PeerRecords (301 bytes each inside a bundle);
+    - so one key holds 26 such PeerRecords (308 bytes each inside a bundle);
     - a stage's peers are spread over ``bucket_count`` keys (default 4:
       :func:`stage_key` ``(swarm, stage, bucket)``, ``bucket = bucket_of(peer_id)``), read in
-      parallel by :meth:`DHTNode.get_stage_peers`: up to 4 x 27 = 108 peers per stage. When a
+      parallel by :meth:`DHTNode.get_stage_peers`: up to 4 x 26 = 104 peers per stage. When a
       bucket's replicas refuse a record because the bucket is full, :meth:`DHTNode.store_peer`
       moves on to the next bucket (readers read all of them anyway), so the whole capacity is
       usable despite hash imbalance. Every peer of a swarm must use the same ``bucket_count``.

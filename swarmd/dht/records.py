@@ -1,6 +1,6 @@
 """Signed DHT records: what a peer says about itself, encoded as compact msgpack and signed.
 
-Two record types, both versioned dataclasses validated on construction (petals-style: a decoder
+Three record types, all versioned dataclasses validated on construction (petals-style: a decoder
 ignores body fields it does not know, so old and new peers coexist, and refuses bad ones with a
 typed :class:`~swarmd.errors.RecordError`):
 
@@ -8,6 +8,8 @@ typed :class:`~swarmd.errors.RecordError`):
   its subkey in the DHT is ``peer_id``;
 - :class:`SwarmRecord`: a swarm's model spec and training settings, signed by its founder; its
   subkey is ``founder``.
+- :class:`TrainingRecord` (``t`` ``"l"``): what one daemon's trainers reported lately (step,
+  loss, validation loss, samples/s; ``swarmd.training_summary``); its subkey is ``peer_id``.
 
 Envelope
 --------
@@ -23,7 +25,8 @@ envelope; compatible additions are new body fields, which older decoders ignore.
 Body keys: PeerRecord ``i`` peer_id (20 raw bytes), ``g`` stage, ``s`` state (its index in
 ``PEER_STATES``), ``d`` data_addr, ``a`` api_addr, ``h`` throughput, ``q`` queue, ``n`` step,
 ``p`` params_digest (raw bytes or nil), ``v`` version, ``t`` timestamp, ``e`` expiry, ``r``
-reachable (index in ``REACHABILITY``; absent, from older builds, means unknown).
+reachable (index in ``REACHABILITY``; absent, from older builds, means unknown), ``k`` the
+newest checkpoint step the peer holds of its stage (absent: none, or an older build).
 SwarmRecord ``w`` swarm, ``m`` spec, ``r`` training, ``f`` founder (20 raw bytes), ``t``
 timestamp, ``e`` expiry. Hex fields travel as raw bytes (half the size) and come back as
 lowercase hex.
@@ -32,9 +35,9 @@ Size
 ----
 A realistic signed PeerRecord (IPv4 data address ``203.0.113.45:31337``, IPv6 API address
 ``[2001:db8:85a3::8a2e:370:7334]:31338``, a 64-hex params digest, version ``0.1.0``, state
-``migrating``) is **298 bytes**: 116 of envelope (64 signature, 32 key, headers) and a
-182-byte body. In a bundle each record costs 3 more bytes (msgpack bin16 header), so one DHT
-key's 8137-byte bundle holds 27 of them. A SwarmRecord of the tiny preset's spec and three
+``migrating``, a checkpoint step) is **305 bytes**: 116 of envelope (64 signature, 32 key,
+headers) and a 189-byte body. In a bundle each record costs 3 more bytes (msgpack bin16
+header), so one DHT key's 8137-byte bundle holds 26 of them. A SwarmRecord of the tiny preset's spec and three
 training settings is 340 bytes. Verifying one costs ~0.1 ms (ed25519), hence :class:`RecordCache`.
 (``tests/test_dht_records.py`` pins these numbers.)
 
@@ -74,6 +77,7 @@ __all__ = [
     "Record",
     "RecordCache",
     "SwarmRecord",
+    "TrainingRecord",
     "bundle_entry_size",
     "bundle_header_size",
     "bundle_size",
@@ -207,9 +211,13 @@ class PeerRecord:
     expiry: float  # absolute unix time after which the record is dropped
     # whether other members could dial data_addr (swarmd.net.reachability): unknown | yes | no
     reachable: str = "unknown"
+    # the newest checkpoint step this peer holds of its stage (swarmd.checkpoint); None: none
+    checkpoint: int | None = None
 
     def __post_init__(self) -> None:
         _check_peer_id("peer_id", self.peer_id)
+        if self.checkpoint is not None:
+            _check_int("checkpoint", self.checkpoint, 0, 2**63 - 1)
         if self.reachable not in REACHABILITY:
             raise _bad("reachable", self.reachable, f"one of {', '.join(REACHABILITY)}")
         _check_int("stage", self.stage, 0, 2**16 - 1)
@@ -250,6 +258,7 @@ class PeerRecord:
             "t": self.timestamp,
             "e": self.expiry,
             "r": REACHABILITY.index(self.reachable),
+            **({} if self.checkpoint is None else {"k": self.checkpoint}),
         }
 
     @property
@@ -275,6 +284,7 @@ class PeerRecord:
             timestamp=body.get("t"),  # type: ignore[arg-type]
             expiry=body.get("e"),  # type: ignore[arg-type]
             reachable=_reachability_of(reach),
+            checkpoint=body.get("k"),  # absent (older builds, or none held): None
         )
 
 
@@ -330,10 +340,67 @@ class SwarmRecord:
         )
 
 
-Record = PeerRecord | SwarmRecord
-RECORD_TYPES: dict[str, type[PeerRecord] | type[SwarmRecord]] = {
+@dataclass(frozen=True, slots=True)
+class TrainingRecord:
+    """What the trainers registered with one daemon reported lately (``swarmd.training_summary``):
+    a swarm-level loss curve is the merge of every daemon's record, read by any daemon."""
+
+    TYPE: ClassVar[str] = "l"
+
+    peer_id: str  # the publishing daemon (the signer)
+    step: int  # the newest step its trainers reported
+    samples: int  # samples its trainers have computed, in total
+    loss: float | None  # the newest training loss reported (None: no trainer reported one)
+    val_loss: float | None  # the newest validation loss reported
+    samples_per_s: float  # summed over its live trainers
+    trainers: int  # live trainers registered with it
+    timestamp: float
+    expiry: float
+
+    def __post_init__(self) -> None:
+        _check_peer_id("peer_id", self.peer_id)
+        _check_int("step", self.step, 0, 2**63 - 1)
+        _check_int("samples", self.samples, 0, 2**63 - 1)
+        _check_int("trainers", self.trainers, 0, 2**32 - 1)
+        for name in ("loss", "val_loss"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _check_float(name, value))
+        object.__setattr__(self, "samples_per_s", _check_float("samples_per_s", self.samples_per_s))
+        ts, exp = _check_times(self.timestamp, self.expiry)
+        object.__setattr__(self, "timestamp", ts)
+        object.__setattr__(self, "expiry", exp)
+
+    @property
+    def subkey(self) -> str:
+        """The record's slot under the swarm's training key: one per daemon."""
+        return self.peer_id
+
+    def _body(self) -> dict[str, Any]:
+        return {"i": bytes.fromhex(self.peer_id), "n": self.step, "c": self.samples, "l": self.loss,
+                "v": self.val_loss, "h": self.samples_per_s, "r": self.trainers, "t": self.timestamp,
+                "e": self.expiry}
+
+    @classmethod
+    def _from_body(cls, body: Mapping[str, Any]) -> TrainingRecord:
+        return cls(
+            peer_id=_hex_bytes("peer_id", body.get("i"), PEER_ID_BYTES),
+            step=body.get("n"),  # type: ignore[arg-type]  # checked in __post_init__
+            samples=body.get("c"),  # type: ignore[arg-type]
+            loss=body.get("l"),
+            val_loss=body.get("v"),
+            samples_per_s=body.get("h"),  # type: ignore[arg-type]
+            trainers=body.get("r"),  # type: ignore[arg-type]
+            timestamp=body.get("t"),  # type: ignore[arg-type]
+            expiry=body.get("e"),  # type: ignore[arg-type]
+        )
+
+
+Record = PeerRecord | SwarmRecord | TrainingRecord
+RECORD_TYPES: dict[str, type[PeerRecord] | type[SwarmRecord] | type[TrainingRecord]] = {
     PeerRecord.TYPE: PeerRecord,
     SwarmRecord.TYPE: SwarmRecord,
+    TrainingRecord.TYPE: TrainingRecord,
 }
 
 

@@ -15,7 +15,7 @@ and what a ``store`` RPC delivers is a *bundle*, a msgpack array of signed recor
 - each subkey expires on its own (its record's absolute ``expiry``); reads never return it;
 - caps: at most ``max_subkeys`` subkeys per key and ``max_bundle_bytes`` for the key's bundle
   (default :data:`~swarmd.dht.protocol.MAX_BUNDLE_BYTES` = 8137, so that a ``find_value`` answer
-  and a hand-over ``store`` fit in one datagram: about 27 realistic PeerRecords of ~295 bytes),
+  and a hand-over ``store`` fit in one datagram: about 26 realistic PeerRecords of ~305 bytes),
   and ``max_keys`` keys per node. A record that would exceed a cap is refused when its subkey is
   new or it grows the bundle: members already listed keep refreshing, newcomers wait until
   someone expires (no churn among the incumbents, and the same outcome on every replica);
@@ -42,7 +42,7 @@ from swarmd.errors import MalformedRecord, RecordError
 
 __all__ = ["DEFAULT_MAX_KEYS", "DEFAULT_MAX_SUBKEYS", "MergeResult", "RecordStorage"]
 
-DEFAULT_MAX_SUBKEYS = 64  # the byte cap binds first for realistic records (~27)
+DEFAULT_MAX_SUBKEYS = 64  # the byte cap binds first for realistic records (~26)
 DEFAULT_MAX_KEYS = 10_000
 
 
