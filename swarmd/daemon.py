@@ -970,6 +970,8 @@ class Daemon:
             stale_applied=ex.stale_applied if ex else 0,
             activation_cache=ex.cache_stats() if ex else None,
             worker_cpu_s=ex.worker_cpu_s if ex else 0.0,
+            exactly_once={"duplicates": ex.duplicates, "late_refused": ex.late_refused} if ex else {},
+            reservations=ex.reservations.status() if ex else None,
             params_digest=ex.digest if ex else None,
             averaging={
                 "rounds_ok": averager.rounds_ok,

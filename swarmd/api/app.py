@@ -165,19 +165,33 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
     @app.post("/trainers", response_model=TrainerWelcome, status_code=201, dependencies=guarded,
               summary="Register a trainer; returns its id, the swarm's model, training settings and step",
               responses={**_BAD_JSON, **_TOKEN,
+                         409: {"model": ErrorBody, "description": "a --sync trainer would share the swarm"},
                          503: {"model": ErrorBody, "description": "not serving yet, or too many trainers"}})
     async def register_trainer(body: TrainerRequest | None = None) -> Any:
         if daemon.state != "serving":
             return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
-        reg = registry.register((body or TrainerRequest()).name)
+        request = body or TrainerRequest()
+        conflict = registry.conflict(sync=request.sync)
+        if conflict is not None:
+            return JSONResponse({"error": "SyncConflict", "message": conflict}, status_code=409)
+        reg = registry.register(request.name, sync=request.sync)
         if reg is None:
             return JSONResponse({"error": "TooManyTrainers", "message": "the registry is full; retry later"},
                                 status_code=503)
-        return {"trainer_id": reg.trainer_id, "ttl_s": registry.ttl_s, **daemon.welcome()}
+        return {"trainer_id": reg.trainer_id, "ttl_s": registry.ttl_s, "rank": reg.rank, **daemon.welcome()}
 
     @app.get("/trainers", response_model=list[TrainerInfo], summary="Trainers registered here, with last-seen times")
     async def list_trainers() -> Any:
         return registry.live()
+
+    @app.delete("/trainers/{trainer_id}", status_code=204, response_model=None, dependencies=guarded,
+                summary="A trainer finished: listed until it expires, it holds no rank or --sync claim any more",
+                responses={**_TOKEN, 404: {"model": ErrorBody, "description": "unknown or expired registration"}})
+    async def finish_trainer(trainer_id: str) -> Response:
+        if not registry.finish(trainer_id):
+            return JSONResponse({"error": "UnknownTrainer", "message": "unknown or expired trainer id"},
+                                status_code=404)
+        return Response(status_code=204)
 
     @app.post("/trainers/{trainer_id}/heartbeat", status_code=204, response_model=None, dependencies=guarded,
               summary="Keep a registration alive; the body (optional) reports the trainer's steps and losses",

@@ -40,6 +40,18 @@ class Status(BaseModel):
         "expired, or the step changed), skipped (not kept: the cache was full)",
     )
     worker_cpu_s: float = Field(default=0.0, description="CPU seconds the stage's worker thread spent computing")
+    exactly_once: dict[str, int] = Field(
+        default_factory=dict,
+        description="each microbatch's gradient counted once per step: duplicates (a microbatch id this peer had "
+        "counted at that step already: answered, not added again), late_refused (finished past the sender's "
+        "deadline: not added, the sender retried elsewhere)",
+    )
+    reservations: dict[str, Any] | None = Field(
+        default=None,
+        description="this peer's lease book of sample reservations (POST /v1/reserve): step, reserved, open "
+        "(samples of open leases), target, and granted, granted_samples, completed, expired, expired_samples, "
+        "written_off (done samples the stage lost with a peer), outside (held without a lease)",
+    )
     params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
     averaging: dict[str, Any] | None = Field(
         description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round"
@@ -129,6 +141,8 @@ class SwarmView(BaseModel):
 
 class TrainerRequest(BaseModel):
     name: str = Field(default="trainer", max_length=64, description="a label shown in GET /trainers")
+    sync: bool = Field(default=False, description="a --sync trainer: it needs the swarm to itself, so it is refused "
+                       "(409) while another trainer trains through this daemon, and refuses others meanwhile")
 
 
 class TrainerWelcome(BaseModel):
@@ -138,6 +152,8 @@ class TrainerWelcome(BaseModel):
     model: SwarmModel
     training: dict[str, Any] = Field(description="the swarm's TrainingSpec (target_batch_size, optimizer, ...)")
     step: int = Field(description="the optimizer step of the stage this daemon serves")
+    rank: int | None = Field(default=None, description="the trainer's rank among those registered here: which "
+                             "shard of the training data it draws from (the smallest rank no live trainer holds)")
 
 
 class TrainerInfo(BaseModel):
@@ -150,6 +166,10 @@ class TrainerInfo(BaseModel):
     val_loss: float | None = Field(default=None, description="the newest validation loss it reported")
     samples: int | None = Field(default=None, description="samples it has computed, as it reported")
     samples_per_s: float | None = Field(default=None, description="its samples/s, as it reported")
+    rank: int | None = Field(default=None, description="its rank: the data shard it draws from")
+    sync: bool = Field(default=False, description="a --sync trainer")
+    steps_seen: int = Field(default=0, description="steps of the swarm it has reported, each with its loss")
+    finished: bool = Field(default=False, description="it finished (listed until its registration expires)")
 
 
 MAX_REPORT_STEPS = 256  # steps one heartbeat may report (a trainer reports every ~10 s)
@@ -157,8 +177,10 @@ MAX_REPORT_STEPS = 256  # steps one heartbeat may report (a trainer reports ever
 
 class ReportStep(BaseModel):
     step: int = Field(ge=0, description="the swarm's step index")
-    loss: float | None = Field(default=None, description="mean training loss of this trainer's samples at it")
-    val_loss: float | None = Field(default=None, description="a validation loss, when one was computed at it")
+    loss: float | None = Field(default=None, allow_inf_nan=False,
+                               description="mean training loss of this trainer's samples at it (finite, or null)")
+    val_loss: float | None = Field(default=None, allow_inf_nan=False,
+                                   description="a validation loss, when one was computed at it")
 
 
 class TrainerReport(BaseModel):
@@ -166,7 +188,7 @@ class TrainerReport(BaseModel):
 
     steps: list[ReportStep] = Field(default_factory=list, max_length=MAX_REPORT_STEPS)
     samples: int = Field(default=0, ge=0, description="samples computed since the trainer started")
-    samples_per_s: float = Field(default=0.0, ge=0, description="the trainer's samples/s lately")
+    samples_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="the trainer's samples/s lately")
 
 
 class TrainingPointInfo(BaseModel):

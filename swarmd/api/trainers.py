@@ -6,6 +6,14 @@ heartbeats. The registry is local to the daemon and only informative (for ``GET 
 trainers talk to stage peers directly over the data plane. A heartbeat may carry a report (step,
 loss, samples/s, validation loss): the registry keeps the newest values per trainer and hands the
 report to ``on_report`` (the daemon's ``swarmd.training_summary.TrainingLog``).
+
+Each registration gets a *rank*, the smallest no live trainer holds: the trainer draws its
+training windows from that shard of the data (``swarmd.train.data.shard``), so trainers of one
+daemon draw different data. A ``--sync`` trainer makes the swarm compute exactly what
+single-process training on its batches computes; another trainer's samples would join its
+steps, so a sync trainer is refused while any other trainer is registered, and any trainer
+while a sync one is (:meth:`TrainerRegistry.conflict`). Both are per daemon: trainers that
+register with different daemons are not checked against each other.
 """
 
 from __future__ import annotations
@@ -34,11 +42,17 @@ class Registration:
     val_loss: float | None = None
     samples: int | None = None
     samples_per_s: float | None = None
+    rank: int = 0
+    sync: bool = False
+    steps_seen: int = 0
+    finished: bool = False  # it said it finished (DELETE /trainers/{id}): listed until it expires
 
     def note(self, report: TrainerReport) -> None:
         """Keep the newest values of a heartbeat's report."""
         self.samples, self.samples_per_s = report.samples, report.samples_per_s
         for point in report.steps:
+            if self.step is None or point.step > self.step:
+                self.steps_seen += 1
             self.step = point.step if self.step is None else max(self.step, point.step)
             self.loss = point.loss if point.loss is not None else self.loss
             self.val_loss = point.val_loss if point.val_loss is not None else self.val_loss
@@ -52,14 +66,40 @@ class TrainerRegistry:
         self._on_report = on_report
         self._trainers: dict[str, Registration] = {}
 
-    def register(self, name: str) -> Registration | None:
-        """A new registration, or None when the registry is full of live trainers."""
+    def conflict(self, *, sync: bool) -> str | None:
+        """Why a new (``sync``) trainer cannot train through this daemon now, or None."""
+        self._expire()
+        training = [r for r in self._trainers.values() if not r.finished]
+        if sync and training:
+            return (f"a --sync trainer needs the swarm to itself (its steps must hold its own batch only), but "
+                    f"{len(training)} other trainer(s) train through this daemon; stop them, or train without "
+                    "--sync: asynchronous trainers share the swarm's steps through sample reservations")
+        if any(r.sync for r in training):
+            return ("a --sync trainer is training through this daemon and needs the swarm to itself (its steps must "
+                    "hold its own batch only); wait until it finishes")
+        return None
+
+    def register(self, name: str, *, sync: bool = False) -> Registration | None:
+        """A new registration, or None when the registry is full of live trainers (check
+        :meth:`conflict` first)."""
         self._expire()
         if len(self._trainers) >= MAX_TRAINERS:
             return None
-        reg = Registration(secrets.token_hex(8), name, time.time(), self._clock())
+        taken = {r.rank for r in self._trainers.values() if not r.finished}
+        rank = next(i for i in range(len(taken) + 1) if i not in taken)
+        reg = Registration(secrets.token_hex(8), name, time.time(), self._clock(), rank=rank, sync=sync)
         self._trainers[reg.trainer_id] = reg
         return reg
+
+    def finish(self, trainer_id: str) -> bool:
+        """A trainer that finished: still listed (``finished``) until it expires, but it holds no
+        rank and no ``--sync`` claim any more; False when it was not registered (or had expired)."""
+        self._expire()
+        reg = self._trainers.get(trainer_id)
+        if reg is None:
+            return False
+        reg.finished = True
+        return True
 
     def heartbeat(self, trainer_id: str, report: TrainerReport | None = None) -> bool:
         self._expire()
@@ -79,7 +119,8 @@ class TrainerRegistry:
         return [
             {"trainer_id": r.trainer_id, "name": r.name, "registered_at": r.registered_at,
              "last_seen_s": round(now - r.last_seen, 3), "step": r.step, "loss": r.loss, "val_loss": r.val_loss,
-             "samples": r.samples, "samples_per_s": r.samples_per_s}
+             "samples": r.samples, "samples_per_s": r.samples_per_s, "rank": r.rank, "sync": r.sync,
+             "steps_seen": r.steps_seen, "finished": r.finished}
             for r in sorted(self._trainers.values(), key=lambda r: r.registered_at)
         ]
 

@@ -36,6 +36,8 @@ from swarmd.net.messages import (
     InfoReply,
     ProgressReply,
     ProgressRequest,
+    ReserveReply,
+    ReserveRequest,
 )
 from swarmd.net.wire import CONTENT_TYPE, DEFAULT_LIMITS, Frame, WireLimits, decode_frame
 from swarmd.swarm_key import SwarmKey, signing_middleware
@@ -127,11 +129,14 @@ class DataPlaneClient:
         model: str | None = None,
         step: int | None = None,
         mb: int | None = None,
+        deadline_ms: int | None = None,
     ) -> BackwardReply:
         """``step``: the step this stage's forward reported for the microbatch (None: no check);
-        ``mb``: the id its forward was sent with (a hit in that peer's activation cache)."""
+        ``mb``: the id its forward was sent with (a hit in that peer's activation cache; counted
+        once per step); ``deadline_ms``: the peer adds the gradient only within this long of
+        receiving it (send less than this call's timeout: the rest is the way there and back)."""
         request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
-                                  codec=codec, step=step, mb=mb)
+                                  codec=codec, step=step, mb=mb, deadline_ms=deadline_ms)
         frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets))
         return self._read(addr, BackwardReply.from_frame, frame)
 
@@ -145,6 +150,11 @@ class DataPlaneClient:
         """
         frame = await self._post(addr, "average", request.encode, _nbytes(request.grads), timeout_s=timeout_s)
         return self._read(addr, lambda f: AverageReply.from_frame(f, grad_numel), frame)
+
+    async def reserve(self, addr: str, request: ReserveRequest, *, timeout_s: float | None = None) -> ReserveReply:
+        """Ask a stage peer's lease book for sample reservations (``swarmd.pipeline.reservations``)."""
+        frame = await self._post(addr, "reserve", request.encode, 0, timeout_s=timeout_s)
+        return self._read(addr, ReserveReply.from_frame, frame)
 
     async def info(self, addr: str, *, timeout_s: float | None = None) -> InfoReply:
         body = await self._get_json(addr, "info", {}, timeout_s)

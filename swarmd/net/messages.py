@@ -15,6 +15,7 @@ endpoint          request                     reply
 POST /v1/forward  :class:`ForwardRequest`     :class:`ForwardReply`
 POST /v1/backward :class:`BackwardRequest`    :class:`BackwardReply`
 POST /v1/average  :class:`AverageRequest`     :class:`AverageReply`
+POST /v1/reserve  :class:`ReserveRequest`     :class:`ReserveReply`
 GET  /v1/info     (none)                      :class:`InfoReply`
 GET  /v1/progress :class:`ProgressRequest`    :class:`ProgressReply` (one shape, always)
 ================  ==========================  ==========================================
@@ -61,6 +62,8 @@ __all__ = [
     "ModelInfo",
     "ProgressReply",
     "ProgressRequest",
+    "ReserveReply",
+    "ReserveRequest",
     "StageTarget",
 ]
 
@@ -255,7 +258,10 @@ class BackwardRequest:
 
     ``step``: the step this stage's forward reported for the microbatch (None: no check, as for
     the last stage's fused forward + backward); a backward computed at another step is refused
-    (``StaleStep`` / ``PeerBehind``). ``mb``: the id the forward was sent with.
+    (``StaleStep`` / ``PeerBehind``). ``mb``: the id the forward was sent with; a stage counts
+    each ``mb`` once per step (``swarmd.pipeline.step_protocol``). ``deadline_ms``: how long the
+    sender waits for the answer, from when the peer got the request; the peer applies the
+    gradient only within it (past it, the sender has retried elsewhere: exactly-once).
     """
 
     stage: int
@@ -266,6 +272,7 @@ class BackwardRequest:
     codec: str = "none"
     step: int | None = None
     mb: int | None = None
+    deadline_ms: int | None = None
 
     KIND = "backward"
 
@@ -277,6 +284,8 @@ class BackwardRequest:
             meta["step"] = self.step
         if self.mb is not None:
             meta["mb"] = self.mb
+        if self.deadline_ms is not None:
+            meta["deadline_ms"] = self.deadline_ms
         tensors = {"inputs": self.inputs}
         if self.grad_outputs is not None:
             tensors["grad_outputs"] = self.grad_outputs
@@ -293,16 +302,19 @@ class BackwardRequest:
         codec = _codec(meta)
         inputs = _required(frame.tensors, "inputs")
         step = _optional_count(meta, "step", "the step the forward reported")
+        deadline_ms = _optional_count(meta, "deadline_ms", "how long the sender waits, in ms")
         return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
                    targets=frame.tensors.get("targets"), model=_model(meta.get("model")), codec=codec, step=step,
-                   mb=_microbatch_id(meta))
+                   mb=_microbatch_id(meta), deadline_ms=deadline_ms)
 
 
 @dataclass(frozen=True)
 class BackwardReply:
     """The gradient with respect to the stage's inputs (None on stage 0: token ids have none),
     the ``samples`` this backward added, the stage's ``accumulated`` total for ``step``, and on
-    the last stage the microbatch's mean ``loss``."""
+    the last stage the microbatch's mean ``loss``. ``duplicate``: this stage had counted the
+    microbatch at this step already (a retry whose first answer was lost): the gradients are
+    answered again, not accumulated again."""
 
     stage: int
     step: int
@@ -310,6 +322,7 @@ class BackwardReply:
     accumulated: int
     grad_inputs: torch.Tensor | None = None
     loss: float | None = None
+    duplicate: bool = False
 
     KIND = "backward_result"
 
@@ -318,6 +331,8 @@ class BackwardReply:
                                 "accumulated": self.accumulated}
         if self.loss is not None:
             meta["loss"] = self.loss
+        if self.duplicate:
+            meta["duplicate"] = True
         tensors = {} if self.grad_inputs is None else {"grad_inputs": self.grad_inputs}
         return encode_frame(self.KIND, meta, tensors, codec)
 
@@ -326,7 +341,7 @@ class BackwardReply:
         stage, step = _reply_fields(frame, cls.KIND)
         return cls(stage=stage, step=step, samples=_reply_int(frame.meta, "samples"),
                    accumulated=_reply_int(frame.meta, "accumulated", 0), grad_inputs=frame.tensors.get("grad_inputs"),
-                   loss=_reply_float(frame.meta, "loss"))
+                   loss=_reply_float(frame.meta, "loss"), duplicate=frame.meta.get("duplicate") is True)
 
 
 # ---- POST /v1/average -------------------------------------------------------------------------
@@ -413,6 +428,99 @@ class AverageReply:
         return cls(stage=stage, status="ok" if ok else "aborted", step=step,
                    samples=_reply_int(frame.meta, "samples", 0), contributors=_reply_int(frame.meta, "contributors", 0),
                    grads=grads)
+
+
+# ---- POST /v1/reserve -------------------------------------------------------------------------
+
+#: Lease ids a reservation may report done or renew at once, and leases it may ask for.
+MAX_RESERVE_IDS = 1024
+
+
+def _lease_ids(meta: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    ids = meta.get(key, [])
+    if not isinstance(ids, list) or len(ids) > MAX_RESERVE_IDS or not all(_is_int(i) and i >= 0 for i in ids):
+        raise RequestError(f"meta.{key} must be a list of at most {MAX_RESERVE_IDS} lease ids")
+    return tuple(int(i) for i in ids)
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """Ask the stage's lease book (``swarmd.pipeline.reservations``) for up to ``count`` leases
+    of at most ``size`` samples for its current step; report ``done`` leases (their backward on
+    this stage was accepted) and ``renew`` the open ones for ``lease_s``. ``held``: the samples
+    the trainer saw the stage hold at ``step`` (None: unknown), which the book reconciles with.
+    ``count`` 0 only reports."""
+
+    stage: int
+    trainer: str
+    step: int
+    size: int
+    count: int
+    lease_s: float
+    done: tuple[int, ...] = ()
+    renew: tuple[int, ...] = ()
+    held: int | None = None
+
+    KIND = "reserve"
+
+    def encode(self) -> bytes:
+        meta: dict[str, Any] = {"stage": self.stage, "trainer": self.trainer, "step": self.step, "size": self.size,
+                                "count": self.count, "lease_s": float(self.lease_s), "done": list(self.done),
+                                "renew": list(self.renew)}
+        if self.held is not None:
+            meta["held"] = self.held
+        return encode_frame(self.KIND, meta, {}, "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame, target: StageTarget | None = None) -> ReserveRequest:
+        _kind(frame, cls.KIND)
+        meta = frame.meta
+        stage = _stage(meta)
+        _check_target(stage, meta.get("model"), target)
+        trainer = meta.get("trainer")
+        if not isinstance(trainer, str) or not 0 < len(trainer) <= MAX_PEER_ID_LEN:
+            raise RequestError("meta.trainer (the trainer's id, at most 64 characters) is required")
+        lease_s = meta.get("lease_s")
+        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s <= 3600:
+            raise RequestError(f"meta.lease_s must be a number of seconds in (0, 3600], got {lease_s!r:.40}")
+        count = _count(meta, "count", "leases wanted")
+        if count > MAX_RESERVE_IDS:
+            raise RequestError(f"meta.count must be at most {MAX_RESERVE_IDS}")
+        return cls(stage=stage, trainer=trainer, step=_count(meta, "step", "the step the trainer saw"),
+                   size=_count(meta, "size", "samples per lease"), count=count, lease_s=float(lease_s),
+                   done=_lease_ids(meta, "done"), renew=_lease_ids(meta, "renew"),
+                   held=_optional_count(meta, "held", "samples the stage held"))
+
+
+@dataclass(frozen=True)
+class ReserveReply:
+    """The leases granted (``(lease_id, samples)``, possibly none) for ``step``, and how many of
+    the step's ``target`` samples are reserved after them."""
+
+    stage: int
+    step: int
+    leases: tuple[tuple[int, int], ...]
+    reserved: int
+    target: int
+
+    KIND = "reserve_result"
+
+    def encode(self, codec: str = "none") -> bytes:
+        meta = {"stage": self.stage, "step": self.step, "leases": [list(lease) for lease in self.leases],
+                "reserved": self.reserved, "target": self.target}
+        return encode_frame(self.KIND, meta, {}, "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ReserveReply:
+        stage, step = _reply_fields(frame, cls.KIND)
+        leases = frame.meta.get("leases")
+        if not isinstance(leases, list) or not all(
+            isinstance(lease, list) and len(lease) == 2 and all(_is_int(v) and v >= 0 for v in lease)
+            for lease in leases
+        ):
+            raise MalformedFrame("a reserve reply's meta.leases must list [lease_id, samples] pairs")
+        return cls(stage=stage, step=step, leases=tuple((int(i), int(n)) for i, n in leases),
+                   reserved=_reply_int(frame.meta, "reserved"), target=_reply_int(frame.meta, "target"))
 
 
 # ---- GET /v1/info ---------------------------------------------------------------------------

@@ -15,6 +15,9 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
 - ``POST /v1/average``  a stage-mate's gradient contribution (float32, sent with any codec; the
   swarm's ``grad_codec``); answered with the round's mean, encoded once with that codec for all
   contributors (``swarmd.pipeline.averaging``).
+- ``POST /v1/reserve`` a trainer's sample reservations for the stage's current step: leases
+  from the stage's lease book (``swarmd.pipeline.reservations``), so several trainers together
+  never start more than one step's batch.
 - ``POST /v1/gradients`` a leaving stage-mate's accumulated gradients, accepted for this very
   step only (``swarmd.net.handover``).
 - ``GET /v1/state``     a consistent snapshot of the stage (parameters, optimizer state, step),
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -59,6 +63,7 @@ from swarmd.errors import (
     Draining,
     LimitExceeded,
     Migrating,
+    PeerBehind,
     RequestTimeout,
     Starting,
     SwarmdError,
@@ -79,6 +84,8 @@ from swarmd.net.messages import (
     ModelInfo,
     ProgressReply,
     ProgressRequest,
+    ReserveReply,
+    ReserveRequest,
     StageTarget,
 )
 from swarmd.net.state_transfer import StateSnapshot, stream_state
@@ -147,6 +154,7 @@ class DataPlane:
         self.app.router.add_get("/v1/info", self._info)
         self.app.router.add_get("/v1/progress", self._progress)
         self.app.router.add_post("/v1/average", self._average)
+        self.app.router.add_post("/v1/reserve", self._reserve)  # sample reservations (pipeline/reservations.py)
         self.app.router.add_post("/v1/gradients", self._gradients)  # a leaver's hand-over (net/handover.py)
         # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
         self.app.router.add_get("/v1/state", self._state, allow_head=False)
@@ -308,13 +316,16 @@ class DataPlane:
         return await self._reply(reply.encode, req.codec)
 
     async def _backward(self, request: web.Request) -> web.Response:
+        received = time.monotonic()  # the sender's deadline runs from here (exactly once: step_protocol.py)
         runtime = self._current()
         req = BackwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
         ex = runtime.executor
-        result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb)
+        deadline = None if req.deadline_ms is None else received + req.deadline_ms / 1000.0
+        result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb,
+                                   deadline=deadline)
         self.served["backward"] += 1
         reply = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
-                              grad_inputs=result.grad_inputs, loss=result.loss)
+                              grad_inputs=result.grad_inputs, loss=result.loss, duplicate=result.duplicate)
         return await self._reply(reply.encode, req.codec)
 
     async def _info(self, request: web.Request) -> web.Response:
@@ -355,6 +366,20 @@ class DataPlane:
         if result.reply is not None:  # the mean, encoded once by the round for all its contributors
             return web.Response(body=result.reply, content_type=CONTENT_TYPE)
         return await self._reply(result.to_reply(req.stage).encode, "none")
+
+    async def _reserve(self, request: web.Request) -> web.Response:
+        """Leases for the stage's current step from its lease book (``swarmd.pipeline.reservations``)."""
+        runtime = self._current()
+        req = ReserveRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        ex = runtime.executor
+        if req.step > ex.step:
+            raise PeerBehind(f"stage {ex.stage} on this peer is at step {ex.step}, behind step {req.step}")
+        grant = ex.reservations.reserve(req.trainer, step=ex.step, size=req.size, count=req.count,
+                                        lease_s=req.lease_s, done=req.done, renew=req.renew,
+                                        held=req.held if req.step == ex.step else None)
+        reply = ReserveReply(stage=ex.stage, step=grant.step, leases=grant.leases, reserved=max(0, grant.reserved),
+                             target=grant.target)
+        return await self._reply(reply.encode, "none")
 
     async def _gradients(self, request: web.Request) -> web.Response:
         """A leaving stage-mate's accumulated gradients (``swarmd.net.handover``)."""

@@ -33,12 +33,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarmd.errors import LimitExceeded, RequestError
+from swarmd.errors import LimitExceeded, RequestError, RequestTimeout
 from swarmd.finite import all_finite
 from swarmd.net.optimizer_state import load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, capture_forward
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
 from swarmd.pipeline.optimizer import apply_step, build_optimizer
+from swarmd.pipeline.reservations import LeaseBook
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.pipeline.step_protocol import GradientAccumulator, StepProtocol
 from swarmd.pipeline.throughput import ThroughputEMA
@@ -60,6 +61,7 @@ class BackwardResult:
     loss: float | None  # the last stage reports the microbatch's mean loss
     samples: int
     step: int  # the step whose accumulator the gradient went into
+    duplicate: bool = False  # the microbatch was counted at this step already: answered, not added
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class ProgressSnapshot:
     stale_applied: int  # delayed updates: backwards one step old, accumulated into the next update
     dropped_samples: int  # accumulated samples discarded by adopting a stage-mate's state
     handed_in_samples: int  # samples whose gradients leaving stage-mates handed to this peer
+    duplicates: int  # backwards of a microbatch already counted at that step (answered, not added)
+    late_refused: int  # backwards past their sender's deadline (not added: it retried elsewhere)
     throughput: float  # samples/s for a forward + backward (see StageExecutor.throughput)
     worker_cpu_s: float  # CPU time of the worker thread's jobs (the stage's compute)
     cache: CacheStats
@@ -131,6 +135,9 @@ class StageExecutor:
         self._digest = params_digest(self.module)  # of the parameters at the step; refreshed on every change
         self._cpu_s = 0.0
         self.grad_numel = self._grads.numel
+        # the stage's sample reservations for its current step (swarmd.pipeline.reservations);
+        # event-loop state, not the worker's: POST /v1/reserve reads and changes it between awaits
+        self.reservations = LeaseBook(self.training.target_batch_size)
         # what other threads read: published by the worker, adopted on the event loop
         self._published = self._snapshot_now()
         self.progress_snapshot = self._published
@@ -178,6 +185,14 @@ class StageExecutor:
     @property
     def handed_in_samples(self) -> int:
         return self.progress_snapshot.handed_in_samples
+
+    @property
+    def duplicates(self) -> int:
+        return self.progress_snapshot.duplicates
+
+    @property
+    def late_refused(self) -> int:
+        return self.progress_snapshot.late_refused
 
     @property
     def worker_cpu_s(self) -> float:
@@ -233,13 +248,16 @@ class StageExecutor:
         targets: torch.Tensor | None = None,
         step: int | None = None,
         mb: int | None = None,
+        deadline: float | None = None,
     ) -> BackwardResult:
         """Recompute the forward (or reuse the cached graph of ``mb``), backpropagate, accumulate.
 
         ``step`` is the step the microbatch's forward on this stage ran at (None: no check,
-        as for the last stage's fused forward + backward).
+        as for the last stage's fused forward + backward). ``mb`` is counted once per step (a
+        repeat is answered, not added); ``deadline`` (``time.monotonic()``): the gradient is
+        added only before it (``swarmd.pipeline.step_protocol``, exactly once).
         """
-        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets, step, mb))
+        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets, step, mb, deadline))
 
     async def add_gradients(self, flat: torch.Tensor, samples: int) -> None:
         """Accumulate a flat gradient sum over ``samples`` samples as a backward would, under the
@@ -360,6 +378,8 @@ class StageExecutor:
             stale_applied=steps.stale_applied,
             dropped_samples=steps.dropped_samples,
             handed_in_samples=steps.handed_in_samples,
+            duplicates=steps.duplicates,
+            late_refused=steps.late_refused,
             throughput=1.0 / sum(1.0 / r for r in rates) if rates else 0.0,
             worker_cpu_s=self._cpu_s,
             cache=self._cache.stats(),
@@ -441,17 +461,32 @@ class StageExecutor:
         targets: torch.Tensor | None,
         step: int | None,
         mb: int | None,
+        deadline: float | None = None,
     ) -> BackwardResult:
         current = self._steps.admit(step)  # the step rule comes first, cache or not
         x, y = self._prepare(inputs, targets, targets_required=self.module.is_last)
         g = self._check_grad_outputs(grad_outputs, inputs)
         batch = x.shape[0]
         started = time.perf_counter()
-        cached = None if self.module.is_last else self._cache.take(mb, x, current)
+        first = self._steps.first_count(mb, current)  # a repeat is answered, not added again
+
+        def commit() -> None:
+            if deadline is not None and time.monotonic() > deadline:
+                self._steps.late()
+                raise RequestTimeout("this backward finished after its sender stopped waiting; not applied "
+                                     "(the sender retries it elsewhere)")
+
+        def run(backward: Callable[[], None]) -> None:
+            if first:
+                self._grads.add(backward, commit=commit)
+            else:
+                self._grads.discard(backward)
+
+        cached = None if self.module.is_last or not first else self._cache.take(mb, x, current)
         loss: float | None = None
         if cached is not None:
             cached_out = cached.out
-            self._grads.add(lambda: torch.autograd.backward(cached_out, g))
+            run(lambda: torch.autograd.backward(cached_out, g))
             leaf = cached.leaf
         else:
             if not self.module.is_first:
@@ -462,14 +497,15 @@ class StageExecutor:
                     loss = float(out.detach())
                     if not math.isfinite(loss):
                         raise RequestError("the loss is not finite; the request was not applied")
-                    self._grads.add(lambda: (out * batch).backward())
+                    run(lambda: (out * batch).backward())
                 else:
-                    self._grads.add(lambda: torch.autograd.backward(out, g))
+                    run(lambda: torch.autograd.backward(out, g))
             leaf = x
-        self._steps.accumulated(batch)
+        if first:
+            self._steps.accumulated(batch, mb, current)
         self.backward_ema.update(batch, time.perf_counter() - started)
         grad_inputs = None if self.module.is_first else _grad(leaf).detach().cpu()
-        return BackwardResult(grad_inputs=grad_inputs, loss=loss, samples=batch, step=current)
+        return BackwardResult(grad_inputs=grad_inputs, loss=loss, samples=batch, step=current, duplicate=not first)
 
     def _add_gradients_sync(self, flat: torch.Tensor, samples: int) -> None:
         self._steps.admit(None)

@@ -29,6 +29,27 @@ A stage-mate that leaves gracefully hands its accumulated sum over instead of dr
 gradients are not out for averaging, so a handed-over gradient obeys the step rule too
 (counted in ``handed_in_samples``).
 
+Exactly once. A trainer retries a backward that timed out, on the same peer or another one, and
+the first attempt may still complete (a frozen peer waking up, an answer lost on the way back):
+counted twice, the microbatch would weigh double in the step. Two rules keep each microbatch's
+gradient counted once per step on a stage:
+
+- *Same peer*: a stage counts a microbatch id (``meta.mb``) once per step
+  (:meth:`StepProtocol.first_count`). A backward of an id it already counted at that step is a
+  *duplicate* (counted in ``duplicates``): its gradients are computed and answered, so the
+  trainer can go on, but not accumulated again.
+- *Another peer*: a backward names how long its sender waits (``deadline_ms``); the peer
+  applies the gradient only within that time of receiving it, checked after the compute and
+  right before the gradient joins the sum (refused as ``RequestTimeout``, counted in
+  ``late_refused``). The trainer gives up, and retries elsewhere, only after waiting longer, so
+  a late first attempt is dropped, not added. Residual case: a peer that adds the gradient in
+  time and *then* freezes before its answer leaves, and wakes before its stage steps, counts it
+  next to the retry's copy; the deadline margin (a quarter of the trainer's timeout) makes that
+  need a freeze between two lines of code.
+
+Sample reservations (several trainers pacing to one step) are the lease book's, next door:
+``swarmd.pipeline.reservations``.
+
 :func:`judge_backward` is the rule as a pure function; :class:`StepProtocol` applies it and
 keeps the counts (plain Python, no tensors); :class:`GradientAccumulator` holds the gradient
 sums themselves in the parameters' ``.grad``. Both classes belong to the stage's worker thread
@@ -98,6 +119,9 @@ class StepProtocol:
         self.stale_applied = 0  # delayed updates: backwards one step old, accumulated into the next update
         self.dropped_samples = 0  # accumulated samples discarded by adopting a stage-mate's state
         self.handed_in_samples = 0  # samples whose gradients a leaving stage-mate handed to this peer
+        self.duplicates = 0  # backwards of a microbatch already counted at that step: answered, not added
+        self.late_refused = 0  # backwards past their sender's deadline: not added (it retried elsewhere)
+        self._counted: dict[int, set[int]] = {}  # step -> microbatch ids counted at it (this and the last)
 
     @property
     def held_samples(self) -> int:
@@ -125,9 +149,24 @@ class StepProtocol:
             raise PeerBehind(f"stage {self.stage} on this peer is at step {self.step}, behind step {forward_step}")
         return self.step
 
-    def accumulated(self, samples: int) -> None:
-        """A backward of ``samples`` samples added its gradient sum."""
+    def accumulated(self, samples: int, mb: int | None = None, step: int | None = None) -> None:
+        """A backward of ``samples`` samples added its gradient sum (of microbatch ``mb``, counted
+        towards ``step``)."""
         self.grad_samples += samples
+        if mb is not None:
+            self._counted.setdefault(self.step if step is None else step, set()).add(mb)
+
+    def first_count(self, mb: int | None, step: int) -> bool:
+        """Whether microbatch ``mb`` has yet to be counted towards ``step`` here (None: unnamed,
+        always counted); a repeat is counted as a duplicate."""
+        if mb is None or mb not in self._counted.get(step, ()):
+            return True
+        self.duplicates += 1
+        return False
+
+    def late(self) -> None:
+        """A backward came back past its sender's deadline: not added."""
+        self.late_refused += 1
 
     def receive(self, step: int, samples: int) -> None:
         """A leaving stage-mate hands over a gradient sum of ``samples`` samples computed at ``step``.
@@ -176,6 +215,7 @@ class StepProtocol:
     def finish_update(self) -> None:
         """The update from ``step`` to ``step + 1`` is applied."""
         self.step += 1
+        self._prune()
         self._settle()
 
     def adopt(self, step: int) -> None:
@@ -183,7 +223,13 @@ class StepProtocol:
         self.step = step
         self.dropped_samples += self.grad_samples
         self.grad_samples = 0
+        self._counted.clear()
         self._settle()
+
+    def _prune(self) -> None:
+        """Keep the ids of this step and the last (delayed updates accept one step old)."""
+        for step in [s for s in self._counted if s < self.step - 1]:
+            del self._counted[step]
 
     def _settle(self) -> None:
         self.averaging = False
@@ -197,9 +243,11 @@ class GradientAccumulator:
         self.params = list(params)
         self.numel = sum(p.numel() for p in self.params)
 
-    def add(self, backward: Callable[[], None]) -> None:
+    def add(self, backward: Callable[[], None], *, commit: Callable[[], None] | None = None) -> None:
         """Run ``backward`` into fresh gradients; add them to the held ones only if the sum is finite
-        everywhere, else refuse the request and leave the accumulator as it was.
+        everywhere, else refuse the request and leave the accumulator as it was. ``commit`` is
+        called right before the sums replace the held gradients: raising refuses the request
+        (the sender's deadline passed while it computed) and changes nothing.
 
         Inputs and ``grad_outputs`` are checked for NaN/Inf, but finite ones can still overflow
         (``grad_outputs`` of 3e38 give parameter gradients of Inf), and one Inf would poison the
@@ -219,9 +267,20 @@ class GradientAccumulator:
         for total in summed:
             if total is not None and not all_finite(total):
                 raise RequestError("the request's gradients overflow to Inf or NaN; refused and not applied")
+        if commit is not None:
+            commit()
         for p, total in zip(self.params, summed, strict=True):
             if total is not None:
                 p.grad = total
+
+    def discard(self, backward: Callable[[], None]) -> None:
+        """Run ``backward`` (for its input gradients) and drop the parameter gradients it made:
+        a duplicate's, already counted once."""
+        held = self.hold()
+        try:
+            backward()
+        finally:
+            self.reinstate(held)
 
     def take(self) -> torch.Tensor:
         """The held sums as one flat float32 tensor (zeros where none), and clear them."""

@@ -26,7 +26,7 @@ import torch
 
 from swarmd.errors import ConfigError
 
-__all__ = ["BatchSampler", "Corpus", "load_corpus", "stdlib_root", "val_batches"]
+__all__ = ["BatchSampler", "Corpus", "load_corpus", "shard", "stdlib_root", "val_batches"]
 
 #: Written between two files, so a window that spans them sees a plain line break.
 SEPARATOR = b"\n"
@@ -190,6 +190,20 @@ def _split_point(total: int, starts: list[int], val_fraction: float, need: int) 
         if target / 2 <= total - best <= 2 * target:
             return best
     return total - target
+
+
+def shard(data: torch.Tensor, index: int, count: int, seq_len: int) -> torch.Tensor:
+    """Shard ``index`` of ``count`` of a training split: the ``index``-th of ``count`` contiguous,
+    disjoint slices, so trainers of one swarm (each with its own rank) draw different windows.
+    Every window of a shard lies inside it. A split too small to give every shard one window is
+    returned whole (the trainers then share it, as before shards).
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} is not in [0, {count})")
+    size = data.numel() // count
+    if size < seq_len + 1:
+        return data
+    return data[index * size : (index + 1) * size]
 
 
 class BatchSampler:

@@ -4,7 +4,9 @@ A trainer runs no DHT node (SWARM, section 3.2: trainers are light clients). It 
 any daemon's control plane (``POST /trainers``), renews the registration with heartbeats (and
 registers again when the daemon forgot it: a restart, a long silence; each heartbeat reports
 the steps finished since the last one, with their loss and validation loss, and samples/s, so
-the daemons can show the swarm's loss: ``swarmd.training_summary``), reads the stage map
+the daemons can show the swarm's loss: ``swarmd.training_summary``), says when it finished
+(``DELETE /trainers/{id}``; the daemon hands out ranks, the data shards, among training ones,
+and refuses a ``--sync`` trainer while another one is registered), reads the stage map
 from that daemon's ``GET /swarm``, and asks the serving peers themselves where their stages
 stand (``GET /v1/progress``, through :class:`~swarmd.net.client.DataPlaneClient`), since the
 DHT's view can be an announce period old. The bodies are parsed with the control plane's own
@@ -52,6 +54,7 @@ class Registration:
     swarm: str
     spec: ModelSpec
     training: TrainingSpec
+    rank: int | None = None  # handed out by the daemon: which data shard to draw from (None: an older daemon)
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,13 @@ class SwarmClient:
         name: str = "trainer",
         api_token: str | None = None,
         refresh_s: float = 2.0,
+        sync: bool = False,
     ) -> None:
+        """``sync``: registers a ``--sync`` trainer, which the daemon refuses while another one
+        trains through it (see ``POST /trainers``)."""
         self.api = api.rstrip("/")
         self.name = name
+        self.sync = sync
         self.refresh_s = refresh_s
         self.registration: Registration | None = None
         self._http = http
@@ -98,7 +105,8 @@ class SwarmClient:
     async def register(self) -> Registration:
         """Register (again) with the daemon; TrainerError when it refuses or cannot be reached."""
         try:
-            async with self._http.post(f"{self.api}/trainers", json={"name": self.name}, headers=self._headers) as r:
+            request = {"name": self.name, "sync": self.sync}
+            async with self._http.post(f"{self.api}/trainers", json=request, headers=self._headers) as r:
                 body = await r.json(content_type=None)
                 if r.status != 201:
                     message = body.get("message", body) if isinstance(body, dict) else body
@@ -109,7 +117,7 @@ class SwarmClient:
             welcome = TrainerWelcome.model_validate(body)
             registration = Registration(trainer_id=welcome.trainer_id, swarm=welcome.swarm,
                                         spec=ModelSpec.from_dict(welcome.model.spec),
-                                        training=TrainingSpec.from_dict(welcome.training))
+                                        training=TrainingSpec.from_dict(welcome.training), rank=welcome.rank)
         except (ValidationError, SwarmdError, ValueError, TypeError) as exc:
             raise TrainerError(f"the daemon at {self.api} answered the registration with an unreadable body: "
                                f"{exc}") from exc
@@ -163,6 +171,22 @@ class SwarmClient:
             await asyncio.wait_for(self.heartbeat(), FLUSH_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.warning("the last training report to %s timed out", self.api)
+
+    async def unregister(self) -> None:
+        """Tell the daemon this trainer finished (so a ``--sync`` trainer may start after it at
+        once); bounded and best-effort: the registration expires anyway."""
+        if self.registration is None:
+            return
+        url = f"{self.api}/trainers/{self.registration.trainer_id}"
+
+        async def delete() -> None:
+            async with self._http.delete(url, headers=self._headers):
+                pass
+
+        try:
+            await asyncio.wait_for(delete(), FLUSH_TIMEOUT_S)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("ending the registration at %s failed: %s", url, exc)
 
     async def keep_registered(self, period_s: float, on_registered: Callable[[Registration], None]) -> None:
         """Heartbeat every ``period_s`` until cancelled; register again when forgotten and tell

@@ -15,9 +15,14 @@ never mixed into the wrong step and the microbatch is never lost: every microbat
 completed, and ``microbatches_issued == microbatches_completed`` at the end.
 
 Steps: in the default (asynchronous) mode the stages step on their own whenever the swarm
-accumulated ``target_batch_size`` samples; the trainer paces itself to that batch (it starts a
-microbatch only while what the stages hold plus what is in flight falls short of it), so few
-microbatches straddle a step and get redone. In ``sync`` mode the trainer sends exactly one
+accumulated ``target_batch_size`` samples, from every trainer together. The trainer paces
+itself through the first stage's sample reservations (``POST /v1/reserve``, the lease book of
+``swarmd.pipeline.reservations``): it starts a microbatch only under a lease for the stage's
+current step, so all trainers' in-flight work plus what the stages hold never exceeds the
+target, each step aggregates exactly the target batch, and few microbatches straddle a step and
+get redone. A trainer that finds the step full waits for it (a long-poll). Without a lease book
+(a single stage, delayed updates, a peer of an older version) it paces from what the stages hold
+and what *it* has in flight. In ``sync`` mode the trainer sends exactly one
 global batch per step and waits until every peer of every stage has stepped (a long-poll of
 ``/v1/progress``), which makes a swarm compute exactly what single-process training computes
 (the equivalence test); the batch's first and last microbatches are halved and the first one
@@ -45,12 +50,12 @@ import torch
 
 from swarmd.errors import ConfigError, PeerError
 from swarmd.net.client import DataPlaneClient, client_session
-from swarmd.net.messages import BackwardReply, ForwardReply
+from swarmd.net.messages import BackwardReply, ForwardReply, ReserveReply, ReserveRequest
 from swarmd.pipeline.failures import Action, classify
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.swarm_key import SwarmKey
-from swarmd.train.data import BatchSampler, load_corpus, val_batches
+from swarmd.train.data import BatchSampler, load_corpus, shard, val_batches
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerListener
 from swarmd.train.swarm_client import PeerProgress, Registration, SwarmClient, TrainerError
 
@@ -61,6 +66,12 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 PROGRESS_WAIT_S = 0.5  # how long one /v1/progress long-poll may wait for a step
+#: A backward's peer adds its gradient only within this share of the trainer's request timeout
+#: (the rest covers the way there and back): past it the trainer may have retried elsewhere.
+DEADLINE_SHARE = 0.75
+#: How long a leased microbatch waits for a stage still at the previous step (finishing its
+#: round) before it is sent anyway (a stage short of samples would never step without it).
+STAGE_CATCH_UP_S = 2.0
 
 
 def split_batch(batch: int, microbatch: int, *, taper: bool = False) -> list[int]:
@@ -121,15 +132,23 @@ class TrainerConfig:
     max_seconds: float | None = None  # stop after the step that ends past this (chaos runs)
     api_token: str | None = None  # the daemon's control-plane token, when it has one
     swarm_key: SwarmKey | None = None  # a private swarm's key: signs every data-plane request
+    reserve: bool = True  # pace through the first stage's sample reservations (False: each trainer on its own)
+    lease_s: float = 5.0  # sample reservations expire this long after the last renewal (a dead trainer's)
+    data_shards: int = 16  # the training split is cut in this many shards; each async trainer draws from one
+    shard: int | None = None  # which one; None: the rank the daemon handed out at registration
 
     def __post_init__(self) -> None:
-        for name in ("steps", "microbatch_size", "window", "val_batches", "max_corpus_bytes"):
+        for name in ("steps", "microbatch_size", "window", "val_batches", "max_corpus_bytes", "data_shards"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError("--batch-size must be at least 1")
         if self.val_every < 0:
             raise ConfigError("--val-every must not be negative")
+        if self.shard is not None and self.shard < 0:
+            raise ConfigError("--shard must not be negative")
+        if not 0.5 <= self.lease_s <= 300:
+            raise ConfigError("--lease-s must lie in [0.5, 300] seconds")
 
 
 @dataclass
@@ -146,8 +165,13 @@ class TrainSummary:
     microbatches_issued: int = 0
     microbatches_completed: int = 0
     samples: int = 0
+    duplicates: int = 0  # backwards a stage had counted already (a retry after a lost answer): not added twice
+    leases: int = 0  # sample reservations granted to this trainer
+    full_waits: int = 0  # times the step was fully reserved and the trainer waited for it
+    shard: int | None = None  # the shard of the training split it drew from (None: the whole split)
     elapsed_s: float = 0.0
     step_losses: list[float] = field(default_factory=list)
+    step_samples: list[int] = field(default_factory=list)  # its share of each step: samples counted at it
     val_losses: list[tuple[int, float]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -209,6 +233,9 @@ class Trainer:
         self._swarm: SwarmClient | None = None
         self._client: DataPlaneClient | None = None
         self._step_losses: dict[int, list[tuple[float, int]]] = {}
+        self._step_samples: dict[int, int] = {}  # first-stage step -> this trainer's samples counted at it
+        self._rank: int | None = None
+        self._reserving = config.reserve  # False once the first stage turned out to have no lease book (an older peer)
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -219,12 +246,17 @@ class Trainer:
                 DataPlaneClient(timeout_s=cfg.request_timeout_s, swarm_key=cfg.swarm_key) as client:
             self._client = client
             self._swarm = SwarmClient(cfg.api, http=http, data=client, name=cfg.name, api_token=cfg.api_token,
-                                      refresh_s=cfg.refresh_s)
+                                      refresh_s=cfg.refresh_s, sync=cfg.sync)
             spec, _ = self._registered(await self._swarm.register(), first=True)
             corpus = await asyncio.to_thread(
                 load_corpus, cfg.data, max_bytes=cfg.max_corpus_bytes, seed=cfg.seed, seq_len=spec.seq_len
             )
-            sampler = BatchSampler(corpus.train, spec.seq_len, seed=cfg.seed)
+            index = cfg.shard if cfg.shard is not None else self._rank
+            train, self.summary.shard = corpus.train, None
+            if index is not None and cfg.data_shards > 1 and not cfg.sync:  # a sync trainer trains alone: all of it
+                train = shard(corpus.train, index % cfg.data_shards, cfg.data_shards, spec.seq_len)
+                self.summary.shard = index % cfg.data_shards if train is not corpus.train else None
+            sampler = BatchSampler(train, spec.seq_len, seed=cfg.seed)
             validation = val_batches(corpus.val, spec.seq_len, cfg.microbatch_size, cfg.val_batches)
             heartbeat = asyncio.create_task(self._swarm.keep_registered(cfg.heartbeat_s, self._registered_again),
                                             name="swarmd-trainer-heartbeat")
@@ -240,6 +272,7 @@ class Trainer:
                 heartbeat.cancel()
                 await asyncio.gather(heartbeat, return_exceptions=True)
                 await self._swarm.flush()  # the last steps' losses, for the daemons' curves
+                await self._swarm.unregister()
         s = self.summary
         s.elapsed_s = round(time.monotonic() - started, 3)
         s.samples_per_s = round(s.samples / s.elapsed_s, 2) if s.elapsed_s else 0.0
@@ -262,6 +295,7 @@ class Trainer:
         (the daemon forgot us) only takes the new id, keeping what the routers measured."""
         self.trainer_id = registration.trainer_id
         if first:
+            self._rank = registration.rank
             self.spec, self.training = registration.spec, registration.training
             self.routers = [StageRouter(stage) for stage in range(registration.spec.n_stages)]
         return registration.spec, registration.training
@@ -288,10 +322,12 @@ class Trainer:
     async def _run_async(self, sampler: BatchSampler, validation: list) -> None:
         """Keep up to ``window`` microbatches in flight until the swarm has taken ``steps`` steps.
 
-        Paced (without delayed updates): a microbatch is started only while the samples the
-        stages hold for their current step plus those in flight fall short of the target batch,
-        so few microbatches straddle a step (their backward would be refused as stale and the
-        whole microbatch redone); once the batch is complete, the trainer waits for the step.
+        Paced (without delayed updates): a microbatch starts only under a lease of the first
+        stage's book for its current step (:meth:`_reserve`); without a book, only while the
+        samples the stages hold for their current step plus those this trainer has in flight
+        fall short of the target batch. Either way few microbatches straddle a step (their
+        backward would be refused as stale and the whole microbatch redone); once the batch is
+        complete, the trainer waits for the step.
         """
         cfg = self.config
         start = await self._swarm_step()
@@ -300,6 +336,8 @@ class Trainer:
         done_steps = 0
         in_flight: set[asyncio.Task[tuple[float, int, int]]] = set()
         sizes: dict[asyncio.Task[tuple[float, int, int]], int] = {}
+        leases: dict[asyncio.Task[tuple[float, int, int]], int] = {}  # task -> its lease id
+        done_leases: list[int] = []  # finished under a lease, not reported yet
         try:
             while True:
                 progress = await self._poll_progress()
@@ -311,20 +349,41 @@ class Trainer:
                     cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds
                 ):
                     break
-                budget = self._pace_budget(progress, sum(sizes[t] for t in in_flight))
-                while len(in_flight) < cfg.window and (budget is None or budget > 0):
-                    x, y = sampler.sample(cfg.microbatch_size)
-                    task = asyncio.create_task(self._microbatch(x, y))
-                    in_flight.add(task)
-                    sizes[task] = x.shape[0]
-                    if budget is not None:
-                        budget -= x.shape[0]
-                if not in_flight:  # the stages hold a full batch: wait until they step
-                    await self._poll_progress(wait_step=step_now + 1)
+                room = cfg.window - len(in_flight)
+                reply = await self._reserve(progress, room, done_leases, list(leases.values()))
+                if reply is not None:
+                    done_leases.clear()
+                    if reply.leases:
+                        await self._await_rounds_taken(progress, reply.step)
+                    for lease_id, samples in reply.leases:
+                        x, y = sampler.sample(samples)
+                        task = asyncio.create_task(self._microbatch(x, y, lease_step=reply.step))
+                        in_flight.add(task)
+                        sizes[task], leases[task] = samples, lease_id
+                    self.summary.leases += len(reply.leases)
+                    if not reply.leases and room and reply.reserved >= reply.target:
+                        self.summary.full_waits += 1
+                elif not self._paced_by_book():
+                    budget = self._pace_budget(progress, sum(sizes[t] for t in in_flight))
+                    while len(in_flight) < cfg.window and (budget is None or budget > 0):
+                        x, y = sampler.sample(cfg.microbatch_size)
+                        task = asyncio.create_task(self._microbatch(x, y))
+                        in_flight.add(task)
+                        sizes[task] = x.shape[0]
+                        if budget is not None:
+                            budget -= x.shape[0]
+                if not in_flight:  # the stages hold (or have reserved) a full batch: wait until they step
+                    if reply is None and self._paced_by_book():  # the book did not answer: ask again shortly
+                        await asyncio.sleep(0.1)
+                    else:
+                        await self._poll_progress(wait_step=(reply.step if reply is not None else step_now) + 1)
                     continue
                 done, in_flight = await asyncio.wait(in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     sizes.pop(task, None)
+                    lease_done = leases.pop(task, -1)
+                    if lease_done >= 0 and not task.cancelled() and task.exception() is None:
+                        done_leases.append(lease_done)
                 # retrieve every error (else asyncio logs "Task exception was never retrieved" for
                 # each failed microbatch after the first), then raise the first one
                 failed = [task for task in done if not task.cancelled() and task.exception() is not None]
@@ -334,11 +393,82 @@ class Trainer:
             # (its gradients count towards the swarm's next step)
             for finished in asyncio.as_completed(in_flight):
                 await finished
+            done_leases += leases.values()
             in_flight = set()
+            if done_leases:  # report them, or the book would take them for a dead trainer's and grant them again
+                await self._reserve(await self._poll_progress(), 0, done_leases, [])
         finally:
             for task in in_flight:  # only after an error: cancel the rest
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
+
+    def _paced_by_book(self) -> bool:
+        """Whether this swarm paces through the first stage's lease book (see ``_run_async``)."""
+        training, spec = self._require_training(), self._require_spec()
+        return self._reserving and not training.delay_updates and spec.n_stages >= 2
+
+    def _book_peer(self) -> tuple[str, str] | None:
+        """The first stage's peer whose lease book this trainer uses: the smallest usable peer
+        id, so that trainers with the same stage map use the same book."""
+        for peer in self.routers[0].snapshot() if self.routers else []:
+            if not peer["banned_for_s"]:
+                return peer["id"], peer["addr"]
+        return None
+
+    async def _reserve(
+        self, progress: list[list[PeerProgress]], room: int, done: Sequence[int], renew: Sequence[int]
+    ) -> ReserveReply | None:
+        """Up to ``room`` leases for the first stage's current step, reporting ``done`` leases and
+        renewing ``renew``; None when this swarm paces without a lease book (see ``_run_async``)
+        or the book's peer failed (it is banned: the next call asks the next peer)."""
+        if not self._paced_by_book():
+            return None
+        book = self._book_peer()
+        if book is None or self.trainer_id is None:
+            return None
+        peer_id, addr = book
+        seen = [p for p in progress[0] if p.step is not None] if progress else []
+        front = max((p.step for p in seen if p.step is not None), default=None)
+        held = sum(p.samples for p in seen if p.step == front)
+        complete = seen and len(seen) == len(progress[0])  # every stage-0 peer answered: the sum is the stage's
+        request = ReserveRequest(stage=0, trainer=self.trainer_id, step=front or 0, size=self.config.microbatch_size,
+                                 count=max(0, room), lease_s=self.config.lease_s, done=tuple(done),
+                                 renew=tuple(renew), held=held if complete and front is not None else None)
+        try:
+            return await self._require_client().reserve(addr, request, timeout_s=min(10.0,
+                                                                                      self.config.request_timeout_s))
+        except PeerError as exc:
+            if exc.status == 404:  # a peer of an older version: no lease book anywhere, most likely
+                log.warning("stage 0 peer %s has no lease book (%s); pacing without reservations", peer_id[:12], exc)
+                self._reserving = False
+            elif classify(exc) is Action.FATAL:  # e.g. 401 without the swarm key: no retry can fix it
+                raise TrainerError(f"stage 0 peer {peer_id[:12]} refused a request: {exc}") from exc
+            else:
+                log.warning("stage 0 peer %s did not grant reservations (%s)", peer_id[:12], exc)
+                if classify(exc) is Action.BAN:
+                    self.routers[0].report_failure(peer_id)
+                    self.summary.bans += 1
+            return None
+
+    async def _await_rounds_taken(self, progress: list[list[PeerProgress]], step: int) -> None:
+        """Before the microbatches of ``step`` start: wait (briefly) while a later stage holds a
+        full batch of the step before and has not taken it out for its round yet, so a new
+        microbatch's fused backward on the last stage cannot slip into the previous step."""
+        training = self._require_training()
+        deadline = time.monotonic() + STAGE_CATCH_UP_S
+        while time.monotonic() < deadline:
+            pending = False
+            for peers in progress[1:]:
+                seen = [p for p in peers if p.step is not None]
+                front = max((p.step for p in seen if p.step is not None), default=step)
+                at_front = [p for p in seen if p.step == front]
+                if front < step and sum(p.samples for p in at_front) >= training.target_batch_size \
+                        and not all(p.averaging for p in at_front):
+                    pending = True
+            if not pending:
+                return
+            await asyncio.sleep(0.01)
+            progress = await self._poll_progress()
 
     async def _run_sync(self, sampler: BatchSampler, validation: list) -> None:
         """One global batch per step; wait until every peer of every stage has stepped."""
@@ -383,6 +513,7 @@ class Trainer:
         s = self.summary
         s.steps = done
         s.step_losses.append(loss)
+        s.step_samples.append(sum(self._step_samples.pop(at) for at in [k for k in self._step_samples if k <= step]))
         if s.first_loss is None and total:
             s.first_loss = loss
         if total:
@@ -487,11 +618,15 @@ class Trainer:
     # ---- one microbatch --------------------------------------------------------------------------
 
     async def _microbatch(
-        self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None
+        self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
+        lease_step: int | None = None,
     ) -> tuple[float, int, int]:
         """Forward and backward through every stage; redo on staleness. Returns (loss, step, samples).
 
         ``on_forward`` is called once the first stage's forward is back (or the microbatch fails).
+        ``lease_step``: the step its reservation is for; a stage that answers a forward at an
+        earlier step is finishing that step's round, so the forward is sent again once it has
+        stepped (for at most ``STAGE_CATCH_UP_S``), instead of being redone as stale later.
         """
         s = self.summary
         s.microbatches_issued += 1
@@ -505,32 +640,42 @@ class Trainer:
             mb = secrets.randbits(64)
             acts, steps, served = [x], [], []
             for stage in range(last):
-                try:
-                    forward, peer = await self._forward(stage, acts[-1], mb=mb)
-                finally:
-                    if on_forward is not None:
-                        on_forward()
-                        on_forward = None
+                catch_up = time.monotonic() + STAGE_CATCH_UP_S
+                while True:
+                    try:
+                        forward, peer = await self._forward(stage, acts[-1], mb=mb)
+                    finally:
+                        if on_forward is not None:
+                            on_forward()
+                            on_forward = None
+                    if lease_step is None or forward.step >= lease_step or time.monotonic() > catch_up:
+                        break
+                    await asyncio.sleep(0.01)
                 acts.append(forward.outputs)
                 steps.append(forward.step)
                 served.append(peer)
-            backward, _ = await self._backward(last, acts[-1], targets=y)
+            backward, _ = await self._backward(last, acts[-1], targets=y, mb=mb)
             if backward.loss is None:
                 raise TrainerError(f"stage {last} answered a backward with targets without its loss")
             loss, last_step = backward.loss, backward.step
             grad = backward.grad_inputs
+            duplicates = int(backward.duplicate)
             try:
                 for stage in range(last - 1, -1, -1):
                     backward, _ = await self._backward(stage, acts[stage], grad_outputs=grad, step=steps[stage],
                                                        mb=mb, prefer=served[stage])
                     grad = backward.grad_inputs
+                    duplicates += int(backward.duplicate)
             except _Redo:
                 s.stale_redos += 1
                 continue
             break
         s.microbatches_completed += 1
         s.samples += x.shape[0]
+        s.duplicates += duplicates
         self._step_losses.setdefault(last_step, []).append((loss, x.shape[0]))
+        # the first stage's step (the last backward's): where the microbatch counts, in the lease book's terms
+        self._step_samples[backward.step] = self._step_samples.get(backward.step, 0) + x.shape[0]
         return loss, last_step, x.shape[0]
 
     async def _forward(
@@ -554,10 +699,11 @@ class Trainer:
         prefer: str | None = None,
     ) -> tuple[BackwardReply, str]:
         client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
+        deadline_ms = int(self.config.request_timeout_s * 1000 * DEADLINE_SHARE)
         return await self._call(
             stage, "backward", inputs.shape[0],
             lambda addr: client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=spec.digest,
-                                         step=step, mb=mb),
+                                         step=step, mb=mb, deadline_ms=deadline_ms),
             prefer=prefer,
         )
 

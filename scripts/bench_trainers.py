@@ -1,0 +1,115 @@
+"""Many trainers on one swarm: aggregate samples/s, stale fraction and steps/s for 1, 2 and 4 trainers.
+
+A local swarm of ``--stages`` x ``--peers`` daemons (child processes through the real CLI, like
+``swarmd demo``; ``--preset small`` by default, target batch ``--batch``) and, for each trainer
+count N, N :class:`~swarmd.train.trainer.Trainer` objects in this process started together, each
+with a window of ``--window // N`` microbatches, so the total in-flight window is the same for
+every N. Each run drives ``--steps`` steps of the swarm (the swarm is reused: its step goes on).
+
+Reported per N: ``samples_per_s`` (every trainer's completed samples over the run's wall time),
+``stale_fraction`` (microbatches redone as stale over microbatches issued), ``steps_per_s``, and
+the issue-13 targets: stale fraction <= 5% with 4 trainers, and 4 trainers' samples/s >= 0.9 x one
+trainer's. ``--no-reservations`` paces each trainer on its own (the behaviour before the lease
+book), for comparison.
+
+    .venv/bin/python scripts/bench_trainers.py --json
+    .venv/bin/python scripts/bench_trainers.py --preset tiny --steps 10 --trainers 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from swarmd.local_swarm import DaemonProcess  # noqa: E402
+from swarmd.train.trainer import Trainer, TrainerConfig  # noqa: E402
+
+
+def start_swarm(workdir: Path, preset: str, stages: int, peers: int, batch: int, threads: int) -> list[DaemonProcess]:
+    common = ["--announce-period", "2", "--rebalance-policy", "none"]
+    founder = DaemonProcess(["--model", preset, "--stage", "0", "--target-batch-size", str(batch), *common],
+                            workdir, name="peer0", threads=threads)
+    info = founder.wait_ready()
+    daemons = [founder]
+    for i in range(1, stages * peers):
+        daemons.append(DaemonProcess(["--join", info["dht_addr"], "--stage", str(i % stages), *common], workdir,
+                                     name=f"peer{i}", threads=threads))
+    for d in daemons[1:]:
+        d.wait_ready()
+    return daemons
+
+
+async def run(api: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    window = max(1, args.window // n)
+    trainers = [Trainer(TrainerConfig(api=api, steps=args.steps, microbatch_size=args.microbatch, window=window,
+                                      codec=args.codec, seed=k, val_every=0, val_batches=1, name=f"bench{k}",
+                                      max_corpus_bytes=4 << 20, reserve=args.reservations, refresh_s=1.0))
+                for k in range(n)]
+    began = time.perf_counter()
+    summaries = await asyncio.gather(*(t.run() for t in trainers))
+    wall = time.perf_counter() - began
+    issued = sum(s.microbatches_issued for s in summaries)
+    return {
+        "trainers": n,
+        "window_each": window,
+        "samples_per_s": round(sum(s.samples for s in summaries) / wall, 2),
+        "stale_fraction": round(sum(s.stale_redos for s in summaries) / issued, 4) if issued else 0.0,
+        "steps_per_s": round(max(s.steps for s in summaries) / wall, 3),
+        "microbatches_issued": issued,
+        "microbatches_completed": sum(s.microbatches_completed for s in summaries),
+        "stale_redos": sum(s.stale_redos for s in summaries),
+        "full_waits": sum(s.full_waits for s in summaries),
+        "wall_s": round(wall, 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--peers", type=int, default=2, help="peers per stage")
+    p.add_argument("--batch", type=int, default=32, help="the swarm's target batch size")
+    p.add_argument("--microbatch", type=int, default=8)
+    p.add_argument("--window", type=int, default=8, help="total microbatches in flight, split among the trainers")
+    p.add_argument("--steps", type=int, default=10, help="swarm steps per run")
+    p.add_argument("--trainers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--codec", default="none")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
+    p.add_argument("--no-reservations", dest="reservations", action="store_false")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-trainers-") as tmp:
+        daemons = start_swarm(Path(tmp), args.preset, args.stages, args.peers, args.batch, args.threads)
+        try:
+            results = [asyncio.run(run(daemons[0].api, n, args)) for n in args.trainers]
+        finally:
+            for d in daemons:
+                d.stop()
+    by_n = {r["trainers"]: r for r in results}
+    report: dict[str, Any] = {"preset": args.preset, "stages": args.stages, "peers_per_stage": args.peers,
+                              "target_batch": args.batch, "microbatch": args.microbatch, "total_window": args.window,
+                              "reservations": args.reservations, "runs": results}
+    if 1 in by_n and 4 in by_n:
+        report["scaling_4_vs_1"] = round(by_n[4]["samples_per_s"] / by_n[1]["samples_per_s"], 3)
+        report["targets_met"] = {"stale_fraction_4_le_0.05": by_n[4]["stale_fraction"] <= 0.05,
+                                 "samples_per_s_4_ge_0.9x1": report["scaling_4_vs_1"] >= 0.9}
+    if args.json:
+        print(json.dumps(report, allow_nan=False))
+        return
+    for r in results:
+        print(f"{r['trainers']} trainer(s), window {r['window_each']} each: {r['samples_per_s']:.1f} samples/s, "
+              f"stale {100 * r['stale_fraction']:.1f}%, {r['steps_per_s']:.2f} steps/s")
+    if "scaling_4_vs_1" in report:
+        print(f"4 vs 1 trainer(s): {report['scaling_4_vs_1']:.2f}x; targets met: {report['targets_met']}")
+
+
+if __name__ == "__main__":
+    main()
