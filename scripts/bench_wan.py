@@ -88,6 +88,7 @@ class Settings:
     codec: str = "8bit"
     sync: bool = True
     grad_codec: str = "none"  # how the stage's peers send gradients to each other when they average
+    delay_updates: bool = False  # the swarm's delayed parameter updates (paper 3.3): averaging overlaps serving
 
 
 class BenchError(Exception):
@@ -190,7 +191,7 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
                         "--announce-period", "2", "--rebalance-policy", "none", "--stage", str(i % stages)]
                 if i == 0:
                     args += ["--model", s.preset, "--target-batch-size", str(s.batch_size),
-                             "--grad-codec", s.grad_codec]
+                             "--grad-codec", s.grad_codec, *(["--delay-updates"] if s.delay_updates else [])]
                 else:
                     args += ["--join", daemons[0].info["dht_addr"]]
                 daemons.append(DaemonProcess(args, workdir, name=f"{sc.name}-host{i}", env={"OMP_NUM_THREADS": "1"},
@@ -297,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit")
     p.add_argument("--grad-codec", choices=("none", "fp16", "8bit"), default="none",
                    help="the swarm's codec for gradients between a stage's peers when they average (default: none)")
+    p.add_argument("--delay-updates", action="store_true",
+                   help="the swarm uses delayed parameter updates: stages keep serving while they average "
+                   "(use with --no-sync)")
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                    help="one global batch per step, wait for every stage (default: --sync)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
@@ -312,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     settings = Settings(preset=args.preset, peers_per_stage=args.peers_per_stage, steps=args.steps,
                         warmup=args.warmup, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
-                        window=args.window, codec=args.codec, sync=args.sync, grad_codec=args.grad_codec)
+                        window=args.window, codec=args.codec, sync=args.sync, grad_codec=args.grad_codec,
+                        delay_updates=args.delay_updates)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the daemons and removes the lab like Ctrl-C does

@@ -34,7 +34,7 @@ from schemathesis.checks import (
 )
 
 TOKEN = "fuzz-token-of-enough-length-0123456789"
-FUZZ = settings(max_examples=200, deadline=None,
+FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 # documented answers of a peer that is not serving (a generated POST /migrate can move it)
 NOT_SERVING = {("GET", "/healthz"), ("GET", "/swarm"), ("POST", "/trainers")}

@@ -31,7 +31,7 @@ def check(result: dict) -> None:
 
 @pytest.mark.timeout(300)
 def test_short_chaos_run_loses_nothing() -> None:
-    check(run_chaos(duration=12, kill_every=5, timeout=280))
+    check(run_chaos(duration=8, kill_every=3, timeout=280))
 
 
 @pytest.mark.slow

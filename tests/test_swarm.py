@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from swarmd.pipeline.spec import PRESETS
 from tests.conftest import DaemonProcess, swarmd_command
@@ -125,6 +126,8 @@ def test_identity_persists_and_a_state_dir_serves_one_daemon(spawn, tmp_path) ->
     assert again.proc.wait(30) == 0
 
 
+@pytest.mark.slow  # the suite's 10-minute budget: the same property runs in CI in tests/test_chaos.py and
+# tests/test_many_trainers.py::test_three_trainers_and_a_sigkilled_peer_keep_the_books (./scripts/test -m slow)
 async def test_training_survives_a_sigkilled_peer(spawn) -> None:
     from swarmd.train.trainer import Trainer, TrainerConfig
 
