@@ -468,11 +468,10 @@ class Daemon:
         if addr is None or peer_id is None:
             return
         try:
-            stages = await self.membership.stage_peers(self.spec.n_stages)
+            members = await self.membership.all_peers(self.spec.n_stages)
         except SwarmdError as exc:
             log.warning("cannot check this peer's reachability: %s", exc)
             return
-        members = [r for records in stages for r in records.values()]
         result = await reachability.check(self._session, peer_id=peer_id, addr=addr, members=members)
         changed = result.status != self.reachability.status
         self.reachability = result
@@ -513,11 +512,11 @@ class Daemon:
         """Members that may relay: serving, dialled directly by others, not relayed themselves."""
         assert self.membership is not None and self.spec is not None
         try:
-            stages = await self.membership.stage_peers(self.spec.n_stages)
+            members = await self.membership.all_peers(self.spec.n_stages)
         except SwarmdError as exc:
             log.warning("cannot list possible relays: %s", exc)
             return []
-        return [r for records in stages for r in records.values()
+        return [r for r in members
                 if r.usable and r.reachable == "yes" and not is_relayed(r.data_addr) and r.peer_id != self.peer_id]
 
     async def _on_relay_change(self, relayed: str | None) -> None:

@@ -135,3 +135,7 @@ class Membership:
         """Live peer records of every stage, read in parallel, one record per peer."""
         found = await asyncio.gather(*(self.node.get_stage_peers(self.swarm, s) for s in range(n_stages)))
         return latest_per_peer(list(found))
+
+    async def all_peers(self, n_stages: int) -> list[PeerRecord]:
+        """Every live peer record of the swarm, whatever its stage (:meth:`stage_peers`, flattened)."""
+        return [r for records in await self.stage_peers(n_stages) for r in records.values()]

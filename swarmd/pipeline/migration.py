@@ -214,12 +214,12 @@ class Migrator:
             if host.state != PeerState.SERVING or self.moving:
                 continue
             try:
-                stages = await host.membership.stage_peers(host.spec.n_stages)
+                members = await host.membership.all_peers(host.spec.n_stages)
             except SwarmdError as exc:
                 log.warning("rebalancing could not read the swarm: %s", exc)
                 continue
             # a peer nobody can dial serves nobody: it is no capacity, and no stage relies on it
-            records = [r for records in stages for r in records.values() if r.reachable != "no"]
+            records = [r for r in members if r.reachable != "no"]
             ids = {r.peer_id for r in records if r.state != "draining"}
             event = None
             if known is not None and ids != known:
