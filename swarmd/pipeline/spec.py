@@ -95,6 +95,10 @@ class ModelSpec:
     seq_len: int = 128
     share_layers: bool = False
     seed: int = 0
+    #: SHA-256 hex of the tokenizer's canonical JSON (``swarmd.train.tokenizer``), or "" for
+    #: the default byte-level vocabulary (ids 0..255). Trainers and peers of one swarm must
+    #: tokenize alike, so it is part of the digest.
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -124,6 +128,13 @@ class ModelSpec:
                 "model spec field 'share_layers' must be true or false, "
                 f"got {type(self.share_layers).__name__} {self.share_layers!r}"
             )
+        if not isinstance(self.tokenizer, str) or not (
+            self.tokenizer == "" or re.fullmatch(r"[0-9a-f]{64}", self.tokenizer)
+        ):
+            raise ConfigError(
+                "model spec field 'tokenizer' must be \"\" (byte-level) or a tokenizer's "
+                f"64-hex-digit SHA-256 digest, got {self.tokenizer!r}"
+            )
         if self.d_model % self.n_heads != 0:
             raise ConfigError(
                 f"model spec d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
@@ -150,6 +161,12 @@ class ModelSpec:
         """
         fields = self.to_dict()
         del fields["name"]
+        # Fields added after digest format /1 enter the payload only when they differ from
+        # their default, so every spec that existed before them keeps its digest (and its
+        # deterministic initial parameters, and its checkpoints).
+        for late in _LATE_FIELDS:
+            if fields[late] == _DEFAULTS[late]:
+                del fields[late]
         payload = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(f"{MODEL_DIGEST_VERSION}\n{payload}".encode("ascii")).hexdigest()
 
@@ -194,6 +211,13 @@ class ModelSpec:
             )
         start = stage * self.layers_per_stage
         return range(start, start + self.layers_per_stage)
+
+
+#: ModelSpec fields added after MODEL_DIGEST_VERSION /1 (see ModelSpec.digest).
+_LATE_FIELDS: tuple[str, ...] = ("tokenizer",)
+_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+)
 
 
 PRESETS: Mapping[str, ModelSpec] = MappingProxyType(
