@@ -85,6 +85,7 @@ def test_digest_is_sha256_hex() -> None:
         {"seq_len": 256},
         {"share_layers": True},
         {"seed": 1},
+        {"tokenizer": "ab" * 32},
     ],
 )
 def test_digest_changes_with_every_field_but_name(change: dict[str, Any]) -> None:
@@ -100,7 +101,7 @@ def test_every_field_is_covered_by_the_digest_tests() -> None:
     names = {f.name for f in dataclasses.fields(ModelSpec)}
     assert names == {
         "name", "d_model", "n_heads", "d_ff", "layers_per_stage", "n_stages", "vocab_size",
-        "seq_len", "share_layers", "seed",
+        "seq_len", "share_layers", "seed", "tokenizer",
     }
 
 
