@@ -1,16 +1,21 @@
-"""The byte-level corpus (swarmd.train.data): loading, held-out split, sampling, validation windows."""
+"""The corpus (swarmd.train.data): loading text, .jsonl and BPE ids, held-out split, sampling, validation windows."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from swarmd.errors import ConfigError
-from swarmd.train.data import BatchSampler, Corpus, load_corpus, stdlib_root, val_batches
+from swarmd.pipeline.spec import PRESETS
+from swarmd.train.data import BatchSampler, Corpus, load_corpus, read_pieces, stdlib_root, val_batches
+from swarmd.train.tokenizer import HFTokenizer
 
 SMALL = 2**20  # enough stdlib text for every test but the full-size one, and fast to read
+QUARTER = SMALL // 4  # for BPE-tokenized corpora: a fraction of a second to tokenize
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
@@ -280,3 +285,72 @@ def test_val_batches_single_window_and_errors(data: torch.Tensor) -> None:
         val_batches(data[:10], 10, 1, 1)
     with pytest.raises(ValueError):
         val_batches(data, 10, 0, 1)
+
+
+# ---- .jsonl, tokenizers, large files ---------------------------------------------------------
+
+
+def test_jsonl_records_are_documents(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"record {i} " + "words " * 20, "meta": i}) for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:20]) + "\n\n")  # a blank line is skipped
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[20:]) + "\n")
+    corpus = load_corpus(tmp_path, seq_len=16, val_fraction=0.1)
+    assert corpus.sources == 40
+    text = as_bytes(corpus.train) + b"\n" + as_bytes(corpus.val)
+    assert all(b"record %d words" % i in text for i in range(40)) and b'"meta"' not in text
+    assert 3 <= as_bytes(corpus.val).count(b"record ") <= 5  # whole records held out
+    body = tmp_path / "body"
+    body.mkdir()
+    (body / "c.jsonl").write_text(json.dumps({"body": "x " * 200}) + "\n")
+    assert load_corpus(body / "c.jsonl", seq_len=8, text_field="body").total_bytes == 400
+
+
+@pytest.mark.parametrize(("line", "match"), [
+    ("not json", r"line 2 is not a JSON object"),
+    ("[1, 2]", r"line 2 is not a JSON object \(got list\)"),
+    ('{"body": "x"}', r"line 2 has no string field 'text' \(its fields: body\); name the text's field with "
+                      "--text-field"),
+    ('{"text": 5}', r"line 2 has no string field 'text'"),
+    ('{"text": NaN}', r"line 2 is not a JSON object"),
+])
+def test_a_malformed_jsonl_line_is_a_config_error_naming_it(tmp_path: Path, line: str, match: str) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"text": "fine " * 50}) + "\n" + line + "\n")
+    with pytest.raises(ConfigError, match=match):
+        load_corpus(tmp_path, seq_len=8)  # in a folder too: a structured file that does not parse is an error
+
+
+def test_large_files_are_read_in_pieces_cut_after_line_breaks(tmp_path: Path) -> None:
+    path = tmp_path / "big.txt"
+    text = b"".join(b"line %d\n" % i for i in range(5000)) + b"no newline at the end"
+    path.write_bytes(text)
+    pieces = list(read_pieces([path], piece_bytes=1000))
+    assert len(pieces) > 30 and pieces[0].first and not any(p.first for p in pieces[1:])
+    assert b"".join(p.data for p in pieces) == text and sum(p.raw for p in pieces) == len(text)
+    assert all(p.data.endswith(b"\n") for p in pieces[:-1])
+    (tmp_path / "blob.bin").write_bytes(b"\0" * 50)
+    skipped = list(read_pieces([tmp_path / "blob.bin"]))
+    assert [(p.data, p.raw) for p in skipped] == [(b"", 50)]  # skipped, but counted as read
+
+
+def test_a_bpe_corpus_holds_the_tokenizers_ids(tmp_path: Path) -> None:
+    from tests.test_tokenizer import small_bpe
+
+    tok_path = small_bpe(tmp_path)
+    tok = HFTokenizer.from_file(tok_path)
+    corpus = load_corpus(max_bytes=QUARTER, seq_len=64, tokenizer=tok_path)
+    assert corpus.tokenizer == tok.digest and corpus.vocab_size == tok.vocab_size
+    assert corpus.train.dtype == torch.int32 and 256 <= int(corpus.train.max()) < tok.vocab_size
+    assert corpus.total_tokens < QUARTER * 0.7  # even a 600-token BPE compresses code
+    # <|endoftext|> between two documents, wherever the held-out split begins
+    assert int((corpus.train == 0).sum()) + int((corpus.val == 0).sum()) == corpus.sources - 1
+    x, y = BatchSampler(corpus.train, 64, seed=0).sample(4)
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+    same = load_corpus(max_bytes=QUARTER, seq_len=64, tokenizer=tok)  # a Tokenizer object works too
+    assert torch.equal(same.train, corpus.train) and torch.equal(same.val, corpus.val)
+    spec = replace(PRESETS["tiny"], vocab_size=tok.vocab_size, tokenizer=tok.digest)
+    load_corpus(max_bytes=QUARTER, seq_len=64, tokenizer=tok_path, spec=spec)
+    with pytest.raises(ConfigError, match=f"uses tokenizer {tok.digest}, but this trainer uses byte-level"):
+        load_corpus(max_bytes=QUARTER, seq_len=64, spec=spec)
+    with pytest.raises(ConfigError, match=f"uses byte-level tokens.*but --tokenizer .* uses tokenizer {tok.digest}"):
+        load_corpus(max_bytes=QUARTER, seq_len=64, tokenizer=tok_path, spec=PRESETS["tiny"])

@@ -36,6 +36,8 @@ COMMANDS: dict[str, Command] = {
     "export": Command("swarmd.cli.export", "the trained model as one safetensors file (from the swarm or checkpoints)"),
     "generate": Command("swarmd.cli.generate", "sample text from an exported model"),
     "status": Command("swarmd.cli.status", "the swarm's stages, peers and loss in a terminal (--watch, --json)"),
+    "tokenizer": Command("swarmd.cli.tokenizer", "train a BPE tokenizer on local text (offline); a file's digest"),
+    "data": Command("swarmd.cli.data", "pre-tokenize a corpus into memmapped shards that trainers stream"),
 }
 
 

@@ -1,55 +1,100 @@
-"""The training corpus: bytes from real text, sampled into next-token-prediction microbatches.
+"""The training corpus: token ids from real text, sampled into next-token-prediction microbatches.
 
 SWARM's trainers (Ryabinin et al., 2023, section 3.2) each draw their own microbatches and push
 them through the pipeline; nothing about the data is shared but the recipe. This module is that
-recipe: a byte-level corpus (token ids 0..255, so no tokenizer has to be agreed on) that every
-machine can rebuild identically from ``(path, max_bytes, val_fraction, seed)``, a seeded
-sampler of random training windows, and fixed validation windows so losses are comparable
-across trainers and runs.
+recipe: a corpus that every machine can rebuild identically from ``(path, max_bytes,
+val_fraction, seed, tokenizer)``, a seeded sampler of random training windows, and fixed
+validation windows so losses are comparable across trainers and runs.
 
-Without ``--data`` the corpus is the Python standard library's own ``.py`` sources: real text,
-already present wherever swarmd runs, so a demo or test needs no download.
+Sources (``--data PATH``): a text file, a folder of them (every regular file below it, hidden
+entries and binary-looking files skipped), ``.jsonl`` files (one JSON object per line, its text
+under ``text`` or ``--text-field``), or a folder written by ``swarmd data prepare``
+(``swarmd.train.shards``: pre-tokenized ``.bin`` shards read through memory maps, so a corpus
+larger than RAM trains with bounded memory). Without ``--data`` the corpus is the Python
+standard library's own ``.py`` sources: real text, already present wherever swarmd runs, so a
+demo or test needs no download.
+
+Tokens: byte-level by default (ids 0..255, the bytes themselves, so no tokenizer has to be
+agreed on), or a Hugging Face tokenizer (``swarmd.train.tokenizer``) whose digest must be the
+model's (``ModelSpec.tokenizer``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
+import numpy as np
 import torch
 
 from swarmd.errors import ConfigError
+from swarmd.train.tokenizer import BYTE_LEVEL, Tokenizer, check_matches, describe, load_tokenizer
 
-__all__ = ["BatchSampler", "Corpus", "load_corpus", "shard", "stdlib_root", "val_batches"]
+if TYPE_CHECKING:
+    from swarmd.pipeline.spec import ModelSpec
+    from swarmd.train.shards import ShardStream
+
+__all__ = [
+    "BatchSampler",
+    "Corpus",
+    "Piece",
+    "Tokens",
+    "load_corpus",
+    "read_pieces",
+    "shard",
+    "source_files",
+    "stdlib_root",
+    "val_batches",
+]
 
 #: Written between two files, so a window that spans them sees a plain line break.
 SEPARATOR = b"\n"
 #: A file with a NUL byte in its first this many bytes is taken for binary and skipped.
 BINARY_SNIFF_BYTES = 8192
+#: Large text files are read (and, in ``swarmd data prepare``, tokenized) in pieces of about this
+#: size, cut after a line break, so no file has to fit in memory.
+PIECE_BYTES = 4 * 2**20
+#: A ``.jsonl`` line longer than this is refused rather than read into memory.
+MAX_JSONL_LINE = 64 * 2**20
+#: The name of the index a prepared folder holds (``swarmd.train.shards``).
+INDEX_NAME = "index.json"
 # Directories never walked: installed third-party code (not "the standard library") and
 # byte-code caches.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
+#: A stream of token ids: an in-memory 1-D tensor, or memmapped shards (``swarmd.train.shards``).
+#: Both have ``numel()``, ``dim()`` and slicing, which is all :func:`shard`, :class:`BatchSampler`
+#: and :func:`val_batches` use.
+Tokens = Union[torch.Tensor, "ShardStream"]
+
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value to compare by
 class Corpus:
-    """The bytes a trainer samples from, split into training text and held-out text."""
+    """The token ids a trainer samples from, split into training ids and held-out ids."""
 
-    train: torch.Tensor  # uint8, 1-D
-    val: torch.Tensor  # uint8, 1-D, the held-out split
-    sources: int  # files read
+    train: Tokens  # 1-D: uint8 for byte-level text, int32 for a tokenizer's, memmapped for prepared shards
+    val: Tokens  # 1-D, the held-out split
+    sources: int  # files (or .jsonl records) read
     train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()  # disjoint from train_files unless the corpus had too few files
+    tokenizer: str = ""  # the digest of the tokenizer that made the ids ("": byte-level)
+    vocab_size: int = 256  # ids lie in [0, vocab_size)
 
     @property
     def total_bytes(self) -> int:
+        """Ids in both splits: the bytes of the text for a byte-level corpus (hence the name)."""
         return self.train.numel() + self.val.numel()
+
+    @property
+    def total_tokens(self) -> int:
+        return self.total_bytes
 
 
 def stdlib_root() -> Path:
@@ -64,16 +109,26 @@ def load_corpus(
     val_fraction: float = 0.02,
     seed: int = 0,
     seq_len: int = 128,
+    tokenizer: str | Path | Tokenizer | None = None,
+    text_field: str = "text",
+    spec: ModelSpec | None = None,
 ) -> Corpus:
-    """Read a corpus deterministically from ``(path, max_bytes, val_fraction, seed)``.
+    """Read a corpus deterministically from ``(path, max_bytes, val_fraction, seed, tokenizer)``.
 
-    ``path`` is a text file or a folder (every regular file below it, hidden entries and
-    binary-looking files skipped); None means the standard library's ``.py`` files. Files are
-    concatenated in a ``random.Random(seed)`` shuffle of their sorted order, separated by a
-    newline, until ``max_bytes``. The held-out split is the last files of that order, about
-    ``val_fraction`` of the bytes and at least one window of ``seq_len + 1`` bytes, so no file
-    is in both splits; only a corpus with too few files for that is cut inside a file (which
-    then shows in both ``train_files`` and ``val_files``).
+    ``path`` is a text file, a ``.jsonl`` file (the ``text_field`` of every line's object) or a
+    folder of such files (hidden entries and binary-looking files skipped); None means the
+    standard library's ``.py`` files. Files are read in a ``random.Random(seed)`` shuffle of
+    their sorted order, each file (or ``.jsonl`` record) one document, until ``max_bytes`` of
+    text; the documents' ids are joined with the tokenizer's separator (a line break for
+    byte-level). The held-out split is the last documents of that order, about ``val_fraction``
+    of the ids and at least one window of ``seq_len + 1``, so no document is in both splits; only
+    a corpus with too few documents for that is cut inside one (which then shows in both
+    ``train_files`` and ``val_files``).
+
+    A folder written by ``swarmd data prepare`` is opened as memmapped shards instead
+    (``max_bytes``, ``val_fraction`` and ``seed`` are the prepare step's business then).
+    ``spec``, the swarm's model: refuse a tokenizer (or prepared data) whose digest is not
+    ``spec.tokenizer``, or whose ids do not fit ``spec.vocab_size``, in one sentence.
     """
     if max_bytes < 1:
         raise ConfigError(f"the corpus size limit must be at least 1 byte, got {max_bytes}")
@@ -81,8 +136,67 @@ def load_corpus(
         raise ConfigError(f"the held-out fraction must lie strictly between 0 and 1, got {val_fraction}")
     if seq_len < 1:
         raise ConfigError(f"the sequence length must be at least 1, got {seq_len}")
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    if path is not None and Path(path).expanduser().is_dir() and (Path(path).expanduser() / INDEX_NAME).exists():
+        from swarmd.train.shards import open_prepared
 
-    lone: str | None = None  # set when the user named one file: its problems are errors
+        corpus = open_prepared(Path(path).expanduser(), seq_len=seq_len,
+                               tokenizer=tok if tokenizer is not None else None)
+        if spec is not None:
+            _check_spec(corpus.tokenizer, corpus.vocab_size, spec, f"the prepared data in {str(path)!r}")
+        return corpus
+    if spec is not None:
+        _check_spec(tok.digest, tok.vocab_size, spec,
+                    f"--tokenizer {str(tokenizer)!r}" if tokenizer is not None else "this trainer")
+
+    files, what, lone = source_files(path, seed)
+    docs = _read_documents(files, max_bytes, lone, text_field)
+    if not docs:
+        raise ConfigError(
+            f"{what} holds no readable text: every file is empty, unreadable or binary-looking "
+            f"(a NUL byte in its first {BINARY_SNIFF_BYTES} bytes); hidden files are skipped"
+        )
+    ids, spans = _join(tok, docs)
+    need = seq_len + 1
+    if len(ids) < 2 * need:
+        unit = "bytes" if tok is BYTE_LEVEL else "tokens"
+        if sum(len(d) for _, d in docs) + len(docs) - 1 >= max_bytes:
+            held = f"a corpus limit of {max_bytes} bytes is"
+        else:
+            held = f"{what} holds only {len(ids)} {unit}, which is"
+        raise ConfigError(
+            f"{held} too few for one training and one held-out sequence of {seq_len} tokens "
+            f"(at least {2 * need} {unit} are needed)"
+        )
+
+    cut = _split_point(len(ids), [start for _, start, _ in spans], val_fraction, need)
+    tokens = torch.from_numpy(ids)
+    return Corpus(
+        train=tokens[:cut].clone(),
+        val=tokens[cut:].clone(),
+        sources=len(spans),
+        train_files=_unique(name for name, start, _ in spans if start < cut),
+        val_files=_unique(name for name, _, end in spans if end > cut),
+        tokenizer=tok.digest,
+        vocab_size=tok.vocab_size,
+    )
+
+
+def _check_spec(digest: str, vocab_size: int, spec: ModelSpec, what: str) -> None:
+    check_matches(digest, spec, what)
+    if vocab_size > spec.vocab_size:
+        raise ConfigError(f"{what} has {vocab_size} token ids ({describe(digest)}), but the swarm's model "
+                          f"{spec.name} embeds only {spec.vocab_size}")
+
+
+def _unique(names: Iterator[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+def source_files(path: str | Path | None, seed: int) -> tuple[list[Path], str, str | None]:
+    """The files a corpus reads, in their ``random.Random(seed)`` order; how to name the source in
+    messages; and, when the user named one file, that name (its problems are errors, not skips)."""
+    lone: str | None = None
     if path is None:
         root = stdlib_root()
         what = f"the Python standard library at {root}"
@@ -91,41 +205,15 @@ def load_corpus(
         root = Path(path).expanduser()
         what = f"training data {str(root)!r}"
         if not root.exists():
-            raise ConfigError(f"{what} does not exist; pass a text file or a folder of text files")
+            raise ConfigError(f"{what} does not exist; pass a text file, a .jsonl file or a folder of them")
         if root.is_dir():
             files = sorted(_walk(root))
         elif root.is_file():
             files, lone = [root], what
         else:
             raise ConfigError(f"{what} is neither a regular file nor a folder")
-
     random.Random(seed).shuffle(files)
-    buf, spans = _concatenate(files, max_bytes, lone)
-    if not spans:
-        raise ConfigError(
-            f"{what} holds no readable text: every file is empty, unreadable or binary-looking "
-            f"(a NUL byte in its first {BINARY_SNIFF_BYTES} bytes); hidden files are skipped"
-        )
-    need = seq_len + 1
-    if len(buf) < 2 * need:
-        if len(buf) >= max_bytes:
-            held = f"a corpus limit of {max_bytes} bytes is"
-        else:
-            held = f"{what} holds only {len(buf)} bytes, which is"
-        raise ConfigError(
-            f"{held} too few for one training and one held-out sequence of {seq_len} tokens "
-            f"(at least {2 * need} bytes are needed)"
-        )
-
-    cut = _split_point(len(buf), [start for _, start, _ in spans], val_fraction, need)
-    tokens = torch.frombuffer(buf, dtype=torch.uint8)
-    return Corpus(
-        train=tokens[:cut].clone(),
-        val=tokens[cut:].clone(),
-        sources=len(spans),
-        train_files=tuple(name for name, start, _ in spans if start < cut),
-        val_files=tuple(name for name, _, end in spans if end > cut),
-    )
+    return files, what, lone
 
 
 def _walk(root: Path, suffix: str = "") -> Iterator[Path]:
@@ -140,39 +228,125 @@ def _walk(root: Path, suffix: str = "") -> Iterator[Path]:
                 yield file
 
 
-def _concatenate(
-    files: list[Path], max_bytes: int, lone: str | None
-) -> tuple[bytearray, list[tuple[str, int, int]]]:
-    """Read ``files`` in order into one buffer of at most ``max_bytes``.
+@dataclass(frozen=True)
+class Piece:
+    """A document, or the next piece of a large one (``first`` False), as UTF-8 bytes.
 
-    Returns the buffer and ``(name, start, end)`` for each file that contributed. Unreadable
-    and binary-looking files are skipped; when ``lone`` names the one file the user asked for,
-    they are a ConfigError instead, since skipping it would only say "empty".
+    ``raw`` is how many bytes of the source file it stands for (a ``.jsonl`` line with its JSON
+    quoting; a skipped file's whole size with empty ``data``), so a reader can say how far
+    through the sources it is.
     """
-    buf = bytearray()
-    spans: list[tuple[str, int, int]] = []
+
+    name: str
+    data: bytes
+    first: bool
+    raw: int
+
+
+def read_pieces(files: Sequence[Path], *, text_field: str = "text", lone: str | None = None,
+                piece_bytes: int = PIECE_BYTES) -> Iterator[Piece]:
+    """Every document of ``files`` in order, large files in pieces of about ``piece_bytes`` cut
+    after a line break. Unreadable and binary-looking files are skipped (an empty piece); when
+    ``lone`` names the one file the user asked for, they are a ConfigError instead, since
+    skipping it would only say "empty". A malformed ``.jsonl`` line is always a ConfigError
+    naming the file and line: a structured file that does not parse is not text to skip.
+    """
     for file in files:
-        sep = SEPARATOR if buf else b""
-        budget = max_bytes - len(buf) - len(sep)
-        if budget <= 0:
-            break
         try:
+            size = file.stat().st_size
             with open(file, "rb") as fh:
-                data = fh.read(budget)
+                if file.suffix == ".jsonl":
+                    yield from _jsonl_pieces(fh, file, text_field)
+                else:
+                    yield from _text_pieces(fh, file, size, lone, piece_bytes)
         except OSError as exc:
             if lone is not None:
                 raise ConfigError(f"{lone} cannot be read: {exc.strerror or exc}") from exc
+            yield Piece(str(file), b"", True, 0)
+
+
+def _text_pieces(fh: Any, file: Path, size: int, lone: str | None, piece_bytes: int) -> Iterator[Piece]:
+    head = fh.read(piece_bytes)
+    if b"\0" in head[:BINARY_SNIFF_BYTES]:
+        if lone is not None:
+            raise ConfigError(f"{lone} looks binary (it contains NUL bytes); pass a text file")
+        yield Piece(str(file), b"", True, size)
+        return
+    first, carry = True, head
+    while True:
+        more = fh.read(piece_bytes) if carry else b""
+        if not more:
+            if carry:
+                yield Piece(str(file), carry, first, len(carry))
+            return
+        cut = carry.rfind(b"\n") + 1 or len(carry)  # after the last line break, if there is one
+        yield Piece(str(file), carry[:cut], first, cut)
+        first, carry = False, carry[cut:] + more
+
+
+def _jsonl_pieces(fh: Any, file: Path, text_field: str) -> Iterator[Piece]:
+    for number, line in enumerate(iter(lambda: fh.readline(MAX_JSONL_LINE + 1), b""), start=1):
+        where = f"{str(file)!r} line {number}"
+        if len(line) > MAX_JSONL_LINE:
+            raise ConfigError(f"{where} is longer than {MAX_JSONL_LINE} bytes")
+        if not line.strip():
             continue
-        if b"\0" in data[:BINARY_SNIFF_BYTES]:
-            if lone is not None:
-                raise ConfigError(f"{lone} looks binary (it contains NUL bytes); pass a text file")
+        try:
+            record = json.loads(line, parse_constant=_no_constant)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{where} is not a JSON object: {exc}") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{where} is not a JSON object (got {type(record).__name__})")
+        text = record.get(text_field)
+        if not isinstance(text, str):
+            found = ", ".join(sorted(map(str, record))[:8]) or "none"
+            raise ConfigError(f"{where} has no string field {text_field!r} (its fields: {found}); "
+                              "name the text's field with --text-field")
+        if text:
+            yield Piece(f"{file}:{number}", text.encode("utf-8"), True, len(line))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _read_documents(files: list[Path], max_bytes: int, lone: str | None,
+                    text_field: str) -> list[tuple[str, bytes]]:
+    """Whole documents in order, at most ``max_bytes`` of text counting one separator byte
+    between two (a byte-level corpus is exactly ``max_bytes`` long when the sources have more)."""
+    docs: list[tuple[str, bytearray]] = []
+    used = 0
+    for piece in read_pieces(files, text_field=text_field, lone=lone):
+        if not piece.data:
             continue
-        if not data:
-            continue
-        buf += sep
-        spans.append((str(file), len(buf), len(buf) + len(data)))
-        buf += data
-    return buf, spans
+        sep = 1 if docs and piece.first else 0
+        budget = max_bytes - used - sep
+        if budget <= 0:
+            break
+        data = piece.data[:budget]
+        if piece.first:
+            docs.append((piece.name, bytearray()))
+        docs[-1][1].extend(data)
+        used += sep + len(data)
+    return [(name, bytes(data)) for name, data in docs]
+
+
+def _join(tok: Tokenizer, docs: list[tuple[str, bytes]]) -> tuple[np.ndarray, list[tuple[str, int, int]]]:
+    """The documents' ids joined by the tokenizer's separator, and ``(name, start, end)`` of each."""
+    encoded = tok.encode_documents([data for _, data in docs])
+    dtype = np.uint8 if tok.vocab_size <= 256 else np.int32  # torch has no uint16/uint32 arithmetic to rely on
+    sep = np.asarray(tok.separator, dtype=dtype)
+    parts: list[np.ndarray] = []
+    spans: list[tuple[str, int, int]] = []
+    at = 0
+    for (name, _), ids in zip(docs, encoded, strict=True):
+        if parts:
+            parts.append(sep)
+            at += len(sep)
+        parts.append(ids.astype(dtype, copy=False))
+        spans.append((name, at, at + len(ids)))
+        at += len(ids)
+    return np.concatenate(parts), spans
 
 
 def _split_point(total: int, starts: list[int], val_fraction: float, need: int) -> int:
@@ -192,11 +366,12 @@ def _split_point(total: int, starts: list[int], val_fraction: float, need: int) 
     return total - target
 
 
-def shard(data: torch.Tensor, index: int, count: int, seq_len: int) -> torch.Tensor:
+def shard(data: Tokens, index: int, count: int, seq_len: int) -> Tokens:
     """Shard ``index`` of ``count`` of a training split: the ``index``-th of ``count`` contiguous,
     disjoint slices, so trainers of one swarm (each with its own rank) draw different windows.
     Every window of a shard lies inside it. A split too small to give every shard one window is
-    returned whole (the trainers then share it, as before shards).
+    returned whole (the trainers then share it, as before shards). A prepared corpus's shard
+    is a view of its memmapped files, so nothing is read until windows are sampled.
     """
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is not in [0, {count})")
@@ -207,15 +382,15 @@ def shard(data: torch.Tensor, index: int, count: int, seq_len: int) -> torch.Ten
 
 
 class BatchSampler:
-    """Random training windows from a byte stream, reproducible from a seed.
+    """Random training windows from a stream of token ids, reproducible from a seed.
 
     Each sample is a window ``data[s : s + seq_len + 1]``; inputs are its first ``seq_len``
-    bytes and targets the last ``seq_len`` (next-byte prediction). The start offsets come from a
+    ids and targets the last ``seq_len`` (next-token prediction). The start offsets come from a
     ``torch.Generator`` seeded with ``seed``, so the sequence of batches is fixed by the seed
     and, through :meth:`state_dict`, resumable.
     """
 
-    def __init__(self, data: torch.Tensor, seq_len: int, *, seed: int = 0) -> None:
+    def __init__(self, data: Tokens, seq_len: int, *, seed: int = 0) -> None:
         _check_windows(data, seq_len)
         self.data = data
         self.seq_len = seq_len
@@ -246,7 +421,7 @@ class BatchSampler:
 
 
 def val_batches(
-    data: torch.Tensor, seq_len: int, batch_size: int, n_batches: int
+    data: Tokens, seq_len: int, batch_size: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed validation batches: ``batch_size * n_batches`` evenly spaced windows, no RNG.
 
@@ -265,20 +440,23 @@ def val_batches(
     ]
 
 
-def _check_windows(data: torch.Tensor, seq_len: int) -> None:
+def _check_windows(data: Tokens, seq_len: int) -> None:
     if data.dim() != 1:
-        raise ValueError(f"expected a 1-D byte tensor, got shape {tuple(data.shape)}")
+        raise ValueError(f"expected a 1-D tensor of token ids, got shape {tuple(data.shape)}")
     if seq_len < 1:
         raise ConfigError(f"the sequence length must be at least 1, got {seq_len}")
     if data.numel() < seq_len + 1:
         raise ConfigError(
-            f"the data holds {data.numel()} bytes, too few for one sequence of {seq_len} tokens "
-            f"plus its target ({seq_len + 1} bytes)"
+            f"the data holds {data.numel()} tokens, too few for one sequence of {seq_len} tokens "
+            f"plus its target ({seq_len + 1} tokens)"
         )
 
 
 def _windows(
-    data: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor
+    data: Tokens, starts: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    chunk = data[starts[:, None] + offsets].long()
+    if isinstance(data, torch.Tensor):
+        chunk = data[starts[:, None] + offsets].long()
+    else:  # memmapped shards: read just these windows
+        chunk = data.windows(starts, offsets.numel())
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
