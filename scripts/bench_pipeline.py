@@ -2,14 +2,15 @@
 
 Two runs of the same training job, one after the other, each in its own process(es):
 
-- **single**: every stage of ``--preset`` built with ``build_stage`` and chained in one child
-  process, trained exactly like ``reference_run`` in ``tests/test_training.py``: per step,
+- **single**: every stage of ``--model`` (a preset, cut by ``--partition``) built with
+  ``build_stage`` and chained in one child process, trained exactly like ``reference_run`` in ``tests/test_training.py``: per step,
   the global batch of ``--batch-size`` samples split into microbatches of
   ``--microbatch-size``, ``(loss * n).backward()`` per microbatch, gradients divided by the
   step's sample count, then ``apply_step`` with ``build_optimizer``'s optimizer per stage.
   ``torch.set_num_threads(--threads)``.
 - **swarm**: one daemon per stage, started as subprocesses through the real CLI (like
-  ``swarmd demo``): the founder with ``--model PRESET --stage 0 --target-batch-size B``, the
+  ``swarmd demo``): the founder with ``--model FILE --stage 0 --target-batch-size B`` (FILE: the
+  spec, its partition resolved to numbers), the
   others with ``--join <dht> --stage k``, each with ``--threads threads // stages`` so the
   daemons together get the same thread budget. A :class:`~swarmd.train.trainer.Trainer` in
   this process drives ``--warmup + --steps`` steps through them (``--sync`` by default: one
@@ -54,7 +55,12 @@ gives mean latencies of the trainer's calls per stage, and the daemons' own comp
 
     .venv/bin/python scripts/bench_pipeline.py                    # a readable summary
     .venv/bin/python scripts/bench_pipeline.py --json             # one JSON object
-    .venv/bin/python scripts/bench_pipeline.py --preset tiny --profile
+    .venv/bin/python scripts/bench_pipeline.py --model tiny --profile
+    .venv/bin/python scripts/bench_pipeline.py --model llama-small --partition 3,1 --json
+
+``--partition equal|balanced|N,N,...`` cuts the preset's blocks into stages: equal numbers,
+the cost model's balanced cut (``swarmd.pipeline.partition``), or the blocks per stage given;
+the report's ``partition`` and ``stage_flops`` show what ran.
 """
 
 from __future__ import annotations
@@ -80,10 +86,12 @@ from typing import Any
 
 import torch
 
+from swarmd.errors import ConfigError
 from swarmd.local_swarm import DaemonProcess, DaemonStartError
 from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.optimizer import build_optimizer
-from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from swarmd.pipeline.partition import flop_costs, stage_costs
+from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec, load_spec
 from swarmd.train.data import BatchSampler, load_corpus
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
 from swarmd.train.reference import single_process_step
@@ -112,6 +120,12 @@ class Settings:
     threads: int
     delay_updates: bool = False
     taper: bool = True  # the trainer halves a sync step's first and last microbatch (split_batch)
+    partition: str = "equal"  # equal, balanced, or blocks per stage "3,1"
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The preset, cut as ``partition`` says (resolved to numbers)."""
+        return load_spec(self.preset).with_partition(self.partition)
 
     @property
     def mode(self) -> str:
@@ -120,7 +134,7 @@ class Settings:
 
     @property
     def stages(self) -> int:
-        return PRESETS[self.preset].n_stages
+        return self.spec.n_stages
 
     @property
     def daemon_threads(self) -> int:
@@ -181,7 +195,7 @@ def single_run(s: Settings) -> dict[str, Any]:
     it runs in a child process of the benchmark so its memory and CPU are its own.
     """
     torch.set_num_threads(s.threads)
-    spec = PRESETS[s.preset]
+    spec = s.spec
     training = TrainingSpec(target_batch_size=s.batch_size)  # what the founder publishes
     corpus = load_corpus(None, max_bytes=CORPUS_BYTES, seed=SEED, seq_len=spec.seq_len)
     sampler = BatchSampler(corpus.train, spec.seq_len, seed=SEED)
@@ -352,7 +366,9 @@ async def swarm_run(
 ) -> dict[str, Any]:
     """Start one daemon per stage, train ``warmup + steps`` steps through them, stop them."""
     common = ["--swarm", "bench", "--announce-period", "2", "--threads", str(s.daemon_threads)]
-    founder = DaemonProc(0, workdir, [*common, "--model", s.preset, "--stage", "0",
+    model_file = workdir / "model.json"
+    model_file.write_text(json.dumps(s.spec.to_dict()))
+    founder = DaemonProc(0, workdir, [*common, "--model", str(model_file), "--stage", "0",
                                       "--target-batch-size", str(s.batch_size),
                                       *(["--delay-updates"] if s.delay_updates else [])],
                          profile=profile_daemons)
@@ -520,6 +536,8 @@ def run(s: Settings, profile: bool, profile_daemons: bool = False) -> dict[str, 
         "cpu_ms_per_sample": {k: v * 1e3 for k, v in cpu_per_sample.items()},
         "first_loss": single_losses[0],
         "final_loss": {"single": single_losses[-1], "swarm": swarm_losses[-1] if swarm_losses else None},
+        "partition": list(s.spec.blocks_per_stage),
+        "stage_flops": stage_costs(flop_costs(s.spec), s.spec.blocks_per_stage),
         "stage_param_bytes": single.pop("stage_param_bytes"),
         "stage_optimizer_state_bytes": single.pop("stage_optimizer_state_bytes"),
         "single": single,
@@ -537,7 +555,8 @@ def _mib(n: float | None) -> str:
 
 def print_summary(r: dict[str, Any]) -> None:
     sw, si = r["swarm"], r["single"]
-    print(f"preset {r['preset']} ({r['stages']} stages), batch {r['batch_size']} in microbatches of "
+    print(f"model {r['preset']} ({r['stages']} stages of {r['partition']} blocks), batch {r['batch_size']} "
+          "in microbatches of "
           f"{r['microbatch_size']}, window {r['window']}, codec {r['codec']}, {r['mode']}, "
           f"{r['steps']} timed steps after {r['warmup']} warm-up, {r['threads']} threads "
           f"({r['daemon_threads']} per daemon)")
@@ -579,7 +598,10 @@ def print_summary(r: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 epilog="Run from the repository root with the project's .venv.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model preset (default: small)")
+    p.add_argument("--model", "--preset", dest="preset", default="small", metavar="PRESET|FILE",
+                   help=f"model preset ({', '.join(sorted(PRESETS))}) or a JSON model file (default: small)")
+    p.add_argument("--partition", default="equal", metavar="equal|balanced|N,N,...",
+                   help="blocks per stage: equal, the cost model's balanced cut, or numbers (default: equal)")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps (default: 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them, at least 1 (default: 3)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
@@ -614,7 +636,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("steps", "warmup", "batch_size", "microbatch_size", "window", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    settings = Settings(preset=args.preset, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+    try:
+        load_spec(args.preset).with_partition(args.partition)
+    except ConfigError as exc:
+        parser.error(f"--model {args.preset} --partition {args.partition}: {exc}")
+    settings = Settings(partition=args.partition,
+                        preset=args.preset, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                         microbatch_size=args.microbatch_size, window=args.window, codec=args.codec,
                         sync=args.sync, threads=args.threads, delay_updates=args.delay_updates,
                         taper=args.taper)

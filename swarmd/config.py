@@ -76,6 +76,7 @@ class PipelineConfig:
     stage: int | None = None  # None: --stage auto, the stage that needs this peer most
     training: TrainingSpec | None = None  # a founder's settings (None: defaults); joiners take the swarm's
     device: str = "cpu"  # already resolved: "cpu", "cuda" or "cuda:N"
+    precision: str = "fp32"  # fp32, bf16 or fp16: autocast of the stage's compute (swarmd.pipeline.precision)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_batch_tokens: int = 1 << 16  # B*T above this is refused with 413 (keeps one request from OOMing a peer)
 

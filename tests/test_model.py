@@ -1,15 +1,19 @@
-"""GPT-style stages: composition, deterministic init, causality, learning and validation."""
+"""Stages (GPT-style here; tests/test_llama.py for Llama): composition, deterministic init,
+causality, learning, validation, partitions and the architecture registry."""
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
 from swarmd.errors import ConfigError, RequestError
+from swarmd.models.registry import arch_names
 from swarmd.pipeline.model import FullModel, StageModule, build_stage, params_digest
 from swarmd.pipeline.spec import PRESETS, ModelSpec
 
@@ -296,3 +300,75 @@ def test_check_inputs_rejects_inputs_that_do_not_fit(
     with pytest.raises(RequestError) as exc:
         module.check_inputs(inputs, targets)
     assert needle in str(exc.value)
+
+
+# ---- partitions and the architecture registry -------------------------------------------------
+
+
+def test_unequal_partition_composes_to_the_full_model() -> None:
+    spec = ModelSpec.from_dict(THREE.to_dict() | {"name": "uneven", "partition": [3, 2, 1]})
+    stages = [build_stage(spec, k) for k in range(3)]
+    assert [len(s.blocks) for s in stages] == [3, 2, 1]
+    full = FullModel(spec)
+    tokens, targets = _tokens(spec, seed=1), _tokens(spec, seed=2)
+    x: Tensor = tokens
+    for stage in stages[:-1]:
+        x = stage(x)
+    assert torch.equal(stages[-1](x, targets), full(tokens, targets))
+    # another cut of the same blocks is another model: other digest, other initial weights
+    assert params_digest(stages[1]) != params_digest(build_stage(THREE, 1))
+    shared = build_stage(ModelSpec.from_dict(spec.to_dict() | {"share_layers": True}), 0)
+    assert len(shared.blocks) == 1 and shared.n_applied == 3
+
+
+def _example_from_docs() -> str:
+    """The plug-in architecture of docs/models.md, verbatim (its first python block)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _install_dist(root: Path, module: str, source: str, entry: str) -> None:
+    """A real installed distribution under ``root``: the module, METADATA and entry_points.txt."""
+    (root / f"{module}.py").write_text(source, encoding="utf-8")
+    info = root / f"{module.replace('_', '-')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[swarmd.models]\n{entry}\n")
+
+
+def test_a_package_registers_its_own_architecture_through_an_entry_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fields = {"name": "mini", "d_model": 16, "n_heads": 2, "d_ff": 32, "layers_per_stage": 2, "n_stages": 2,
+              "vocab_size": 32, "seq_len": 8, "arch": "mini"}
+    with pytest.raises(ConfigError, match="arch 'mini' is unknown: this build has gpt, llama"):
+        ModelSpec.from_dict(fields)
+    _install_dist(tmp_path, "mini_arch", _example_from_docs(), "mini = mini_arch:MiniStage")
+    _install_dist(tmp_path, "broken_arch", "raise ImportError('no such thing')\n", "broken = broken_arch:Stage")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert arch_names() == ["gpt", "llama", "broken", "mini"]
+        spec = ModelSpec.from_dict(fields)
+        stages = [build_stage(spec, k) for k in range(2)]
+        assert type(stages[0]).__name__ == "MiniStage" and stages[0].embedding.weight.shape == (32, 16)
+        assert params_digest(build_stage(spec, 1)) == params_digest(stages[1])  # deterministic init
+        model = FullModel(spec)
+        tokens = _tokens(spec, batch=4)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(20):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0] - 0.5
+        # its piece_flops feed the balanced partition: a costly head moves a block to stage 0
+        wide = ModelSpec.from_dict(fields | {"vocab_size": 4096, "seq_len": 8}).with_partition("balanced")
+        assert wide.partition == (3, 1)
+        broken = ModelSpec.from_dict(fields | {"arch": "broken"})  # its name is known: loading fails
+        with pytest.raises(ConfigError, match="arch 'broken': cannot load its entry point 'broken_arch:Stage'"):
+            build_stage(broken, 0)
+    finally:
+        for name in ("mini_arch", "broken_arch"):
+            sys.modules.pop(name, None)

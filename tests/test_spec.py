@@ -86,6 +86,9 @@ def test_digest_is_sha256_hex() -> None:
         {"share_layers": True},
         {"seed": 1},
         {"tokenizer": "ab" * 32},
+        {"arch": "llama"},
+        {"arch": "llama", "n_kv_heads": 2},
+        {"partition": [3, 2, 1]},
     ],
 )
 def test_digest_changes_with_every_field_but_name(change: dict[str, Any]) -> None:
@@ -101,8 +104,110 @@ def test_every_field_is_covered_by_the_digest_tests() -> None:
     names = {f.name for f in dataclasses.fields(ModelSpec)}
     assert names == {
         "name", "d_model", "n_heads", "d_ff", "layers_per_stage", "n_stages", "vocab_size",
-        "seq_len", "share_layers", "seed", "tokenizer",
+        "seq_len", "share_layers", "seed", "tokenizer", "arch", "n_kv_heads", "partition",
     }
+
+
+def test_late_fields_at_their_defaults_keep_the_old_digest() -> None:
+    # specs from before arch / n_kv_heads / partition (and their checkpoints) keep their digest
+    plain = ModelSpec(**BASE_FIELDS)
+    spelled_out = ModelSpec(**_with(arch="gpt", n_kv_heads=0, partition="equal"))
+    assert spelled_out.digest == plain.digest
+    assert ModelSpec(**_with(partition=[2, 2, 2])).digest == plain.digest  # the equal cut, spelled out
+
+
+def test_equal_models_have_one_canonical_form() -> None:
+    mha = ModelSpec(**_with(arch="llama", n_kv_heads=4))  # as many kv heads as heads: plain MHA
+    assert mha.n_kv_heads == 0 and mha.kv_heads == 4
+    assert mha == ModelSpec(**_with(arch="llama")) and mha.digest == ModelSpec(**_with(arch="llama")).digest
+    assert ModelSpec(**_with(partition=(2, 2, 2))).partition == ()
+    assert ModelSpec(**_with(partition="3,2,1")) == ModelSpec(**_with(partition=[3, 2, 1]))
+
+
+def test_llama_presets() -> None:
+    assert {"llama-tiny", "llama-small", "llama-base"} <= set(PRESETS)
+    for name in ("llama-tiny", "llama-small", "llama-base"):
+        spec = PRESETS[name]
+        assert spec.arch == "llama" and 0 < spec.kv_heads < spec.n_heads
+        assert spec.digest != PRESETS[name.removeprefix("llama-")].digest
+
+
+# ---- partitions ---------------------------------------------------------------------------
+
+
+def test_partition_moves_the_stage_ranges() -> None:
+    spec = ModelSpec(**_with(partition=[3, 2, 1]))
+    assert spec.blocks_per_stage == (3, 2, 1) and spec.n_layers == 6
+    assert [list(spec.stage_range(k)) for k in range(3)] == [[0, 1, 2], [3, 4], [5]]
+    assert ModelSpec(**BASE_FIELDS).blocks_per_stage == (2, 2, 2)
+
+
+def test_partition_travels_as_a_scalar_string() -> None:
+    spec = ModelSpec(**_with(partition=[1, 1, 4]))
+    as_dict = spec.to_dict()
+    assert as_dict["partition"] == "1,1,4"
+    assert ModelSpec.from_dict(json.loads(json.dumps(as_dict))) == spec
+    # the equal cut (and every other field added after digest /1, at its default) is left out,
+    # so records stay small and older builds can read them
+    assert not {"partition", "arch", "n_kv_heads", "tokenizer"} & set(ModelSpec(**BASE_FIELDS).to_dict())
+    assert ModelSpec.from_dict(ModelSpec(**BASE_FIELDS).to_dict()) == ModelSpec(**BASE_FIELDS)
+
+
+def test_balanced_partition_is_resolved_to_numbers_before_anything_sees_it() -> None:
+    # a 32k vocabulary makes the head cost several blocks of this width: the last stage gets fewer
+    spec = ModelSpec(**_with(n_stages=2, layers_per_stage=4, vocab_size=32_000)).with_partition("balanced")
+    assert isinstance(spec.partition, tuple) and sum(spec.partition) == 8
+    assert spec.partition[0] > spec.partition[1]
+    assert spec.to_dict()["partition"] == ",".join(map(str, spec.partition))
+    assert ModelSpec.from_dict(spec.to_dict()).digest == spec.digest
+    # with a byte vocabulary the head is cheap and the balanced cut is the equal one
+    assert ModelSpec(**BASE_FIELDS).with_partition("balanced").partition == ()
+
+
+@pytest.mark.parametrize("word", ["balanced", "measured", " balanced "])
+def test_a_spec_from_the_network_never_runs_a_cost_model(word: str) -> None:
+    # a DHT record or a welcome carries numbers; one that asks for a computation is refused
+    with pytest.raises(ConfigError, match="must be resolved to numbers before the spec is built"):
+        ModelSpec.from_dict(_with(partition=word))
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"partition": [3, 3]}, "names 2 stage(s), but the model has n_stages=3"),
+        ({"partition": [4, 2, 1]}, "holds 7 blocks, but the model has layers_per_stage x n_stages = 2 x 3 = 6"),
+        ({"partition": [6, 0, 0]}, "every stage needs at least one block"),
+        ({"partition": "lopsided"}, "'partition' must be \"equal\", \"balanced\", \"measured\", a list"),
+        ({"partition": [2.0, 2, 2]}, "a list of integers"),
+        ({"partition": [True, 2, 3]}, "a list of integers"),
+        ({"partition": 6}, "a list of integers"),
+        ({"arch": "Llama"}, "'arch' must be an architecture name"),
+        ({"arch": 3}, "'arch' must be an architecture name"),
+        ({"arch": "mamba"}, "arch 'mamba' is unknown: this build has gpt, llama"),
+        ({"n_kv_heads": 2}, "arch 'gpt' has no grouped-query attention"),
+        ({"arch": "llama", "n_kv_heads": 3}, "n_kv_heads=3 must divide n_heads=4"),
+        ({"arch": "llama", "n_kv_heads": 8}, "n_kv_heads=8 must divide n_heads=4"),
+        ({"arch": "llama", "n_kv_heads": -1}, "n_kv_heads=-1 must divide"),
+        ({"arch": "llama", "n_kv_heads": "2"}, "'n_kv_heads' must be an integer, got str"),
+        ({"arch": "llama", "d_model": 36, "n_heads": 4}, "needs an even head width"),
+    ],
+)
+def test_new_fields_are_validated_with_a_sentence(change: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        ModelSpec.from_dict(_with(**change))
+    assert needle in str(exc.value)
+
+
+def test_load_spec_file_with_a_balanced_partition(tmp_path: Path) -> None:
+    path = tmp_path / "wide.json"
+    fields = _with(n_stages=2, layers_per_stage=4, vocab_size=32_000, arch="llama", n_kv_heads=2,
+                   partition="balanced")
+    path.write_text(json.dumps({k: v for k, v in fields.items() if k != "name"}))
+    spec = load_spec(str(path))
+    assert spec.name == "wide" and spec.arch == "llama" and len(spec.partition) == 2
+    path.write_text(json.dumps({k: v for k, v in _with(partition=[5, 1]).items() if k != "name"}))
+    with pytest.raises(ConfigError, match="wide.json.*names 2 stage"):
+        load_spec(str(path))
 
 
 # ---- to_dict / from_dict --------------------------------------------------------------------
@@ -206,7 +311,7 @@ def test_load_spec_unknown_preset_lists_presets() -> None:
         load_spec("tinny")
     message = str(exc.value)
     assert "unknown model 'tinny'" in message
-    assert "base, small, tiny" in message
+    assert "base, llama-base, llama-small, llama-tiny, small, tiny" in message
 
 
 def test_load_spec_file_with_default_name(tmp_path: Path) -> None:
@@ -360,8 +465,10 @@ def test_from_dict_ignores_unknown_keys_and_defaults_missing_ones() -> None:
 
 def test_fits_a_signed_swarm_record_with_the_largest_preset() -> None:
     identity = Identity.generate()
+    largest = dataclasses.replace(PRESETS["llama-base"], tokenizer="ab" * 32, partition=[4, 3, 3, 2])
+    assert ModelSpec.from_dict(largest.to_dict()) == largest
     record = SwarmRecord(
-        swarm="s" * 64, spec=PRESETS["base"].to_dict(),
+        swarm="s" * 64, spec=largest.to_dict(),
         training=dict(TrainingSpec(optimizer="lamb", schedule="linear").to_dict()),
         founder=identity.peer_id, timestamp=1_000.0, expiry=1_300.0,
     )
@@ -370,6 +477,7 @@ def test_fits_a_signed_swarm_record_with_the_largest_preset() -> None:
     opened = open_record(raw, now=1_100.0)
     assert isinstance(opened, SwarmRecord)
     assert TrainingSpec.from_dict(opened.training) == TrainingSpec(optimizer="lamb", schedule="linear")
+    assert ModelSpec.from_dict(opened.spec) == largest
 
 
 def test_digest_is_the_literal_and_sensitive_to_every_field() -> None:
@@ -449,6 +557,8 @@ def test_lr_at_warms_up_then_never_increases_and_stays_in_range(
 
 def test_the_specs_load_without_torch() -> None:
     # the CLI and the configuration build and check specs; torch takes seconds to import
-    probe = "import sys, swarmd.pipeline.spec; print('torch' in sys.modules)"
+    probe = ("import sys, swarmd.pipeline.spec as s, swarmd.pipeline.partition; "
+             "s.ModelSpec(name='x', d_model=64, n_heads=4, d_ff=256, layers_per_stage=2, n_stages=2"
+             ").with_partition('balanced'); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "False"

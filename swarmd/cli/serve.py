@@ -42,6 +42,7 @@ from swarmd.errors import ConfigError, SwarmdError
 
 if TYPE_CHECKING:
     from swarmd.config import Config
+    from swarmd.pipeline.spec import ModelSpec
 
 
 READY_KEYS = ("peer_id", "stage", "data_addr", "api_addr", "dht_addr", "swarm", "model")
@@ -76,8 +77,16 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
                    help="pipeline stage to serve; auto picks the stage with the lowest total throughput "
                    "(default: auto)")
     p.add_argument("--model", default=None, metavar="PRESET|FILE",
-                   help="model preset (tiny, small, base) or a JSON file of ModelSpec fields; a founder defaults to "
-                   "tiny, a joiner serves the swarm's model and refuses a --model that differs")
+                   help="model preset (tiny, small, base, llama-tiny, llama-small, llama-base) or a JSON file of "
+                   "ModelSpec fields (arch, n_kv_heads, partition: [blocks per stage] or \"balanced\", ...); a "
+                   "founder defaults to tiny, a joiner serves the swarm's model and refuses a --model that differs")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="FILE",
+                   help="a founder's Hugging Face tokenizers JSON file (see 'swarmd tokenizer train'): the model's "
+                   "vocabulary becomes the file's and its digest joins the model spec, so trainers with another "
+                   "tokenizer are refused (default: byte-level)")
+    p.add_argument("--partition", default=None, metavar="equal|balanced|measured|N,N,...",
+                   help="blocks per stage of a founded model: equal, balanced by FLOP estimates, measured on this "
+                   "machine, or numbers; resolved before the model is published (default: the model's)")
     p.add_argument("--swarm", default="default", help="name of the swarm to serve in (default: default)")
     founding = p.add_argument_group("training settings (a founder publishes them; joiners take the swarm's)")
     founding.add_argument("--target-batch-size", type=positive_int, default=None,
@@ -137,6 +146,9 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
                    help="how often the policy runs (adaptive also runs when peers join or leave) (default: 300)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the stage computes: auto uses a GPU when torch sees one (default: auto)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the stage's compute: fp32, or bf16/fp16 autocast with float32 parameters, optimizer "
+                   "state and activations on the wire; fp16 adds a per-stage loss scale (default: fp32)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch compute threads (default: torch's choice)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long to wait for in-flight requests (default: 30)")
@@ -169,6 +181,32 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def with_tokenizer(spec: ModelSpec | None, path: Path, *, joining: bool) -> ModelSpec:
+    """``--model``'s spec (a founder's default preset without it) with the tokenizer file's vocabulary
+    size and digest; a joiner may name one only with ``--model``, which the swarm's must then equal."""
+    from dataclasses import replace
+
+    from swarmd.pipeline.spec import PRESETS
+    from swarmd.train.tokenizer import HFTokenizer
+
+    if spec is None and joining:
+        raise ConfigError("--tokenizer sets the model of a swarm being founded; a joiner serves the swarm's model "
+                          "(drop --tokenizer, or give --model too to check that the swarm's model is that one)")
+    tok = HFTokenizer.from_file(path)
+    return replace(spec or PRESETS["tiny"], vocab_size=tok.vocab_size, tokenizer=tok.digest)
+
+
+def with_partition(spec: ModelSpec | None, partition: str, *, joining: bool) -> ModelSpec:
+    """``--model``'s spec (a founder's default preset without it) cut as ``--partition`` says, resolved
+    to numbers here, before the founder publishes it (a joiner may give it only with ``--model``)."""
+    from swarmd.pipeline.spec import PRESETS
+
+    if spec is None and joining:
+        raise ConfigError("--partition sets the model of a swarm being founded; a joiner serves the swarm's model "
+                          "(drop --partition, or give --model too to check that the swarm's model is that one)")
+    return (spec or PRESETS["tiny"]).with_partition(partition)
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
     from swarmd.config import ApiConfig, CheckpointConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
@@ -176,6 +214,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     from swarmd.pipeline.spec import TrainingSpec, load_spec
 
     spec = load_spec(args.model) if args.model is not None else None
+    if args.tokenizer is not None:
+        spec = with_tokenizer(spec, args.tokenizer, joining=bool(args.join))
+    if args.partition is not None:  # last: "balanced" weighs the final vocabulary (the tokenizer's)
+        spec = with_partition(spec, args.partition, joining=bool(args.join))
     given = {
         "target_batch_size": args.target_batch_size,
         "lr": args.lr,
@@ -217,7 +259,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         checkpoint=CheckpointConfig(every=args.checkpoint_every, keep=args.keep_checkpoints),
         swarm_key=swarm_key,
         pipeline=PipelineConfig(
-            spec=spec, stage=args.stage, training=training, device=resolve_device(args.device), threads=args.threads
+            spec=spec, stage=args.stage, training=training, device=resolve_device(args.device), threads=args.threads,
+            precision=args.precision
         ),
     )
 

@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -36,6 +36,7 @@ from typing import Any
 from swarmd.errors import ConfigError
 
 __all__ = [
+    "BUILTIN_ARCHS",
     "GRAD_CODECS",
     "MODEL_DIGEST_VERSION",
     "OPTIMIZERS",
@@ -60,6 +61,13 @@ GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit")
 Scalar = bool | int | float | str
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_ARCH_RE = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+
+#: Partitions computed from the model rather than given (ModelSpec.with_partition).
+_COMPUTED_PARTITIONS: tuple[str, ...] = ("balanced", "measured")
+
+#: Architectures this package builds itself (``swarmd.models``); others come from entry points.
+BUILTIN_ARCHS: tuple[str, ...] = ("gpt", "llama")
 
 # (minimum, maximum) for each integer field. The maxima are far beyond anything swarmd can
 # train; they exist to turn typos (an extra zero or three) into a clear error instead of an
@@ -80,9 +88,16 @@ _MODEL_INT_BOUNDS: Mapping[str, tuple[int, int]] = MappingProxyType(
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture of a GPT-style decoder cut into ``n_stages`` equal pipeline stages.
+    """A decoder-only transformer of ``layers_per_stage * n_stages`` blocks cut into ``n_stages``
+    pipeline stages: equal cuts by default, or the blocks per stage that ``partition`` names.
 
     Every field is validated on construction, so a ``ModelSpec`` that exists is buildable.
+    Equal models have one canonical form, so their digests agree: ``n_kv_heads == n_heads``
+    is stored as 0 (plain multi-head attention) and a partition that equals the equal cut as
+    ``()``. ``partition: "balanced"`` in a model file (or :meth:`with_partition`) is resolved to
+    explicit numbers by the cost model of :mod:`swarmd.pipeline.partition` before the spec
+    exists, so the digest covers the numbers and every peer builds the same cut whatever its
+    own cost model would say later; a spec decoded from the network never runs a cost model.
     """
 
     name: str
@@ -99,6 +114,18 @@ class ModelSpec:
     #: the default byte-level vocabulary (ids 0..255). Trainers and peers of one swarm must
     #: tokenize alike, so it is part of the digest.
     tokenizer: str = ""
+    #: The architecture of the blocks: "gpt" (nanoGPT: LayerNorm, learned positions, GELU,
+    #: biases) or "llama" (RMSNorm, rotary positions, SwiGLU, no biases), or the name of an
+    #: architecture another package registers under the ``swarmd.models`` entry-point group.
+    arch: str = "gpt"
+    #: Key/value heads for grouped-query attention (``llama``): must divide ``n_heads``;
+    #: 0 means as many as ``n_heads`` (plain multi-head attention).
+    n_kv_heads: int = 0
+    #: Blocks per stage, stage 0 first, summing to ``layers_per_stage * n_stages``; ``()`` is the
+    #: equal cut. Given as a tuple or list of ints, a "2,3" string (the form ``to_dict`` writes,
+    #: since DHT records hold scalars only) or "equal". "balanced" and "measured" are resolved
+    #: to numbers by :meth:`with_partition` (and ``load_spec``) before a spec is built.
+    partition: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -140,6 +167,105 @@ class ModelSpec:
                 f"model spec d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
                 "(each attention head gets d_model / n_heads dimensions)"
             )
+        self._check_arch()
+        self._check_kv_heads()
+        object.__setattr__(self, "partition", self._resolve_partition(self.partition))
+
+    def _check_arch(self) -> None:
+        if not isinstance(self.arch, str) or not _ARCH_RE.fullmatch(self.arch):
+            raise ConfigError(
+                f"model spec field 'arch' must be an architecture name (lowercase letters, digits, "
+                f"'_' or '-', at most 64), got {self.arch!r}"
+            )
+        if self.arch in BUILTIN_ARCHS:
+            return
+        from swarmd.models.registry import arch_names  # torch-free: reads entry-point names only
+
+        known = arch_names()
+        if self.arch not in known:
+            raise ConfigError(
+                f"model spec arch {self.arch!r} is unknown: this build has {', '.join(known)} "
+                "(another architecture needs the package that registers it under the "
+                "'swarmd.models' entry-point group installed)"
+            )
+
+    def _check_kv_heads(self) -> None:
+        kv = self.n_kv_heads
+        if not isinstance(kv, int) or isinstance(kv, bool):
+            raise ConfigError(
+                f"model spec field 'n_kv_heads' must be an integer, got {type(kv).__name__} {kv!r}"
+            )
+        if not 0 <= kv <= self.n_heads or (kv and self.n_heads % kv):
+            raise ConfigError(
+                f"model spec n_kv_heads={kv} must divide n_heads={self.n_heads} (grouped-query "
+                "attention shares each key/value head among n_heads / n_kv_heads query heads), "
+                "or be 0 for one key/value head per query head"
+            )
+        if kv == self.n_heads:
+            kv = 0
+            object.__setattr__(self, "n_kv_heads", 0)
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(
+                f"model spec arch 'llama' needs an even head width for its rotary position "
+                f"embeddings, but d_model / n_heads = {self.d_model} / {self.n_heads} = {self.head_dim}"
+            )
+        if kv and self.arch == "gpt":
+            raise ConfigError(
+                f"model spec n_kv_heads={kv}: arch 'gpt' has no grouped-query attention; "
+                "use arch 'llama', or n_kv_heads 0"
+            )
+
+    def _resolve_partition(self, given: object) -> tuple[int, ...]:
+        """The canonical partition: explicit blocks per stage, or () for the equal cut."""
+        total = self.layers_per_stage * self.n_stages
+        if isinstance(given, str):
+            text = given.strip()
+            if text in ("", "equal"):
+                return ()
+            if text in _COMPUTED_PARTITIONS:
+                # computed only where a person asks for it (load_spec, with_partition), never while
+                # decoding a record from the network: a peer must not run a cost model (let alone a
+                # measurement) because a DHT record says so
+                raise ConfigError(
+                    f"model spec partition {text!r} must be resolved to numbers before the spec is built: "
+                    "load_spec and ModelSpec.with_partition do that"
+                )
+            else:
+                try:
+                    given = [int(part) for part in text.split(",")]
+                except ValueError:
+                    raise ConfigError(
+                        "model spec field 'partition' must be \"equal\", \"balanced\", \"measured\", a "
+                        f"list of blocks per stage or a string such as \"3,1\", got {given!r}"
+                    ) from None
+        if not isinstance(given, (tuple, list)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in given
+        ):
+            raise ConfigError(
+                "model spec field 'partition' must be \"equal\", \"balanced\", \"measured\" or a list of "
+                f"integers (blocks per stage), got {given!r}"
+            )
+        blocks = tuple(given)
+        if not blocks:
+            return ()
+        if len(blocks) != self.n_stages:
+            raise ConfigError(
+                f"model spec partition {list(blocks)} names {len(blocks)} stage(s), but the model "
+                f"has n_stages={self.n_stages}"
+            )
+        if min(blocks) < 1:
+            raise ConfigError(
+                f"model spec partition {list(blocks)}: every stage needs at least one block"
+            )
+        if sum(blocks) != total:
+            raise ConfigError(
+                f"model spec partition {list(blocks)} holds {sum(blocks)} blocks, but the model has "
+                f"layers_per_stage x n_stages = {self.layers_per_stage} x {self.n_stages} = {total}: "
+                "a partition redistributes the blocks, it does not add or remove any"
+            )
+        if all(n == self.layers_per_stage for n in blocks):
+            return ()  # the equal cut has one spelling, so its digest is the plain spec's
+        return blocks
 
     @property
     def n_layers(self) -> int:
@@ -152,6 +278,16 @@ class ModelSpec:
         return self.d_model // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the attention (``n_heads`` unless grouped-query attention)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def blocks_per_stage(self) -> tuple[int, ...]:
+        """Blocks of each stage, stage 0 first (the partition, or the equal cut)."""
+        return self.partition or (self.layers_per_stage,) * self.n_stages
+
+    @property
     def digest(self) -> str:
         """Stable SHA-256 hex of everything but ``name``: equal digests mean identical models.
 
@@ -162,17 +298,26 @@ class ModelSpec:
         fields = self.to_dict()
         del fields["name"]
         # Fields added after digest format /1 enter the payload only when they differ from
-        # their default, so every spec that existed before them keeps its digest (and its
-        # deterministic initial parameters, and its checkpoints).
-        for late in _LATE_FIELDS:
-            if fields[late] == _DEFAULTS[late]:
-                del fields[late]
+        # their default (to_dict leaves them out), so every spec that existed before them
+        # keeps its digest (and its deterministic initial parameters, and its checkpoints).
         payload = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(f"{MODEL_DIGEST_VERSION}\n{payload}".encode("ascii")).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as plain JSON-compatible values (the inverse of :meth:`from_dict`)."""
-        return dataclasses.asdict(self)
+        """All fields as plain scalars (the inverse of :meth:`from_dict`).
+
+        Scalars only, because the swarm's DHT record carries this map: ``partition`` is written
+        as a "3,1" string ("" for the equal cut).
+        """
+        fields = dataclasses.asdict(self)
+        fields["partition"] = ",".join(str(n) for n in self.partition)
+        # Fields added after digest /1 are written only when set: the swarm record stays as
+        # small as it was (the DHT carries it in one UDP datagram), and a build that predates
+        # them can still read the spec of a swarm that does not use them.
+        for late, default in _LATE_DEFAULTS.items():
+            if fields[late] == default:
+                del fields[late]
+        return fields
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
@@ -200,6 +345,24 @@ class ModelSpec:
             raise ConfigError(f"model spec is missing required field(s): {', '.join(missing)}")
         return cls(**{str(k): v for k, v in d.items()})
 
+    def with_partition(self, partition: str | Sequence[int]) -> ModelSpec:
+        """This model cut as ``partition`` says: "equal", "balanced" (the FLOP cost model of
+        :mod:`swarmd.pipeline.partition`), "measured" (its pieces timed on this machine: imports
+        torch), or blocks per stage. The result holds numbers, which the digest covers."""
+        given: Any = partition  # the field holds a tuple; __post_init__ parses the other spellings
+        if isinstance(partition, str) and partition.strip() in _COMPUTED_PARTITIONS:
+            equal = dataclasses.replace(self, partition=())
+            if partition.strip() == "balanced":
+                from swarmd.pipeline.partition import balanced_partition_of
+
+                given = balanced_partition_of(equal)
+            else:
+                from swarmd.models.measure import measured_costs
+                from swarmd.pipeline.partition import balanced_partition
+
+                given = balanced_partition(measured_costs(equal), self.n_stages)
+        return dataclasses.replace(self, partition=given)
+
     def stage_range(self, stage: int) -> range:
         """Global indices of the transformer blocks owned by ``stage``."""
         if not isinstance(stage, int) or isinstance(stage, bool):
@@ -209,14 +372,15 @@ class ModelSpec:
                 f"stage {stage} is out of range: model {self.name!r} has stages "
                 f"0..{self.n_stages - 1}"
             )
-        start = stage * self.layers_per_stage
-        return range(start, start + self.layers_per_stage)
+        blocks = self.blocks_per_stage
+        start = sum(blocks[:stage])
+        return range(start, start + blocks[stage])
 
 
-#: ModelSpec fields added after MODEL_DIGEST_VERSION /1 (see ModelSpec.digest).
-_LATE_FIELDS: tuple[str, ...] = ("tokenizer",)
-_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+#: ModelSpec fields added after MODEL_DIGEST_VERSION /1 (see ModelSpec.digest), with their
+#: defaults as :meth:`ModelSpec.to_dict` writes them: at these values they stay out of the digest.
+_LATE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"tokenizer": "", "arch": "gpt", "n_kv_heads": 0, "partition": ""}
 )
 
 
@@ -236,6 +400,21 @@ PRESETS: Mapping[str, ModelSpec] = MappingProxyType(
         "base": ModelSpec(
             name="base", d_model=768, n_heads=12, d_ff=3072, layers_per_stage=3, n_stages=4,
             vocab_size=256, seq_len=256,
+        ),
+        # The same sizes as Llama-style models (swarmd.models.llama): RMSNorm, rotary positions,
+        # SwiGLU with d_ff about 8/3 d_model (as many parameters as a GELU MLP of 4 d_model),
+        # grouped-query attention with half as many key/value heads.
+        "llama-tiny": ModelSpec(
+            name="llama-tiny", d_model=64, n_heads=4, d_ff=176, layers_per_stage=1, n_stages=2,
+            vocab_size=256, seq_len=64, arch="llama", n_kv_heads=2,
+        ),
+        "llama-small": ModelSpec(
+            name="llama-small", d_model=256, n_heads=8, d_ff=688, layers_per_stage=2, n_stages=2,
+            vocab_size=256, seq_len=128, arch="llama", n_kv_heads=4,
+        ),
+        "llama-base": ModelSpec(
+            name="llama-base", d_model=768, n_heads=12, d_ff=2048, layers_per_stage=3, n_stages=4,
+            vocab_size=256, seq_len=256, arch="llama", n_kv_heads=4,
         ),
     }
 )
@@ -283,8 +462,13 @@ def load_spec(preset_or_path: str) -> ModelSpec:
             f"got {type(data).__name__}"
         )
     data.setdefault("name", path.stem)
+    partition = data.get("partition")
+    computed = partition if isinstance(partition, str) and partition.strip() in _COMPUTED_PARTITIONS else None
+    if computed is not None:
+        del data["partition"]  # resolved below, once the rest of the spec is known to be valid
     try:
-        return ModelSpec.from_dict(data)
+        spec = ModelSpec.from_dict(data)
+        return spec if computed is None else spec.with_partition(computed)
     except ConfigError as exc:
         raise ConfigError(f"model file {str(path)!r} is invalid: {exc}") from exc
 
