@@ -10,6 +10,11 @@ on top of :class:`~swarmd.dht.node.DHTNode`:
   takes the spec most peers publish (ties: the oldest), and a mismatch is the joiner's error.
 - *peer records* live under their stage's bucket keys; a reader merges all stages and keeps one
   record per peer (the newest), so a peer that just moved stage is listed once, where it is now.
+- *untrusted peers* (issue 18): a signed record proves only that someone minted a key, so the
+  daemon's views leave out the peers it holds evidence against (``evidence``: peer id -> reason,
+  e.g. a signed data-plane challenge that failed again and again: a fake at a tarpit or a
+  refusing port), and says so: :meth:`Membership.untrusted` for ``/status`` and ``/metrics``, and
+  one log line a minute naming the reasons (a flood of 500 fakes is one line, not 500).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +30,7 @@ from typing import Any
 from swarmd.dht.identity import Identity
 from swarmd.dht.node import DHTNode, swarm_key
 from swarmd.dht.records import PeerRecord, SwarmRecord, sign_record
+from swarmd.dht.sources import RateLimiter
 from swarmd.errors import BootstrapError, ConfigError
 from swarmd.pipeline.spec import ModelSpec
 
@@ -81,6 +88,42 @@ def latest_per_peer(stages: list[dict[str, PeerRecord]]) -> list[dict[str, PeerR
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """A peer record left out of a view, and why."""
+
+    peer_id: str
+    stage: int
+    data_addr: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "stage": self.stage, "data_addr": self.data_addr, "reason": self.reason}
+
+
+def drop_untrusted(
+    stages: list[dict[str, PeerRecord]], evidence: Mapping[str, str], *, self_id: str | None = None
+) -> tuple[list[dict[str, PeerRecord]], list[Dropped]]:
+    """``stages`` without the peers ``evidence`` names (peer id -> reason), and those left out.
+    This peer's own record is never left out (the evidence is about others)."""
+    kept: list[dict[str, PeerRecord]] = []
+    dropped: list[Dropped] = []
+    for records in stages:
+        keep = {}
+        for pid, record in records.items():
+            reason = evidence.get(pid) if pid != self_id else None
+            if reason is None:
+                keep[pid] = record
+            else:
+                dropped.append(Dropped(pid, record.stage, record.data_addr, reason))
+        kept.append(keep)
+    return kept, dropped
+
+
+MAX_REMEMBERED_DROPS = 4096  # distinct peers counted in ``dropped_peers_total`` (then the oldest are forgotten)
+SHOWN_DROPS = 16  # examples of dropped peers in /status
+
+
 class Membership:
     """Publishes this peer's records and reads the swarm's, through one DHT node."""
 
@@ -92,12 +135,21 @@ class Membership:
         *,
         ttl_s: float,
         clock: Callable[[], float] = time.time,
+        evidence: Callable[[], Mapping[str, str]] | None = None,
+        log_period_s: float = 60.0,
     ) -> None:
+        """``evidence``: the peers this daemon holds evidence against now (peer id -> reason word,
+        e.g. ``never_answered``, ``failed_proof``, ``excluded``); they are left out of every view."""
         self.node = node
         self.identity = identity
         self.swarm = swarm
         self.ttl_s = ttl_s
         self._clock = clock
+        self.evidence = evidence
+        self.dropped: list[Dropped] = []  # left out of the newest view
+        self._ever: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer id, reason) ever left out
+        self.dropped_total: Counter[str] = Counter()  # distinct peers left out, by reason
+        self._log_limit = RateLimiter(log_period_s)
 
     async def publish_swarm(self, spec: ModelSpec, training: Mapping[str, Any]) -> int:
         now = self._clock()
@@ -132,9 +184,42 @@ class Membership:
         return await self.node.store_peer(self.swarm, sign_record(self.identity, record))
 
     async def stage_peers(self, n_stages: int) -> list[dict[str, PeerRecord]]:
-        """Live peer records of every stage, read in parallel, one record per peer."""
+        """Live peer records of every stage, read in parallel, one record per peer, without the
+        peers this daemon holds evidence against (:attr:`dropped`, with the reasons)."""
         found = await asyncio.gather(*(self.node.get_stage_peers(self.swarm, s) for s in range(n_stages)))
-        return latest_per_peer(list(found))
+        stages = latest_per_peer(list(found))
+        if self.evidence is None:
+            return stages
+        kept, self.dropped = drop_untrusted(stages, self.evidence(), self_id=self.identity.peer_id)
+        self._note(self.dropped)
+        return kept
+
+    def _note(self, dropped: list[Dropped]) -> None:
+        """Count the peers newly left out, and say so in the log once a period (all reasons in one line)."""
+        new = 0
+        for d in dropped:
+            key = (d.peer_id, d.reason)
+            if key in self._ever:
+                continue
+            new += 1
+            self._ever[key] = None
+            self.dropped_total[d.reason] += 1
+            while len(self._ever) > MAX_REMEMBERED_DROPS:
+                self._ever.popitem(last=False)
+        if dropped and new and self._log_limit.allow("view"):
+            reasons = ", ".join(f"{n} {why}" for why, n in sorted(Counter(d.reason for d in dropped).items()))
+            example = dropped[0]
+            log.warning("left %d peer(s) out of this daemon's view of swarm %r (%s), e.g. %s at %s: records that "
+                        "did not hold up (fake or unreachable peers; see /status -> untrusted)", len(dropped),
+                        self.swarm, reasons, example.peer_id[:12], example.data_addr)
+
+    def untrusted(self) -> dict[str, Any]:
+        """For ``/status``: the peers left out of the newest view by reason, examples, totals."""
+        return {
+            "dropped": dict(sorted(Counter(d.reason for d in self.dropped).items())),
+            "peers": [d.to_dict() for d in self.dropped[:SHOWN_DROPS]],
+            "dropped_peers_total": dict(sorted(self.dropped_total.items())),
+        }
 
     async def all_peers(self, n_stages: int) -> list[PeerRecord]:
         """Every live peer record of the swarm, whatever its stage (:meth:`stage_peers`, flattened)."""

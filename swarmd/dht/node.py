@@ -13,10 +13,12 @@ Lookups
     (kademlia's ``Server.set_digest`` rule). ``get`` does not stop at the first value as
     kademlia's ``ValueSpiderCrawl`` does (which then picks the most common value): it crawls
     until the k closest nodes have all been asked and merges everything they hold (per subkey,
-    newest wins), with this node's own copy. A ``get`` therefore costs a full lookup whatever
-    the replicas hold: 22 ``find_value`` RPCs on average in a 100-node DHT (k = 20), and a
-    ``store`` about 40 (a node lookup, then k ``store`` RPCs); ``get_stage_peers`` is one
-    ``get`` per bucket, run in parallel. ``scripts/bench_dht.py`` measures these.
+    newest wins), with this node's own copy, keeping only the records that replicas of half the
+    source groups that answered hold, and of two or more (a lone replica's extras are its own,
+    e.g. a flooder's). A ``get``
+    therefore costs a full lookup whatever the replicas hold: 22 ``find_value`` RPCs on average
+    in a 100-node DHT (k = 20), and a ``store`` about 40 (a node lookup, then k ``store``
+    RPCs); ``get_stage_peers`` is one ``get`` per bucket, run in parallel. ``scripts/bench_dht.py`` measures these.
 
 Sizes and limits (measured; ``tests/test_dht_node.py`` and ``test_dht_records.py`` pin them)
     - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest, checkpoint step): 305 bytes;
@@ -30,6 +32,10 @@ Sizes and limits (measured; ``tests/test_dht_node.py`` and ``test_dht_records.py
       bucket's replicas refuse a record because the bucket is full, :meth:`DHTNode.store_peer`
       moves on to the next bucket (readers read all of them anyway), so the whole capacity is
       usable despite hash imbalance. Every peer of a swarm must use the same ``bucket_count``.
+    - one source group (an address, its /24 or /64, or an address and port on loopback:
+      ``source_grouping``) places at most ``max_per_source`` (8) new records under one key, 32 per
+      stage, and a full key is shared fairly among groups (:mod:`swarmd.dht.sources`); a store
+      refused over quota counts as refused, so ``store_peer`` moves on to the next bucket.
 
 Republishing is the caller's job: the daemon re-signs its record with a fresh ``timestamp`` every
 announce period, with ``expiry`` = now + 3 periods, so a dead peer disappears within 3 periods.
@@ -56,7 +62,8 @@ from kademlia.utils import digest
 
 from swarmd.dht.identity import Identity
 from swarmd.dht.protocol import DEFAULT_MAX_BULK_RPCS, MAX_BUNDLE_BYTES, DHTProtocol, TaskSet
-from swarmd.dht.records import PeerRecord, Record, RecordCache, decode_bundle, encode_bundle
+from swarmd.dht.records import PeerRecord, Record, RecordCache, bundle_size, decode_bundle, encode_bundle
+from swarmd.dht.sources import DEFAULT_MAX_PER_SOURCE, LOCAL, Grouping, source_group
 from swarmd.dht.storage import DEFAULT_MAX_KEYS, DEFAULT_MAX_SUBKEYS, RecordStorage
 from swarmd.errors import BootstrapError, DHTError, MalformedRecord, RecordError, RecordExpired
 from swarmd.swarm_key import SwarmKey
@@ -110,19 +117,21 @@ class MergingValueSpiderCrawl(SpiderCrawl):
 
     def __init__(self, protocol: DHTProtocol, node: Node, peers: list[Node], ksize: int, alpha: int) -> None:
         super().__init__(protocol, node, peers, ksize, alpha)
-        self.values: list[bytes] = []
+        self.values: list[tuple[str, bytes]] = []  # (the answering replica's source group, its bundle)
 
-    async def find(self) -> list[bytes]:
+    async def find(self) -> list[tuple[str, bytes]]:
         return await self._find(self.protocol.call_find_value)
 
-    async def _nodes_found(self, responses: dict[bytes, tuple[bool, Any]]) -> list[bytes]:
+    async def _nodes_found(self, responses: dict[bytes, tuple[bool, Any]]) -> list[tuple[str, bytes]]:
         gone = []
         for peer_id, answer in responses.items():
             response = RPCFindResponse(answer)
             if not response.happened():
                 gone.append(peer_id)
             elif response.has_value():
-                self.values.append(response.get_value())
+                replica = self.nearest.get_node(peer_id)
+                where = (replica.ip, replica.port) if replica is not None else ("?", 0)
+                self.values.append((source_group(where, self.protocol.source_grouping), response.get_value()))
             else:
                 self.nearest.push(response.get_node_list())
         self.nearest.remove(gone)
@@ -163,9 +172,16 @@ class DHTNode:
         max_bulk_rpcs: int = DEFAULT_MAX_BULK_RPCS,
         clock: Callable[[], float] = time.time,
         swarm_key: SwarmKey | None = None,
+        max_per_source: int = DEFAULT_MAX_PER_SOURCE,
+        source_grouping: Grouping = "auto",
     ) -> None:
         """``swarm_key``: a private swarm's pre-shared key; every datagram is then authenticated
-        (:mod:`swarmd.swarm_key`) and nodes without it (or with another) are not talked to."""
+        (:mod:`swarmd.swarm_key`) and nodes without it (or with another) are not talked to.
+
+        ``max_per_source`` and ``source_grouping``: how many new records one source group (IPv4
+        /24, IPv6 /64, an address or an address and port; ``auto`` picks by address kind) may
+        place under one key of this node's storage, and a full key shared fairly among groups
+        (:mod:`swarmd.dht.sources`, issue 18: a flood of minted identities cannot crowd out peers)."""
         if ksize < 1 or alpha < 1 or bucket_count < 1 or max_bulk_rpcs < 1:
             raise ValueError("ksize, alpha, bucket_count and max_bulk_rpcs must be >= 1")
         if rpc_timeout <= 0 or maintenance_interval_s <= 0:
@@ -182,8 +198,10 @@ class DHTNode:
         self.node = Node(identity.node_id)
         self.cache = RecordCache()
         self.storage = RecordStorage(
-            max_subkeys=max_subkeys, max_bundle_bytes=max_bundle_bytes, max_keys=max_keys, cache=self.cache, clock=clock
+            max_subkeys=max_subkeys, max_bundle_bytes=max_bundle_bytes, max_keys=max_keys, cache=self.cache,
+            clock=clock, max_per_source=max_per_source,
         )
+        self.source_grouping: Grouping = source_grouping
         self._clock = clock
         self.swarm_key = swarm_key
         self._auth = swarm_key.dht() if swarm_key is not None else None
@@ -227,6 +245,7 @@ class DHTNode:
             rpc_timeout=self.rpc_timeout,
             max_bulk_rpcs=self.max_bulk_rpcs,
             auth=self._auth,
+            source_grouping=self.source_grouping,
         )
         try:
             await loop.create_datagram_endpoint(lambda: protocol, local_addr=(self.host, self.port))
@@ -468,10 +487,21 @@ class DHTNode:
         log.warning("every bucket of stage %d of swarm %r is full; record held by %d nodes", peer.stage, swarm, best)
         return best
 
-    async def _store(self, dkey: bytes, raw: bytes) -> tuple[int, int]:
+    async def store_many(self, key: str, records: Sequence[bytes]) -> tuple[int, int]:
+        """Merge-store a bundle of signed records (at most :data:`MAX_BUNDLE_BYTES` encoded) under
+        ``key`` on its k closest nodes, as a hand-over does: ``(nodes that held all of them, nodes
+        that refused some)``. What a mirror, a test or the flood harness (``scripts/flood.py``)
+        needs; a daemon stores its own record with :meth:`store` / :meth:`store_peer`."""
+        for raw in records:
+            self._open_own(raw)
+        if bundle_size(records) > MAX_BUNDLE_BYTES:
+            raise ValueError(f"a bundle of {bundle_size(records)} bytes exceeds {MAX_BUNDLE_BYTES}")
+        return await self._run(self._store(digest(key), encode_bundle(records), prebundled=True))
+
+    async def _store(self, dkey: bytes, raw: bytes, *, prebundled: bool = False) -> tuple[int, int]:
         protocol = self._proto()
         target = Node(dkey)
-        bundle = encode_bundle([raw])
+        bundle = raw if prebundled else encode_bundle([raw])
         nearest = protocol.router.find_neighbors(target)
         closest: list[Node] = []
         if nearest:
@@ -502,11 +532,22 @@ class DHTNode:
         return {s: r for s, r in records.items() if isinstance(r, PeerRecord) and r.stage == stage}
 
     async def _get_merged(self, dkeys: list[bytes]) -> dict[str, Record]:
+        """Every replica's bundle of each key, merged per subkey (newest wins) over the records that
+        replicas of at least half the source groups that answered with a value hold, and of at least
+        two when two or more answered. A replica can answer a lookup with whatever it likes, so a
+        record only it (or its /24) vouches for is a flooder's own, and is dropped (counted as
+        ``one_replica``); and since each honest replica holds at most its quota of one source's
+        records per key, a flooder that is a replica itself is listed at most about twice that
+        quota per key, whatever it sends to whom. Honest stores reach every replica of the k
+        closest (and ``store_peer`` keeps a record where most accept it), so real records pass."""
         found = await _gather(*(self._lookup(dkey) for dkey in dkeys))
         now = self._clock()
         merged: dict[str, tuple[Record, bytes]] = {}
         for bundles in found:
-            for bundle in bundles:
+            versions: dict[str, tuple[Record, bytes]] = {}
+            vouchers: dict[str, set[str]] = {}
+            groups = {group for group, _ in bundles}
+            for group, bundle in bundles:
                 try:
                     raws = decode_bundle(bundle)
                 except MalformedRecord:
@@ -520,17 +561,26 @@ class DHTNode:
                     except RecordError as exc:
                         self._lookup_rejected[exc.reason] += 1
                         continue
-                    held = merged.get(record.subkey)
+                    vouchers.setdefault(record.subkey, set()).add(group)
+                    held = versions.get(record.subkey)
                     if held is None or (held[0].timestamp, held[1]) < (record.timestamp, raw):
-                        merged[record.subkey] = (record, raw)
+                        versions[record.subkey] = (record, raw)
+            needed = max(min(2, len(groups)), (len(groups) + 1) // 2)
+            for subkey, (record, raw) in versions.items():
+                if len(vouchers[subkey]) < needed:
+                    self._lookup_rejected["one_replica"] += 1
+                    continue
+                held = merged.get(subkey)
+                if held is None or (held[0].timestamp, held[1]) < (record.timestamp, raw):
+                    merged[subkey] = (record, raw)
         return {subkey: record for subkey, (record, _) in merged.items()}
 
-    async def _lookup(self, dkey: bytes) -> list[bytes]:
+    async def _lookup(self, dkey: bytes) -> list[tuple[str, bytes]]:
         protocol = self._proto()
-        values = []
+        values: list[tuple[str, bytes]] = []
         local = self.storage.get(dkey)
         if local is not None:
-            values.append(local)
+            values.append((LOCAL, local))
         target = Node(dkey)
         nearest = protocol.router.find_neighbors(target)
         if nearest:
@@ -542,6 +592,11 @@ class DHTNode:
     def auth_refused(self) -> dict[str, int] | None:
         """Datagrams refused for lacking the swarm key, by reason (None: not a private swarm)."""
         return self._auth.counts() if self._auth is not None else None
+
+    def flood_stats(self) -> dict[str, Any]:
+        """What the source quota, fair sharing and vouched lookups refused (issue 18; cheap: no cull)."""
+        return {"grouping": self.source_grouping, **self.storage.flood_stats(),
+                "one_replica": self._lookup_rejected["one_replica"]}
 
     def stats(self) -> dict[str, Any]:
         """Counters for /status and tests: table size, stored keys, rejections, drops, tasks."""
@@ -560,6 +615,8 @@ class DHTNode:
             "auth_refused": self.auth_refused(),
             "outstanding_rpcs": protocol.outstanding if protocol is not None else 0,
             "rpcs_sent": dict(sorted(protocol.sent.items())) if protocol is not None else {},
+            "rpcs_timed_out": dict(sorted(protocol.timed_out.items())) if protocol is not None else {},
+            "sources": self.flood_stats(),
             "tasks": len(self._ops) + len(self._background) + (len(protocol.tasks) if protocol is not None else 0),
         }
 

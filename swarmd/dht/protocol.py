@@ -43,8 +43,11 @@ What :class:`DHTProtocol` overrides, and why (everything else is kademlia's):
     is dropped, counted and its sender evicted instead of raising inside a lookup.
 ``rpc_store`` (kademlia)
     The value is a *bundle* (msgpack array of signed records) merged into
-    :class:`~swarmd.dht.storage.RecordStorage`; the answer is ``True`` only if every record of it
-    is now held (invalid or capped records make it ``False``).
+    :class:`~swarmd.dht.storage.RecordStorage`, accounted to the sender's source group
+    (:func:`~swarmd.dht.sources.source_group` of the datagram's address, under ``source_grouping``:
+    kademlia hands ``rpc_store`` the sender, which the storage uses to bound what one address may
+    place under a key, issue 18); the answer is ``True`` only if every record of it is now held
+    (invalid, capped or over-quota records make it ``False``).
 ``welcome_if_new`` (kademlia, section 2.5)
     Hand-over of stored keys to a new close neighbour runs as owned tasks; it also fixes
     kademlia 2.2.3 hashing the (already hashed) key a second time before measuring distances,
@@ -78,6 +81,7 @@ from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 from kademlia.routing import RoutingTable
 
+from swarmd.dht.sources import Grouping, source_group
 from swarmd.swarm_key import DATAGRAM_OVERHEAD, DATAGRAM_TAG, DatagramAuth
 
 __all__ = [
@@ -129,7 +133,7 @@ class MergeOutcome(Protocol):
 
 
 class BundleStorage(Protocol):
-    def merge(self, key: bytes, bundle: bytes) -> MergeOutcome: ...
+    def merge(self, key: bytes, bundle: bytes, *, source: str | None = None) -> MergeOutcome: ...
     def get(self, key: bytes, default: Any = None) -> Any: ...
     def keys(self) -> list[bytes]: ...
 
@@ -295,8 +299,11 @@ class DHTProtocol(KademliaProtocol):
         rpc_timeout: float = 2.0,
         max_bulk_rpcs: int = DEFAULT_MAX_BULK_RPCS,
         auth: DatagramAuth | None = None,
+        source_grouping: Grouping = "auto",
     ) -> None:
+        source_group(None, source_grouping)  # an unknown grouping is a ValueError here, not per datagram
         super().__init__(source_node, storage, ksize)
+        self.source_grouping: Grouping = source_grouping
         self.auth = auth  # a private swarm's key: every datagram is wrapped and checked (swarmd.swarm_key)
         self._private_senders: set[str] = set()
         self._bulk = asyncio.Semaphore(max_bulk_rpcs)
@@ -307,6 +314,7 @@ class DHTProtocol(KademliaProtocol):
         self.tasks = TaskSet("dht protocol")
         self.dropped: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()  # requests sent, by RPC name
+        self.timed_out: Counter[str] = Counter()  # requests that got no answer in time, by RPC name
         self._outstanding: dict[bytes, _Pending] = {}
         self._pinging: set[bytes] = set()
         self._closed = False
@@ -435,6 +443,7 @@ class DHTProtocol(KademliaProtocol):
     def _on_timeout(self, msg_id: bytes) -> None:
         pending = self._outstanding.pop(msg_id, None)
         if pending is not None and not pending.future.done():
+            self.timed_out[pending.name] += 1
             pending.future.set_result((False, None))
 
     def _checked(self, result: tuple[bool, Any], shape: Callable[[object], bool], node: Node) -> tuple[bool, Any]:
@@ -516,7 +525,7 @@ class DHTProtocol(KademliaProtocol):
         self, sender: tuple[Any, ...], nodeid: bytes, key: bytes, value: bytes
     ) -> bool:
         self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
-        return self.storage.merge(key, value).ok
+        return self.storage.merge(key, value, source=source_group(sender, self.source_grouping)).ok
 
     def welcome_if_new(self, node: Node) -> None:
         """Add a new contact; hand over the keys it should now store (section 2.5)."""
