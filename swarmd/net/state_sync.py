@@ -12,7 +12,13 @@ this module chooses the donor and checks what arrives:
   before any tensor is allocated;
 - the parameters that arrived must hash to the ``params_digest`` the donor put in its header
   *before* they are adopted: a donor whose state does not match its own digest changes nothing
-  here, and the next donor is tried.
+  here, and the next donor is tried;
+- and before any download, the donors must *prove themselves* (:func:`proven_donors`,
+  ``swarmd.net.proof``: a signed challenge at the address in their record, each bounded by a
+  short timeout and all at once), so a fake record -- even one with the newest step, pointing at
+  a port that never answers -- is never downloaded from (issue #18). Among the proven, the step
+  and params digest most of them hold is preferred, and a minority digest at that step is not
+  used at all: one liar cannot hand a joiner other parameters while honest donors exist.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -33,6 +40,9 @@ from swarmd.net.addresses import dial_target, is_relayed
 from swarmd.net.state_transfer import download_state
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.model import tensors_digest
+
+if TYPE_CHECKING:
+    from swarmd.net.proof import Proof, Prover
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +62,35 @@ def choose_donors(
     # stable: the shuffle decides among equals; a relayed donor only when no direct one has the step
     donors.sort(key=lambda r: (is_relayed(r.data_addr), -r.step))
     return donors
+
+
+def rank_proven(donors: Iterable[PeerRecord], proofs: Mapping[str, Proof], *, min_step: int) -> list[PeerRecord]:
+    """The proven donors worth downloading from, in order (pure): at ``min_step`` or later by their
+    proof (which is fresher than their record); newest step first; at each step only the params
+    digest most proven donors hold (ties: the digest that sorts first); a relayed donor after the
+    direct ones; otherwise in the order given (``choose_donors`` shuffled it)."""
+    proven = [d for d in donors if d.peer_id in proofs and proofs[d.peer_id].step >= min_step]
+    held = Counter((proofs[d.peer_id].step, proofs[d.peer_id].params_digest) for d in proven)
+    best: dict[int, str] = {}  # step -> the digest most proven donors hold at it
+    for (step, digest), _ in sorted(held.items(), key=lambda item: (-item[1], item[0][1] or "")):
+        best.setdefault(step, digest or "")
+    kept = [d for d in proven if (proofs[d.peer_id].params_digest or "") == best[proofs[d.peer_id].step]]
+    kept.sort(key=lambda d: (is_relayed(d.data_addr), -proofs[d.peer_id].step))
+    return kept
+
+
+async def proven_donors(prover: Prover, donors: Iterable[PeerRecord], *, stage: int, min_step: int,
+                        exclude: Collection[str] = ()) -> list[PeerRecord]:
+    """The donors of ``choose_donors`` that prove themselves now (all challenged afresh, at once, each
+    within ``swarmd.net.proof.PROOF_TIMEOUT_S``; not those backing off after a failed challenge),
+    ranked by :func:`rank_proven` on the steps and digests they hold now; never one of
+    ``exclude`` (peers caught lying in rounds, or excluded by the trainers' reports)."""
+    candidates = [d for d in donors if d.peer_id not in exclude]
+    proofs = await prover.prove_all({d.peer_id: d.data_addr for d in candidates}, stage=stage, fresh=True)
+    ranked = rank_proven(candidates, proofs, min_step=min_step)
+    if len(ranked) < len(candidates):
+        log.info("state donors of stage %d: %d listed, %d proven and agreeing", stage, len(candidates), len(ranked))
+    return ranked
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,278 @@
+"""Averaging that checks its inputs and its leader (issue #17, item 2): the pure decisions.
+
+SWARM (section 3.2) all-reduces a stage's gradients among peers it assumes honest. In an open
+swarm a member may send a poisoned contribution (scaled, noisy, or non-finite gradients; zeros
+under an inflated sample count) or, as a round's leader, answer with a mean it made up. This
+module decides, from numbers only (no I/O, no clock but the one injected), what
+``swarmd.pipeline.averaging`` refuses:
+
+**The leader refuses outlier contributions.** For each contribution with samples it takes the
+L2 norm of its per-sample mean gradient, ``r_j = ||G_j|| / n_j``, and compares it with a
+reference: the median of the round's ``r_j`` (:func:`reference`); with an even count, of the two
+middle values the leader's own if it is one of them, else their geometric mean, so that with two
+peers the leader trusts its own gradients (it computed them) and a 2-peer round cannot be
+captured by the other peer. A contribution is an outlier when ``r_j`` lies outside
+``[ref / bound, ref * bound]`` with ``bound = OUTLIER_FACTOR * sqrt(max(n_j, n_ref) / min(n_j,
+n_ref))``. Why that bound: ``r_j`` is the norm of a mean of ``n_j`` per-sample gradients; the
+signal part of that norm does not depend on ``n_j`` and the noise part shrinks as ``1/sqrt(n_j)``,
+so two honest peers' ``r`` differ by at most ``sqrt`` of their sample-count ratio, times the
+estimation noise of a norm over hundreds of thousands of coordinates (a few percent). The 8-bit
+codec changes a gradient's norm by well under 1 % in practice (``swarmd.net.codecs``: at most
+``EIGHT_BIT_REL_ERROR`` of each block's absmax per value). But per-sample gradients are heavy-
+tailed: at initialisation two honest 1-sample microbatches of the tiny model differ by up to 2.5x,
+yet in a real 60-step run (``tests/test_migration.py``, step 14, codec none, identical parameters)
+one honest 4-sample contribution had 33x the per-sample norm of its stage-mates' 4- and 8-sample
+ones, and a factor of 4 refused it and stalled the stage. ``OUTLIER_FACTOR = 64`` leaves about
+twice that margin: the rule refuses *gross* poisoning (scaled by 64x or more against as many
+samples, noise of that size, zeros or a gradient shrunk as much, e.g. by claiming 64x the
+samples it holds); poisoning within that band is not detected here (the optimizer's clipping
+bounds its effect, and docs/SECURITY.md says so). 8-bit encoding moved a norm by at most 0.15 %.
+Non-finite gradients never get here: the data plane refuses them while decoding (422).
+
+**Contributors check the leader's answer** (:func:`check_answer`). The leader publishes, for
+every contribution it used, ``(peer id, samples, digest, r)``; the digest is the SHA-256 of the
+float32 bytes as the leader decoded them (:func:`tensor_digest`), the same bytes the
+contributor can compute from what it sent. A contributor refuses the answer when:
+
+- its own contribution is not listed exactly (digest and samples), or a peer is listed twice,
+  or the samples listed do not sum to the round's total;
+- the listed norms fail the leader's own outlier rule (a leader cannot inflate the others'
+  norms to hide a big mean without making the contributor's own entry an outlier);
+- the mean ``m`` breaks the triangle inequality that holds for every true weighted mean
+  ``m = sum_j w_j g_j`` (``w_j = n_j / N``): ``||m|| <= sum_j w_j r_j`` and
+  ``||m - g_i|| <= sum_{j != i} w_j (r_j + r_i)``, with a slack for the codec of the answer
+  (:data:`ANSWER_SLACK`). With three or more contributors this is the "mean far from every
+  contribution" test of the issue, made exact: an honest leader never fails it, and a lying one
+  is held to a mean no larger than the published (and self-checked) norms allow. A lie inside
+  those bounds (e.g. a sign flip in a noise-dominated round) is not detected here; the
+  optimizer's clipping bounds its effect, and SECURITY.md says so.
+
+A refused answer is not applied: the contributor keeps its gradients (and their samples) for
+the next round, and the leader is excluded from leading for a growing period
+(:class:`Suspicions`). A refused contribution's sender is excluded from the leader's rounds
+the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ANSWER_SLACK",
+    "OUTLIER_FACTOR",
+    "Suspicions",
+    "Used",
+    "allowed_ratio",
+    "check_answer",
+    "outliers",
+    "per_sample_norm",
+    "reference",
+    "tensor_digest",
+]
+
+OUTLIER_FACTOR = 64.0
+#: Relative slack on the answer's norm bounds, by the codec the mean travels with. ``none``:
+#: float32 rounding of the mean. Lossy codecs: the mean's own encoding error; for ``8bit`` the
+#: documented worst case per 4096-value block is ``EIGHT_BIT_REL_ERROR * sqrt(4096) ~= 0.45`` of
+#: the block's norm, so 0.5 never refuses an honest leader.
+ANSWER_SLACK = {"none": 1e-3, "fp16": 1e-2, "bf16": 2e-2, "8bit": 0.5}
+
+
+@dataclass(frozen=True)
+class Used:
+    """One contribution a leader used, as its answer publishes it."""
+
+    peer_id: str
+    samples: int
+    digest: str  # tensor_digest of its gradients as decoded by the leader; "" with no gradients
+    norm: float  # per_sample_norm: ||grads|| / samples (0.0 with no samples)
+
+    def to_wire(self) -> list[Any]:
+        return [self.peer_id, self.samples, self.digest, self.norm]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Used:
+        """Validate one entry of a leader's answer (remote input): ``ValueError`` when malformed."""
+        if not isinstance(value, (list, tuple)) or len(value) != 4:
+            raise ValueError("a used contribution is [peer_id, samples, digest, norm]")
+        pid, samples, digest, norm = value
+        if not isinstance(pid, str) or not 0 < len(pid) <= 64:
+            raise ValueError("a used contribution's peer id must be a short string")
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+            raise ValueError("a used contribution's samples must be a non-negative integer")
+        if not isinstance(digest, str) or len(digest) not in (0, 64):
+            raise ValueError("a used contribution's digest must be 64 hex characters or empty")
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm) or norm < 0:
+            raise ValueError("a used contribution's norm must be a finite non-negative number")
+        return cls(pid, samples, digest, float(norm))
+
+
+def tensor_digest(grads: torch.Tensor | None) -> str:
+    """SHA-256 of a flat float32 tensor's bytes ("" for None): what contributor and leader compare."""
+    if grads is None:
+        return ""
+    t = grads.detach().to(torch.float32).contiguous().cpu()
+    return hashlib.sha256(t.numpy().data).hexdigest()  # no copy: the tensor is contiguous
+
+
+def per_sample_norm(grads: torch.Tensor | None, samples: int) -> float:
+    """``||grads|| / samples`` in float64 (0.0 without gradients or samples)."""
+    if grads is None or samples <= 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(grads.to(torch.float64))) / samples
+
+
+def allowed_ratio(n_a: int, n_b: int) -> float:
+    """How far apart two honest per-sample norms over ``n_a`` and ``n_b`` samples may lie."""
+    lo, hi = sorted((max(1, n_a), max(1, n_b)))
+    return OUTLIER_FACTOR * math.sqrt(hi / lo)
+
+
+def reference(entries: Mapping[str, tuple[float, int]], leader: str) -> tuple[float, int] | None:
+    """The median ``(norm, samples)`` of the contributions with samples; with an even count the
+    leader's own if it is one of the two middle ones, else their geometric mean (and the smaller
+    sample count). None when no contribution has samples."""
+    ranked = sorted(((norm, n, pid) for pid, (norm, n) in entries.items() if n > 0), key=lambda e: (e[0], e[2]))
+    if not ranked:
+        return None
+    k = len(ranked)
+    if k % 2:
+        norm, n, _ = ranked[k // 2]
+        return norm, n
+    a, b = ranked[k // 2 - 1], ranked[k // 2]
+    for norm, n, pid in (a, b):
+        if pid == leader:
+            return norm, n
+    return math.sqrt(a[0] * b[0]), min(a[1], b[1])
+
+
+def outliers(entries: Mapping[str, tuple[float, int]], leader: str) -> dict[str, str]:
+    """The contributions (peer id -> why) whose per-sample norm is too far from the reference.
+
+    ``entries``: peer id -> (per-sample norm, samples); contributions without samples are never
+    outliers (they carry no gradients). A zero reference (every gradient zero) refuses nothing.
+    """
+    ref = reference(entries, leader)
+    if ref is None or ref[0] <= 0.0:
+        return {}
+    ref_norm, ref_n = ref
+    out = {}
+    for pid, (norm, n) in sorted(entries.items()):
+        if n <= 0:
+            continue
+        bound = allowed_ratio(n, ref_n)
+        if norm > ref_norm * bound:
+            out[pid] = f"norm {norm:.3g} per sample is {norm / ref_norm:.1f}x the round's median {ref_norm:.3g}"
+        elif norm * bound < ref_norm:
+            ratio = ref_norm / norm if norm > 0 else math.inf
+            out[pid] = f"norm {norm:.3g} per sample is 1/{ratio:.1f} of the round's median {ref_norm:.3g}"
+    return out
+
+
+def check_answer(
+    *,
+    own: Used,
+    own_grads: torch.Tensor | None,
+    mean: torch.Tensor,
+    used: Sequence[Used],
+    total: int,
+    leader: str,
+    codec: str,
+) -> str | None:
+    """Why a contributor refuses the leader's ``ok`` answer (None: it applies it).
+
+    ``own``: this contributor's entry as it computed it (digest and norm of its gradients as the
+    leader decoded them: ``own_grads``); ``mean``: the decoded mean; ``used``: the leader's list.
+    """
+    by_peer: dict[str, Used] = {}
+    for u in used:
+        if u.peer_id in by_peer:
+            return f"the answer lists {u.peer_id[:12]} twice"
+        by_peer[u.peer_id] = u
+    listed = by_peer.get(own.peer_id)
+    if listed is None:
+        return "the answer does not list this peer's contribution"
+    if listed.samples != own.samples or listed.digest != own.digest:
+        return "the answer lists this peer's contribution with another digest or sample count"
+    if sum(u.samples for u in used) != total:
+        return f"the contributions listed sum to {sum(u.samples for u in used)} samples, not the round's {total}"
+    if total <= 0:
+        return "the round has no samples"
+    listed_norms = {u.peer_id: (own.norm if u.peer_id == own.peer_id else u.norm, u.samples) for u in used}
+    bad = outliers(listed_norms, leader)
+    if bad:
+        pid, why = next(iter(bad.items()))
+        return f"the answer lists {pid[:12]} although it is an outlier ({why})"
+    if not bool(torch.isfinite(mean).all()):
+        return "the mean is not finite"
+    slack = 1.0 + ANSWER_SLACK.get(codec, 0.5)
+    m = mean.to(torch.float64)
+    m_norm = float(torch.linalg.vector_norm(m))
+    bound = sum((u.samples / total) * listed_norms[u.peer_id][0] for u in used)
+    if m_norm > slack * bound + 1e-12:
+        return f"the mean's norm {m_norm:.3g} exceeds what the contributions allow ({bound:.3g})"
+    if own_grads is not None and own.samples > 0:
+        dist = float(torch.linalg.vector_norm(m - own_grads.to(torch.float64) / own.samples))
+        far = sum((u.samples / total) * (listed_norms[u.peer_id][0] + own.norm)
+                  for u in used if u.peer_id != own.peer_id)
+        # the mean's own encoding error may add up to (slack - 1) * ||m|| to the distance
+        if dist > far * (1.0 + 1e-3) + (slack - 1.0) * m_norm + 1e-12:
+            return (f"the mean lies {dist:.3g} from this peer's gradient, "
+                    f"beyond what the contributions allow ({far:.3g})")
+    return None
+
+
+class Suspicions:
+    """Peers caught misbehaving in rounds, excluded for a period that doubles on every repeat.
+
+    ``base_s * 2**(k-1)`` for the k-th offence, at most ``max_s`` (10 s, 20 s, ... 10 minutes);
+    offences are remembered for ``memory_s`` after the exclusion ends, so a peer that lies again
+    soon after coming back is excluded longer. Bounded to ``max_peers`` entries.
+    """
+
+    def __init__(self, *, base_s: float = 10.0, max_s: float = 600.0, memory_s: float = 3600.0,
+                 max_peers: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self.memory_s = memory_s
+        self.max_peers = max_peers
+        self.clock = clock
+        self._entries: dict[str, tuple[int, float, str]] = {}  # peer id -> (offences, until, last reason)
+
+    def accuse(self, peer_id: str, reason: str) -> float:
+        """Record an offence; returns the exclusion's length in seconds."""
+        now = self.clock()
+        count, until, _ = self._entries.pop(peer_id, (0, now, ""))
+        if now > until + self.memory_s:
+            count = 0
+        count += 1
+        period = min(self.max_s, self.base_s * 2 ** (count - 1))
+        self._entries[peer_id] = (count, max(until, now + period), reason)
+        while len(self._entries) > self.max_peers:
+            self._entries.pop(next(iter(self._entries)))
+        return period
+
+    def excluded(self) -> set[str]:
+        now = self.clock()
+        return {pid for pid, (_, until, _) in self._entries.items() if until > now}
+
+    def offenders(self) -> set[str]:
+        """Peers with an offence still remembered (excluded now, or within ``memory_s`` after)."""
+        now = self.clock()
+        return {pid for pid, (_, until, _) in self._entries.items() if now <= until + self.memory_s}
+
+    def is_excluded(self, peer_id: str) -> bool:
+        entry = self._entries.get(peer_id)
+        return entry is not None and entry[1] > self.clock()
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        return {pid: {"offences": n, "excluded_for_s": round(until - now, 1), "reason": why}
+                for pid, (n, until, why) in self._entries.items() if until > now}
