@@ -84,14 +84,16 @@ from swarmd.net.addresses import (
 )
 from swarmd.net.client import client_session
 from swarmd.net.handover import GradientsRequest, hand_over
+from swarmd.net.proof import ProofService, Prover
 from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
-from swarmd.net.state_sync import adopt_state, choose_donors
+from swarmd.net.state_sync import adopt_state, choose_donors, proven_donors
 from swarmd.peer_state import PeerState
 from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.migration import Migrator
 from swarmd.pipeline.rebalance import StageLoad, choose_stage
+from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
 from swarmd.pipeline.runtime import StageRuntime
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
 from swarmd.state_dir import lock_state_dir
@@ -104,6 +106,7 @@ ANNOUNCE_TASK, AVERAGER_TASK, REBALANCE_TASK, API_TASK = "announce", "averager",
 RELAY_TASK = "relay"
 CHECKPOINT_TASK = "checkpoint"
 TRAINING_TASK = "training-summary"
+REACHABILITY_TASK = "reachability"
 
 
 class Daemon:
@@ -129,6 +132,10 @@ class Daemon:
         self.announced: Announced | None = None  # the host others dial (swarmd.net.addresses)
         self.reachability = reachability.Reachability()  # whether they can (swarmd.net.reachability)
         self._probes = reachability.ProbeService(lambda: self.peer_id, lambda: self._session)
+        self.prover = Prover(lambda: self._session)  # which peers proved themselves (swarmd.net.proof)
+        # trainers' signed reports of wrong answers; two independent ones exclude a peer (issue 17)
+        self.reports = ReportLedger(on_exclude=self._on_report_exclusion)
+        self._proofs = ProofService(lambda: self.identity, lambda: self.data_addr, lambda: self.runtime)
         net = config.net
         self.relay_server = RelayServer(lambda: self.identity, addr=lambda: self.data_addr,
                                         enabled=self._relays_for_others, max_peers=net.relay_max_peers,
@@ -213,8 +220,9 @@ class Daemon:
             self._session = client_session(cfg.swarm_key)  # signs requests to stage-mates in a private swarm
             self.data_plane = DataPlane(lambda: self.runtime, limits=cfg.net.limits,
                                         read_timeout_s=cfg.net.read_timeout_s, swarm_key=cfg.swarm_key,
-                                        relay=self.relay_server, peer_id=lambda: self.peer_id)
+                                        relay=self.relay_server, peer_id=lambda: self.peer_id, reports=self.reports)
             self._probes.install(self.data_plane.app)
+            self._proofs.install(self.data_plane.app)
             self.data_plane.app.middlewares.insert(0, self.metrics.data_plane_middleware())  # outermost: sees all
             self.relay_server.install(self.data_plane.app)
             data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
@@ -247,7 +255,8 @@ class Daemon:
         assert self.spec is not None  # resolved before any stage is built
         pipe = self.config.pipeline
         executor = await asyncio.to_thread(StageExecutor, self.spec, stage, pipe.device, training=self.training,
-                                           max_batch_tokens=pipe.max_batch_tokens, threads=pipe.threads)
+                                           max_batch_tokens=pipe.max_batch_tokens, threads=pipe.threads,
+                                           precision=pipe.precision)
         return StageRuntime(executor)
 
     def spawn(self, name: str, factory: Any, *, restart: bool = False) -> asyncio.Task[None]:
@@ -265,9 +274,41 @@ class Daemon:
             stage_peers=self._stage_mates,
             session=self._session,
             on_behind=self._resync,
+            identity=self.identity,
+            prover=self.prover,
+            exclude=self._ledger_excluded,
         )
         runtime.averager = averager
         self.tasks.spawn(AVERAGER_TASK, averager.run, restart=True)
+
+    def _ledger_excluded(self) -> set[str]:
+        """Peers the trainers' reports exclude now (``swarmd.pipeline.reports``)."""
+        return set(self.reports.excluded())
+
+    def _on_report_exclusion(self, peer_id: str, seconds: float, report: MisbehaviourReport) -> None:
+        log.warning("peer %s excluded for %.0fs: reported by %d independent checks, the last by trainer %s "
+                    "(stage %d step %d %s mb %d, request %s, answers %s)", peer_id, seconds,
+                    self.reports.reporters_needed, report.reporter_id[:12], report.stage, report.step, report.kind,
+                    report.mb, report.request_digest[:16],
+                    ", ".join(f"{p[:12]}={d[:12]}" for p, d in report.answers))
+
+    def _untrusted_evidence(self) -> dict[str, str]:
+        """Peers this daemon's views leave out (swarmd.dht.membership, issue 18), with the reason: caught by
+        the stage's round checks or excluded by reports."""
+        return {pid: "excluded" for pid in self._excluded_peers()}
+
+    def _untrusted_status(self) -> dict[str, Any]:
+        """``/status`` -> untrusted: peers left out of the views, and what the DHT storage refused, by source."""
+        out: dict[str, Any] = self.membership.untrusted() if self.membership is not None else {}
+        if self.dht is not None:
+            out["dht"] = self.dht.flood_stats()
+        return out
+
+    def _excluded_peers(self) -> set[str]:
+        """Peers this stage does not trust now (nor takes state from): caught by its round checks lately, or
+        excluded by reports."""
+        averager = self.averager
+        return averager.distrusted() if averager is not None else self._ledger_excluded()
 
     async def stop_averaging(self) -> None:
         await self.tasks.cancel(AVERAGER_TASK)
@@ -370,7 +411,8 @@ class Daemon:
         await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s)
         log.info("%s; DHT node on udp://%s", "joined the swarm's DHT" if dht.join else "founded a new DHT",
                  format_addr(self.dht.address))
-        self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s)
+        self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s,
+                                     evidence=self._untrusted_evidence)
 
     async def _resolve_swarm(self) -> tuple[ModelSpec, TrainingSpec]:
         """A founder publishes its model; a joiner takes the swarm's and checks ``--model``."""
@@ -472,6 +514,9 @@ class Daemon:
         except SwarmdError as exc:
             log.warning("cannot check this peer's reachability: %s", exc)
             return
+        proven = self.prover.proven({r.peer_id: r.data_addr for r in members})
+        if proven:  # members that answered a signed challenge: a fake prober costs a timeout, or lies (issue 18)
+            members = [r for r in members if r.peer_id in proven]
         result = await reachability.check(self._session, peer_id=peer_id, addr=addr, members=members)
         changed = result.status != self.reachability.status
         self.reachability = result
@@ -551,7 +596,11 @@ class Daemon:
             if runtime.executor.step >= min_step > 0:
                 return True  # another sync got there first
             records = await self.dht.get_stage_peers(self.config.swarm, runtime.stage)
-            donors = choose_donors(records, self_id=self.peer_id, min_step=min_step)
+            # every usable stage-mate, whatever step its record says (records lag an announce period behind a
+            # stage that steps fast); only those that prove, now, to hold their identity, serve at their address
+            # and be at min_step or later (their proofs' step is fresh) are donors (issue #18)
+            donors = await proven_donors(self.prover, choose_donors(records, self_id=self.peer_id, min_step=0),
+                                         stage=runtime.stage, min_step=min_step, exclude=self._excluded_peers())
             if not donors:
                 if required:
                     raise SwarmdError(f"no serving peer of stage {runtime.stage} to download its state from")
@@ -785,14 +834,24 @@ class Daemon:
             await asyncio.sleep(period * random_jitter())
             try:
                 await self._relearn_address()
-                if self.reachability.status == "unknown":  # e.g. a founder alone at first: ask once others are here
-                    await self.check_reachability()
-                    if self.reachability.status == "no":
-                        self._start_relaying()
                 await self.announce()
                 await self.membership.publish_swarm(self.spec, self.training.to_dict())
+                if self.reachability.status == "unknown" and not self.tasks.running(REACHABILITY_TASK):
+                    # e.g. a founder alone at first: ask once others are here. Not in this loop: probers that
+                    # never answer (fake records at a tarpit, issue 18) would hold up the announcements
+                    # until this peer's own record expired
+                    self.tasks.spawn(REACHABILITY_TASK, self._recheck_reachability, restart=True)
             except SwarmdError as exc:
                 log.warning("could not refresh this peer's DHT records: %s", exc)
+
+    async def _recheck_reachability(self) -> None:
+        try:
+            await self.check_reachability()
+        except SwarmdError as exc:
+            log.warning("could not check this peer's reachability: %s", exc)
+            return
+        if self.reachability.status == "no":
+            self._start_relaying()
 
     async def _stage_mates(self, max_age_s: float = 1.0) -> dict[str, str]:
         """Serving peers of this stage (peer_id -> data_addr), this one included, cached briefly."""
@@ -915,6 +974,7 @@ class Daemon:
                         }
                         for r in sorted(records.values(), key=lambda r: r.peer_id)
                     ],
+                    "dropped": [d.to_dict() for d in self.membership.dropped if d.stage == stage][:32],
                 }
                 for stage, records in enumerate(stages)
             ],
@@ -977,6 +1037,7 @@ class Daemon:
                 "rounds_aborted": averager.rounds_aborted,
                 "last_round": averager.last_round,
                 "recent": list(averager.history)[-32:],
+                **averager.checks_status(),  # proofs, refused rounds and contributions, exclusions
             } if averager else None,
             synced_from=self.synced_from,
             migration=self.migration,
@@ -994,6 +1055,8 @@ class Daemon:
             task_crashes=self.tasks.crashes(),
             checkpoint=self.checkpoints.status() if self.checkpoints is not None else None,
             gradient_handover={**self.handover, "handed_in": ex.handed_in_samples if ex else 0},
+            untrusted=self._untrusted_status(),
+            reports=self.reports.status(),
             device=self.config.pipeline.device,
             version=__version__,
             uptime_s=round(time.monotonic() - self._started_at, 3),

@@ -151,6 +151,7 @@ def test_ready_file_is_json_with_the_bound_addresses(spawn) -> None:
         (["--steps", "0"], "must be at least 1"),
         (["--codec", "zip"], "invalid choice"),
         (["--stage-wait-timeout", "-3"], "positive number of seconds"),
+        (["--verify-fraction", "1.5"], "a number in [0, 1]"),
     ],
 )
 def test_train_bad_flags_exit_2_with_one_sentence(args: list[str], phrase: str) -> None:

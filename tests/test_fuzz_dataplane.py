@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
@@ -149,7 +150,8 @@ class Prober:
         return r
 
 
-COMPUTED = {"/v1/forward": ("inputs",), "/v1/backward": ("inputs", "grad_outputs"), "/v1/average": ("grads",)}
+COMPUTED = {"/v1/forward": ("inputs",), "/v1/backward": ("inputs", "grad_outputs"), "/v1/average": ("grads",),
+            "/v1/report": ()}
 
 
 def _non_finite_inputs(body: bytes, names: tuple[str, ...]) -> list[str]:
@@ -525,6 +527,48 @@ def test_average_refuses_hostile_contributions() -> None:
         assert d.daemon.averager is not None and d.daemon.averager.rounds_ok == 0
 
 
+def test_report_refuses_hostile_reports() -> None:
+    """``POST /v1/report`` (swarmd.pipeline.reports): raw bodies, frames with any meta, and validly
+    signed reports with one field mutated (the signature then fails) are all a 4xx; only intact
+    signed reports are counted (200), and no fuzzed report makes the daemon exclude anyone
+    without two of them."""
+    from swarmd.dht.identity import Identity
+    from swarmd.pipeline.reports import MisbehaviourReport
+
+    accused = "ab" * 20
+    with daemon_thread(0) as d, state_must_survive(d, 0) as p:
+
+        def signed(at: float) -> tuple[bytes, bytes]:
+            return MisbehaviourReport.signed(Identity.generate(), accused=accused, stage=0, step=0, kind="forward",
+                                             mb=1, request_digest="00" * 32,
+                                             answers={accused: "11" * 32, "cd" * 20: "22" * 32}, at=at).encode()
+
+        @settings(FUZZ, max_examples=60)  # each signs a report: keep the default run short
+        @given(data=st.data())
+        def fuzz(data: st.DataObject) -> None:
+            what = data.draw(st.integers(0, 3))
+            if what == 0:
+                p.post_frame("/v1/report", data.draw(raw_bodies()), data.draw(CONTENT_TYPES))
+                return
+            if what == 1:
+                meta = {"body": data.draw(st.binary(max_size=300) | st.integers() | st.none()),
+                        "sig": data.draw(st.binary(max_size=80) | st.text(max_size=5))}
+                p.post_frame("/v1/report", encode_frame("report", meta, {}, "none"))
+                return
+            body, sig = signed(time.time())
+            raw = bytearray(body)
+            raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
+            r = p.post_frame("/v1/report", encode_frame("report", {"body": bytes(raw), "sig": sig}, {}, "none"))
+            assert r.status_code == 422, r.text
+
+        fuzz()
+        assert p.statuses[422], p.statuses
+        assert d.daemon.reports.excluded() == frozenset()
+        r = p.post_frame("/v1/report", encode_frame("report", dict(zip(("body", "sig"), signed(time.time()),
+                                                                        strict=True)), {}, "none"))
+        assert r.status_code == 200 and decode_frame(r.content).meta["reason"] == "counted"
+
+
 # The methods aiohttp's HTTP parser (llhttp) knows; it answers any other with its own plain-text
 # 400 and closes the connection, before the application (and so our JSON errors) is reached.
 PARSER_METHODS = frozenset(
@@ -536,7 +580,8 @@ PARSER_METHODS = frozenset(
 
 def test_get_endpoints_and_unknown_methods_and_paths() -> None:
     """Every endpoint with any method, query string, body and content type; unknown paths too."""
-    paths = ["/v1/forward", "/v1/backward", "/v1/average", "/v1/info", "/v1/progress", "/v1/state"]
+    paths = ["/v1/forward", "/v1/backward", "/v1/average", "/v1/info", "/v1/progress", "/v1/state", "/v1/proof",
+             "/v1/report"]
     methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]) | st.sampled_from(
         sorted(PARSER_METHODS - {"CONNECT"})  # CONNECT takes host:port, not a path
     ) | st.text(st.characters(min_codepoint=ord("A"), max_codepoint=ord("Z")), min_size=1, max_size=8)
@@ -560,6 +605,10 @@ def test_get_endpoints_and_unknown_methods_and_paths() -> None:
             r = p.send(method, path, body, content_type, params)
             if method == "GET" and path in ("/v1/info", "/v1/progress"):
                 assert r.status_code == 200 and r.json()["stage"] == 0
+            if method == "GET" and path == "/v1/proof":  # a proof for a well-formed nonce, else a 422
+                nonce = dict(params).get("nonce", "")
+                well_formed = 32 <= len(nonce) <= 128 and all(c in "0123456789abcdef" for c in nonce)
+                assert r.status_code == (200 if well_formed else 422), (params, r.status_code)
 
         fuzz()
         assert p.statuses[404] and p.statuses[405] and p.statuses[200], p.statuses

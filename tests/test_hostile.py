@@ -100,8 +100,16 @@ async def _flood(d, n: int, rng: random.Random, statuses: Counter[int]) -> None:
                     url, body, ctype = f"{data_url}/v1/forward", os.urandom(rng.randrange(1, 4096)), CONTENT_TYPE
                 elif kind <= 5:
                     url, body, ctype = f"{data_url}/v1/backward", rng.choice(frames), CONTENT_TYPE
+                elif kind == 6 and i % 20 == 16:  # a garbage misbehaviour report (swarmd.pipeline.reports)
+                    url, body, ctype = f"{data_url}/v1/report", rng.choice(frames[:4]), CONTENT_TYPE
                 elif kind == 6:
                     url, body, ctype = f"{data_url}/v1/average", os.urandom(rng.randrange(1, 2048)), "text/plain"
+                elif kind == 7 and i % 20 == 7:  # a proof challenge with a garbage nonce (swarmd.net.proof)
+                    nonce = os.urandom(rng.randrange(1, 200)).hex()[: rng.randrange(1, 300)]
+                    async with session.get(f"{data_url}/v1/proof", params={"nonce": nonce}) as r:
+                        await r.read()
+                        statuses[r.status] += 1
+                    return
                 elif kind == 7:
                     url, body, ctype = f"{api_url}/migrate", os.urandom(rng.randrange(1, 2048)), "application/json"
                 else:

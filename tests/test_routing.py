@@ -142,6 +142,7 @@ def test_weights_follow_measurements() -> None:
 
 def test_failed_peer_is_not_chosen_until_its_ban_expires() -> None:
     router, clock = make_router()
+    router.report_success("a", 1, 1.0)  # proven: a failure costs it the base ban, 1 s
     ban = router.report_failure("a")
     assert 1.0 * (1 - JITTER) <= ban <= 1.0 * (1 + JITTER)
     assert set(picks(router, 10)) == {"b"}
@@ -152,7 +153,8 @@ def test_failed_peer_is_not_chosen_until_its_ban_expires() -> None:
 
 
 def test_backoff_doubles_per_consecutive_failure_up_to_cap_and_success_resets() -> None:
-    router, clock = make_router(ban_base_s=1.0, ban_max_s=10.0)
+    router, clock = make_router(ban_base_s=1.0, ban_max_s=10.0, probation_ban_s=5.0)
+    router.report_success("a", 1, 1.0)
     bans = []
     for _ in range(7):
         bans.append(router.report_failure("a"))
@@ -230,9 +232,10 @@ def test_no_peers_at_all() -> None:
 
 
 def test_update_peers_forgets_vanished_adds_new_keeps_known_stats() -> None:
-    router, _ = make_router({"a": "1", "b": "2"})
+    router, clock = make_router({"a": "1", "b": "2"})
     router.report_success("a", 42, 1.0)
     ban = router.report_failure("b")
+    assert 30.0 * (1 - JITTER) <= ban <= 30.0 * (1 + JITTER)  # never answered: a probation ban
     router.update_peers({"a": "1-new", "b": "2", "c": "3"})
     assert router.stats("a").throughput == pytest.approx(42.0)
     assert router.stats("a").addr == "1-new"
@@ -242,7 +245,12 @@ def test_update_peers_forgets_vanished_adds_new_keeps_known_stats() -> None:
     assert [s["id"] for s in router.snapshot()] == ["a", "c"]
     assert router.choose() == ("c", "3")  # newcomer probed
     assert router.choose() == ("a", "1-new")
-    # a vanished peer that comes back starts afresh: no stats, no ban
+    # a vanished peer that comes back while its ban runs gets its record back (backoff kept) ...
+    router.update_peers({"a": "1-new", "b": "2", "c": "3"})
+    assert router.stats("b").failures == 1 and router.usable_count == 2
+    # ... and one that comes back after its ban ended starts afresh: no stats, no ban
+    router.update_peers({"a": "1-new", "c": "3"})
+    clock.advance(ban + 1.0)
     router.update_peers({"a": "1-new", "b": "2", "c": "3"})
     assert router.stats("b").failures == 0 and router.usable_count == 3
 
@@ -303,16 +311,19 @@ def test_snapshot_fields() -> None:
         "addr": "addr-a",
         "throughput": pytest.approx(10.0),
         "measured": True,
+        "proven": True,
         "weight": pytest.approx(10.0),
         "in_flight": 0,
         "banned_for_s": 0.0,
+        "excluded": False,
         "successes": 1,
         "failures": 0,
+        "timeouts": 0,
         "consecutive_failures": 0,
     }
     assert b["banned_for_s"] > 0 and not b["measured"] and b["weight"] == pytest.approx(10.0)
     clock.advance(100.0)
-    assert router.snapshot()[1]["banned_for_s"] == 0.0
+    assert router.snapshot()[1]["banned_for_s"] == 0.0 and not router.snapshot()[1]["proven"]
 
 
 @pytest.mark.parametrize(
@@ -369,14 +380,18 @@ def test_choose_never_returns_banned_excluded_saturated_or_unknown_peers(
             exclude = op[1]
             before = {s["id"]: s for s in router.snapshot()}
             choice = router.choose(exclude)
+            live = [s for s in before.values() if s["banned_for_s"] == 0.0]
+            probation_open = not any(s["proven"] for s in live) or sum(
+                s["in_flight"] for s in before.values() if not s["proven"]) < router.probation_slots
             usable = [
                 pid
                 for pid, s in before.items()
                 if s["banned_for_s"] == 0.0 and pid not in exclude and (cap is None or s["in_flight"] < cap)
+                and (s["proven"] or (probation_open and s["in_flight"] == 0))
             ]
             if choice is None:
                 assert not usable
-                if not exclude and cap is None and before:
+                if not exclude and before and not router.waiting_on_caps():
                     assert router.next_unban_in() is not None
             else:
                 assert choice[0] in usable
@@ -421,3 +436,158 @@ def test_proportions_hold_at_every_point_not_just_per_round(rates: list[int], ro
             assert abs(counts[f"p{i}"] - n * rate / total) <= 1.5
     for i, rate in enumerate(rates):
         assert abs(counts[f"p{i}"] - rounds * rate) <= 1  # exact over whole rounds
+
+
+# ---- probation, timeouts from measurements, long bans (issue #18) --------------------------
+
+
+def test_unproven_peers_share_a_bounded_budget_while_a_proven_peer_is_usable() -> None:
+    router, _ = make_router({"a": "A", "t1": "T1", "t2": "T2", "t3": "T3"}, probation_slots=1)
+    router.report_success("a", 10, 1.0)
+    first = router.choose()
+    assert first is not None and first[0] == "t1"  # a newcomer is probed within the budget
+    router.begin("t1")
+    # the budget is taken: every other choice goes to the proven peer until t1's call ends
+    assert set(picks(router, 20)) == {"a"}
+    router.report_failure("t1", timeout=True)
+    assert router.choose() == ("t2", "T2")  # the slot is free again: the next newcomer
+    router.begin("t2")
+    router.report_success("t2", 10, 1.0)  # answered: proven, off probation
+    router.begin("t2")
+    router.begin("t2")
+    assert router.stats("t2").in_flight == 2  # a proven peer takes any number of calls
+    assert router.choose() == ("t3", "T3")
+
+
+def test_without_a_proven_peer_each_unproven_peer_gets_one_call() -> None:
+    router, _ = make_router({"a": "A", "b": "B"})
+    for peer in ("a", "b"):
+        assert router.choose() == (peer, peer.upper())  # each probed once, in id order
+        router.begin(peer)
+    assert router.choose() is None
+    assert router.waiting_on_caps()  # the caller waits for a call to end, not for an unban
+    assert router.next_unban_in() is None
+    router.report_success("a", 1, 0.1)
+    assert router.choose() == ("a", "A")
+
+
+def test_excluded_and_explicitly_banned_peers_are_never_chosen() -> None:
+    router, clock = make_router({"a": "A", "b": "B", "c": "C"})
+    for p in "abc":
+        router.report_success(p, 10, 1.0)
+    router.set_excluded({"b"})
+    assert "b" not in picks(router, 30) and router.usable_count == 2
+    assert router.choose_preferred("b") != ("b", "B")
+    router.ban("c", 600.0)
+    router.report_success("c", 10, 1.0)  # a late answer does not lift it
+    assert set(picks(router, 10)) == {"a"}
+    clock.advance(601.0)
+    router.set_excluded(())
+    assert set(picks(router, 30)) == {"a", "b", "c"}
+    with pytest.raises(ValueError):
+        router.ban("a", math.inf)
+
+
+def test_a_fake_peer_is_banned_for_minutes_not_seconds() -> None:
+    router, clock = make_router({"a": "A", "fake": "F"})
+    router.report_success("a", 10, 1.0)
+    bans = []
+    for _ in range(7):
+        bans.append(router.report_failure("fake", timeout=True))
+        clock.advance(bans[-1])
+    assert 27.0 <= bans[0] <= 33.0 and 54.0 <= bans[1] <= 66.0
+    assert all(540.0 <= b <= 600.0 for b in bans[5:])  # ten minutes, capped
+    assert router.stats("fake").timeouts == 7
+    # an honest peer that answered before pays the short base ban for a hiccup
+    assert router.report_failure("a") <= 1.0 + JITTER
+
+
+def test_timeout_follows_the_stages_typical_latency_within_floor_and_ceiling() -> None:
+    router, _ = make_router({"a": "A", "b": "B", "c": "C", "new": "N"}, timeout_factor=4.0,
+                            timeout_floor_s=0.5, timeout_ceiling_s=60.0, probation_timeout_s=10.0)
+    # nothing measured: the ceiling for a proven peer, the probation cap for a newcomer
+    assert router.timeout_for("new", 8, "forward") == 10.0
+    router.report_success("a", 8, 0.8, "forward")  # 0.1 s per sample
+    router.report_success("b", 8, 1.6, "forward")  # 0.2 s per sample
+    router.report_success("c", 8, 80.0, "forward")  # 10 s per sample: slow, or stretching
+    assert router.typical_latency("forward") == pytest.approx(0.2)  # the median, not the mean
+    # a newcomer (a tarpit, maybe) waits about one typical request: 4 x 0.2 x 8
+    assert router.timeout_for("new", 8, "forward") == pytest.approx(6.4)
+    assert router.timeout_for("a", 8, "forward") == pytest.approx(6.4)  # at least the stage's
+    assert router.timeout_for("c", 8, "forward") == 60.0  # its own is longer: capped at the ceiling
+    assert router.timeout_for("new", 1, "forward") == pytest.approx(0.8)
+    router.report_success("a", 8, 0.0001, "backward")
+    assert router.timeout_for("new", 8, "backward") == 0.5  # the floor
+    assert router.timeout_for("a", 8, "nothing-yet") == 60.0
+    assert router.timeout_for("ghost", 8, "forward") == pytest.approx(6.4)
+
+
+def test_latency_estimate_is_bias_corrected_per_kind() -> None:
+    router, _ = make_router(alpha=0.1)
+    router.report_success("a", 10, 1.0, "forward")
+    assert router.stats("a").latency["forward"].value == pytest.approx(0.1)  # not 0.01
+    router.report_success("a", 10, 3.0, "forward")
+    assert 0.1 < router.stats("a").latency["forward"].value < 0.3
+    router.report_success("a", 0, 1.0, "backward")  # no samples: no per-sample latency
+    assert "backward" not in router.stats("a").latency
+
+
+def test_a_calls_own_floor_overrides_the_routers() -> None:
+    router, _ = make_router({"a": "A"}, timeout_floor_s=1.0)
+    router.report_success("a", 8, 0.008, "backward")
+    assert router.timeout_for("a", 8, "backward") == 1.0
+    assert router.timeout_for("a", 8, "backward", floor_s=6.0) == 6.0
+    assert router.timeout_for("a", 8, "backward", floor_s=600.0) == router.timeout_ceiling_s
+
+
+def test_a_backwards_deadline_leaves_slack_before_its_timeout() -> None:
+    from swarmd.train.trainer import BACKWARD_SLACK_S, BACKWARD_TIMEOUT_FLOOR_S, backward_deadline_ms
+
+    assert backward_deadline_ms(60.0) == 45_000  # a quarter of a long timeout for the way back
+    assert backward_deadline_ms(BACKWARD_TIMEOUT_FLOOR_S) == int(1000 * (BACKWARD_TIMEOUT_FLOOR_S - BACKWARD_SLACK_S))
+    assert backward_deadline_ms(1.0) == 0  # never negative: the peer then adds nothing, the trainer retries
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"probation_ban_s": 0.0},
+        {"probation_ban_s": 1000.0},
+        {"probation_slots": 0},
+        {"timeout_factor": 0.5},
+        {"timeout_floor_s": 0.0},
+        {"timeout_floor_s": 100.0, "timeout_ceiling_s": 10.0},
+        {"probation_timeout_s": 0.0},
+    ],
+)
+def test_bad_probation_and_timeout_parameters_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        StageRouter(0, **kwargs)  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["choose", "end_ok", "end_fail", "advance"]),
+                              st.sampled_from(["p", "t0", "t1", "t2", "t3"])), max_size=60),
+       slots=st.integers(1, 3))
+def test_probation_budget_is_never_exceeded_while_a_proven_peer_is_usable(
+    ops: list[tuple[str, str]], slots: int
+) -> None:
+    clock = FakeClock()
+    router = StageRouter(0, clock=clock, rng=random.Random(0), probation_slots=slots)
+    router.update_peers({p: p for p in ["p", "t0", "t1", "t2", "t3"]})
+    router.report_success("p", 10, 1.0)
+    for op, peer in ops:
+        if op == "choose":
+            choice = router.choose()
+            if choice is not None:
+                router.begin(choice[0])
+        elif op == "end_ok" and router.stats(peer).in_flight:
+            router.report_success(peer, 1, 0.1)
+        elif op == "end_fail" and router.stats(peer).in_flight and peer != "p":  # p stays usable
+            router.report_failure(peer, timeout=True)
+        elif op == "advance":
+            clock.advance(40.0)
+        snap = router.snapshot()
+        if any(s["proven"] and not s["banned_for_s"] for s in snap):
+            assert sum(s["in_flight"] for s in snap if not s["proven"]) <= slots
+        assert all(s["in_flight"] <= 1 for s in snap if not s["proven"])

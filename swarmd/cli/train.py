@@ -52,7 +52,20 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
                    help="a private swarm's key file (the one its daemons were given with --swarm-key): "
                    "the stages refuse requests not signed with it")
     p.add_argument("--data", default=None, metavar="PATH",
-                   help="a text file or folder to train on (default: the Python standard library's sources)")
+                   help="a text file, .jsonl file or folder to train on, or a folder written by 'swarmd data prepare' "
+                   "(streamed from its shards) (default: the Python standard library's sources)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the swarm's Hugging Face tokenizers JSON file (its digest must be the model's; default: "
+                   "byte-level, or a prepared --data folder's own)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the field of a .jsonl record that holds its text (default: text)")
+    p.add_argument("--data-shards", type=positive_int, default=16, metavar="N",
+                   help="cut the training data into N disjoint shards; each trainer draws from one (default: 16)")
+    p.add_argument("--shard", type=non_negative_int, default=None, metavar="K",
+                   help="draw from shard K of --data-shards (default: the rank the swarm hands this trainer)")
+    p.add_argument("--lease-s", type=seconds, default=5.0, metavar="SECONDS",
+                   help="this trainer's sample reservations expire this long after its last renewal, so a dead "
+                   "trainer's samples are granted again (0.5-300; default: 5)")
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps the swarm takes (default: 50)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="samples per step in --sync mode (default: the swarm's target_batch_size)")
@@ -67,6 +80,9 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
                    help="steps between validation losses; 0: only at the end (default: 10)")
     p.add_argument("--stage-wait-timeout", type=seconds, default=120.0, metavar="SECONDS",
                    help="give up when a stage has had no live peer this long (default: 120)")
+    p.add_argument("--verify-fraction", type=_fraction, default=0.02, metavar="F",
+                   help="spot checks: re-send this share of forward and backward calls to a second peer of the "
+                   "stage and compare; a peer caught lying is banned and reported (default: 0.02; 0: off)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     p.add_argument("--log-csv", default=None, metavar="FILE",
                    help="write one CSV row per step (step, loss, samples/s, val loss); "
@@ -75,16 +91,34 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
     return p
 
 
+def _fraction(text: str) -> float:
+    """A share in [0, 1] (``--verify-fraction``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """Map parsed flags onto the trainer's config; ConfigError for an unusable token or key file."""
     from swarmd.train.trainer import TrainerConfig
 
+    if args.shard is not None and args.shard >= args.data_shards:
+        raise ConfigError(f"--shard {args.shard} is out of range: --data-shards {args.data_shards} gives shards "
+                          f"0..{args.data_shards - 1}")
+    if args.shard is not None and args.sync:
+        raise ConfigError("--shard has no effect with --sync: a --sync trainer trains alone, on all of the data")
     return TrainerConfig(
         api=args.api,
         api_token=read_token(Path(args.api_token_file)) if args.api_token_file else None,
         swarm_key=load_swarm_key(args.swarm_key),
         steps=args.steps,
         data=args.data,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
         batch_size=args.batch_size,
         microbatch_size=args.microbatch_size,
         codec=args.codec,
@@ -93,6 +127,10 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         sync=args.sync,
         val_every=args.val_every,
         stage_wait_timeout_s=args.stage_wait_timeout,
+        data_shards=args.data_shards,
+        shard=args.shard,
+        lease_s=args.lease_s,
+        verify_fraction=args.verify_fraction,
     )
 
 

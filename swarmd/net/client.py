@@ -36,6 +36,8 @@ from swarmd.net.messages import (
     InfoReply,
     ProgressReply,
     ProgressRequest,
+    ReportReply,
+    ReportRequest,
     ReserveReply,
     ReserveRequest,
 )
@@ -111,10 +113,12 @@ class DataPlaneClient:
         codec: str = "none",
         model: str | None = None,
         mb: int | None = None,
+        timeout_s: float | None = None,
     ) -> ForwardReply:
-        """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward."""
+        """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward.
+        ``timeout_s``: this call's own bound (a trainer's per-peer timeout), else the client's."""
         request = ForwardRequest(stage=stage, inputs=inputs, targets=targets, model=model, codec=codec, mb=mb)
-        frame = await self._post(addr, "forward", request.encode, _nbytes(inputs, targets))
+        frame = await self._post(addr, "forward", request.encode, _nbytes(inputs, targets), timeout_s=timeout_s)
         return self._read(addr, ForwardReply.from_frame, frame)
 
     async def backward(
@@ -130,14 +134,19 @@ class DataPlaneClient:
         step: int | None = None,
         mb: int | None = None,
         deadline_ms: int | None = None,
+        timeout_s: float | None = None,
+        verify: bool = False,
     ) -> BackwardReply:
         """``step``: the step this stage's forward reported for the microbatch (None: no check);
         ``mb``: the id its forward was sent with (a hit in that peer's activation cache; counted
         once per step); ``deadline_ms``: the peer adds the gradient only within this long of
-        receiving it (send less than this call's timeout: the rest is the way there and back)."""
+        receiving it (send less than this call's timeout: the rest is the way there and back);
+        ``timeout_s``: this call's own bound, else the client's; ``verify``: a spot check's second
+        opinion, computed and answered but never accumulated (``swarmd.train.verify``)."""
         request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
-                                  codec=codec, step=step, mb=mb, deadline_ms=deadline_ms)
-        frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets))
+                                  codec=codec, step=step, mb=mb, deadline_ms=deadline_ms, verify=verify)
+        frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets),
+                                 timeout_s=timeout_s)
         return self._read(addr, BackwardReply.from_frame, frame)
 
     async def average(
@@ -155,6 +164,11 @@ class DataPlaneClient:
         """Ask a stage peer's lease book for sample reservations (``swarmd.pipeline.reservations``)."""
         frame = await self._post(addr, "reserve", request.encode, 0, timeout_s=timeout_s)
         return self._read(addr, ReserveReply.from_frame, frame)
+
+    async def report(self, addr: str, request: ReportRequest, *, timeout_s: float | None = None) -> ReportReply:
+        """Hand a peer a signed misbehaviour report (``swarmd.pipeline.reports``)."""
+        frame = await self._post(addr, "report", request.encode, 0, timeout_s=timeout_s)
+        return self._read(addr, ReportReply.from_frame, frame)
 
     async def info(self, addr: str, *, timeout_s: float | None = None) -> InfoReply:
         body = await self._get_json(addr, "info", {}, timeout_s)

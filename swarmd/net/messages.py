@@ -16,6 +16,7 @@ POST /v1/forward  :class:`ForwardRequest`     :class:`ForwardReply`
 POST /v1/backward :class:`BackwardRequest`    :class:`BackwardReply`
 POST /v1/average  :class:`AverageRequest`     :class:`AverageReply`
 POST /v1/reserve  :class:`ReserveRequest`     :class:`ReserveReply`
+POST /v1/report   :class:`ReportRequest`      :class:`ReportReply`
 GET  /v1/info     (none)                      :class:`InfoReply`
 GET  /v1/progress :class:`ProgressRequest`    :class:`ProgressReply` (one shape, always)
 ================  ==========================  ==========================================
@@ -62,6 +63,8 @@ __all__ = [
     "ModelInfo",
     "ProgressReply",
     "ProgressRequest",
+    "ReportReply",
+    "ReportRequest",
     "ReserveReply",
     "ReserveRequest",
     "StageTarget",
@@ -71,6 +74,8 @@ __all__ = [
 MAX_PROGRESS_WAIT_S = 10.0
 #: A peer id is 64 hex characters; a contribution naming a longer one is refused.
 MAX_PEER_ID_LEN = 64
+#: The most peer ids a progress reply's ``excluded`` may list.
+MAX_EXCLUDED = 1024
 
 
 @dataclass(frozen=True)
@@ -262,6 +267,9 @@ class BackwardRequest:
     each ``mb`` once per step (``swarmd.pipeline.step_protocol``). ``deadline_ms``: how long the
     sender waits for the answer, from when the peer got the request; the peer applies the
     gradient only within it (past it, the sender has retried elsewhere: exactly-once).
+    ``verify``: a trainer's spot check (``swarmd.train.verify``) asks this peer for a second
+    opinion on a backward another peer of the stage counted: computed and answered, never
+    accumulated nor marked as counted (meta ``verify: true``).
     """
 
     stage: int
@@ -273,6 +281,7 @@ class BackwardRequest:
     step: int | None = None
     mb: int | None = None
     deadline_ms: int | None = None
+    verify: bool = False
 
     KIND = "backward"
 
@@ -286,6 +295,8 @@ class BackwardRequest:
             meta["mb"] = self.mb
         if self.deadline_ms is not None:
             meta["deadline_ms"] = self.deadline_ms
+        if self.verify:
+            meta["verify"] = True
         tensors = {"inputs": self.inputs}
         if self.grad_outputs is not None:
             tensors["grad_outputs"] = self.grad_outputs
@@ -303,9 +314,12 @@ class BackwardRequest:
         inputs = _required(frame.tensors, "inputs")
         step = _optional_count(meta, "step", "the step the forward reported")
         deadline_ms = _optional_count(meta, "deadline_ms", "how long the sender waits, in ms")
+        verify = meta.get("verify", False)
+        if not isinstance(verify, bool):
+            raise RequestError(f"meta.verify must be true or false, got {verify!r:.40}")
         return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
                    targets=frame.tensors.get("targets"), model=_model(meta.get("model")), codec=codec, step=step,
-                   mb=_microbatch_id(meta), deadline_ms=deadline_ms)
+                   mb=_microbatch_id(meta), deadline_ms=deadline_ms, verify=verify)
 
 
 @dataclass(frozen=True)
@@ -354,6 +368,12 @@ class AverageRequest:
 
     ``codec`` is the one the gradients travel with (the swarm's ``grad_codec``); the answer
     comes with the round's codec, whatever this one is.
+
+    ``public_key`` / ``signature`` / ``digest`` (meta ``pk``, ``sig``, ``digest``): the
+    contributor's ed25519 key, its signature over the contribution (stage, step, samples,
+    gradients' digest, its peer id, the leader's), and the digest of the gradients as the leader
+    will decode them (``swarmd.pipeline.round_checks.tensor_digest``). Optional on the wire; a
+    leader refuses an unsigned contribution (``swarmd.pipeline.averaging``).
     """
 
     stage: int
@@ -362,11 +382,17 @@ class AverageRequest:
     samples: int
     grads: torch.Tensor | None = None
     codec: str = "none"
+    public_key: bytes | None = None
+    signature: bytes | None = None
+    digest: str | None = None
 
     KIND = "average"
 
     def encode(self) -> bytes:
-        meta = {"stage": self.stage, "step": self.step, "samples": self.samples, "peer_id": self.peer_id}
+        meta: dict[str, Any] = {"stage": self.stage, "step": self.step, "samples": self.samples,
+                                "peer_id": self.peer_id}
+        if self.public_key is not None and self.signature is not None:
+            meta.update(pk=self.public_key, sig=self.signature, digest=self.digest or "")
         tensors = {} if self.grads is None else {"grads": self.grads}
         return encode_frame(self.KIND, meta, tensors, self.codec if self.grads is not None else "none")
 
@@ -393,13 +419,28 @@ class AverageRequest:
                 raise RequestError("a contribution with 'grads' must count its samples (meta.samples > 0)")
         elif samples:
             raise RequestError("a contribution with samples must carry its 'grads'")
-        return cls(stage=stage, peer_id=peer_id, step=step, samples=samples, grads=grads)
+        pk, sig, digest = meta.get("pk"), meta.get("sig"), meta.get("digest")
+        if pk is not None or sig is not None:
+            if type(pk) is not bytes or len(pk) != 32 or type(sig) is not bytes or len(sig) != 64:
+                raise RequestError("meta.pk and meta.sig must be a 32-byte ed25519 key and a 64-byte signature")
+            if not isinstance(digest, str) or len(digest) not in (0, 64):
+                raise RequestError("meta.digest must be the gradients' 64-hex-character digest (or empty)")
+        else:
+            digest = None
+        return cls(stage=stage, peer_id=peer_id, step=step, samples=samples, grads=grads,
+                   public_key=pk, signature=sig, digest=digest)
 
 
 @dataclass(frozen=True)
 class AverageReply:
     """The round's outcome: ``ok`` with the mean gradient every peer applies (``grads``), or
-    ``aborted`` (the contributor keeps its gradients; ``grads`` None)."""
+    ``aborted`` (the contributor keeps its gradients; ``grads`` None).
+
+    ``used`` (meta ``used``): the contributions the mean holds, ``[peer_id, samples, digest,
+    per-sample norm]`` each, so every contributor can check its own is among them
+    (``swarmd.pipeline.round_checks``); ``reason`` (meta ``reason``): why an ``aborted`` answer
+    turned this contribution away (``refused: ...``, ``unproven``, ...), when it did.
+    """
 
     stage: int
     status: Literal["ok", "aborted"]
@@ -407,12 +448,18 @@ class AverageReply:
     samples: int  # the round's total
     contributors: int
     grads: torch.Tensor | None = None
+    used: tuple[tuple[str, int, str, float], ...] | None = None
+    reason: str | None = None
 
     KIND = "average_result"
 
     def encode(self, codec: str = "none") -> bytes:
-        meta = {"stage": self.stage, "status": self.status, "step": self.step, "samples": self.samples,
-                "contributors": self.contributors}
+        meta: dict[str, Any] = {"stage": self.stage, "status": self.status, "step": self.step,
+                                "samples": self.samples, "contributors": self.contributors}
+        if self.used is not None:
+            meta["used"] = [list(u) for u in self.used]
+        if self.reason is not None:
+            meta["reason"] = self.reason
         tensors = {} if self.grads is None else {"grads": self.grads}
         return encode_frame(self.KIND, meta, tensors, codec)
 
@@ -425,9 +472,21 @@ class AverageReply:
         if ok and (grads is None or grads.dtype != torch.float32 or grads.dim() != 1
                    or (grad_numel is not None and grads.numel() != grad_numel)):
             raise MalformedFrame(f"an 'ok' average answer needs float32 'grads' of shape [{grad_numel or 'N'}]")
+        used_meta, reason = frame.meta.get("used"), frame.meta.get("reason")
+        used: tuple[tuple[str, int, str, float], ...] | None = None
+        if used_meta is not None:
+            if not isinstance(used_meta, list) or not all(
+                isinstance(u, list) and len(u) == 4 and isinstance(u[0], str) and _is_int(u[1])
+                and isinstance(u[2], str) and isinstance(u[3], (int, float)) and not isinstance(u[3], bool)
+                for u in used_meta
+            ):
+                raise MalformedFrame("an average answer's meta.used lists [peer_id, samples, digest, norm] entries")
+            used = tuple((u[0], int(u[1]), u[2], float(u[3])) for u in used_meta)
+        if reason is not None and not isinstance(reason, str):
+            raise MalformedFrame("an average answer's meta.reason must be a string")
         return cls(stage=stage, status="ok" if ok else "aborted", step=step,
                    samples=_reply_int(frame.meta, "samples", 0), contributors=_reply_int(frame.meta, "contributors", 0),
-                   grads=grads)
+                   grads=grads, used=used, reason=reason[:500] if reason is not None else None)
 
 
 # ---- POST /v1/reserve -------------------------------------------------------------------------
@@ -521,6 +580,59 @@ class ReserveReply:
             raise MalformedFrame("a reserve reply's meta.leases must list [lease_id, samples] pairs")
         return cls(stage=stage, step=step, leases=tuple((int(i), int(n)) for i, n in leases),
                    reserved=_reply_int(frame.meta, "reserved"), target=_reply_int(frame.meta, "target"))
+
+
+# ---- POST /v1/report --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportRequest:
+    """A signed misbehaviour report (``swarmd.pipeline.reports``): meta ``body`` (the report's
+    canonical msgpack) and ``sig`` (its reporter's ed25519 signature), no tensors. This layer
+    checks the types only; ``MisbehaviourReport.decode`` validates the content and signature."""
+
+    body: bytes
+    signature: bytes
+
+    KIND = "report"
+
+    def encode(self) -> bytes:
+        return encode_frame(self.KIND, {"body": self.body, "sig": self.signature}, {}, "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ReportRequest:
+        _kind(frame, cls.KIND)
+        body, sig = frame.meta.get("body"), frame.meta.get("sig")
+        if type(body) is not bytes or type(sig) is not bytes:
+            raise RequestError("a report needs meta.body and meta.sig as bytes")
+        if frame.tensors:
+            raise RequestError("a report carries no tensors")
+        return cls(body=body, signature=sig)
+
+
+@dataclass(frozen=True)
+class ReportReply:
+    """What the peer's ledger made of a report: ``accepted`` (counted), ``reason`` (``counted``,
+    ``excluded``, ``duplicate``, ``same_source``, ``stale``, ...), and whether the accused is
+    excluded there now."""
+
+    accepted: bool
+    reason: str
+    excluded: bool
+
+    KIND = "report_result"
+
+    def encode(self, codec: str = "none") -> bytes:
+        meta = {"accepted": self.accepted, "reason": self.reason, "excluded": self.excluded}
+        return encode_frame(self.KIND, meta, {}, "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ReportReply:
+        _kind(frame, cls.KIND)
+        accepted, reason, excluded = (frame.meta.get(k) for k in ("accepted", "reason", "excluded"))
+        if not isinstance(accepted, bool) or not isinstance(reason, str) or not isinstance(excluded, bool):
+            raise MalformedFrame("a report reply needs meta.accepted, meta.excluded (booleans) and meta.reason")
+        return cls(accepted=accepted, reason=reason[:100], excluded=excluded)
 
 
 # ---- GET /v1/info ---------------------------------------------------------------------------
@@ -662,6 +774,8 @@ class ProgressReply:
     round_contributors: Mapping[str, int] | None = field(default=None, hash=False)
     dropped_samples: int = 0
     target_batch_size: int | None = None
+    params_digest: str | None = None  # of the parameters at ``step``: stage-mates average only with equal ones
+    excluded: tuple[str, ...] = ()  # peers this peer's report ledger excludes (swarmd.pipeline.reports)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -677,6 +791,8 @@ class ProgressReply:
             "round_contributors": dict(self.round_contributors) if self.round_contributors is not None else None,
             "dropped_samples": self.dropped_samples,
             "target_batch_size": self.target_batch_size,
+            "params_digest": self.params_digest,
+            "excluded": list(self.excluded),
         }
 
     @classmethod
@@ -695,6 +811,9 @@ class ProgressReply:
 
         expected = optional("round_expected", list)
         contributors = optional("round_contributors", dict)
+        excluded = optional("excluded", list) or []
+        if len(excluded) > MAX_EXCLUDED or not all(isinstance(p, str) and len(p) <= MAX_PEER_ID_LEN for p in excluded):
+            raise MalformedFrame(f"{where}: 'excluded' must list at most {MAX_EXCLUDED} peer ids")
         if expected is not None and not all(isinstance(p, str) for p in expected):
             raise MalformedFrame(f"{where}: 'round_expected' must list peer ids")
         if contributors is not None and not all(_is_int(n) for n in contributors.values()):
@@ -716,4 +835,6 @@ class ProgressReply:
             round_contributors=MappingProxyType(dict(contributors)) if contributors is not None else None,
             dropped_samples=optional("dropped_samples", int) or 0,
             target_batch_size=optional("target_batch_size", int),
+            params_digest=optional("params_digest", str),
+            excluded=tuple(excluded),
         )

@@ -20,8 +20,13 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   never start more than one step's batch.
 - ``POST /v1/gradients`` a leaving stage-mate's accumulated gradients, accepted for this very
   step only (``swarmd.net.handover``).
+- ``POST /v1/report``   a trainer's signed misbehaviour report (``swarmd.pipeline.reports``),
+  counted in this daemon's ledger; two independent ones exclude the accused. Answered
+  whatever this peer serves (even while starting), with what the ledger made of it.
 - ``GET /v1/state``     a consistent snapshot of the stage (parameters, optimizer state, step),
   streamed in checksummed chunks for a joining peer (``swarmd.net.state_transfer``).
+- ``GET /v1/proof?nonce=N`` JSON: this peer's signature over the nonce, its peer id, announced
+  address, stage, step and params digest (``swarmd.net.proof``, installed by the daemon).
 
 Every reply's ``meta.step`` is the optimizer step the stage's parameters were at when the
 request was computed; a backward sends back, as ``meta.step``, the step its forward reported.
@@ -50,6 +55,7 @@ thread, so the event loop only moves bytes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -64,6 +70,7 @@ from swarmd.errors import (
     LimitExceeded,
     Migrating,
     PeerBehind,
+    RequestError,
     RequestTimeout,
     Starting,
     SwarmdError,
@@ -84,16 +91,22 @@ from swarmd.net.messages import (
     ModelInfo,
     ProgressReply,
     ProgressRequest,
+    ReportReply,
+    ReportRequest,
     ReserveReply,
     ReserveRequest,
     StageTarget,
 )
 from swarmd.net.state_transfer import StateSnapshot, stream_state
 from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, Frame, WireLimits, decode_frame
+from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
 from swarmd.pipeline.runtime import RuntimeGetter, StageRuntime
 from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
 
-__all__ = ["DataPlane", "error_response"]
+__all__ = ["MAX_REPORT_FRAME_BYTES", "DataPlane", "error_response"]
+
+#: The largest ``POST /v1/report`` body served (a report is about 400 bytes).
+MAX_REPORT_FRAME_BYTES = 16 * 2**10
 
 if TYPE_CHECKING:
     from swarmd.net.relay import RelayServer
@@ -126,12 +139,16 @@ class DataPlane:
         swarm_key: SwarmKey | None = None,
         relay: RelayServer | None = None,
         peer_id: Callable[[], str | None] = lambda: None,
+        reports: ReportLedger | None = None,
     ) -> None:
         """``runtime``: returns the stage this peer serves now (None while it has none).
         ``swarm_key``: a private swarm's key; every request must then carry a valid
         ``X-Swarm-Auth`` header (``swarmd.swarm_key``), or is refused with 401.
         ``relay``: passes requests addressed to peers relayed through this one (``X-Swarm-Relay``
-        naming another ``peer_id()`` than this peer's) on to them (``swarmd.net.relay``)."""
+        naming another ``peer_id()`` than this peer's) on to them (``swarmd.net.relay``).
+        ``reports``: the daemon's ledger of misbehaviour reports (``POST /v1/report``; without
+        one the endpoint answers 404); its exclusions go out with every progress reply."""
+        self.reports = reports
         self._runtime = runtime
         self.relay = relay
         self.relay_self = peer_id
@@ -156,6 +173,7 @@ class DataPlane:
         self.app.router.add_post("/v1/average", self._average)
         self.app.router.add_post("/v1/reserve", self._reserve)  # sample reservations (pipeline/reservations.py)
         self.app.router.add_post("/v1/gradients", self._gradients)  # a leaver's hand-over (net/handover.py)
+        self.app.router.add_post("/v1/report", self._report)  # misbehaviour reports (pipeline/reports.py)
         # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
         self.app.router.add_get("/v1/state", self._state, allow_head=False)
 
@@ -322,7 +340,7 @@ class DataPlane:
         ex = runtime.executor
         deadline = None if req.deadline_ms is None else received + req.deadline_ms / 1000.0
         result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb,
-                                   deadline=deadline)
+                                   deadline=deadline, verify=req.verify)
         self.served["backward"] += 1
         reply = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
                               grad_inputs=result.grad_inputs, loss=result.loss, duplicate=result.duplicate)
@@ -348,21 +366,44 @@ class DataPlane:
             await runtime.executor.wait_progress(req.wait_s, step=req.wait_step)
             runtime = self._current()  # a migration may have swapped the stage meanwhile
         averager = runtime.averager
+        excluded = tuple(sorted(self.reports.excluded())) if self.reports is not None else ()
+        if averager is not None:  # and the peers its round checks caught (a refused leader, a poisoned contributor)
+            excluded = tuple(sorted(set(excluded) | averager.suspicions.excluded()))
         if averager is not None and not self._paused:
-            return web.json_response(averager.progress().to_json())
+            return web.json_response(dataclasses.replace(averager.progress(), excluded=excluded).to_json())
         ex = runtime.executor  # not taking part in rounds (starting, or moving to another stage)
         away = ProgressReply(stage=ex.stage, step=ex.step, samples=ex.grad_samples, averaging=ex.averaging,
                              away=True, dropped_samples=ex.dropped_samples,
-                             target_batch_size=ex.training.target_batch_size)
+                             target_batch_size=ex.training.target_batch_size, excluded=excluded)
         return web.json_response(away.to_json())
+
+    async def _report(self, request: web.Request) -> web.Response:
+        """A signed misbehaviour report: validated (422 naming what is wrong), then counted."""
+        if self.reports is None:
+            raise web.HTTPNotFound(reason="this peer keeps no report ledger")
+        if request.content_length is not None and request.content_length > MAX_REPORT_FRAME_BYTES:
+            raise LimitExceeded(f"a report is at most {MAX_REPORT_FRAME_BYTES} bytes")
+        req = ReportRequest.from_frame(await self._read_frame(request))
+        report = MisbehaviourReport.decode(req.body, req.signature)
+        result = self.reports.add(report, request.remote or "")
+        reply = ReportReply(accepted=result.accepted, reason=result.reason, excluded=result.excluded)
+        return await self._reply(reply.encode, "none")
 
     async def _average(self, request: web.Request) -> web.Response:
         runtime = self._current()
-        req = AverageRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        frame = await self._read_frame(request)
+        try:
+            req = AverageRequest.from_frame(frame, self._target(runtime))
+        except RequestError as exc:  # counted by the averager (non-finite or malformed contributions), then a 422
+            checker = runtime.averager
+            if checker is not None:
+                signer = await self._in_pool(checker.signer_of, frame)  # hashes the gradients: off the loop
+                checker.note_unreadable(frame, str(exc), signer)
+            raise
         averager = runtime.averager
         if averager is None:
             raise Busy("this peer is not taking part in averaging rounds yet")
-        result = await averager.contribute(req.peer_id, req.step, req.samples, req.grads)
+        result = await averager.contribute(req.peer_id, req.step, req.samples, req.grads, request=req)
         if result.reply is not None:  # the mean, encoded once by the round for all its contributors
             return web.Response(body=result.reply, content_type=CONTENT_TYPE)
         return await self._reply(result.to_reply(req.stage).encode, "none")

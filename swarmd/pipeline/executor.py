@@ -10,6 +10,11 @@ and samples accumulate and how a round takes them out is the step protocol
 checks the remote tensors against the stage, and orchestrates forward, backward, the averaging
 protocol's hooks and state snapshots.
 
+Precision. ``precision`` (``--precision fp32|bf16|fp16``) runs the stage's forwards and the
+recomputed forwards of its backwards under autocast, with float32 parameters, gradients and
+optimizer state, and float32 outputs on the wire; fp16 adds a per-stage loss scale
+(:mod:`swarmd.pipeline.precision`): an overflowing backward is recomputed at half the scale.
+
 Threads. All torch work runs on one worker thread owned by the executor: the event loop never
 blocks on compute, and jobs on one stage never race on ``.grad``. The step protocol, the
 gradient accumulator and the activation cache belong to that thread. What other threads may
@@ -39,6 +44,7 @@ from swarmd.net.optimizer_state import load_optimizer_state_tensors, optimizer_s
 from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, capture_forward
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
 from swarmd.pipeline.optimizer import apply_step, build_optimizer
+from swarmd.pipeline.precision import LossScale, autocast, check_precision
 from swarmd.pipeline.reservations import LeaseBook
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.pipeline.step_protocol import GradientAccumulator, StepProtocol
@@ -116,10 +122,14 @@ class StageExecutor:
         activation_cache_entries: int = 64,
         activation_cache_bytes: int = 256 * 2**20,
         activation_cache_ttl_s: float = 60.0,
+        precision: str = "fp32",
     ) -> None:
         self.spec = spec
         self.stage = stage
         self.device = torch.device(device)
+        self.precision = check_precision(precision)
+        # fp16's per-stage loss scale (the worker thread's); None in fp32 and bf16, which need none
+        self.loss_scale: LossScale | None = LossScale() if precision == "fp16" else None
         self.max_batch_tokens = max_batch_tokens
         self.training = training or TrainingSpec()
         self.module: StageModule = build_stage(spec, stage, device=self.device)
@@ -249,15 +259,17 @@ class StageExecutor:
         step: int | None = None,
         mb: int | None = None,
         deadline: float | None = None,
+        verify: bool = False,
     ) -> BackwardResult:
         """Recompute the forward (or reuse the cached graph of ``mb``), backpropagate, accumulate.
 
         ``step`` is the step the microbatch's forward on this stage ran at (None: no check,
         as for the last stage's fused forward + backward). ``mb`` is counted once per step (a
         repeat is answered, not added); ``deadline`` (``time.monotonic()``): the gradient is
-        added only before it (``swarmd.pipeline.step_protocol``, exactly once).
+        added only before it (``swarmd.pipeline.step_protocol``, exactly once). ``verify``: a
+        trainer's spot check: computed and answered, never accumulated nor counted.
         """
-        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets, step, mb, deadline))
+        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets, step, mb, deadline, verify))
 
     async def add_gradients(self, flat: torch.Tensor, samples: int) -> None:
         """Accumulate a flat gradient sum over ``samples`` samples as a backward would, under the
@@ -445,14 +457,15 @@ class StageExecutor:
         started = time.perf_counter()
         if mb is not None and self._cache.enabled and not self.module.is_last:
             self._cache.discard(mb)  # a retried forward replaces the earlier one
-            captured = capture_forward(self.module, x, shared=self._shared)
+            with self._autocast():
+                captured = capture_forward(self.module, x, shared=self._shared)
             self._cache.put(mb, x, captured, self._steps.step)
             out = captured.out
         else:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 out = self.module(x, y)
         self.forward_ema.update(x.shape[0], time.perf_counter() - started)
-        return ForwardResult(outputs=out.detach().cpu(), step=self._steps.step)
+        return ForwardResult(outputs=_on_the_wire(out), step=self._steps.step)
 
     def _backward_sync(
         self,
@@ -462,13 +475,16 @@ class StageExecutor:
         step: int | None,
         mb: int | None,
         deadline: float | None = None,
+        verify: bool = False,
     ) -> BackwardResult:
         current = self._steps.admit(step)  # the step rule comes first, cache or not
         x, y = self._prepare(inputs, targets, targets_required=self.module.is_last)
         g = self._check_grad_outputs(grad_outputs, inputs)
         batch = x.shape[0]
         started = time.perf_counter()
-        first = self._steps.first_count(mb, current)  # a repeat is answered, not added again
+        # a repeat is answered, not added again; so is a spot check's second opinion (verify), which
+        # must not mark the microbatch as counted either (its own backward may be retried here)
+        first = not verify and self._steps.first_count(mb, current)
 
         def commit() -> None:
             if deadline is not None and time.monotonic() > deadline:
@@ -484,28 +500,64 @@ class StageExecutor:
 
         cached = None if self.module.is_last or not first else self._cache.take(mb, x, current)
         loss: float | None = None
-        if cached is not None:
-            cached_out = cached.out
-            run(lambda: torch.autograd.backward(cached_out, g))
-            leaf = cached.leaf
-        else:
-            if not self.module.is_first:
-                x.requires_grad_(True)
-            with torch.enable_grad():
-                out = self.module(x, y)
-                if self.module.is_last:
-                    loss = float(out.detach())
-                    if not math.isfinite(loss):
-                        raise RequestError("the loss is not finite; the request was not applied")
-                    run(lambda: (out * batch).backward())
+        while True:  # once, unless fp16's loss scale overflows: then again at half the scale
+            scale = self.loss_scale.scale if self.loss_scale is not None else None
+            try:
+                if cached is not None:
+                    leaf = cached.leaf
+                    run(self._scaled(cached.out, g, batch, scale, leaf))
                 else:
-                    run(lambda: torch.autograd.backward(out, g))
-            leaf = x
+                    leaf = x
+                    if not self.module.is_first:
+                        x.grad = None  # an overflowed attempt's
+                        x.requires_grad_(True)
+                    with torch.enable_grad():
+                        with self._autocast():
+                            out = self.module(x, y)
+                        if self.module.is_last:
+                            loss = float(out.detach())
+                            if not math.isfinite(loss):
+                                raise RequestError("the loss is not finite; the request was not applied")
+                        run(self._scaled(out, g, batch, scale, leaf))
+                break
+            except _ScaledOverflow:
+                assert self.loss_scale is not None  # only a scaled backward raises it
+                cached = None  # its graph is spent: recompute
+                if not self.loss_scale.overflowed():
+                    raise RequestError("the request's gradients overflow float16 even at the smallest loss "
+                                       "scale; refused and not applied") from None
+        if self.loss_scale is not None:
+            self.loss_scale.succeeded()
         if first:
             self._steps.accumulated(batch, mb, current)
         self.backward_ema.update(batch, time.perf_counter() - started)
         grad_inputs = None if self.module.is_first else _grad(leaf).detach().cpu()
         return BackwardResult(grad_inputs=grad_inputs, loss=loss, samples=batch, step=current, duplicate=not first)
+
+    def _autocast(self) -> Any:
+        return autocast(self.device.type, self.precision)
+
+    def _scaled(
+        self, out: torch.Tensor, g: torch.Tensor | None, batch: int, scale: float | None, leaf: torch.Tensor
+    ) -> Callable[[], None]:
+        """The backward of ``out``: of ``loss * batch`` on the last stage, else with ``grad_outputs``
+        ``g``; with a loss scale (fp16), ``scale`` times that, and the fresh parameter and input
+        gradients divided by it again (raising :class:`_ScaledOverflow` if they are not finite).
+        Runs inside the gradient accumulator, so ``.grad`` holds this backward's gradients only."""
+
+        def backward() -> None:
+            if g is None:
+                (out * batch if scale is None else out * (batch * scale)).backward()
+            else:
+                torch.autograd.backward(out, g if scale is None else g.to(out.dtype) * scale)
+            if scale is None:
+                return
+            for t in (*self.params, leaf):
+                if t.grad is not None:
+                    t.grad.mul_(1.0 / scale)  # a power of two: exact
+                    if not all_finite(t.grad):
+                        raise _ScaledOverflow
+        return backward
 
     def _add_gradients_sync(self, flat: torch.Tensor, samples: int) -> None:
         self._steps.admit(None)
@@ -591,6 +643,19 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> C
             pass
 
     return done
+
+
+class _ScaledOverflow(Exception):
+    """An fp16 backward's gradients overflowed at the current loss scale (retried at half of it)."""
+
+
+def _on_the_wire(out: torch.Tensor) -> torch.Tensor:
+    """Outputs as they travel: detached, on the CPU, float32 (under autocast logits come out in
+    the compute dtype; activations on the wire stay what they are in fp32)."""
+    out = out.detach()
+    if out.is_floating_point() and out.dtype != torch.float32:
+        out = out.float()
+    return out.cpu()
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:

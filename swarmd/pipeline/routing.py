@@ -23,15 +23,37 @@ Design choices:
   carry over, it adapts smoothly as the EMA weights move after every measurement.
 * **Bias-corrected EMA** (as in Adam): ``raw / (1 - (1 - alpha) ** n)``, so the first
   measurement counts fully instead of being dragged towards zero.
-* **Newcomers are probed at once**: a peer never chosen and never measured is picked by the
-  next :meth:`StageRouter.choose` before the round-robin resumes. Until its first success it
-  rotates with the weight of the fastest known peer (or ``explore_weight``), so its throughput
-  gets measured soon.
-* **Bans, not starvation**: a failure bans the peer for ``ban_base_s * 2 ** (k - 1)`` seconds
-  (``k`` consecutive failures, capped at ``ban_max_s``, +-10% jitter so trainers that saw the
-  same outage do not all return at the same instant). When the ban expires the peer is tried
-  again; a success resets ``k``. This is the "ban with backoff, retry elsewhere" lesson from
-  hivemind and the SWARM reference code, whose retries had neither.
+* **Newcomers are on probation** (issue #18: a peer record costs nothing, so a listed peer
+  may be a tarpit that accepts connections and never answers). A peer that has never answered
+  correctly may hold at most ``probation_slots`` calls in flight *together with every other
+  unproven peer*, and one each, while a proven peer is usable: it is never the only thing
+  between the trainer and progress. Within that budget a newcomer is picked by the next
+  :meth:`StageRouter.choose` before the round-robin resumes, and rotates with the weight of the
+  fastest known peer (or ``explore_weight``) until measured. When no peer is proven yet (a
+  trainer's first calls), unproven peers get one call each, so the first answers prove them.
+* **Timeouts from what the stage takes**: every success also feeds a per-peer, per-kind
+  (forward, backward) EMA of *seconds per sample*. A call's timeout
+  (:meth:`StageRouter.timeout_for`) is ``timeout_factor`` times the larger of the stage's
+  typical latency (the median over proven peers, so one slow or lying peer cannot stretch
+  everyone's timeouts) and the peer's own, times the call's samples, clamped to
+  ``[timeout_floor_s, timeout_ceiling_s]`` (the ceiling is the configured request timeout). A
+  tarpit therefore costs about one typical request, not the ceiling (hivemind #676: fixed
+  timeouts cannot fit both fast and slow peers). Before the stage has any estimate, an
+  unproven peer gets at most ``probation_timeout_s``.
+* **Bans that grow to minutes**: a failure bans the peer for ``base * 2 ** (k - 1)`` seconds
+  (``k`` consecutive failures, capped at ``ban_max_s``, default 10 minutes, +-10% jitter so
+  trainers that saw the same outage do not all return at the same instant); ``base`` is
+  ``ban_base_s`` (1 s) for a peer that has answered before, and ``probation_ban_s`` (30 s) for
+  one that never has, so an honest peer's hiccup costs it a second and a fake peer is tried
+  about once per half minute, then per minute, ... then per ten minutes. When the ban expires
+  the peer is tried again; a success resets ``k``. A peer that vanishes from the view while
+  banned is remembered until its ban ends (a record that flaps does not reset its backoff).
+  This is the "ban with backoff, retry elsewhere" lesson from hivemind and the SWARM reference
+  code, whose retries had neither.
+* **Long bans and exclusions**: :meth:`StageRouter.ban` bans a peer for a given time whatever
+  its record (a spot check caught it lying: ``swarmd.train.verify``), and
+  :meth:`StageRouter.set_excluded` names the peers the swarm excluded after two independent
+  reports (``swarmd.pipeline.reports``): neither is ever chosen.
 * **Weight floor**: every peer gets at least ``min_share`` of the largest weight, so a peer
   measured as very slow (or as 0 samples/s) still sees occasional traffic and can prove it
   recovered.
@@ -44,6 +66,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -51,7 +74,7 @@ from typing import Any
 
 from swarmd.pipeline.throughput import ThroughputEMA
 
-__all__ = ["JITTER", "PeerStats", "StageRouter"]
+__all__ = ["JITTER", "LatencyEMA", "PeerStats", "StageRouter"]
 
 #: Relative jitter applied to every ban length (+-10%).
 JITTER = 0.1
@@ -63,6 +86,23 @@ _MAX_BACKOFF_EXPONENT = 64
 _TIE_TOLERANCE = 1e-9
 
 
+class LatencyEMA:
+    """Bias-corrected exponential moving average of seconds per sample (one peer, one kind)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self._raw = 0.0
+        self.count = 0
+
+    def update(self, seconds_per_sample: float) -> None:
+        self._raw = (1.0 - self.alpha) * self._raw + self.alpha * seconds_per_sample
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return self._raw / (1.0 - (1.0 - self.alpha) ** self.count) if self.count else 0.0
+
+
 @dataclass
 class PeerStats:
     """What one trainer knows about one peer of a stage, measured by itself."""
@@ -71,8 +111,10 @@ class PeerStats:
     addr: str
     alpha: float = field(default=0.1, repr=False)
     ema: ThroughputEMA = field(init=False, repr=False)  # samples/s, bias-corrected
+    latency: dict[str, LatencyEMA] = field(init=False, repr=False)  # kind -> seconds per sample
     successes: int = 0
     failures: int = 0
+    timeouts: int = 0  # failures that were this router's timeout (a tarpit's signature)
     consecutive_failures: int = 0
     banned_until: float | None = None  # clock() value; None when never banned
     in_flight: int = 0
@@ -81,10 +123,16 @@ class PeerStats:
 
     def __post_init__(self) -> None:
         self.ema = ThroughputEMA(self.alpha)
+        self.latency = {}
 
     @property
     def measured(self) -> bool:
         return self.ema.count > 0
+
+    @property
+    def proven(self) -> bool:
+        """It has answered correctly at least once: off probation."""
+        return self.successes > 0
 
     @property
     def throughput(self) -> float:
@@ -97,8 +145,10 @@ class PeerStats:
             return 0.0
         return max(0.0, self.banned_until - now)
 
-    def observe(self, samples: int, seconds: float) -> None:
+    def observe(self, samples: int, seconds: float, kind: str = "call") -> None:
         self.ema.update(samples, seconds)
+        if samples > 0:
+            self.latency.setdefault(kind, LatencyEMA(self.alpha)).update(seconds / samples)
 
 
 class StageRouter:
@@ -110,7 +160,13 @@ class StageRouter:
         *,
         alpha: float = 0.1,
         ban_base_s: float = 1.0,
-        ban_max_s: float = 60.0,
+        ban_max_s: float = 600.0,
+        probation_ban_s: float = 30.0,
+        probation_slots: int = 1,
+        probation_timeout_s: float = 15.0,
+        timeout_factor: float = 5.0,
+        timeout_floor_s: float = 1.0,
+        timeout_ceiling_s: float = 60.0,
         explore_weight: float | None = None,
         min_share: float = 0.01,
         max_in_flight: int | None = None,
@@ -119,8 +175,14 @@ class StageRouter:
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError("alpha must be in (0, 1]")
-        if not 0.0 < ban_base_s <= ban_max_s:
-            raise ValueError("need 0 < ban_base_s <= ban_max_s")
+        if not (0.0 < ban_base_s <= ban_max_s and 0.0 < probation_ban_s <= ban_max_s):
+            raise ValueError("need 0 < ban_base_s <= ban_max_s and 0 < probation_ban_s <= ban_max_s")
+        if probation_slots < 1:
+            raise ValueError("probation_slots must be at least 1")
+        if not (timeout_factor >= 1.0 and 0.0 < timeout_floor_s <= timeout_ceiling_s
+                and 0.0 < probation_timeout_s):
+            raise ValueError("need timeout_factor >= 1, 0 < timeout_floor_s <= timeout_ceiling_s, "
+                             "probation_timeout_s > 0")
         if explore_weight is not None and not explore_weight > 0.0:
             raise ValueError("explore_weight must be positive")
         if not 0.0 <= min_share <= 1.0:
@@ -131,30 +193,52 @@ class StageRouter:
         self.alpha = alpha
         self.ban_base_s = ban_base_s
         self.ban_max_s = ban_max_s
+        self.probation_ban_s = probation_ban_s
+        self.probation_slots = probation_slots
+        self.probation_timeout_s = probation_timeout_s
+        self.timeout_factor = timeout_factor
+        self.timeout_floor_s = timeout_floor_s
+        self.timeout_ceiling_s = timeout_ceiling_s
         self.explore_weight = explore_weight
         self.min_share = min_share
         self.max_in_flight = max_in_flight
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._peers: dict[str, PeerStats] = {}
+        self._gone: dict[str, PeerStats] = {}  # vanished while banned: restored if they come back
+        self._excluded: frozenset[str] = frozenset()
 
     # ---- membership ----------------------------------------------------------------------
 
     def update_peers(self, peers: Mapping[str, str]) -> None:
         """Adopt the swarm's current view of this stage: ``peer_id -> data_addr``.
 
-        Vanished peers are forgotten (a peer that comes back re-announced itself, so it starts
-        afresh); known peers keep their measurements and bans even if their address changed;
-        new peers are added in sorted order, so the result does not depend on the view's order.
+        Vanished peers are forgotten, except that one banned right now is remembered until its
+        ban ends (a fake record that comes and goes keeps its backoff); known peers keep their
+        measurements and bans even if their address changed; new peers are added in sorted
+        order, so the result does not depend on the view's order.
         """
+        now = self._clock()
+        for peer_id in [p for p in self._gone if self._gone[p].banned_for(now) == 0.0]:
+            del self._gone[peer_id]
         for peer_id in [p for p in self._peers if p not in peers]:
-            del self._peers[peer_id]
+            stats = self._peers.pop(peer_id)
+            if stats.banned_for(now) > 0.0:
+                stats.in_flight = 0
+                self._gone[peer_id] = stats
         for peer_id in sorted(peers):
-            stats = self._peers.get(peer_id)
-            if stats is None:
-                self._peers[peer_id] = PeerStats(peer_id, peers[peer_id], alpha=self.alpha)
-            else:
-                stats.addr = peers[peer_id]
+            known = self._peers.get(peer_id) or self._gone.pop(peer_id, None)
+            stats = known if known is not None else PeerStats(peer_id, peers[peer_id], alpha=self.alpha)
+            stats.addr = peers[peer_id]
+            self._peers[peer_id] = stats
+
+    def set_excluded(self, peer_ids: Collection[str]) -> None:
+        """Peers the swarm excluded (two independent reports of wrong answers): never chosen."""
+        self._excluded = frozenset(peer_ids)
+
+    @property
+    def excluded(self) -> frozenset[str]:
+        return self._excluded
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._peers
@@ -168,21 +252,33 @@ class StageRouter:
 
     # ---- choosing ------------------------------------------------------------------------
 
+    def _probation_open(self) -> bool:
+        """Whether an unproven peer may take one more call now (see the module docstring)."""
+        now = self._clock()
+        usable = [p for p in self._peers.values() if p.banned_for(now) == 0.0 and p.peer_id not in self._excluded]
+        if not any(p.proven for p in usable):
+            return True
+        return sum(p.in_flight for p in self._peers.values() if not p.proven) < self.probation_slots
+
+    def _eligible(self, p: PeerStats, now: float, exclude: Collection[str], probation_open: bool) -> bool:
+        return (
+            p.banned_for(now) == 0.0
+            and p.peer_id not in exclude
+            and p.peer_id not in self._excluded
+            and (self.max_in_flight is None or p.in_flight < self.max_in_flight)
+            and (p.proven or (probation_open and p.in_flight == 0))
+        )
+
     def choose(self, exclude: Collection[str] = ()) -> tuple[str, str] | None:
         """``(peer_id, data_addr)`` for the next request, or None if no peer is usable now.
 
         ``exclude`` names peers this request already failed on, so a retry goes to another
-        peer of the same stage. Banned peers and, with ``max_in_flight``, saturated ones are
-        skipped as well.
+        peer of the same stage. Banned and excluded peers, peers on probation beyond its
+        budget and, with ``max_in_flight``, saturated ones are skipped as well.
         """
         now = self._clock()
-        candidates = [
-            p
-            for p in self._peers.values()
-            if p.banned_for(now) == 0.0
-            and p.peer_id not in exclude
-            and (self.max_in_flight is None or p.in_flight < self.max_in_flight)
-        ]
+        probation_open = self._probation_open()
+        candidates = [p for p in self._peers.values() if self._eligible(p, now, exclude, probation_open)]
         if not candidates:
             return None
         fresh = [p for p in candidates if p.picks == 0 and not p.measured and p.failures == 0]
@@ -203,23 +299,27 @@ class StageRouter:
         return chosen.peer_id, chosen.addr
 
     def choose_preferred(self, peer_id: str | None, exclude: Collection[str] = ()) -> tuple[str, str] | None:
-        """``peer_id`` itself if it is usable now (known, not banned, not in ``exclude``, under
-        the in-flight cap), else :meth:`choose`'s pick.
+        """``peer_id`` itself if it is usable now (known, not banned or excluded, not in
+        ``exclude``, under the in-flight and probation caps), else :meth:`choose`'s pick.
 
         For a backward: the peer that served the microbatch's forward may still hold its
         activations. The round-robin counters are left alone, so affinity does not skew the
         weighted shares of the forwards it follows.
         """
         p = self._peers.get(peer_id) if peer_id is not None else None
-        if (
-            p is not None
-            and p.banned_for(self._clock()) == 0.0
-            and p.peer_id not in exclude
-            and (self.max_in_flight is None or p.in_flight < self.max_in_flight)
-        ):
+        if p is not None and self._eligible(p, self._clock(), exclude, self._probation_open()):
             p.picks += 1
             return p.peer_id, p.addr
         return self.choose(exclude)
+
+    def waiting_on_caps(self, exclude: Collection[str] = ()) -> bool:
+        """Whether :meth:`choose` found nobody only because of in-flight or probation caps: some
+        peer outside ``exclude`` is neither banned nor excluded, so a call ending frees one."""
+        now = self._clock()
+        return any(
+            p.banned_for(now) == 0.0 and p.peer_id not in exclude and p.peer_id not in self._excluded
+            for p in self._peers.values()
+        )
 
     def _weights(self) -> dict[str, float]:
         """Round-robin weight of every known peer: measured throughput, floored.
@@ -238,6 +338,31 @@ class StageRouter:
         floor = self.min_share * top
         return {peer_id: max(w, floor) for peer_id, w in base.items()}
 
+    # ---- timeouts ------------------------------------------------------------------------
+
+    def typical_latency(self, kind: str = "call") -> float | None:
+        """The stage's typical seconds per sample for ``kind``: the median over proven peers'
+        EMAs (None before any proven peer answered one)."""
+        values = [p.latency[kind].value for p in self._peers.values() if p.proven and kind in p.latency]
+        return statistics.median(values) if values else None
+
+    def timeout_for(self, peer_id: str, samples: int, kind: str = "call", *, floor_s: float | None = None) -> float:
+        """Seconds to wait for a call of ``samples`` samples to ``peer_id`` (see the module
+        docstring): ``timeout_factor`` x max(stage's typical, peer's own) x samples, clamped to
+        ``[floor, timeout_ceiling_s]`` (``floor_s``, e.g. a larger one for calls with side
+        effects, else ``timeout_floor_s``); with no estimate yet, the ceiling (at most
+        ``probation_timeout_s`` for a peer on probation)."""
+        typical = self.typical_latency(kind)
+        p = self._peers.get(peer_id)
+        own = p.latency[kind].value if p is not None and kind in p.latency else None
+        if typical is None and own is None:
+            if p is not None and p.proven:
+                return self.timeout_ceiling_s
+            return min(self.timeout_ceiling_s, self.probation_timeout_s)
+        per_sample = max(typical or 0.0, own or 0.0)
+        wait = self.timeout_factor * per_sample * max(1, samples)
+        return min(self.timeout_ceiling_s, max(self.timeout_floor_s if floor_s is None else floor_s, wait))
+
     # ---- outcomes ------------------------------------------------------------------------
 
     def begin(self, peer_id: str) -> None:
@@ -252,12 +377,14 @@ class StageRouter:
         if stats is not None:
             stats.in_flight = max(0, stats.in_flight - 1)
 
-    def report_success(self, peer_id: str, samples: int, seconds: float) -> None:
-        """``samples`` went through ``peer_id`` in ``seconds``: update its throughput estimate.
+    def report_success(self, peer_id: str, samples: int, seconds: float, kind: str = "call") -> None:
+        """``samples`` went through ``peer_id`` in ``seconds``: update its throughput estimate
+        and its latency for ``kind`` (a call's kind: ``forward``, ``backward``).
 
-        A success resets the backoff but does not lift a ban already in force: the ban came
-        from a failure that may well be newer than the call that just succeeded. Reports about
-        peers no longer in the view are ignored (the view can change while a call is running).
+        A success resets the backoff and ends probation but does not lift a ban already in
+        force: the ban came from a failure that may well be newer than the call that just
+        succeeded. Reports about peers no longer in the view are ignored (the view can change
+        while a call is running).
         """
         if samples < 0 or not (math.isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"need samples >= 0 and finite seconds >= 0, got {samples}, {seconds}")
@@ -267,26 +394,45 @@ class StageRouter:
         stats.in_flight = max(0, stats.in_flight - 1)
         stats.successes += 1
         stats.consecutive_failures = 0
-        stats.observe(samples, seconds)
+        stats.observe(samples, seconds, kind)
 
-    def report_failure(self, peer_id: str) -> float:
+    def report_failure(self, peer_id: str, *, timeout: bool = False) -> float:
         """Ban ``peer_id`` with exponential backoff; returns the ban length in seconds.
 
-        The length is ``ban_base_s * 2 ** (k - 1)`` for the ``k``-th consecutive failure, with
-        +-10% jitter from ``rng``, and never more than ``ban_max_s``. Unknown peers: 0.0.
+        The length is ``base * 2 ** (k - 1)`` for the ``k``-th consecutive failure, where
+        ``base`` is ``ban_base_s`` for a proven peer and ``probation_ban_s`` for one that never
+        answered, with +-10% jitter from ``rng``, and never more than ``ban_max_s``.
+        ``timeout``: the failure was this router's timeout (counted). Unknown peers: 0.0.
         """
         stats = self._peers.get(peer_id)
         if stats is None:
             return 0.0
         stats.in_flight = max(0, stats.in_flight - 1)
         stats.failures += 1
+        stats.timeouts += int(timeout)
         stats.consecutive_failures += 1
         exponent = min(stats.consecutive_failures - 1, _MAX_BACKOFF_EXPONENT)
         jitter = 1.0 + self._rng.uniform(-JITTER, JITTER)
-        ban = min(self.ban_base_s * 2.0**exponent * jitter, self.ban_max_s)
-        stats.banned_until = self._clock() + ban
-        stats.current = 0.0  # come back from the ban with neither credit nor debt
+        base = self.ban_base_s if stats.proven else self.probation_ban_s
+        ban = min(base * 2.0**exponent * jitter, self.ban_max_s)
+        self._ban_until(stats, self._clock() + ban)
         return ban
+
+    def ban(self, peer_id: str, seconds: float) -> None:
+        """Ban ``peer_id`` for ``seconds`` (a caught liar), or longer if a ban in force ends later;
+        the peer also loses its proof (it comes back on probation)."""
+        if not (math.isfinite(seconds) and seconds > 0.0):
+            raise ValueError(f"a ban lasts a finite positive time, got {seconds}")
+        stats = self._peers.get(peer_id)
+        if stats is None:
+            return
+        stats.successes = 0
+        self._ban_until(stats, max(self._clock() + seconds, stats.banned_until or 0.0))
+
+    @staticmethod
+    def _ban_until(stats: PeerStats, until: float) -> None:
+        stats.banned_until = until
+        stats.current = 0.0  # come back from the ban with neither credit nor debt
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -298,9 +444,10 @@ class StageRouter:
 
     @property
     def usable_count(self) -> int:
-        """Known peers not banned right now (exclusions and in-flight caps not counted)."""
+        """Known peers neither banned right now nor excluded (exclusions of one call and
+        in-flight caps not counted)."""
         now = self._clock()
-        return sum(1 for p in self._peers.values() if p.banned_for(now) == 0.0)
+        return sum(1 for p in self._peers.values() if p.banned_for(now) == 0.0 and p.peer_id not in self._excluded)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """One plain dict per peer, sorted by id, for progress displays and tests."""
@@ -312,11 +459,14 @@ class StageRouter:
                 "addr": p.addr,
                 "throughput": p.throughput,
                 "measured": p.measured,
+                "proven": p.proven,
                 "weight": weights[p.peer_id],
                 "in_flight": p.in_flight,
                 "banned_for_s": p.banned_for(now),
+                "excluded": p.peer_id in self._excluded,
                 "successes": p.successes,
                 "failures": p.failures,
+                "timeouts": p.timeouts,
                 "consecutive_failures": p.consecutive_failures,
             }
             for p in sorted(self._peers.values(), key=lambda p: p.peer_id)

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 #: How long one /v1/progress poll of a peer may take (a long-poll: on top of its wait).
 PROGRESS_TIMEOUT_S = 5.0
+#: ... of a peer that has never answered this trainer (on probation: a tarpit must not hold up
+#: every poll of the trainer's loop for PROGRESS_TIMEOUT_S).
+PROBATION_PROGRESS_TIMEOUT_S = 3.0
 #: How long the last report may take when the trainer finishes.
 FLUSH_TIMEOUT_S = 5.0
 
@@ -66,6 +69,8 @@ class PeerProgress:
     step: int | None
     samples: int = 0
     averaging: bool = False
+    error: PeerError | None = None  # why it did not answer (step None)
+    excluded: tuple[str, ...] = ()  # peers its stage excluded after two independent reports (issue #17)
 
 
 class SwarmClient:
@@ -97,6 +102,7 @@ class SwarmClient:
         self.unreachable: dict[int, list[str]] = {}  # stage -> data addrs nobody could dial
         self._steps: list[dict[str, object]] = []  # steps finished since the last heartbeat got through
         self._samples = 0
+        self._retries = self._bans = 0  # cumulative, reported with heartbeats (/metrics sums them)
         self._rate = 0.0
         self._rate_from: tuple[float, int] | None = None  # (monotonic, samples) at the last heartbeat
 
@@ -127,7 +133,8 @@ class SwarmClient:
                  registration.training.target_batch_size)
         return registration
 
-    def observe_step(self, step: int, loss: float | None, samples: int, val_loss: float | None = None) -> None:
+    def observe_step(self, step: int, loss: float | None, samples: int, val_loss: float | None = None,
+                     *, retries: int = 0, bans: int = 0) -> None:
         """A step the swarm took, as this trainer saw it: reported with the next heartbeat."""
         def finite(v: float | None) -> float | None:
             return v if v is not None and math.isfinite(v) else None
@@ -135,6 +142,7 @@ class SwarmClient:
         if self._rate_from is None:
             self._rate_from = (time.monotonic(), self._samples)
         self._samples = samples
+        self._retries, self._bans = retries, bans
         self._steps.append({"step": step, "loss": finite(loss), "val_loss": finite(val_loss)})
         del self._steps[:-MAX_REPORT_STEPS]  # a long silence: the newest steps are the ones to show
 
@@ -143,7 +151,8 @@ class SwarmClient:
         if self._rate_from is not None and now > self._rate_from[0]:
             self._rate = max(0.0, (self._samples - self._rate_from[1]) / (now - self._rate_from[0]))
             self._rate_from = (now, self._samples)
-        return {"steps": list(self._steps), "samples": self._samples, "samples_per_s": round(self._rate, 3)}
+        return {"steps": list(self._steps), "samples": self._samples, "samples_per_s": round(self._rate, 3),
+                "retries": self._retries, "bans": self._bans}
 
     async def heartbeat(self) -> bool:
         """Renew the registration, reporting the steps since the last heartbeat; False when the
@@ -211,7 +220,8 @@ class SwarmClient:
             if not force and time.monotonic() - self._view_at < self.refresh_s:
                 return None
             try:
-                async with self._http.get(f"{self.api}/swarm") as r:
+                # off loopback the control plane's read-only endpoints need the token too
+                async with self._http.get(f"{self.api}/swarm", headers=self._headers) as r:
                     if r.status != 200:
                         raise TrainerError(f"GET /swarm answered {r.status}")
                     view = SwarmView.model_validate(await r.json(content_type=None))
@@ -230,19 +240,23 @@ class SwarmClient:
     # ---- progress --------------------------------------------------------------------------
 
     async def progress(
-        self, stages: Sequence[Sequence[tuple[str, str]]], *, wait_step: int | None = None, wait_s: float = 0.5
+        self, stages: Sequence[Sequence[tuple[str, str]]], *, wait_step: int | None = None, wait_s: float = 0.5,
+        probation: Collection[str] = (),
     ) -> list[list[PeerProgress]]:
         """Every listed peer's progress (``stages[k]``: ``(peer_id, data_addr)`` pairs), per stage,
         all polled at once. With ``wait_step``, a long-poll: each peer answers once it reaches
-        that step, or after ``wait_s``."""
+        that step, or after ``wait_s``. Peers in ``probation`` (never answered the trainer) get
+        :data:`PROBATION_PROGRESS_TIMEOUT_S` instead of :data:`PROGRESS_TIMEOUT_S`."""
 
         async def one(peer_id: str, addr: str) -> PeerProgress:
+            limit = PROBATION_PROGRESS_TIMEOUT_S if peer_id in probation else PROGRESS_TIMEOUT_S
+            waits = wait_step is not None
             try:
-                reply = await self._data.progress(addr, wait_step=wait_step, wait_s=wait_s if wait_step is not None
-                                                  else None, timeout_s=PROGRESS_TIMEOUT_S + wait_s)
-            except PeerError:
-                return PeerProgress(peer_id, None)
-            return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging)
+                reply = await self._data.progress(addr, wait_step=wait_step, wait_s=wait_s if waits else None,
+                                                  timeout_s=limit + (wait_s if waits else 0.0))
+            except PeerError as exc:
+                return PeerProgress(peer_id, None, error=exc)
+            return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging, excluded=reply.excluded)
 
         flat = await asyncio.gather(*(one(pid, addr) for peers in stages for pid, addr in peers))
         out: list[list[PeerProgress]] = []

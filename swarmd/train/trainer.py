@@ -9,8 +9,14 @@ the last stage (loss and input gradients in one round trip), then backward throu
 
 Faults: a peer that fails or times out is banned with exponential backoff and the call is
 retried on another peer of the same stage; a stage with no live peer makes the trainer wait
-(and say so) until one appears, up to a timeout. A backward refused as ``StaleStep`` (the
-stage stepped since this microbatch's forward) redoes the whole microbatch, so its gradient is
+(and say so) until one appears, up to a timeout. Each call's timeout follows what the stage's
+peers actually take (``StageRouter.timeout_for``: a multiple of the typical latency, floored,
+capped by ``request_timeout_s``) and a backward's ``deadline_ms`` follows that timeout; a peer
+never seen answering is on probation (a bounded share of the window) and a peer that keeps
+failing is banned for minutes, so a listed peer that accepts connections and never answers (a
+tarpit, issue #18) costs about one typical request per probation attempt, not the full timeout.
+A backward refused as ``StaleStep`` (the stage stepped since this microbatch's forward) redoes
+the whole microbatch, so its gradient is
 never mixed into the wrong step and the microbatch is never lost: every microbatch issued is
 completed, and ``microbatches_issued == microbatches_completed`` at the end.
 
@@ -28,6 +34,17 @@ global batch per step and waits until every peer of every stage has stepped (a l
 (the equivalence test); the batch's first and last microbatches are halved and the first one
 leads, which shortens the pipeline's fill and drain at every step.
 
+Spot checks (issue #17, ``swarmd.train.verify``): a random ``verify_fraction`` of forward and
+backward calls is sent again, in the background, to a second peer of the stage (a forward with a
+fresh microbatch id, so it looks like any other; a backward flagged ``verify``, computed but
+never accumulated) and the answers compared (a peer's first answers always, and the trainer waits
+for that verdict); on a mismatch a third peer arbitrates, the peer
+that disagrees with the other two is banned for an hour and a signed report
+(``swarmd.pipeline.reports``) goes to every listed peer. Peers the swarm excluded after two
+independent reports (a majority of progress answers lists them) are not routed to. The cost is
+in the summary (``verify``: checks, mismatches, arbitrations, extra samples and bytes, the
+traffic fraction).
+
 Each attempt of a microbatch carries a random 64-bit id (``meta.mb``); its backward on a stage
 goes to the peer that ran its forward while that peer is usable, where the activations are
 still cached (``swarmd.pipeline.executor``), so the forward is not recomputed. Any other peer
@@ -37,8 +54,10 @@ serves it statelessly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
+import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,16 +67,19 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import torch
 
+from swarmd.dht.identity import Identity
 from swarmd.errors import ConfigError, PeerError
 from swarmd.net.client import DataPlaneClient, client_session
-from swarmd.net.messages import BackwardReply, ForwardReply, ReserveReply, ReserveRequest
+from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest, ReserveReply, ReserveRequest
 from swarmd.pipeline.failures import Action, classify
+from swarmd.pipeline.reports import MisbehaviourReport, digest_tensor_bytes
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.swarm_key import SwarmKey
 from swarmd.train.data import BatchSampler, load_corpus, shard, val_batches
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerListener
 from swarmd.train.swarm_client import PeerProgress, Registration, SwarmClient, TrainerError
+from swarmd.train.verify import LIAR_BAN_S, Answer, SpotChecker, Verdict, VerifyStats, arbitrate, tolerance
 
 __all__ = ["TrainSummary", "Trainer", "TrainerConfig", "TrainerError", "split_batch"]
 
@@ -66,12 +88,25 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 PROGRESS_WAIT_S = 0.5  # how long one /v1/progress long-poll may wait for a step
-#: A backward's peer adds its gradient only within this share of the trainer's request timeout
-#: (the rest covers the way there and back): past it the trainer may have retried elsewhere.
+#: A backward's peer adds its gradient only within this share of the call's timeout, and at least
+#: BACKWARD_SLACK_S before it (the rest covers the way there and back, on a loaded machine too):
+#: past it the trainer may have given up and retried elsewhere, and the gradient must not count twice.
 DEADLINE_SHARE = 0.75
+BACKWARD_SLACK_S = 5.0
 #: How long a leased microbatch waits for a stage still at the previous step (finishing its
 #: round) before it is sent anyway (a stage short of samples would never step without it).
 STAGE_CATCH_UP_S = 2.0
+RESERVE_TIMEOUT_S = 10.0  # a lease request (no compute) to a peer that has answered this trainer
+PROBATION_RESERVE_TIMEOUT_S = 5.0  # ... and to one that has not yet (the trainer's first, or a newcomer)
+REPORT_TIMEOUT_S = 5.0  # a misbehaviour report to one peer
+FIRST_CHECKS = 1  # a peer's answers of each kind checked always until this many were confirmed
+OPINION_ATTEMPTS = 4  # tries for a spot check's second (or third) opinion
+#: The shortest per-call timeout (below it, scheduling noise on a loaded machine would ban honest peers).
+TIMEOUT_FLOOR_S = 2.0
+#: ... of a backward: its deadline (above) must leave the peer time to compute.
+BACKWARD_TIMEOUT_FLOOR_S = 2 * BACKWARD_SLACK_S
+#: A call to a peer on probation while the stage has no latency estimate yet waits at most this long.
+PROBATION_TIMEOUT_S = 15.0
 
 
 def split_batch(batch: int, microbatch: int, *, taper: bool = False) -> list[int]:
@@ -105,8 +140,53 @@ def _front_step(progress: list[list[PeerProgress]]) -> int:
     return min(known) if len(known) == len(fronts) and known else 0
 
 
+#: A spot check's verdict: the answers disagreed and no third peer settled who lied.
+_SUSPECT = Answer("", -1, None)
+
+
+def backward_deadline_ms(timeout_s: float) -> int:
+    """The ``deadline_ms`` of a backward the trainer waits ``timeout_s`` for: ``DEADLINE_SHARE`` of
+    it, and at least ``BACKWARD_SLACK_S`` short of it (never negative)."""
+    return int(1000 * max(0.0, min(timeout_s * DEADLINE_SHARE, timeout_s - BACKWARD_SLACK_S)))
+
+
+def excluded_by_majority(answers: Sequence[PeerProgress]) -> frozenset[str]:
+    """The peers listed as excluded by more than half of ``answers`` (and by at least two).
+
+    Each daemon keeps its own ledger of signed misbehaviour reports
+    (``swarmd.pipeline.reports``), and a lying daemon could list honest peers: believing any one
+    answer would let it cut them off. A majority of the peers that answered must agree.
+    """
+    counts: dict[str, int] = {}
+    for answer in answers:
+        for peer_id in set(answer.excluded):
+            counts[peer_id] = counts.get(peer_id, 0) + 1
+    need = max(2, len(answers) // 2 + 1)
+    return frozenset(p for p, n in counts.items() if n >= need)
+
+
+def _evidence(request: tuple[torch.Tensor, ...], answers: list[Answer]) -> tuple[str, dict[str, str]]:
+    """The digests a report carries: of the request's tensors, and of each peer's answer."""
+
+    def raw(t: torch.Tensor) -> bytes:
+        return t.detach().contiguous().cpu().numpy().tobytes()
+
+    request_digest = digest_tensor_bytes(*(raw(t) for t in request))
+    digests = {
+        a.peer_id: digest_tensor_bytes(raw(a.tensor) if a.tensor is not None else b"", repr(a.loss).encode())
+        for a in answers
+    }
+    return request_digest, digests
+
+
 class _Redo(Exception):
-    """A backward was refused as stale: redo the whole microbatch at the stages' new step."""
+    """A backward was refused as stale: redo the whole microbatch at the stages' new step. Or
+    (``suspect``) a peer's first answer disagreed with another peer's and no third one settled who
+    lied: the answer is not used, the microbatch is redone."""
+
+    def __init__(self, *, suspect: bool = False) -> None:
+        super().__init__()
+        self.suspect = suspect
 
 
 @dataclass(frozen=True)
@@ -114,6 +194,9 @@ class TrainerConfig:
     api: str  # control-plane URL of any daemon of the swarm, e.g. http://127.0.0.1:8080
     steps: int = 100  # optimizer steps the swarm should take from now
     data: str | None = None  # text file or folder; None: the Python standard library's sources
+    # --tokenizer FILE (a Hugging Face tokenizers JSON); None: byte-level, or a prepared --data DIR's own
+    tokenizer: str | None = None
+    text_field: str = "text"  # the field of a .jsonl record that holds its text (--text-field)
     batch_size: int | None = None  # samples per step (sync mode); None: the swarm's target_batch_size
     microbatch_size: int = 8
     codec: str = "8bit"  # activations and their gradients between stages
@@ -136,6 +219,7 @@ class TrainerConfig:
     lease_s: float = 5.0  # sample reservations expire this long after the last renewal (a dead trainer's)
     data_shards: int = 16  # the training split is cut in this many shards; each async trainer draws from one
     shard: int | None = None  # which one; None: the rank the daemon handed out at registration
+    verify_fraction: float = 0.02  # spot checks: this share of calls is sent to a second peer too (swarmd.train.verify)
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "window", "val_batches", "max_corpus_bytes", "data_shards"):
@@ -149,6 +233,8 @@ class TrainerConfig:
             raise ConfigError("--shard must not be negative")
         if not 0.5 <= self.lease_s <= 300:
             raise ConfigError("--lease-s must lie in [0.5, 300] seconds")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ConfigError("--verify-fraction must lie in [0, 1]")
 
 
 @dataclass
@@ -160,6 +246,8 @@ class TrainSummary:
     samples_per_s: float = 0.0
     retries: int = 0
     bans: int = 0
+    timeouts: int = 0  # calls this trainer gave up waiting for (its per-peer timeout)
+    probation_calls: int = 0  # calls sent to peers that had never answered (on probation)
     stale_redos: int = 0
     topup_microbatches: int = 0
     microbatches_issued: int = 0
@@ -173,6 +261,7 @@ class TrainSummary:
     step_losses: list[float] = field(default_factory=list)
     step_samples: list[int] = field(default_factory=list)  # its share of each step: samples counted at it
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    verify: dict[str, Any] = field(default_factory=dict)  # spot checks: swarmd.train.verify.VerifyStats
 
     def to_json(self) -> dict[str, Any]:
         """The summary as strict JSON values: a loss that is undefined (NaN: a step none of this
@@ -236,6 +325,11 @@ class Trainer:
         self._step_samples: dict[int, int] = {}  # first-stage step -> this trainer's samples counted at it
         self._rank: int | None = None
         self._reserving = config.reserve  # False once the first stage turned out to have no lease book (an older peer)
+        self.checks = VerifyStats()
+        self._checker = SpotChecker(config.verify_fraction, random.Random(secrets.randbits(64)))
+        self._check_tasks: set[asyncio.Task[Answer | None]] = set()  # spot checks running (owned)
+        self._identity: Identity | None = None  # ephemeral: signs this trainer's reports
+        self._agreed: dict[tuple[str, str], int] = {}  # (peer, kind) -> its answers a check confirmed
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -249,7 +343,8 @@ class Trainer:
                                       refresh_s=cfg.refresh_s, sync=cfg.sync)
             spec, _ = self._registered(await self._swarm.register(), first=True)
             corpus = await asyncio.to_thread(
-                load_corpus, cfg.data, max_bytes=cfg.max_corpus_bytes, seed=cfg.seed, seq_len=spec.seq_len
+                load_corpus, cfg.data, max_bytes=cfg.max_corpus_bytes, seed=cfg.seed, seq_len=spec.seq_len,
+                tokenizer=cfg.tokenizer, text_field=cfg.text_field, spec=spec,
             )
             index = cfg.shard if cfg.shard is not None else self._rank
             train, self.summary.shard = corpus.train, None
@@ -268,9 +363,13 @@ class Trainer:
                     await self._run_async(sampler, validation)
                 if not self.summary.val_losses or self.summary.val_losses[-1][0] != self.summary.steps:
                     await self._validate(validation)
+                await self._finish_checks()
             finally:
                 heartbeat.cancel()
-                await asyncio.gather(heartbeat, return_exceptions=True)
+                for task in self._check_tasks:
+                    task.cancel()
+                await asyncio.gather(heartbeat, *self._check_tasks, return_exceptions=True)
+                self.summary.verify = self.checks.to_json()
                 await self._swarm.flush()  # the last steps' losses, for the daemons' curves
                 await self._swarm.unregister()
         s = self.summary
@@ -286,6 +385,8 @@ class Trainer:
             "stale_redos": s.stale_redos,
             "peers": [r.usable_count for r in self.routers],
             "val_loss": s.val_loss,
+            "checks": self.checks.checks,
+            "liars": self.checks.liars,
         }
 
     # ---- registration and the stage map -----------------------------------------------------
@@ -297,8 +398,20 @@ class Trainer:
         if first:
             self._rank = registration.rank
             self.spec, self.training = registration.spec, registration.training
-            self.routers = [StageRouter(stage) for stage in range(registration.spec.n_stages)]
+            self.routers = [self._router(stage) for stage in range(registration.spec.n_stages)]
         return registration.spec, registration.training
+
+    def _router(self, stage: int) -> StageRouter:
+        """A stage's router: timeouts capped by ``request_timeout_s``, probation peers holding at
+        most a quarter of the window (at least one call)."""
+        ceiling = self.config.request_timeout_s
+        return StageRouter(stage, timeout_ceiling_s=ceiling, timeout_floor_s=min(TIMEOUT_FLOOR_S, ceiling),
+                           probation_timeout_s=min(PROBATION_TIMEOUT_S, ceiling),
+                           probation_slots=max(1, self.config.window // 4))
+
+    def _floor(self, kind: str) -> float:
+        """The shortest timeout of a call of ``kind`` (a backward's leaves room for its deadline)."""
+        return min(BACKWARD_TIMEOUT_FLOOR_S if kind == "backward" else TIMEOUT_FLOOR_S, self.config.request_timeout_s)
 
     def _registered_again(self, registration: Registration) -> None:
         self._registered(registration)
@@ -409,10 +522,13 @@ class Trainer:
 
     def _book_peer(self) -> tuple[str, str] | None:
         """The first stage's peer whose lease book this trainer uses: the smallest usable peer
-        id, so that trainers with the same stage map use the same book."""
-        for peer in self.routers[0].snapshot() if self.routers else []:
-            if not peer["banned_for_s"]:
-                return peer["id"], peer["addr"]
+        id, so that trainers with the same stage map use the same book; among peers that have
+        answered this trainer when there are any (a fake record with a small id is not asked
+        before the peers that proved themselves)."""
+        usable = [p for p in self.routers[0].snapshot() if not p["banned_for_s"] and not p["excluded"]] \
+            if self.routers else []
+        for peer in [p for p in usable if p["proven"]] or usable:
+            return peer["id"], peer["addr"]
         return None
 
     async def _reserve(
@@ -434,9 +550,11 @@ class Trainer:
         request = ReserveRequest(stage=0, trainer=self.trainer_id, step=front or 0, size=self.config.microbatch_size,
                                  count=max(0, room), lease_s=self.config.lease_s, done=tuple(done),
                                  renew=tuple(renew), held=held if complete and front is not None else None)
+        proven = self.routers[0].stats(peer_id).proven if peer_id in self.routers[0] else False
         try:
-            return await self._require_client().reserve(addr, request, timeout_s=min(10.0,
-                                                                                      self.config.request_timeout_s))
+            return await self._require_client().reserve(
+                addr, request, timeout_s=min(RESERVE_TIMEOUT_S if proven else PROBATION_RESERVE_TIMEOUT_S,
+                                             self.config.request_timeout_s))
         except PeerError as exc:
             if exc.status == 404:  # a peer of an older version: no lease book anywhere, most likely
                 log.warning("stage 0 peer %s has no lease book (%s); pacing without reservations", peer_id[:12], exc)
@@ -523,7 +641,8 @@ class Trainer:
             await self._validate(validation)
         progress = self.progress()
         if self._swarm is not None:  # reported with the next heartbeat (swarmd.training_summary)
-            self._swarm.observe_step(step, loss if total else None, s.samples, s.val_loss if validated else None)
+            self._swarm.observe_step(step, loss if total else None, s.samples, s.val_loss if validated else None,
+                                     retries=s.retries, bans=s.bans)
         self._emit(StepDone(done=done, step=step, loss=loss if total else None, progress=progress,
                             at=time.perf_counter()))
         if self.on_step is not None:
@@ -564,10 +683,39 @@ class Trainer:
         soon) or merely slow, and a synchronous trainer must not run ahead of a slow peer.
         With ``wait_step``, a long-poll: each peer answers once it reaches that step, or after
         ``PROGRESS_WAIT_S``.
+
+        Peers that never answered this trainer (on probation) are polled with a short timeout,
+        banned when they do not answer, and not polled while banned; excluded peers are not
+        polled. A peer that did answer before is polled even while banned (a sync trainer must
+        not run ahead of an honest peer that missed one call). The answers also carry each
+        peer's excluded set (:func:`excluded_by_majority` decides which to believe).
         """
         await self._refresh_view()
-        stages = [[(p["id"], p["addr"]) for p in router.snapshot()] for router in self.routers]
-        return await self._require_swarm().progress(stages, wait_step=wait_step, wait_s=PROGRESS_WAIT_S)
+        stages: list[list[tuple[str, str]]] = []
+        probation: set[str] = set()
+        for router in self.routers:
+            peers = [p for p in router.snapshot() if not p["excluded"] and (p["proven"] or not p["banned_for_s"])]
+            stages.append([(p["id"], p["addr"]) for p in peers])
+            probation |= {p["id"] for p in peers if not p["proven"]}
+        polled = await self._require_swarm().progress(stages, wait_step=wait_step, wait_s=PROGRESS_WAIT_S,
+                                                      probation=probation)
+        for router, answers in zip(self.routers, polled, strict=True):
+            for answer in answers:
+                if answer.error is not None and answer.peer_id in probation and answer.error.status in (0, 200):
+                    router.report_failure(answer.peer_id, timeout="Timeout" in answer.error.error)
+        self._adopt_exclusions(polled)
+        return polled
+
+    def _adopt_exclusions(self, polled: list[list[PeerProgress]]) -> None:
+        """Stop routing to the peers a majority of the answering peers excluded (issue #17)."""
+        excluded = excluded_by_majority([a for answers in polled for a in answers if a.step is not None])
+        for router in self.routers:
+            if excluded != router.excluded:
+                newly = excluded - router.excluded
+                if newly:
+                    log.warning("stage %d: the swarm excluded %s (reported by two independent checks); "
+                                "not routing to them", router.stage, ", ".join(sorted(p[:12] for p in newly)))
+                router.set_excluded(excluded)
 
     async def _wait_all_stepped(self, step: int, sampler: BatchSampler) -> None:
         """Poll every serving peer's /v1/progress until all are at ``step`` or later.
@@ -639,35 +787,42 @@ class Trainer:
             # the backward goes back to the peer that ran the forward (when it is still usable)
             mb = secrets.randbits(64)
             acts, steps, served = [x], [], []
-            for stage in range(last):
-                catch_up = time.monotonic() + STAGE_CATCH_UP_S
-                while True:
-                    try:
-                        forward, peer = await self._forward(stage, acts[-1], mb=mb)
-                    finally:
-                        if on_forward is not None:
-                            on_forward()
-                            on_forward = None
-                    if lease_step is None or forward.step >= lease_step or time.monotonic() > catch_up:
-                        break
-                    await asyncio.sleep(0.01)
-                acts.append(forward.outputs)
-                steps.append(forward.step)
-                served.append(peer)
-            backward, _ = await self._backward(last, acts[-1], targets=y, mb=mb)
-            if backward.loss is None:
-                raise TrainerError(f"stage {last} answered a backward with targets without its loss")
-            loss, last_step = backward.loss, backward.step
-            grad = backward.grad_inputs
-            duplicates = int(backward.duplicate)
             try:
+                for stage in range(last):
+                    catch_up = time.monotonic() + STAGE_CATCH_UP_S
+                    while True:
+                        try:
+                            forward, peer = await self._forward(stage, acts[-1], mb=mb)
+                        finally:
+                            if on_forward is not None:
+                                on_forward()
+                                on_forward = None
+                        if lease_step is None or forward.step >= lease_step or time.monotonic() > catch_up:
+                            break
+                        await asyncio.sleep(0.01)
+                    forward = await self._maybe_check_forward(stage, acts[-1], forward, peer)
+                    acts.append(forward.outputs)
+                    steps.append(forward.step)
+                    served.append(peer)
+                backward, last_peer = await self._backward(last, acts[-1], targets=y, mb=mb)
+                backward = await self._maybe_check_backward(last, acts[-1], None, y, None, mb, backward, last_peer)
+                if backward.loss is None:
+                    raise TrainerError(f"stage {last} answered a backward with targets without its loss")
+                loss, last_step = backward.loss, backward.step
+                grad = backward.grad_inputs
+                duplicates = int(backward.duplicate)
                 for stage in range(last - 1, -1, -1):
-                    backward, _ = await self._backward(stage, acts[stage], grad_outputs=grad, step=steps[stage],
-                                                       mb=mb, prefer=served[stage])
+                    backward, peer = await self._backward(stage, acts[stage], grad_outputs=grad, step=steps[stage],
+                                                          mb=mb, prefer=served[stage])
+                    backward = await self._maybe_check_backward(stage, acts[stage], grad, None, steps[stage], mb,
+                                                                backward, peer)
                     grad = backward.grad_inputs
                     duplicates += int(backward.duplicate)
-            except _Redo:
-                s.stale_redos += 1
+            except _Redo as redo:
+                if redo.suspect:  # a first spot check found the answer wrong and could not say whose
+                    self.checks.redone += 1
+                else:
+                    s.stale_redos += 1
                 continue
             break
         s.microbatches_completed += 1
@@ -684,7 +839,8 @@ class Trainer:
         client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
         return await self._call(
             stage, "forward", inputs.shape[0],
-            lambda addr: client.forward(addr, stage, inputs, targets, codec=codec, model=spec.digest, mb=mb),
+            lambda addr, timeout: client.forward(addr, stage, inputs, targets, codec=codec, model=spec.digest, mb=mb,
+                                                 timeout_s=timeout),
         )
 
     async def _backward(
@@ -699,11 +855,13 @@ class Trainer:
         prefer: str | None = None,
     ) -> tuple[BackwardReply, str]:
         client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
-        deadline_ms = int(self.config.request_timeout_s * 1000 * DEADLINE_SHARE)
+        # the peer adds the gradient only within its deadline: past it, this trainer may have given
+        # up and retried elsewhere (exactly once)
         return await self._call(
             stage, "backward", inputs.shape[0],
-            lambda addr: client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=spec.digest,
-                                         step=step, mb=mb, deadline_ms=deadline_ms),
+            lambda addr, timeout: client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec,
+                                                  model=spec.digest, step=step, mb=mb,
+                                                  deadline_ms=backward_deadline_ms(timeout), timeout_s=timeout),
             prefer=prefer,
         )
 
@@ -712,13 +870,14 @@ class Trainer:
         stage: int,
         kind: Literal["forward", "backward"],
         samples: int,
-        send: Callable[[str], Awaitable[R]],
+        send: Callable[[str, float], Awaitable[R]],
         *,
         prefer: str | None = None,
     ) -> tuple[R, str]:
         """One request to some peer of ``stage``: route, act on refusals (``swarmd.pipeline
         .failures``), wait for peers; the reply and the id of the peer that answered.
 
+        ``send(addr, timeout_s)`` makes the call within the router's timeout for that peer.
         ``prefer`` is a peer to try first when it is usable (a backward's: the peer that ran
         the forward, whose activation cache holds the microbatch).
         """
@@ -729,6 +888,9 @@ class Trainer:
         attempts = 0
         while True:
             choice = router.choose_preferred(prefer, exclude=tried)
+            if choice is None and router.waiting_on_caps(exclude=tried):
+                await asyncio.sleep(0.01)  # peers on probation are busy: a call ending frees a slot
+                continue
             if choice is None and tried and router.usable_count:
                 tried.clear()  # every usable peer was tried once in this call: go round again
                 await asyncio.sleep(0.05)
@@ -751,20 +913,26 @@ class Trainer:
                 await self._refresh_view()
                 continue
             peer_id, addr = choice
+            on_probation = not router.stats(peer_id).proven
+            timeout = router.timeout_for(peer_id, samples, kind, floor_s=self._floor(kind))
             router.begin(peer_id)
             attempts += 1
+            self.summary.probation_calls += int(on_probation)
             started = time.monotonic()
             try:
-                reply = await send(addr)
+                reply = await send(addr, timeout)
             except PeerError as exc:
                 action = classify(exc)
                 if action is Action.BAN:
+                    timed_out = exc.status == 0 and "Timeout" in exc.error
                     self._last_failures.setdefault(stage, {})[addr] = exc
                     self.summary.retries += 1
                     self.summary.bans += 1
-                    ban = router.report_failure(peer_id)
-                    log.warning("stage %d peer %s failed (%s); banned for %.1fs, retrying elsewhere",
-                                stage, peer_id[:12], exc, ban)
+                    self.summary.timeouts += int(timed_out)
+                    ban = router.report_failure(peer_id, timeout=timed_out)
+                    log.warning("stage %d peer %s failed (%s%s); banned for %.1fs, retrying elsewhere",
+                                stage, peer_id[:12], exc, f", no answer within {timeout:.1f}s" if timed_out else "",
+                                ban)
                     tried.add(peer_id)
                     continue
                 router.release(peer_id)
@@ -780,10 +948,218 @@ class Trainer:
             except BaseException:
                 router.release(peer_id)
                 raise
-            router.report_success(peer_id, samples, time.monotonic() - started)
+            router.report_success(peer_id, samples, time.monotonic() - started, kind)
             self._emit(CallDone(stage=stage, kind=kind, samples=samples, peer_id=peer_id, attempts=attempts,
                                 started=began, ended=time.perf_counter()))
             return reply, peer_id
+
+    # ---- spot checks (swarmd.train.verify) -------------------------------------------------------
+
+    async def _maybe_check_forward(self, stage: int, inputs: torch.Tensor, reply: ForwardReply,
+                                   peer: str) -> ForwardReply:
+        """Perhaps ask a second peer of ``stage`` for the same forward (a fresh microbatch id: to
+        that peer it is a forward like any other). The reply to go on with: ``reply``, or, when a
+        check it waited for convicted ``peer``, the majority's outputs."""
+        client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
+
+        def resend(addr: str, timeout: float) -> Awaitable[ForwardReply | BackwardReply]:
+            return client.forward(addr, stage, inputs, codec=codec, model=spec.digest, mb=secrets.randbits(64),
+                                  timeout_s=timeout)
+
+        honest = await self._maybe_check(stage, "forward", Answer(peer, reply.step, reply.outputs, reply.loss), resend,
+                                         (inputs,), secrets.randbits(64))
+        if honest is None or honest.tensor is None:
+            return reply
+        return dataclasses.replace(reply, outputs=honest.tensor, loss=honest.loss)
+
+    async def _maybe_check_backward(
+        self, stage: int, inputs: torch.Tensor, grad_outputs: torch.Tensor | None, targets: torch.Tensor | None,
+        step: int | None, mb: int, reply: BackwardReply, peer: str,
+    ) -> BackwardReply:
+        """Perhaps ask a second peer of ``stage`` for the same backward, flagged ``verify`` (computed
+        and answered, never accumulated: the microbatch's gradient counts once). The reply to go on
+        with, as :meth:`_maybe_check_forward`'s (the liar's own accumulation is the averaging's to
+        leave out, once the swarm excluded it)."""
+        if reply.grad_inputs is None and reply.loss is None:
+            self.checks.calls += 1
+            return reply  # the first stage's backward answers nothing to compare
+        client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
+
+        def resend(addr: str, timeout: float) -> Awaitable[ForwardReply | BackwardReply]:
+            return client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=spec.digest,
+                                   step=step, mb=mb, timeout_s=timeout, verify=True)
+
+        tensors = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
+        honest = await self._maybe_check(stage, "backward", Answer(peer, reply.step, reply.grad_inputs, reply.loss),
+                                         resend, tensors, mb)
+        if honest is None:
+            return reply
+        return dataclasses.replace(reply, grad_inputs=honest.tensor, loss=honest.loss)
+
+    async def _maybe_check(
+        self, stage: int, kind: Literal["forward", "backward"], primary: Answer,
+        resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], request: tuple[torch.Tensor, ...],
+        mb: int,
+    ) -> Answer | None:
+        """Draw whether to check this call and start the check. A random check runs in the
+        background; a peer's first check is waited for (a liar from the start must not get its
+        first answers used): then the majority's answer when it convicted the primary, else None;
+        an unsettled mismatch raises ``_Redo(suspect=True)`` (the microbatch is redone)."""
+        self.checks.calls += 1
+        router = self.routers[stage]
+        # a peer's first answers of each kind are always checked (with checks on): a liar from the start
+        # is caught at its first answer, before it has done much harm
+        first = self.config.verify_fraction > 0 and self._agreed.get((primary.peer_id, kind), 0) < FIRST_CHECKS
+        first = first and router.usable_count > 1
+        if not first and not self._checker.should_check(comparable=True, other_peers=router.usable_count - 1):
+            return None
+        if not first and len(self._check_tasks) >= self.config.window:  # first checks are never skipped
+            self.checks.skipped += 1
+            return None
+        self.checks.first_checks += int(first)
+        task = asyncio.create_task(self._check(stage, kind, primary, resend, request, mb),
+                                   name=f"swarmd-spot-check-{stage}-{kind}")
+        self._check_tasks.add(task)
+        task.add_done_callback(self._check_done)
+        if not first:
+            return None
+        # shielded: a cancelled microbatch leaves its check running (owned by _check_tasks)
+        verdict = await asyncio.shield(task)
+        if verdict is _SUSPECT:
+            raise _Redo(suspect=True)
+        return verdict
+
+    def _check_done(self, task: asyncio.Task[Answer | None]) -> None:
+        self._check_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a spot check failed unexpectedly: %r", task.exception())
+
+    async def _finish_checks(self) -> None:
+        """Wait for the spot checks still running (each bounded by its peers' timeouts)."""
+        while self._check_tasks:
+            await asyncio.gather(*list(self._check_tasks), return_exceptions=True)
+
+    async def _check(
+        self, stage: int, kind: Literal["forward", "backward"], primary: Answer,
+        resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], request: tuple[torch.Tensor, ...],
+        mb: int,
+    ) -> Answer | None:
+        """One spot check: a second opinion, and on a mismatch a third (``verify.arbitrate``); the
+        majority's answer when the primary lied, :data:`_SUSPECT` when a mismatch stayed unsettled,
+        else None."""
+        stats, tol = self.checks, tolerance(self.config.codec)
+        samples = int(request[0].shape[0])
+        nbytes = sum(t.numel() * t.element_size() for t in request)
+        stats.checks += 1
+        second = await self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id})
+        if second is None:
+            return None
+        outcome = arbitrate([primary, second], tol)
+        if outcome.verdict is Verdict.AGREE:
+            stats.agreements += 1
+            for peer in (primary.peer_id, second.peer_id):
+                self._agreed[(peer, kind)] = self._agreed.get((peer, kind), 0) + 1
+            return None
+        if outcome.verdict is Verdict.INCONCLUSIVE:
+            stats.inconclusive += 1
+            return None
+        stats.mismatches += 1
+        stats.arbitrations += 1
+        log.warning("spot check: stage %d peers %s and %s answered a %s differently at step %d; asking a third",
+                    stage, primary.peer_id[:12], second.peer_id[:12], kind, primary.step)
+        third = await self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id, second.peer_id})
+        if third is None:
+            return _SUSPECT
+        answers = [primary, second, third]
+        outcome = arbitrate(answers, tol)
+        if outcome.verdict is not Verdict.LIAR or outcome.liar is None:
+            stats.inconclusive += 1
+            return _SUSPECT
+        await self._convict(stage, kind, outcome.liar, answers, request, mb)
+        return second if outcome.liar == primary.peer_id else None
+
+    async def _opinion(
+        self, stage: int, kind: Literal["forward", "backward"],
+        resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], samples: int, nbytes: int,
+        exclude: set[str],
+    ) -> Answer | None:
+        """Another peer's answer to a checked call; None (counted) when there is nobody else to ask or
+        none answered (``failed``), or it refused as its stage stepped meanwhile (``inconclusive``).
+
+        Like :meth:`_call`, at most :data:`OPINION_ATTEMPTS` tries: a busy peer (averaging) is asked
+        again shortly, a broken one is banned and another one asked."""
+        router = self.routers[stage]
+        exclude = set(exclude)
+        for _ in range(OPINION_ATTEMPTS):
+            choice = router.choose(exclude=exclude)
+            if choice is None:
+                break
+            peer_id, addr = choice
+            timeout = router.timeout_for(peer_id, samples, kind, floor_s=self._floor(kind))
+            router.begin(peer_id)
+            self.checks.extra_samples += samples
+            self.checks.extra_bytes += nbytes
+            started = time.monotonic()
+            try:
+                reply = await resend(addr, timeout)
+            except PeerError as exc:
+                action = classify(exc)
+                if action is Action.BAN:
+                    router.report_failure(peer_id, timeout="Timeout" in exc.error)
+                    exclude.add(peer_id)
+                    continue
+                router.release(peer_id)
+                if action is Action.RETRY_SOON:
+                    await asyncio.sleep(0.05)
+                    continue
+                if action in (Action.REDO, Action.RETRY_ELSEWHERE):  # StaleStep, PeerBehind: a step in between
+                    self.checks.inconclusive += 1
+                    return None
+                break
+            except BaseException:
+                router.release(peer_id)
+                raise
+            router.report_success(peer_id, samples, time.monotonic() - started, kind)
+            if isinstance(reply, ForwardReply):
+                return Answer(peer_id, reply.step, reply.outputs, reply.loss)
+            return Answer(peer_id, reply.step, reply.grad_inputs, reply.loss)
+        self.checks.failed += 1
+        return None
+
+    async def _convict(
+        self, stage: int, kind: Literal["forward", "backward"], liar: str, answers: list[Answer],
+        request: tuple[torch.Tensor, ...], mb: int,
+    ) -> None:
+        """Ban ``liar`` for :data:`LIAR_BAN_S`, say so, and report it to every listed peer."""
+        stats = self.checks
+        self.routers[stage].ban(liar, LIAR_BAN_S)
+        if liar in stats.caught:  # another check that was in flight caught it too: reported already
+            return
+        stats.liars += 1
+        stats.caught = (*stats.caught, liar)
+        request_digest, answer_digests = await asyncio.to_thread(_evidence, request, answers)
+        step = answers[0].step
+        log.warning("spot check: stage %d peer %s lied (its %s at step %d disagrees with %s); banned for %.0fs "
+                    "and reported (request %s, answers %s)", stage, liar[:12], kind, step,
+                    " and ".join(a.peer_id[:12] for a in answers if a.peer_id != liar), LIAR_BAN_S,
+                    request_digest[:16], ", ".join(f"{p[:12]}={d[:12]}" for p, d in sorted(answer_digests.items())))
+        if self._identity is None:
+            self._identity = Identity.generate()
+        report = MisbehaviourReport.signed(self._identity, accused=liar, stage=stage, step=step, kind=kind, mb=mb,
+                                           request_digest=request_digest, answers=answer_digests, at=time.time())
+        body, signature = report.encode()
+        client = self._require_client()
+        peers = {p["id"]: p["addr"] for router in self.routers for p in router.snapshot()
+                 if p["id"] != liar and not p["banned_for_s"] and not p["excluded"]}
+
+        async def send(addr: str) -> bool:
+            try:
+                return (await client.report(addr, ReportRequest(body, signature), timeout_s=REPORT_TIMEOUT_S)).accepted
+            except PeerError:
+                return False
+
+        accepted = await asyncio.gather(*(send(addr) for addr in peers.values()))
+        stats.reports_sent += sum(accepted)
 
     def _require_spec(self) -> ModelSpec:
         if self.spec is None:

@@ -1,0 +1,339 @@
+"""Spot checks (swarmd.train.verify, issue #17): the comparison rule, arbitration, the checked share,
+1,000 honest checks through real executors and real codecs without a false alarm, and liars in a
+real 2-stage x 3-peer swarm caught, reported and excluded while training goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from swarmd.daemon import Daemon
+from swarmd.dht.identity import Identity
+from swarmd.errors import PeerError
+from swarmd.net.client import DataPlaneClient
+from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest
+from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
+from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.reports import MisbehaviourReport
+from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
+from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
+from swarmd.train.verify import (
+    CROSS_BUILD_SLACK,
+    Answer,
+    SpotChecker,
+    Verdict,
+    VerifyStats,
+    agree,
+    arbitrate,
+    tolerance,
+)
+from tests.liars import make_liar
+from tests.test_training import config
+
+CODECS = ("none", "fp16", "bf16", "8bit")
+
+
+def answer(peer: str, t: torch.Tensor | None, step: int = 0, loss: float | None = None) -> Answer:
+    return Answer(peer, step, t, loss)
+
+
+# ---- the comparison rule -----------------------------------------------------------------------
+
+
+def test_tolerance_is_twice_the_codec_bound_plus_the_build_slack() -> None:
+    assert tolerance("none") == CROSS_BUILD_SLACK
+    assert tolerance("fp16") == pytest.approx(2 * 2**-11 + CROSS_BUILD_SLACK)
+    assert tolerance("8bit") > tolerance("bf16") > tolerance("fp16") > tolerance("none")
+    with pytest.raises(ValueError):
+        tolerance("4bit")
+
+
+def test_agree_exact_within_and_beyond_tolerance() -> None:
+    x = torch.randn(4, 8, 16)
+    tol = tolerance("8bit")
+    assert agree(answer("a", x), answer("b", x.clone()), 0.0)  # bit-identical: always
+    assert agree(answer("a", x), answer("b", x + 0.5 * tol * x.abs().max()), tol)
+    assert not agree(answer("a", x), answer("b", x * 1.5), tol)  # a scaled answer
+    assert not agree(answer("a", x), answer("b", -3 * x), tol)  # a wrong gradient
+    assert not agree(answer("a", x), answer("b", x[:2]), tol)  # another shape
+    assert not agree(answer("a", x), answer("b", x.double()), tol)  # another dtype
+    assert not agree(answer("a", x), answer("b", torch.full_like(x, math.nan)), tol)
+    assert not agree(answer("a", x), answer("b", None), tol)
+    assert agree(answer("a", None, loss=2.0), answer("b", None, loss=2.0 + 1e-6), tol)
+    assert not agree(answer("a", None, loss=2.0), answer("b", None, loss=2.5), tol)
+    assert not agree(answer("a", x, loss=2.0), answer("b", x), tol)
+    assert not agree(answer("a", x, loss=math.inf), answer("b", x, loss=math.inf), tol)
+    ints = torch.arange(6)
+    assert agree(answer("a", ints), answer("b", ints.clone()), tol)
+    assert not agree(answer("a", ints), answer("b", ints + 1), 1.0)
+
+
+def test_arbitration_verdicts() -> None:
+    x, tol = torch.ones(3), 1e-6
+    good, bad = answer("honest", x), answer("liar", 2 * x)
+    assert arbitrate([good, answer("other", x)], tol).verdict is Verdict.AGREE
+    assert arbitrate([good, bad], tol).verdict is Verdict.MISMATCH
+    assert arbitrate([good, answer("later", x, step=1)], tol).verdict is Verdict.INCONCLUSIVE  # a step between
+    caught = arbitrate([bad, good, answer("third", x)], tol)
+    assert caught.verdict is Verdict.LIAR and caught.liar == "liar"
+    caught = arbitrate([good, bad, answer("third", x)], tol)
+    assert caught.verdict is Verdict.LIAR and caught.liar == "liar"  # a lying second opinion is caught too
+    three_way = arbitrate([good, bad, answer("third", 3 * x)], tol)
+    assert three_way.verdict is Verdict.INCONCLUSIVE and three_way.liar is None  # two must agree to convict
+    assert arbitrate([good, bad, answer("third", x, step=2)], tol).verdict is Verdict.INCONCLUSIVE
+    with pytest.raises(ValueError):
+        arbitrate([good], tol)
+
+
+def test_the_checked_share_is_the_fraction_and_nothing_uncheckable_is_drawn() -> None:
+    checker = SpotChecker(0.02, random.Random(1))
+    n = 20_000
+    drawn = sum(checker.should_check(comparable=True, other_peers=2) for _ in range(n))
+    assert abs(drawn - 0.02 * n) <= 4 * math.sqrt(n * 0.02 * 0.98)  # binomial, 4 sigma
+    assert not any(checker.should_check(comparable=True, other_peers=0) for _ in range(100))
+    assert not any(checker.should_check(comparable=False, other_peers=2) for _ in range(100))
+    assert not any(SpotChecker(0.0).should_check(comparable=True, other_peers=5) for _ in range(100))
+    with pytest.raises(ValueError):
+        SpotChecker(1.5)
+
+
+def test_verify_stats_are_strict_json_with_the_traffic_fraction() -> None:
+    stats = VerifyStats(calls=200, checks=4, arbitrations=1, caught=("p",))
+    out = stats.to_json()
+    assert out["traffic_fraction"] == pytest.approx(5 / 200) and out["caught"] == ["p"]
+    assert VerifyStats().to_json()["traffic_fraction"] == 0.0
+
+
+# ---- 1,000 honest checks: real executors, real codecs --------------------------------------------
+
+
+def _decoded(encode: Any, codec: str, kind: type[ForwardReply] | type[BackwardReply]) -> Any:
+    return kind.from_frame(decode_frame(encode(codec)))
+
+
+async def test_a_thousand_honest_spot_checks_raise_no_false_alarm() -> None:
+    """Two executors of the same stage (a middle one: the primary's backward hits its activation
+    cache, the check recomputes) answer the same requests; every reply goes through the wire
+    codec it would travel with. No pair may disagree, whatever the codec."""
+    spec = replace(PRESETS["tiny"], name="honest", n_stages=3, d_model=32, d_ff=64, seq_len=16)
+    primary, second = StageExecutor(spec, 1), StageExecutor(spec, 1)
+    rng = torch.Generator().manual_seed(0)
+    checks = 0
+    try:
+        for i in range(250):
+            codec = CODECS[i % len(CODECS)]
+            tol = tolerance(codec)
+            x = torch.randn(2, spec.seq_len, spec.d_model, generator=rng) * (1 + i % 7)
+            g = torch.randn(2, spec.seq_len, spec.d_model, generator=rng) * 1e-3
+            a, b = await primary.forward(x, mb=i), await second.forward(x, mb=10_000 + i)
+            fa = _decoded(ForwardReply(1, a.step, a.outputs).encode, codec, ForwardReply)
+            fb = _decoded(ForwardReply(1, b.step, b.outputs).encode, codec, ForwardReply)
+            ba = await primary.backward(x, g, step=a.step, mb=i)  # the cached graph
+            bb = await second.backward(x, g, step=b.step, mb=i, verify=True)  # recomputed, not accumulated
+            ra = _decoded(BackwardReply(1, ba.step, ba.samples, 0, ba.grad_inputs).encode, codec, BackwardReply)
+            rb = _decoded(BackwardReply(1, bb.step, bb.samples, 0, bb.grad_inputs).encode, codec, BackwardReply)
+            for p, q in ((answer("p", fa.outputs), answer("q", fb.outputs)),
+                         (answer("p", ra.grad_inputs), answer("q", rb.grad_inputs)),
+                         (answer("p", fa.outputs), answer("q", _requantized(fb.outputs, codec))),
+                         (answer("p", ra.grad_inputs), answer("q", _requantized(rb.grad_inputs, codec)))):
+                assert arbitrate([p, q], tol).verdict is Verdict.AGREE, (i, codec)
+                checks += 1
+        assert checks == 1000
+        assert second.grad_samples == 0 and primary.grad_samples == 500  # checks never accumulate
+    finally:
+        await primary.close()
+        await second.close()
+
+
+def _requantized(t: torch.Tensor, codec: str) -> torch.Tensor:
+    """``t`` nudged by float rounding (another build) and coded again: still within the rule."""
+    nudged = t * (1 + 1e-6) + 1e-7
+    return ForwardReply.from_frame(decode_frame(ForwardReply(1, 0, nudged).encode(codec))).outputs
+
+
+# ---- liars in a real swarm ------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def fast_swarm(spec: ModelSpec, training: TrainingSpec, peers_per_stage: int) -> AsyncIterator[list[Daemon]]:
+    """In-process daemons on loopback, ``peers_per_stage`` per stage: the founder first, then all the
+    others at once (joining one by one costs seconds per peer), and shut down all at once."""
+    daemons: list[Daemon] = []
+    try:
+        founder = Daemon(config(0, spec, training))
+        daemons.append(founder)
+        await founder.start()
+        join = (founder.dht.address,)
+        others = [Daemon(config(i % spec.n_stages, spec, training, join))
+                  for i in range(1, spec.n_stages * peers_per_stage)]
+        daemons += others
+        await asyncio.gather(*(d.start() for d in others))
+        yield daemons
+    finally:
+        await asyncio.gather(*(d.shutdown() for d in daemons), return_exceptions=True)
+
+
+SPEC = replace(PRESETS["tiny"], name="liars")
+TRAINING = TrainingSpec(target_batch_size=16, lr=3e-3, warmup_steps=2, averaging_timeout_s=5.0)
+FRACTION = 0.75
+
+
+def trainer_config(api: str, name: str, steps: int, fraction: float = FRACTION, seed: int = 0) -> TrainerConfig:
+    return TrainerConfig(api=api, steps=steps, microbatch_size=4, window=4, codec="8bit", val_every=0,
+                         val_batches=2, max_corpus_bytes=1 << 20, name=name, refresh_s=0.5, heartbeat_s=1.0,
+                         request_timeout_s=20.0, verify_fraction=fraction, seed=seed)
+
+
+def bounded_by_fraction(summary: TrainSummary, fraction: float) -> None:
+    """Checks drawn (run or skipped) are a binomial sample of the calls: within 4 sigma of the share;
+    the first answers of each peer (checked always) come on top, one per peer and kind."""
+    v = summary.verify
+    drawn = v["checks"] - v["first_checks"] + v["skipped"]  # a peer's first answers are checked on top
+    assert drawn <= v["calls"] * fraction + 4 * math.sqrt(v["calls"] * fraction * (1 - fraction)) + 1, v
+    assert v["arbitrations"] <= v["mismatches"] <= v["checks"]
+    assert v["first_checks"] <= 2 * 6 * 4  # the first forward and backward of six peers, up to the window (4) each
+
+
+async def test_liars_in_a_2x3_swarm_are_caught_reported_and_excluded_while_training_goes_on() -> None:
+    """One peer of stage 0 scales its activations, one of stage 1 returns wrong input gradients;
+    two trainers spot-check half their calls. Both liars are caught after a few answers, every
+    honest peer's ledger excludes them (two independent reports), the trainers stop routing to
+    them, and the training finishes every step and every microbatch."""
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        stage0 = [d for d in daemons if d.stage == 0]
+        stage1 = [d for d in daemons if d.stage == 1]
+        liar0, liar1 = stage0[1], stage1[2]
+        assert liar0.executor is not None and liar1.executor is not None
+        make_liar(liar0.executor, "scale")
+        make_liar(liar1.executor, "grad")
+        api = f"http://{daemons[0].status()['api_addr']}"
+        liars = {liar0.peer_id, liar1.peer_id}
+        honest = [d for d in daemons if d.peer_id not in liars]
+        caught: set[str] = set()
+        for attempt in range(4):  # two trainers at a time until both liars were reported by two of them
+            trainers = [Trainer(trainer_config(api, f"t{attempt}{k}", steps=3, seed=10 * attempt + k))
+                        for k in range(2)]
+            summaries = await asyncio.gather(*(t.run() for t in trainers))
+            for summary in summaries:
+                assert summary.steps >= 3 and summary.microbatches_issued == summary.microbatches_completed
+                assert set(summary.verify["caught"]) <= liars, summary.verify  # no honest peer blamed
+                bounded_by_fraction(summary, FRACTION)
+                caught |= set(summary.verify["caught"])
+            if all(set(d.status()["reports"]["excluded"]) == liars for d in honest):
+                break
+        assert caught == liars
+        for d in honest:
+            status = d.status()["reports"]
+            assert set(status["excluded"]) == liars and status["exclusions"] == 2, status
+        # bounded: each liar answered a handful of requests before it was caught
+        served = []
+        for liar in (liar0, liar1):
+            assert liar.data_plane is not None
+            served.append(dict(liar.data_plane.served))
+            assert served[-1]["forward"] + served[-1]["backward"] <= 60, served[-1]
+        await _the_report_endpoint_refuses_bad_input_and_counts_good_reports(honest[0])
+        # a trainer that checks nothing itself learns the exclusions from the swarm and never routes to them
+        late = Trainer(trainer_config(api, "late", steps=1, fraction=0.0, seed=7))
+        summary = await late.run()
+        assert summary.steps == 1 and summary.verify["checks"] == 0
+        assert [dict(liar.data_plane.served) for liar in (liar0, liar1) if liar.data_plane] == served
+        for router in late.routers:
+            assert liars & {p["id"] for p in router.snapshot()} <= router.excluded
+
+
+async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daemon) -> None:
+    """POST /v1/report on a daemon of the swarm: a sentence and a 4xx for bad input, never a 500;
+    a good report counted (the ledger's rules themselves: tests/test_reports.py)."""
+    accused, other = "ab" * 20, "cd" * 20
+    assert d.data_addr is not None
+    async with DataPlaneClient(timeout_s=10) as client:
+        for _ in range(2):  # two reporters (loopback: two keys) exclude
+            report = MisbehaviourReport.signed(Identity.generate(), accused=accused, stage=0, step=0, kind="forward",
+                                               mb=1, request_digest="00" * 32,
+                                               answers={accused: "11" * 32, other: "22" * 32}, at=time.time())
+            result = await client.report(d.data_addr, ReportRequest(*report.encode()))
+        assert result.accepted and result.excluded
+        assert accused in (await client.progress(d.data_addr)).excluded and accused in d._ledger_excluded()
+        with pytest.raises(PeerError) as refused:
+            await client.report(d.data_addr, ReportRequest(report.encode()[0], bytes(64)))
+        assert refused.value.status == 422 and "signature" in refused.value.message
+        url = f"http://{d.data_addr}/v1/report"
+        for body, status in [
+            (b"\x00garbage", 400),
+            (encode_frame("report", {"body": b"x", "sig": b"y"}, {}, "none"), 422),
+            (encode_frame("report", {"body": 1}, {}, "none"), 422),
+            (encode_frame("forward", {"stage": 0}, {}, "none"), 422),
+            (b"x" * (20 * 2**10), 413),
+        ]:
+            async with client.session.post(url, data=body, headers={"Content-Type": CONTENT_TYPE}) as resp:
+                assert resp.status == status, (body[:20], await resp.text())
+                assert (await resp.json())["message"]
+
+
+async def _train_with(lie: str | None, steps: int = 20) -> tuple[float, set[str], set[str]]:
+    """Two checking trainers for ``steps`` steps on a fresh 2x3 swarm, with one lying peer (``lie``
+    on stage 0 for the forward lies, on stage 1 for wrong input gradients); the held-out loss of
+    the trained swarm, the liars caught, and the liar's id."""
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        liars: set[str] = set()
+        if lie is not None:
+            liar = [d for d in daemons if d.stage == (1 if lie == "grad" else 0)][1]
+            assert liar.executor is not None and liar.peer_id is not None
+            make_liar(liar.executor, lie)
+            liars.add(liar.peer_id)
+        api = f"http://{daemons[0].status()['api_addr']}"
+        summaries = await asyncio.gather(*(Trainer(trainer_config(api, f"t{k}", steps=steps, seed=k)).run()
+                                           for k in range(2)))
+        for summary in summaries:
+            # two trainers: one of them may see one step more
+            assert summary.steps >= steps and set(summary.verify["caught"]) <= liars
+            bounded_by_fraction(summary, FRACTION)
+        # the held-out loss, measured by a trainer that routes around excluded peers and checks nothing
+        final = await Trainer(trainer_config(api, "val", steps=1, fraction=0.0, seed=99)).run()
+        assert final.val_loss is not None
+        return final.val_loss, {p for s in summaries for p in s.verify["caught"]}, liars
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie", ["scale", "noise", "grad"])
+async def test_each_kind_of_liar_is_caught_and_the_loss_ends_within_5_percent_of_an_honest_run(lie: str) -> None:
+    honest_loss, caught, _ = await _train_with(None)
+    assert not caught  # no false alarm on the honest swarm
+    loss, caught, liars = await _train_with(lie)
+    assert caught == liars
+    assert abs(loss - honest_loss) <= 0.05 * honest_loss, (loss, honest_loss)
+
+
+async def test_the_sitecustomize_hook_makes_a_child_process_executor_lie(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/liars.py's SITECUSTOMIZE, as a child daemon would run it at start-up: with
+    ``SWARMD_TEST_LIE=scale`` and ``SWARMD_TEST_LIE_STAGE=0`` every stage-0 executor built after it
+    scales its outputs, other stages stay honest."""
+    from swarmd.pipeline import executor as executor_module
+    from tests.liars import SITECUSTOMIZE
+
+    spec = replace(PRESETS["tiny"], name="hook", d_model=32, d_ff=64, seq_len=8)
+    honest = StageExecutor(spec, 0)
+    monkeypatch.setenv("SWARMD_TEST_LIE", "scale")
+    monkeypatch.setenv("SWARMD_TEST_LIE_STAGE", "0")
+    init = executor_module.StageExecutor.__init__
+    try:
+        exec(compile(SITECUSTOMIZE, "sitecustomize.py", "exec"), {})
+        liar, other = StageExecutor(spec, 0), StageExecutor(spec, 1)
+    finally:
+        executor_module.StageExecutor.__init__ = init  # type: ignore[method-assign]
+    try:
+        tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
+        want, got = (await honest.forward(tokens)).outputs, (await liar.forward(tokens)).outputs
+        assert torch.allclose(got, 1.5 * want)
+        assert other._forward_sync.__func__ is StageExecutor._forward_sync  # type: ignore[attr-defined]
+    finally:
+        for ex in (honest, liar, other):
+            await ex.close()

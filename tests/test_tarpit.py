@@ -1,0 +1,150 @@
+"""A tarpit listed as a serving peer costs a trainer about one typical request (issue #18, item 1).
+
+Two fake peers are published in a real swarm's DHT, validly signed with fresh identities, both
+pointing at little asyncio servers of this test that accept connections and never answer a
+compute request: a *plain* tarpit, silent on every path, and a *smart* one that passes every
+check that costs it nothing: it answers ``GET /v1/progress`` at its stage's step (idle, away from
+the stage's rounds, so the stage does not wait for it: that is the averaging's defence), and
+``GET /v1/proof`` with its own identity's signature (so the daemons take it for a proven
+stage-mate and keep it listed: swarmd.net.proof), and holds every compute request forever. The trainer must pay for each one probation attempt at most, bounded by a timeout
+derived from the stage's measured latency (not the configured request timeout), hold at most one
+call on them at a time, ban them for long, and finish its steps. Counts, not wall-clock times, are
+asserted: the servers count what reached them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import replace
+
+import aiohttp
+from aiohttp import web
+
+from swarmd.dht.identity import Identity
+from swarmd.dht.records import PeerRecord, sign_record
+from swarmd.net.proof import ProofClaim, sign_proof
+from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from swarmd.train.trainer import Trainer, TrainerConfig
+from tests.test_spot_checks import fast_swarm
+
+SPEC = replace(PRESETS["tiny"], name="tarpit")
+TRAINING = TrainingSpec(target_batch_size=8, lr=3e-3, warmup_steps=1, averaging_timeout_s=5.0)
+CEILING_S = 20.0  # the trainer's request timeout: what each attempt would cost without per-peer timeouts
+
+
+class Tarpit:
+    """An HTTP server that never answers a POST; with ``progress_from``, it answers progress polls
+    with what that (honest) peer answers."""
+
+    def __init__(self, progress_from: str | None = None, identity: Identity | None = None, stage: int = 0) -> None:
+        self.progress_from = progress_from
+        self.identity = identity or Identity.generate()
+        self.stage = stage
+        self.requests: Counter[str] = Counter()
+        self.holding = 0
+        self.max_holding = 0
+        self._never = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self.addr = ""
+
+    async def __aenter__(self) -> Tarpit:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+        self.addr = f"{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests[f"{request.method} {request.path}"] += 1
+        if request.method == "GET" and request.path in ("/v1/progress", "/v1/proof") and self.progress_from:
+            async with aiohttp.ClientSession() as s, s.get(f"http://{self.progress_from}/v1/progress",
+                                                          params=request.query if "wait_step" in request.query
+                                                          else None) as r:
+                progress = await r.json(content_type=None)
+            if request.path == "/v1/progress":  # at the stage's step, idle, and out of the stage's rounds
+                return web.json_response({**progress, "peer_id": self.identity.peer_id, "samples": 0, "away": True,
+                                          "averaging": False, "leader": None, "round": None, "round_expected": None,
+                                          "round_contributors": None})
+            claim = ProofClaim(nonce=request.query.get("nonce", ""), peer_id=self.identity.peer_id, addr=self.addr,
+                               stage=self.stage, step=progress["step"], params_digest=progress.get("params_digest"))
+            return web.json_response(sign_proof(self.identity, claim).to_json())
+        compute = request.method == "POST" and request.path in ("/v1/forward", "/v1/backward", "/v1/reserve")
+        self.holding += compute
+        self.max_holding = max(self.max_holding, self.holding)
+        try:
+            await self._never.wait()  # until the client gives up (the handler is cancelled) or shutdown
+        finally:
+            self.holding -= compute
+        raise AssertionError("unreachable")
+
+    @property
+    def posts(self) -> int:
+        """Compute requests (a trainer's); the daemons' own probes and proofs are theirs, not counted."""
+        return sum(self.requests[f"POST /v1/{kind}"] for kind in ("forward", "backward", "reserve"))
+
+
+def identity_after(peer_id: str) -> Identity:
+    """A fresh identity whose id sorts after ``peer_id`` (so the honest peer is the first one a
+    fresh router probes, and the fakes are tried as newcomers to a running trainer)."""
+    identity = Identity.generate()
+    while identity.peer_id <= peer_id:
+        identity = Identity.generate()
+    return identity
+
+
+async def publish_fake(daemon_dht: object, swarm: str, stage: int, addr: str, identity: Identity) -> str:
+    """A validly signed ``serving`` record for ``addr`` under ``identity``."""
+    now = time.time()
+    record = PeerRecord(peer_id=identity.peer_id, stage=stage, state="serving", data_addr=addr, api_addr=addr,
+                        throughput=1000.0, queue=0, step=0, params_digest=None, version="0.0.0", timestamp=now,
+                        expiry=now + 120.0, reachable="yes")
+    accepted = await daemon_dht.store_peer(swarm, sign_record(identity, record))  # type: ignore[attr-defined]
+    assert accepted >= 1
+    return identity.peer_id
+
+
+async def test_tarpits_listed_as_serving_peers_cost_one_probation_attempt_each() -> None:
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=1) as daemons:
+        honest = next(d for d in daemons if d.stage == 0)
+        assert honest.peer_id is not None and honest.data_addr is not None
+        async with Tarpit(honest.data_addr, identity_after(honest.peer_id)) as smart, \
+                Tarpit(None, identity_after(honest.peer_id)) as plain:
+            api = f"http://{daemons[0].status()['api_addr']}"
+            fakes = {await publish_fake(daemons[0].dht, "train-test", 0, pit.addr, pit.identity): pit
+                     for pit in (smart, plain)}
+            async with aiohttp.ClientSession() as s:  # the swarm lists them as serving peers of stage 0
+                for _ in range(100):
+                    async with s.get(f"{api}/swarm") as r:
+                        listed = {p["peer_id"] for st in (await r.json())["stages"] for p in st["peers"]}
+                    if set(fakes) <= listed:
+                        break
+                    await asyncio.sleep(0.1)
+                assert set(fakes) <= listed
+            trainer = Trainer(TrainerConfig(
+                api=api, steps=3, microbatch_size=4, window=1, codec="none", val_every=0, val_batches=1,
+                max_corpus_bytes=1 << 20, refresh_s=0.5, request_timeout_s=CEILING_S, verify_fraction=0.0))
+            summary = await trainer.run()
+            assert summary.steps == 3 and summary.microbatches_issued == summary.microbatches_completed
+            router = trainer.routers[0]
+            # the plain tarpit fails its first progress poll (a short probation timeout) and is banned before
+            # it is ever sent a compute request; the smart one holds one request, once, and is banned
+            assert plain.posts == 0 and plain.requests["GET /v1/progress"] >= 1, (plain.requests, smart.requests)
+            assert smart.posts == 1 and smart.max_holding == 1, smart.requests
+            assert summary.timeouts == 1 and summary.probation_calls >= 2, (smart.requests, summary.bans, summary.retries, summary.probation_calls, router.snapshot())  # the smart tarpit's and the honest peer's
+            for fake_id in fakes:
+                stats = router.stats(fake_id)
+                assert not stats.proven and stats.banned_for(time.monotonic()) > 20.0  # a probation ban: 30 s
+            assert router.stats(next(iter(fakes))).timeouts + router.stats(list(fakes)[1]).timeouts == 2
+            # what the smart tarpit's attempt could cost: a few typical requests, not the configured timeout
+            assert router.timeout_for(next(p for p, t in fakes.items() if t is smart), 4, "forward") < CEILING_S / 4
+            assert router.stats(honest.peer_id).proven and router.stats(honest.peer_id).failures == 0
