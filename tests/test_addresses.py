@@ -124,8 +124,7 @@ async def started(*configs: Config) -> AsyncIterator[list[Daemon]]:
             await d.start()
         yield daemons
     finally:
-        for d in reversed(daemons):
-            await d.shutdown()
+        await asyncio.gather(*(d.shutdown() for d in daemons))  # at once: ~1 s each one by one
 
 
 def _free_port() -> int:

@@ -11,16 +11,17 @@ that is not serving (``/healthz``, ``/swarm``, ``POST /trainers`` while it migra
 
 Why schemathesis's Python API in a plain synchronous test, and not its pytest plugin
 (``schema.parametrize()``): the plugin needs the schema at collection time (a daemon running
-before any test), and drives its own hypothesis loop per operation; here one subprocess per test
-(``spawn``) serves every operation, and the examples of all operations are drawn by one
+before any test), and drives its own hypothesis loop per operation; here one subprocess (``spawn``,
+or one shared by the tests with a token) serves every operation, and the examples of all operations are drawn by one
 hypothesis test (``st.sampled_from(operations).flatmap(as_strategy)``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
+import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +33,8 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+from tests.conftest import DaemonProcess
 
 TOKEN = "fuzz-token-of-enough-length-0123456789"
 FUZZ = settings(max_examples=100, deadline=None,
@@ -100,12 +103,26 @@ def test_every_operation_without_a_token(spawn) -> None:  # noqa: ANN001
     assert d.terminate() == 0
 
 
-def test_every_operation_with_a_token(spawn, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.fixture(scope="module")
+def token_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon with an API token for the tests below (one start instead of two); it must still
+    exit 0 on SIGTERM after all of them."""
+    tmp_path = tmp_path_factory.mktemp("token-daemon")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    d = spawn("--model", "tiny", "--stage", "0", "--swarm", "api-fuzz", "--api-token-file", str(token_file))
-    d.wait_ready()
+    d = DaemonProcess(["--model", "tiny", "--stage", "0", "--swarm", "api-fuzz", "--api-token-file",
+                       str(token_file)], tmp_path)
+    try:
+        d.wait_ready()
+        yield d
+        assert d.terminate() == 0
+    finally:
+        d.close()
+
+
+def test_every_operation_with_a_token(token_daemon: DaemonProcess) -> None:
+    d = token_daemon
     seen = _fuzz_control_plane(d.api, TOKEN)
     # the fuzzer got refused for lacking the token (each endpoint's 401 is checked deterministically in
     # test_a_bad_body_without_the_token_gets_401_not_422; 100 random examples over every operation need not
@@ -113,16 +130,11 @@ def test_every_operation_with_a_token(spawn, tmp_path: Path) -> None:  # noqa: A
     assert any(401 in seen.get(key, set()) for key in MUTATING), seen
     assert seen.get(("POST", "/migrate"), set()) - {401}, seen  # and requests with the token got past it
     _still_serving(d)
-    assert d.terminate() == 0
 
 
-def test_a_bad_body_without_the_token_gets_401_not_422(spawn, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_bad_body_without_the_token_gets_401_not_422(token_daemon: DaemonProcess) -> None:
     """Found by the fuzzer: FastAPI parsed (and refused, 422) the body before the token check ran."""
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
-    token_file.chmod(0o600)
-    d = spawn("--model", "tiny", "--stage", "0", "--swarm", "api-fuzz", "--api-token-file", str(token_file))
-    d.wait_ready()
+    d = token_daemon
     with httpx.Client(base_url=d.api, timeout=10) as api:
         for path in ("/migrate", "/trainers", "/trainers/x/heartbeat"):
             for auth in ({}, {"Authorization": "Bearer wrong"}):
@@ -133,4 +145,3 @@ def test_a_bad_body_without_the_token_gets_401_not_422(spawn, tmp_path: Path) ->
         good = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
         assert api.post("/migrate", content=b"\x00{not json", headers=good).status_code == 422
         assert api.post("/migrate", json={"stage": "x"}, headers=good).status_code == 422
-    assert d.terminate() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,8 +59,7 @@ async def test_export_then_full_model_computes_the_swarms_loss(
         with pytest.raises(ExportError, match=r"stage\(s\) 1"):
             from_checkpoints([tmp_path / "peer0"])
     finally:
-        for d in reversed(daemons):
-            await d.shutdown()
+        await asyncio.gather(*(d.shutdown() for d in daemons))  # at once: ~1 s each one by one
 
     # sampling: reproducible from the seed, greedy at temperature 0, one byte per token
     first, second = (generate(full, b"def ", 20, seed=7) for _ in range(2))

@@ -1,6 +1,8 @@
-"""all_finite: the same answer as ``torch.isfinite(t).all()``, for every bit pattern and dtype."""
+"""all_finite: the same answer as ``torch.isfinite(t).all()``, for every bit pattern and dtype; strict JSON."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from swarmd.finite import all_finite
+from swarmd.finite import all_finite, strict_json, strict_json_dumps
 
 # Any float32 bit pattern: NaN, +-inf, subnormals, and values near float32's maximum whose sum
 # overflows (the case where the fast test alone would be wrong and the exact one must run).
@@ -40,3 +42,23 @@ def test_tensors_that_require_grad_are_checked_without_a_graph() -> None:
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
 def test_integer_and_bool_tensors_are_always_finite(dtype: torch.dtype) -> None:
     assert all_finite(torch.ones(3, dtype=dtype)) and all_finite(torch.empty(0, dtype=dtype))
+
+
+def test_strict_json_writes_non_finite_numbers_as_null() -> None:
+    value = {"loss": float("nan"), "curve": [1.5, float("inf"), (float("-inf"), 2)], "n": 3, "ok": True,
+             "name": "NaN", "nested": {"x": float("nan")}}
+    text = strict_json_dumps(value)
+    assert json.loads(text) == {"loss": None, "curve": [1.5, None, [None, 2]], "n": 3, "ok": True, "name": "NaN",
+                                "nested": {"x": None}}
+    assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text
+    assert strict_json(value)["curve"][0] == 1.5 and value["loss"] != value["loss"]  # the input is left as it was
+
+
+def test_strict_json_dumps_refuses_what_it_cannot_see_into() -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(TypeError):
+        strict_json_dumps({"x": Opaque()})  # not JSON at all: json's own error, no silent str()
+    with pytest.raises(ValueError):
+        strict_json_dumps({"x": Opaque()}, default=lambda o: float("nan"))  # a NaN slipped past: refused

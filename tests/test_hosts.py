@@ -80,6 +80,19 @@ class Swarm:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
+    def read_from(self, host: int, target: int, path: str, token: str | None = None) -> int:
+        """The HTTP status of ``GET path`` on host ``target``'s control plane, asked from host ``host``
+        (another machine: its address is not the target's loopback)."""
+        port = self.daemons[target].info["api_addr"].rsplit(":", 1)[1]
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        code = (f"import urllib.request, urllib.error\n"
+                f"r = urllib.request.Request('http://{self.lab.addr(target)}:{port}{path}', headers={headers!r})\n"
+                "try:\n    print(urllib.request.urlopen(r, timeout=20).status)\n"
+                "except urllib.error.HTTPError as e:\n    print(e.code)")
+        done = self.lab.run(host, [sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
     def close(self) -> None:
         for d in self.daemons.values():
             d.stop(15)
@@ -130,6 +143,10 @@ def test_hosts_bound_to_the_wildcard_train_with_the_losses_of_loopback_even_capp
         assert st["reachability"]["status"] == "yes", (host, st["reachability"])
         assert st["step"] == 5
     assert statuses[3]["served"]["backward"] > 0  # the NATed peer's samples count in its stage's steps
+    # read-only endpoints: open on loopback (s.status above), behind the token from another machine
+    assert [s.read_from(1, 0, path) for path in ("/status", "/metrics")] == [401, 401]
+    assert [s.read_from(1, 0, path, TOKEN) for path in ("/status", "/metrics")] == [200, 200]
+    assert s.read_from(1, 0, "/healthz") == 200
     assert statuses[3]["params_digest"] == statuses[1]["params_digest"]
     assert statuses[2]["served"]["backward"] > 0  # and so do the capped host's
 

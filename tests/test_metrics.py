@@ -21,6 +21,7 @@ from swarmd.cli.common import JSON_LOG_KEYS, JsonFormatter
 from swarmd.cli.train import CSV_COLUMNS, run_trainer
 from swarmd.train.plot import have_matplotlib, plot_training, read_csv
 from swarmd.train.trainer import TrainerConfig
+from tests.conftest import running_daemon
 from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
 
 
@@ -141,3 +142,99 @@ def test_json_logs_are_one_object_per_line_with_stable_keys() -> None:
     entry = json.loads(line)
     assert set(JSON_LOG_KEYS) <= set(entry) and entry["msg"] == "peer ab: x\ny" and entry["level"] == "ERROR"
     assert "ValueError: boom" in entry["exc"]
+
+
+async def test_trainers_retries_and_bans_from_heartbeats_are_counters() -> None:
+    """Trainers report their retries and bans so far with each heartbeat; the daemon counts what they
+    grew by, so the counters never go down (a repeated or older report adds nothing)."""
+    async with running_daemon() as d:
+        api = d.status()["api_addr"]
+        async with httpx.AsyncClient(base_url=f"http://{api}") as c:
+            first = samples(await scrape(api))
+            assert first[("swarmd_trainer_retries_total", ())] == 0 and first[("swarmd_trainer_bans_total", ())] == 0
+            ids = [(await c.post("/trainers", json={"name": name})).json()["trainer_id"] for name in ("a", "b")]
+            for trainer_id, retries, bans in ((ids[0], 3, 1), (ids[1], 2, 0), (ids[0], 5, 1), (ids[0], 4, 1)):
+                r = await c.post(f"/trainers/{trainer_id}/heartbeat", json={"retries": retries, "bans": bans})
+                assert r.status_code == 204, r.text
+            after = samples(await scrape(api))
+            listed = {t["trainer_id"]: (t["retries"], t["bans"]) for t in (await c.get("/trainers")).json()}
+            refused = await c.post(f"/trainers/{ids[1]}/heartbeat", json={"retries": -1})
+        assert after[("swarmd_trainer_retries_total", ())] == 5 + 2 and after[("swarmd_trainer_bans_total", ())] == 1
+        assert listed == {ids[0]: (5, 1), ids[1]: (2, 0)}
+        assert refused.status_code == 422
+
+
+def strict_loads(text: str) -> object:
+    """json.loads that refuses NaN and Infinity, as jq and browsers do."""
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+async def test_a_non_finite_number_in_a_document_is_served_as_null() -> None:
+    """Strict JSON (issue #13): /status, /swarm and /training go through their response models,
+    which write NaN and Infinity as null; ``swarmd status --json`` writes them as null too."""
+    async with running_daemon() as d:
+        api = d.status()["api_addr"]
+        real_status, real_swarm = d.status, d.swarm_view
+
+        async def swarm_view() -> dict:
+            view = await real_swarm()
+            view["stages"][0]["throughput"] = float("inf")
+            return view
+
+        d.status = lambda: {**real_status(), "throughput": float("nan"), "uptime_s": float("-inf")}  # type: ignore
+        d.swarm_view = swarm_view  # type: ignore[method-assign]
+        async with httpx.AsyncClient(base_url=f"http://{api}") as c:
+            status, swarm = (await c.get("/status")), (await c.get("/swarm"))
+        assert status.status_code == 200 and swarm.status_code == 200
+        assert strict_loads(status.text)["throughput"] is None and strict_loads(status.text)["uptime_s"] is None
+        assert strict_loads(swarm.text)["stages"][0]["throughput"] is None
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "swarmd", "status", "--api",
+                                                       f"http://{api}", "--json"],
+                                      capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert strict_loads(out.stdout)["status"]["throughput"] is None
+
+
+
+def test_round_checks_proofs_and_reports_become_families() -> None:
+    """The round checks, proofs (issues #17, #18) and misbehaviour reports of /status, as counters and
+    gauges: each value of the document is the value of its sample."""
+    from swarmd.api.metrics import DaemonMetrics
+    from swarmd.api.trainers import TrainerRegistry
+    from swarmd.training_summary import TrainingLog
+
+    class Source:  # what the collector reads from a daemon: a /status document and two registries
+        training_log, trainers = TrainingLog(), TrainerRegistry()
+
+        def status(self) -> dict:
+            return {"swarm": "s", "version": "v", "device": "cpu", "state": "serving", "stage": 1, "n_stages": 2,
+                    "throughput": 1.0, "queue": 0, "in_flight": 0, "step": 3, "params_digest": "ab",
+                    "grad_samples": 0, "stale_dropped": 0, "stale_applied": 0, "worker_cpu_s": 0.0, "served": {},
+                    "announcements": 1, "task_crashes": {}, "uptime_s": 1.0,
+                    "averaging": {"rounds_ok": 2, "rounds_aborted": 1, "rounds_refused": 4,
+                                  "contributions_refused": {"outlier": 2, "nan": 1}, "refused_samples": 24,
+                                  "excluded": {"p1": 30.0}, "excluded_by_reports": ["p2", "p3"],
+                                  "proofs": {"proven": 2, "failing": 1, "unproven": 0, "proofs_ok": 9,
+                                             "proofs_failed": {"unreachable": 3}}},
+                    "reports": {"received": 5, "accepted": 3, "exclusions": 1, "refused": {"duplicate": 2},
+                                "excluded_now": 1}}
+
+        def dht_stats(self) -> None:
+            return None
+
+    got = samples(DaemonMetrics(Source()).render().decode())
+    assert got[("swarmd_averaging_rounds_refused_total", ())] == 4
+    assert got[("swarmd_averaging_contributions_refused_total", (("reason", "outlier"),))] == 2
+    assert got[("swarmd_averaging_contributions_refused_total", (("reason", "nan"),))] == 1
+    assert got[("swarmd_averaging_refused_samples_total", ())] == 24
+    assert got[("swarmd_averaging_excluded_peers", (("by", "checks"),))] == 1
+    assert got[("swarmd_averaging_excluded_peers", (("by", "reports"),))] == 2
+    assert got[("swarmd_proof_peers", (("state", "failing"),))] == 1 and got[("swarmd_proofs_ok_total", ())] == 9
+    assert got[("swarmd_proofs_failed_total", (("reason", "unreachable"),))] == 3
+    assert got[("swarmd_reports_total", (("outcome", "received"),))] == 5
+    assert got[("swarmd_reports_total", (("outcome", "accepted"),))] == 3
+    assert got[("swarmd_reports_refused_total", (("reason", "duplicate"),))] == 2
+    assert got[("swarmd_report_exclusions_total", ())] == 1 and got[("swarmd_reports_excluded_peers", ())] == 1

@@ -154,7 +154,6 @@ async def test_losing_the_relay_mid_training_loses_nothing_and_the_peer_is_relay
                            and natted.relay_client.status.relay_id not in (None, first_relay), 30,
                            "relayed again, through another peer")
         finally:
-            for d in reversed(others):
-                await d.shutdown()
+            await asyncio.gather(*(d.shutdown() for d in others))  # at once: ~1 s each one by one
     assert summary.steps == 12
     assert summary.microbatches_issued == summary.microbatches_completed

@@ -1,16 +1,19 @@
 """Durable training end to end: real ``swarmd`` processes stopped and restarted on their state dirs.
 
-Two runs of the same 2-stage swarm (sync mode, codec none, so the losses are exact): one trains
+Two runs of the same 2-stage swarm, side by side (sync mode, codec none, so the losses are exact): one trains
 6 steps uninterrupted; the other trains 3, has every daemon SIGTERMed (each writes a last
 checkpoint), restarts them on the same state dirs (the founder without ``--model`` or training
 flags: it re-founds from its checkpoint; the joiner with ``--stage auto``: it picks the stage it
 holds), and trains 3 more. The resumed run's per-step losses equal the uninterrupted run's.
-Then the only peer of stage 1 is SIGKILLed and restarted from its state dir: the stage comes back
-from its checkpoint, not from fresh parameters.
+After its 6 steps, the uninterrupted run's only peer of stage 1 is SIGKILLed and restarted from its
+state dir: the stage comes back from its checkpoint, not from fresh parameters.
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -40,20 +43,40 @@ async def train(api: str, steps: int, seed: int) -> list[float]:
 
 async def swarm_of_two(workdir: Path, *, founder_args: list[str], joiner_args: list[str]) -> list[DaemonProcess]:
     founder = start(workdir, "peer0", *founder_args)
-    await founder.wait_ready_async()
-    joiner = start(workdir, "peer1", "--join", founder.info["dht_addr"], *joiner_args)
-    await joiner.wait_ready_async()
+    try:
+        await founder.wait_ready_async()
+        joiner = start(workdir, "peer1", "--join", founder.info["dht_addr"], *joiner_args)
+    except BaseException:
+        founder.kill()
+        raise
+    try:
+        await joiner.wait_ready_async()
+    except BaseException:
+        await asyncio.to_thread(stop_all, [founder, joiner])
+        raise
     return [founder, joiner]
 
 
-async def test_a_swarm_stopped_and_restarted_resumes_exactly(tmp_path: Path) -> None:
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    straight.mkdir()
-    resumed.mkdir()
-    peers: list[DaemonProcess] = []
+def stop_all(peers: list[DaemonProcess], timeout_s: float = 30.0) -> list[int]:
+    """SIGTERM every peer at once (each drains and writes its last checkpoint), then their exit codes
+    (SIGKILL after ``timeout_s``)."""
+    for p in peers:
+        if p.running():
+            p.proc.send_signal(signal.SIGTERM)
+    codes = []
+    for p in peers:  # not p.stop(): a second SIGTERM could reach a daemon past its handlers and kill it
+        try:
+            codes.append(p.proc.wait(timeout_s))
+        except subprocess.TimeoutExpired:
+            codes.append(p.kill())
+    return codes
+
+
+async def uninterrupted(workdir: Path) -> list[float]:
+    """6 steps straight (3 with seed 0, the 3 whose losses count with seed 1); then stage 1's only
+    peer is SIGKILLed and restarted from its state dir, and trains on. The last 3 losses."""
+    peers = await swarm_of_two(workdir, founder_args=FOUNDING, joiner_args=["--stage", "1"])
     try:
-        # the uninterrupted run
-        peers = await swarm_of_two(straight, founder_args=FOUNDING, joiner_args=["--stage", "1"])
         await train(peers[0].api, 3, seed=0)
         expected = await train(peers[0].api, 3, seed=1)
 
@@ -61,7 +84,7 @@ async def test_a_swarm_stopped_and_restarted_resumes_exactly(tmp_path: Path) -> 
         before = peers[1].status()
         assert before["step"] == 6 and before["checkpoint"]["newest"]["step"] == 6
         peers[1].kill()
-        peers[1] = start(straight, "peer1", "--join", peers[0].info["dht_addr"], "--stage", "1")
+        peers[1] = start(workdir, "peer1", "--join", peers[0].info["dht_addr"], "--stage", "1")
         await peers[1].wait_ready_async()
         after = peers[1].status()
         assert after["peer_id"] == before["peer_id"]  # same state dir, same identity
@@ -69,23 +92,37 @@ async def test_a_swarm_stopped_and_restarted_resumes_exactly(tmp_path: Path) -> 
         assert after["checkpoint"]["resumed_from_step"] == 6 and after["synced_from"] is None
         assert "resumed stage 1 from checkpoint" in peers[1].log()
         await train(peers[0].api, 1, seed=2)  # and it trains on
-        for p in peers:
-            assert p.stop() == 0
+        assert await asyncio.to_thread(stop_all, peers) == [0, 0]
+    finally:
+        await asyncio.to_thread(stop_all, peers)
+    return expected
 
-        # the interrupted run: 3 steps, SIGTERM everyone, restart on the same state dirs, 3 steps
-        peers = await swarm_of_two(resumed, founder_args=FOUNDING, joiner_args=["--stage", "1"])
+
+async def interrupted(workdir: Path) -> tuple[list[float], list[float]]:
+    """3 steps (seed 0), SIGTERM everyone, restart on the same state dirs, 3 steps (seed 1): the
+    losses of both halves."""
+    peers = await swarm_of_two(workdir, founder_args=FOUNDING, joiner_args=["--stage", "1"])
+    try:
         first = await train(peers[0].api, 3, seed=0)
-        assert all(p.stop() == 0 for p in peers)  # SIGTERM: drain, last checkpoint, exit 0
+        assert await asyncio.to_thread(stop_all, peers) == [0, 0]  # SIGTERM: drain, last checkpoint, exit 0
         for name in ("peer0", "peer1"):
-            assert (resumed / name / "checkpoints" / f"s{name[-1]}-0000000003.json").exists()
-        peers = await swarm_of_two(resumed, founder_args=["--stage", "0"], joiner_args=[])
+            assert (workdir / name / "checkpoints" / f"s{name[-1]}-0000000003.json").exists()
+        peers = await swarm_of_two(workdir, founder_args=["--stage", "0"], joiner_args=[])
         founder, joiner = (p.status() for p in peers)
         assert founder["step"] == joiner["step"] == 3 and joiner["stage"] == 1
         assert founder["checkpoint"]["resumed_from_step"] == 3 and joiner["checkpoint"]["resumed_from_step"] == 3
         assert "re-founding swarm 'resume' with the model" in peers[0].log()
         got = await train(peers[0].api, 3, seed=1)
     finally:
-        for p in peers:
-            p.stop()
+        await asyncio.to_thread(stop_all, peers)
+    return first, got
+
+
+async def test_a_swarm_stopped_and_restarted_resumes_exactly(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    resumed.mkdir()
+    # the two runs are independent swarms (each its own DHT): run side by side, they share the waits
+    expected, (first, got) = await asyncio.gather(uninterrupted(straight), interrupted(resumed))
     assert len(first) == 3 and first[-1] < first[0]
     assert got == pytest.approx(expected, rel=1e-6)

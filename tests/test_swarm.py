@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -73,9 +73,20 @@ def test_three_daemons_list_each_other_and_a_killed_one_vanishes(spawn) -> None:
         assert took <= EXPIRY_S + 5
 
 
-def test_graceful_stop_is_announced_as_draining(spawn) -> None:
-    founder = spawn("--model", "tiny", "--announce-period", "5")
-    info = founder.wait_ready()
+@pytest.fixture(scope="module")
+def slow_founder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A founder with a 5 s announce period (records expire after 15 s), shared by the tests below
+    that only need a swarm to join: one daemon start instead of one per test."""
+    founder = DaemonProcess(["--model", "tiny", "--announce-period", "5"], tmp_path_factory.mktemp("founder"))
+    try:
+        founder.wait_ready()
+        yield founder
+    finally:
+        founder.close()
+
+
+def test_graceful_stop_is_announced_as_draining(spawn, slow_founder: DaemonProcess) -> None:
+    founder, info = slow_founder, slow_founder.info
     leaver = spawn("--join", info["dht_addr"], "--announce-period", "5")
     leaver.wait_ready()
     pid = leaver.info["peer_id"]
@@ -86,9 +97,8 @@ def test_graceful_stop_is_announced_as_draining(spawn) -> None:
                "the leaver is listed as draining")
 
 
-def test_joiner_with_another_model_exits_2(spawn, tmp_path) -> None:
-    founder = spawn("--model", "tiny")
-    info = founder.wait_ready()
+def test_joiner_with_another_model_exits_2(slow_founder: DaemonProcess, tmp_path) -> None:
+    info = slow_founder.info
     out = subprocess.run(
         [*swarmd_command(), "--join", info["dht_addr"], "--model", "small", "--api-port", "0",
          "--state-dir", str(tmp_path / "joiner")],

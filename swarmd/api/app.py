@@ -7,9 +7,15 @@ never reaches into its internals, and the OpenAPI docs at ``/docs`` describe eve
 Security: with an API token (required by the CLI when the control plane listens on anything
 but loopback), every endpoint that changes state (``POST /migrate``, ``POST /trainers``, the
 heartbeat) requires ``Authorization: Bearer <token>``, compared in constant time; a missing or
-wrong token gets 401. Read-only endpoints (``/status``, ``/swarm``, ``/trainers``, ``/training``,
-``/metrics``, the dashboard at ``/``, ``/healthz``, ``/docs``) stay open: they reveal nothing a
-swarm member could not read from the DHT.
+wrong token gets 401. The read-only endpoints that carry data (``/status``, ``/swarm``,
+``/trainers``, ``/training``, ``/metrics``) are open on loopback and behind the same token
+elsewhere (issue #15): a request from the machine itself (127.0.0.0/8, ``::1``) reads them freely,
+as the owner's tools and trainers do, while one from another machine needs the token (a
+Prometheus scrape config gives it as ``authorization: credentials``). Without a token the
+control plane listens on loopback only, so every request is local. Always open: ``/healthz``
+(liveness probes: the state only), the dashboard's page and assets (``/``, ``/static/...``: no data;
+the page reads the documents above) and ``/docs``, ``/openapi.json`` (the schema). A reverse proxy
+on the same machine makes every request look local: give the proxy its own authentication.
 
 Seeing the swarm: ``GET /`` is a self-contained dashboard (``swarmd.api.dashboard``), ``GET
 /metrics`` the Prometheus exposition (``swarmd.api.metrics``), ``GET /training`` the loss curves
@@ -19,6 +25,7 @@ Seeing the swarm: ``GET /`` is a self-contained dashboard (``swarmd.api.dashboar
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import time
 from typing import Any, Protocol
 
@@ -52,6 +59,8 @@ from swarmd.training_summary import TrainingLog
 Responses = dict[int | str, dict[str, Any]]
 _BAD_JSON: Responses = {400: {"model": Detail, "description": "the body is not JSON (or not UTF-8)"}}
 _TOKEN: Responses = {401: {"model": Detail, "description": "this daemon has an API token and the request lacks it"}}
+_READ_TOKEN: Responses = {401: {"model": Detail, "description": "this daemon has an API token and the request, "
+                                     "from another machine than the daemon's, lacks it"}}
 _NOT_SERVING: Responses = {
     503: {"model": ErrorBody, "description": "this peer is not serving (starting, moving or draining)"},
 }
@@ -70,6 +79,17 @@ class DaemonView(Protocol):
     def welcome(self) -> dict[str, Any]: ...
 
     async def request_migration(self, stage: int, *, force: bool = False, reason: str = ...) -> dict[str, Any]: ...
+
+
+def _is_loopback(host: str | None) -> bool:
+    """Whether a client address is this machine's loopback (IPv4-mapped IPv6 included)."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False  # no address (or a name): not provably local
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_token: str | None = None, *,
@@ -94,7 +114,13 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
             raise HTTPException(status_code=401, detail="this endpoint needs 'Authorization: Bearer <api token>'",
                                 headers={"WWW-Authenticate": "Bearer"})
 
+    async def readable(request: Request) -> None:
+        """Read-only data: open to loopback clients, behind the token for everyone else."""
+        if expected is not None and not _is_loopback(request.client.host if request.client else None):
+            await authorized(request)
+
     guarded = [Depends(authorized)]
+    read_guarded = [Depends(readable)]
 
     def _is_guarded(route: Any) -> bool:
         return isinstance(route, APIRoute) and any(dep.dependency is authorized for dep in route.dependencies)
@@ -137,7 +163,9 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
         return dashboard.asset(name)
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics of this peer (text format)",
+             dependencies=read_guarded,
              responses={200: {"content": {CONTENT_TYPE: {}}, "description": "the Prometheus text exposition"},
+                        **_READ_TOKEN,
                         404: {"model": Detail, "description": "this control plane has no metrics registry"}})
     async def prometheus_metrics() -> Response:
         if metrics is None:
@@ -145,18 +173,21 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/training", response_model=TrainingView, summary="Loss curves: this daemon's trainers and the swarm's",
-             responses={404: {"model": Detail, "description": "this control plane keeps no training log"}})
+             dependencies=read_guarded,
+             responses={**_READ_TOKEN,
+                        404: {"model": Detail, "description": "this control plane keeps no training log"}})
     async def training_view(limit: int = Query(default=1024, ge=1, le=4096)) -> Any:
         if training is None:
             raise HTTPException(status_code=404, detail="no training log on this control plane")
         return training.view(limit=limit)
 
-    @app.get("/status", response_model=Status, summary="This peer's identity, stage, load and addresses")
+    @app.get("/status", response_model=Status, summary="This peer's identity, stage, load and addresses",
+             dependencies=read_guarded, responses={**_READ_TOKEN})
     async def status() -> dict[str, Any]:
         return daemon.status()
 
     @app.get("/swarm", response_model=SwarmView, summary="The model and every stage's live peers, from the DHT",
-             responses={**_NOT_SERVING})
+             dependencies=read_guarded, responses={**_READ_TOKEN, **_NOT_SERVING})
     async def swarm() -> Any:
         if daemon.state not in ("joining", "serving", "migrating"):
             return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
@@ -180,7 +211,8 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
                                 status_code=503)
         return {"trainer_id": reg.trainer_id, "ttl_s": registry.ttl_s, "rank": reg.rank, **daemon.welcome()}
 
-    @app.get("/trainers", response_model=list[TrainerInfo], summary="Trainers registered here, with last-seen times")
+    @app.get("/trainers", response_model=list[TrainerInfo], summary="Trainers registered here, with last-seen times",
+             dependencies=read_guarded, responses={**_READ_TOKEN})
     async def list_trainers() -> Any:
         return registry.live()
 

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from swarmd.api.trainers import TrainerRegistry
 from swarmd.training_summary import TrainingLog
 
 __all__ = ["CONTENT_TYPE", "DaemonMetrics", "MetricsSource", "StatusCollector"]
@@ -50,6 +51,9 @@ class MetricsSource(Protocol):
 
     @property
     def training_log(self) -> TrainingLog: ...
+
+    @property
+    def trainers(self) -> TrainerRegistry: ...
 
 
 class _Changed:
@@ -127,6 +131,8 @@ class StatusCollector(Collector):
         yield _by("swarmd_task_crashes", "background task crashes, by task", "task", s["task_crashes"])
         yield _gauge("swarmd_uptime_seconds", "seconds since the daemon started", s["uptime_s"])
         yield from self._averaging(s.get("averaging"))
+        yield from self._checks(s.get("averaging") or {})
+        yield from self._reports(s.get("reports") or {})
         yield from self._cache(s.get("activation_cache"))
         yield from self._auth(s.get("auth"))
         yield from self._migration(s.get("migration"))
@@ -139,7 +145,24 @@ class StatusCollector(Collector):
         yield _gauge("swarmd_reachable", "1 when other members could dial this peer's data plane, 0 when not, "
                      "absent while unknown", {"yes": 1.0, "no": 0.0}.get(reach))
         yield from self._dht(self._source.dht_stats())
+        yield from self._untrusted(s.get("untrusted") or {})
         yield from self._training(self._source.training_log)
+        trainers = self._source.trainers
+        yield _counter("swarmd_trainer_retries", "requests the trainers registered here retried on another peer, "
+                       "as their heartbeats report", trainers.retries_total)
+        yield _counter("swarmd_trainer_bans", "peers the trainers registered here banned after a failure, as their "
+                       "heartbeats report", trainers.bans_total)
+
+    @staticmethod
+    def _untrusted(untrusted: Mapping[str, Any]) -> Iterator[Metric]:
+        """Fake, unreachable or misbehaving peers (issue 18): left out of views; refused by the DHT storage."""
+        yield _by("swarmd_untrusted_peers", "peers left out of this daemon's newest view of the swarm, by reason",
+                  "reason", untrusted.get("dropped") or {}, counter=False)
+        yield _by("swarmd_untrusted_peers_seen", "distinct peers ever left out of this daemon's views, by reason",
+                  "reason", untrusted.get("dropped_peers_total") or {})
+        dht = untrusted.get("dht") or {}
+        yield _counter("swarmd_dht_evicted_records", "DHT records of over-represented sources evicted to make room "
+                       "for a newcomer from a smaller source group (fair share)", dht.get("evicted", 0))
 
     @staticmethod
     def _averaging(averaging: Mapping[str, Any] | None) -> Iterator[Metric]:
@@ -149,6 +172,37 @@ class StatusCollector(Collector):
             rounds.add_metric(["ok"], float(averaging["rounds_ok"]))
             rounds.add_metric(["aborted"], float(averaging["rounds_aborted"]))
         yield rounds
+
+    @staticmethod
+    def _checks(averaging: Mapping[str, Any]) -> Iterator[Metric]:
+        """The round checks and proofs (issues #17, #18): what this peer refused in its stage's rounds."""
+        yield _counter("swarmd_averaging_rounds_refused", "rounds whose leader's answer this peer refused (the round "
+                       "checks)", averaging.get("rounds_refused") or 0)
+        yield _by("swarmd_averaging_contributions_refused", "stage-mates' contributions this peer refused as "
+                  "leader, by reason", "reason", averaging.get("contributions_refused") or {})
+        yield _counter("swarmd_averaging_refused_samples", "samples in refused contributions and answers",
+                       averaging.get("refused_samples") or 0)
+        yield _by("swarmd_averaging_excluded_peers", "stage-mates this peer leaves out of its rounds now, by why",
+                  "by", {"checks": len(averaging.get("excluded") or {}),
+                         "reports": len(averaging.get("excluded_by_reports") or [])}, counter=False)
+        proofs = averaging.get("proofs") or {}
+        yield _by("swarmd_proof_peers", "stage-mates by the state of their proofs (a signed challenge at their "
+                  "address)", "state", {k: proofs.get(k, 0) for k in ("proven", "failing", "unproven")},
+                  counter=False)
+        yield _counter("swarmd_proofs_ok", "stage-mates' proofs that succeeded", proofs.get("proofs_ok") or 0)
+        yield _by("swarmd_proofs_failed", "stage-mates' proofs that failed, by reason", "reason",
+                  proofs.get("proofs_failed") or {})
+
+    @staticmethod
+    def _reports(reports: Mapping[str, Any]) -> Iterator[Metric]:
+        """Trainers' signed misbehaviour reports (``POST /v1/report``, issue #17)."""
+        yield _by("swarmd_reports", "trainers' misbehaviour reports, by outcome", "outcome",
+                  {k: reports.get(k, 0) for k in ("received", "accepted")})
+        yield _by("swarmd_reports_refused", "misbehaviour reports refused, by reason", "reason",
+                  reports.get("refused") or {})
+        yield _counter("swarmd_report_exclusions", "peers excluded by two independent reports",
+                       reports.get("exclusions") or 0)
+        yield _gauge("swarmd_reports_excluded_peers", "peers excluded by reports now", reports.get("excluded_now") or 0)
 
     @staticmethod
     def _cache(cache: Mapping[str, int] | None) -> Iterator[Metric]:

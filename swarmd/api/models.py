@@ -54,7 +54,10 @@ class Status(BaseModel):
     )
     params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
     averaging: dict[str, Any] | None = Field(
-        description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round"
+        description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round, recent; the round "
+        "checks (issue 17): rounds_refused, leaders_refused, contributions_refused (by reason), refused_samples, "
+        "excluded, excluded_by_reports; proofs (issue 18): proven, failing, failing_reasons, proofs_ok, "
+        "proofs_failed, unproven"
     )
     synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
     migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason")
@@ -102,6 +105,20 @@ class Status(BaseModel):
         description="gradients handed over on graceful leave (POST /v1/gradients), in samples: handed_out and "
         "to (this peer, leaving), dropped (nobody took them), handed_in (from leaving stage-mates)",
     )
+    untrusted: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fake, unreachable or misbehaving peers (issue 18): dropped (peers left out of this daemon's "
+        "newest view of the swarm, by reason: never_answered, failed_proof, excluded), peers (examples: peer_id, "
+        "stage, data_addr, reason), dropped_peers_total (distinct peers ever left out, by reason), and dht: what "
+        "this node's DHT storage refused (grouping, max_per_source, refused_over_quota, refused_full, evicted, "
+        "top_refused_sources) and lookups dropped as held by one replica only (one_replica)",
+    )
+    reports: dict[str, Any] = Field(
+        default_factory=dict,
+        description="trainers' signed misbehaviour reports (POST /v1/report, issue 17): received, accepted, "
+        "exclusions, refused (by reason: stale, duplicate, same_source, rate_limited, already_excluded), "
+        "excluded (peer ids excluded now: two independent reports), excluded_now, accused (peers tracked)",
+    )
     device: str
     version: str
     uptime_s: float
@@ -125,6 +142,10 @@ class SwarmStage(BaseModel):
     stage: int
     throughput: float = Field(description="summed throughput of the stage's peers, samples/s")
     peers: list[SwarmPeer]
+    dropped: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="records left out of this view, with the reason (peer_id, stage, data_addr, reason; at most 32)",
+    )
 
 
 class SwarmModel(ModelInfo):
@@ -170,6 +191,8 @@ class TrainerInfo(BaseModel):
     sync: bool = Field(default=False, description="a --sync trainer")
     steps_seen: int = Field(default=0, description="steps of the swarm it has reported, each with its loss")
     finished: bool = Field(default=False, description="it finished (listed until its registration expires)")
+    retries: int = Field(default=0, description="requests it retried on another peer, as it reported")
+    bans: int = Field(default=0, description="peers it banned after a failure, as it reported")
 
 
 MAX_REPORT_STEPS = 256  # steps one heartbeat may report (a trainer reports every ~10 s)
@@ -189,6 +212,8 @@ class TrainerReport(BaseModel):
     steps: list[ReportStep] = Field(default_factory=list, max_length=MAX_REPORT_STEPS)
     samples: int = Field(default=0, ge=0, description="samples computed since the trainer started")
     samples_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="the trainer's samples/s lately")
+    retries: int = Field(default=0, ge=0, description="requests the trainer retried on another peer since it started")
+    bans: int = Field(default=0, ge=0, description="peers the trainer banned after a failure since it started")
 
 
 class TrainingPointInfo(BaseModel):

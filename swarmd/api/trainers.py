@@ -4,8 +4,10 @@ Trainers are lightweight clients (SWARM, section 3.2): they run no DHT node, so 
 with any daemon's control plane, learn the swarm from it, and keep the registration alive with
 heartbeats. The registry is local to the daemon and only informative (for ``GET /trainers``);
 trainers talk to stage peers directly over the data plane. A heartbeat may carry a report (step,
-loss, samples/s, validation loss): the registry keeps the newest values per trainer and hands the
-report to ``on_report`` (the daemon's ``swarmd.training_summary.TrainingLog``).
+loss, samples/s, validation loss, and the trainer's retries and bans so far): the registry keeps
+the newest values per trainer, sums what the retries and bans grew by into counters that outlive
+registrations (``/metrics``), and hands the report to ``on_report`` (the daemon's
+``swarmd.training_summary.TrainingLog``).
 
 Each registration gets a *rank*, the smallest no live trainer holds: the trainer draws its
 training windows from that shard of the data (``swarmd.train.data.shard``), so trainers of one
@@ -46,16 +48,21 @@ class Registration:
     sync: bool = False
     steps_seen: int = 0
     finished: bool = False  # it said it finished (DELETE /trainers/{id}): listed until it expires
+    retries: int = 0  # its retries and bans since it started, as reported (cumulative on its side)
+    bans: int = 0
 
-    def note(self, report: TrainerReport) -> None:
-        """Keep the newest values of a heartbeat's report."""
+    def note(self, report: TrainerReport) -> tuple[int, int]:
+        """Keep the newest values of a heartbeat's report; the retries and bans it adds."""
         self.samples, self.samples_per_s = report.samples, report.samples_per_s
+        added = max(0, report.retries - self.retries), max(0, report.bans - self.bans)
+        self.retries, self.bans = max(self.retries, report.retries), max(self.bans, report.bans)
         for point in report.steps:
             if self.step is None or point.step > self.step:
                 self.steps_seen += 1
             self.step = point.step if self.step is None else max(self.step, point.step)
             self.loss = point.loss if point.loss is not None else self.loss
             self.val_loss = point.val_loss if point.val_loss is not None else self.val_loss
+        return added
 
 
 class TrainerRegistry:
@@ -65,6 +72,10 @@ class TrainerRegistry:
         self._clock = clock
         self._on_report = on_report
         self._trainers: dict[str, Registration] = {}
+        # what every trainer reported, summed over all that ever registered here: counters that
+        # outlive a registration's expiry (``swarmd_trainer_retries_total``, ``..._bans_total``)
+        self.retries_total = 0
+        self.bans_total = 0
 
     def conflict(self, *, sync: bool) -> str | None:
         """Why a new (``sync``) trainer cannot train through this daemon now, or None."""
@@ -108,7 +119,9 @@ class TrainerRegistry:
             return False
         reg.last_seen = self._clock()
         if report is not None:
-            reg.note(report)
+            retries, bans = reg.note(report)
+            self.retries_total += retries
+            self.bans_total += bans
             if self._on_report is not None:
                 self._on_report(trainer_id, report)
         return True
@@ -120,7 +133,7 @@ class TrainerRegistry:
             {"trainer_id": r.trainer_id, "name": r.name, "registered_at": r.registered_at,
              "last_seen_s": round(now - r.last_seen, 3), "step": r.step, "loss": r.loss, "val_loss": r.val_loss,
              "samples": r.samples, "samples_per_s": r.samples_per_s, "rank": r.rank, "sync": r.sync,
-             "steps_seen": r.steps_seen, "finished": r.finished}
+             "steps_seen": r.steps_seen, "finished": r.finished, "retries": r.retries, "bans": r.bans}
             for r in sorted(self._trainers.values(), key=lambda r: r.registered_at)
         ]
 

@@ -1,7 +1,8 @@
 """``swarmd demo``: a local swarm that trains on real text, loses a peer, and heals.
 
 It starts ``--stages`` x ``--peers`` daemons on 127.0.0.1 as subprocesses through the real CLI
-(the first founds the swarm, the rest join it over the DHT), trains the tiny model on the Python
+(the first founds the swarm, the rest join it over the DHT), trains ``--model`` (default: the tiny
+preset; ``--model llama-tiny`` for a Llama-style one, or a model file) on the Python
 standard library's own sources with a trainer in this process, SIGKILLs one peer halfway, starts
 a replacement that joins through the DHT and downloads its stage's state from a survivor, and
 ends with a summary: the loss, what the kill cost, every peer's parameter digest (the peers
@@ -24,15 +25,18 @@ from typing import Any
 
 from swarmd.cli.common import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, Parser, load_swarm_key
 from swarmd.errors import ConfigError
+from swarmd.finite import strict_json_dumps
 from swarmd.local_swarm import DaemonProcess, DaemonStartError
 
-MODEL = "tiny"
+MODEL = "tiny"  # the default --model
 
 
 def build_parser(prog: str = "swarmd demo") -> argparse.ArgumentParser:
     p = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, choices=range(1, 9), default=2, metavar="S",
-                   help="pipeline stages (default: 2)")
+    p.add_argument("--model", default=MODEL, metavar="PRESET|FILE",
+                   help="model preset (tiny, llama-tiny, small, ...) or a JSON model file (default: tiny)")
+    p.add_argument("--stages", type=int, choices=range(1, 9), default=None, metavar="S",
+                   help="pipeline stages (default: the model's, 2 for the presets)")
     p.add_argument("--peers", type=int, choices=range(1, 9), default=2, metavar="P",
                    help="peers per stage (default: 2)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps to train (default: 60)")
@@ -60,9 +64,11 @@ def main(argv: Sequence[str], prog: str = "swarmd demo") -> int:
         return EXIT_USAGE
     try:
         args.swarm_key = load_swarm_key(args.swarm_key)  # checked before any peer starts
+        args.spec = _demo_spec(args.model, args.stages)
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    args.stages = args.spec.n_stages
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM cleans up the children exactly like Ctrl-C
@@ -82,6 +88,21 @@ def main(argv: Sequence[str], prog: str = "swarmd demo") -> int:
             codes = [p.stop() for p in peers]
             if peers:
                 print(f"stopped {len(peers)} peer processes (exit codes {codes})", file=sys.stderr)
+
+
+def _demo_spec(model: str, stages: int | None) -> Any:
+    """The model the demo trains: ``--model`` with ``--stages`` stages (its depth per stage kept)."""
+    import dataclasses
+
+    from swarmd.pipeline.spec import load_spec
+
+    spec = load_spec(model)
+    if stages is None or stages == spec.n_stages:
+        return spec
+    if spec.partition:
+        raise ConfigError(f"model {spec.name!r} has a partition of {spec.n_stages} stages; --stages {stages} "
+                          "would need another one (leave --stages out, or edit the model file)")
+    return dataclasses.replace(spec, n_stages=stages)
 
 
 def _say(text: str) -> None:
@@ -105,7 +126,13 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
     if args.swarm_key is not None:
         common += ["--swarm-key", args.swarm_key.source]
     _say(f"starting a swarm of {args.stages} stages x {args.peers} peers on 127.0.0.1 through the swarmd CLI ...")
-    founder = _peer(peers, workdir, [*common, "--model", MODEL, "--stage", "0", "--target-batch-size",
+    from swarmd.pipeline.spec import load_spec
+
+    model = args.model
+    if args.spec != load_spec(args.model):  # --stages changed it: the founder gets the spec as a file
+        model = str(workdir / "model.json")
+        Path(model).write_text(json.dumps(args.spec.to_dict()), encoding="utf-8")
+    founder = _peer(peers, workdir, [*common, "--model", model, "--stage", "0", "--target-batch-size",
                                      str(args.target_batch_size), "--lr", str(args.lr), "--averaging-timeout", "10",
                                      *(["--delay-updates"] if args.delay_updates else [])])
     await founder.wait_ready_async()
@@ -143,8 +170,11 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
         _say(f">>> replacement peer {new.name.removeprefix('peer')} joined stage {st['stage']} over the DHT "
              f"and downloaded its state (step {st['step']}) from peer {str(st['synced_from'])[:12]}\n")
 
-    _say(f"\ntraining the {MODEL} model on the Python standard library's sources "
+    _say(f"\ntraining the {args.spec.name} model ({args.spec.arch}, {args.spec.n_layers} blocks in stages of "
+         f"{list(args.spec.blocks_per_stage)}) on the Python standard library's sources "
          f"({args.codec} activations, {args.target_batch_size} samples per step) ...")
+    _say(f"while it trains, the dashboard of every peer shows the swarm live, e.g. {founder.api}/ (or run "
+         f"swarmd status --api {founder.api}); the peers stop when the demo ends")
     watcher = asyncio.create_task(watch_for_halfway())
     started = time.monotonic()
     try:
@@ -176,13 +206,12 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
     _say("the peers of every stage hold identical parameters" if identical
          else "WARNING: peers of a stage disagree on their parameters")
     _say(_plot(args.out / "training.csv"))
-    _say(f"the dashboard of every peer shows the swarm live, e.g. {founder.api}/ (swarmd status --api {founder.api})")
     sample = await _sample(founder.api, args.swarm_key)
     if sample is not None:
         _say(f"\na sample of what the swarm learned (swarmd export, then swarmd generate --prompt 'def '):\n{sample}")
     if args.json:
-        print(json.dumps({**summary.to_json(), "killed_at_step": killed_at_step[0] if killed_at_step else None,
-                          "identical_params": identical, "peers": len(alive)}))
+        print(strict_json_dumps({**summary.to_json(), "killed_at_step": killed_at_step[0] if killed_at_step else None,
+                                 "identical_params": identical, "peers": len(alive)}))
     return 0 if identical else 1
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from swarmd.cli.common import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, Parser, read_token, seconds
 from swarmd.errors import ConfigError
+from swarmd.finite import strict_json_dumps
 
 __all__ = ["build_parser", "fetch", "main", "render"]
 
@@ -139,7 +140,7 @@ def main(argv: Sequence[str], prog: str = "swarmd status") -> int:
                     return EXIT_RUNTIME
                 text = f"{exc} (retrying every {args.interval:g}s)"
             else:
-                text = json.dumps(picture) if args.json else render(picture)
+                text = strict_json_dumps(picture) if args.json else render(picture)  # NaN: null
             if args.watch and not args.json and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")  # home, clear: redraw in place
             print(text, flush=True)
