@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import random
 import secrets
 import time
@@ -69,6 +68,7 @@ import torch
 
 from swarmd.dht.identity import Identity
 from swarmd.errors import ConfigError, PeerError
+from swarmd.finite import strict_json
 from swarmd.net.client import DataPlaneClient, client_session
 from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest, ReserveReply, ReserveRequest
 from swarmd.pipeline.failures import Action, classify
@@ -267,17 +267,7 @@ class TrainSummary:
         """The summary as strict JSON values: a loss that is undefined (NaN: a step none of this
         trainer's samples were computed at) or infinite is None, so ``json.dumps(...,
         allow_nan=False)`` accepts it and other languages' parsers do too."""
-        return _strict_json(asdict(self))
-
-
-def _strict_json(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
+        return strict_json(asdict(self))
 
 
 def unreachable_hint(failures: dict[str, PeerError], unreachable: Sequence[str] = ()) -> str:
