@@ -551,7 +551,7 @@ def test_report_refuses_hostile_reports() -> None:
                 p.post_frame("/v1/report", data.draw(raw_bodies()), data.draw(CONTENT_TYPES))
                 return
             if what == 1:
-                meta = {"body": data.draw(st.binary(max_size=300) | st.integers() | st.none()),
+                meta = {"body": data.draw(st.binary(max_size=300) | st.integers(-(2**63), 2**64 - 1) | st.none()),
                         "sig": data.draw(st.binary(max_size=80) | st.text(max_size=5))}
                 p.post_frame("/v1/report", encode_frame("report", meta, {}, "none"))
                 return

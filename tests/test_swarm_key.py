@@ -404,6 +404,12 @@ async def test_stage_mates_average_and_hand_over_state_with_signed_requests() ->
             d = Daemon(member_config(i % 2, () if not daemons else (daemons[0].dht.address,)))
             daemons.append(d)
             await d.start()
+        # stage-mates average only with peers that answered their signed challenge (swarmd.net.proof):
+        # both rounds below count two contributors once each has proven the other
+        deadline = asyncio.get_running_loop().time() + 30
+        while not all(d.averager.prover.table.status()["proven"] >= 1 for d in daemons):
+            assert asyncio.get_running_loop().time() < deadline, [d.averager.prover.table.status() for d in daemons]
+            await asyncio.sleep(0.1)
         trainer = Trainer(TrainerConfig(api=f"http://{format_addr(daemons[0].api_addr)}", steps=2, sync=True,
                                         codec="none", microbatch_size=4, window=2, val_every=0,
                                         max_corpus_bytes=1 << 18, swarm_key=KEY))

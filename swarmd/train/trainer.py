@@ -59,7 +59,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -510,13 +510,14 @@ class Trainer:
         training, spec = self._require_training(), self._require_spec()
         return self._reserving and not training.delay_updates and spec.n_stages >= 2
 
-    def _book_peer(self) -> tuple[str, str] | None:
+    def _book_peer(self, behind: Collection[str] = ()) -> tuple[str, str] | None:
         """The first stage's peer whose lease book this trainer uses: the smallest usable peer
         id, so that trainers with the same stage map use the same book; among peers that have
         answered this trainer when there are any (a fake record with a small id is not asked
-        before the peers that proved themselves)."""
-        usable = [p for p in self.routers[0].snapshot() if not p["banned_for_s"] and not p["excluded"]] \
-            if self.routers else []
+        before the peers that proved themselves), and not one ``behind`` the stage's front step
+        (it would refuse every reservation with PeerBehind until it catches up)."""
+        usable = [p for p in self.routers[0].snapshot()
+                  if not p["banned_for_s"] and not p["excluded"] and p["id"] not in behind] if self.routers else []
         for peer in [p for p in usable if p["proven"]] or usable:
             return peer["id"], peer["addr"]
         return None
@@ -529,12 +530,14 @@ class Trainer:
         or the book's peer failed (it is banned: the next call asks the next peer)."""
         if not self._paced_by_book():
             return None
-        book = self._book_peer()
+        # an excluded peer's samples are never averaged in (swarmd.pipeline.averaging): not the stage's
+        excluded = {p["id"] for p in self.routers[0].snapshot() if p["excluded"]} if self.routers else set()
+        seen = [p for p in progress[0] if p.step is not None and p.peer_id not in excluded] if progress else []
+        front = max((p.step for p in seen if p.step is not None), default=None)
+        book = self._book_peer(behind={p.peer_id for p in seen if front is not None and p.step != front})
         if book is None or self.trainer_id is None:
             return None
         peer_id, addr = book
-        seen = [p for p in progress[0] if p.step is not None] if progress else []
-        front = max((p.step for p in seen if p.step is not None), default=None)
         held = sum(p.samples for p in seen if p.step == front)
         complete = seen and len(seen) == len(progress[0])  # every stage-0 peer answered: the sum is the stage's
         request = ReserveRequest(stage=0, trainer=self.trainer_id, step=front or 0, size=self.config.microbatch_size,
