@@ -29,9 +29,29 @@ function ago(seconds) {
   return seconds < 90 ? `${seconds.toFixed(0)} s ago` : `${(seconds / 60).toFixed(0)} min ago`;
 }
 
+// Off loopback the daemon's reads need its API token (docs/SECURITY.md). It is given once in the
+// address's fragment, http://host:8080/#token=..., which browsers never send to the server; the page
+// keeps it for this tab only (sessionStorage) and removes it from the address bar.
+function apiToken() {
+  const match = /(?:^#|&)token=([^&]+)/.exec(window.location.hash);
+  if (match) {
+    sessionStorage.setItem("swarmd-token", decodeURIComponent(match[1]));
+    history.replaceState(null, "", window.location.pathname + window.location.search);
+  }
+  return sessionStorage.getItem("swarmd-token");
+}
+
+let needsToken = false;  // the last read was refused for want of the token
+
 async function getJSON(path) {
   try {
-    const response = await fetch(path, { cache: "no-store", credentials: "same-origin" });
+    const token = apiToken();
+    const headers = token ? { Authorization: `Bearer ${token}` } : {};
+    const response = await fetch(path, { cache: "no-store", credentials: "same-origin", headers });
+    if (response.status === 401) {
+      needsToken = true;
+      return null;
+    }
     if (!response.ok) return null;
     return await response.json();
   } catch (err) {
@@ -174,11 +194,16 @@ function drawPeer(status, trainers) {
 }
 
 async function refresh() {
+  needsToken = false;
   const [status, swarm, training, trainers] = await Promise.all([getJSON("/status"), getJSON("/swarm"), getJSON("/training"), getJSON("/trainers")]);
   if (status) {
     document.getElementById("swarm-name").textContent = `swarm ${status.swarm}`;
     document.getElementById("summary").textContent = `This peer ${String(status.peer_id || "").slice(0, 12)} is ${status.state} on stage ` +
       `${status.stage} of ${status.n_stages}, step ${status.step}, ${fmt(status.throughput)} samples/s, model ${status.model ? status.model.name : "-"}.`;
+  } else if (needsToken) {
+    document.getElementById("summary").textContent =
+      "This daemon's status needs its API token when read from another machine: open this page as " +
+      `${window.location.origin}/#token=<the token in its --api-token-file>.`;
   } else {
     document.getElementById("summary").textContent = "This daemon does not answer /status.";
   }
