@@ -52,6 +52,13 @@ async def swarm(spec: ModelSpec, training: TrainingSpec, peers_per_stage: int = 
             d = Daemon(config(i % spec.n_stages, spec, training, join))
             daemons.append(d)
             await d.start()
+        if peers_per_stage > 1:
+            # stage-mates average only with peers that answered their signed challenge (swarmd.net.proof):
+            # tests that count rounds start once every peer has proven a stage-mate
+            deadline = asyncio.get_running_loop().time() + 30
+            while not all(d.averager.prover.table.status()["proven"] >= 1 for d in daemons):
+                assert asyncio.get_running_loop().time() < deadline, [d.averager.prover.table.status() for d in daemons]
+                await asyncio.sleep(0.1)
         yield daemons
     finally:
         await asyncio.gather(*(d.shutdown() for d in daemons))  # at once: ~1 s each one by one
