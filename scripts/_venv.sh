@@ -1,4 +1,4 @@
-# Sourced by scripts/demo and scripts/test: create or reuse .venv with swarmd, its test extra
+# Sourced by scripts/demo and scripts/test: create or reuse .venv with swarmd, its test and plot extras
 # and a CPU build of torch. Reinstalls only when setup.cfg or pyproject.toml changed.
 # Override the interpreter with PYTHON=python3.12, the torch requirement with SWARMD_TORCH.
 set -euo pipefail
@@ -14,12 +14,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.swarmd-installed"
-want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16) $SWARMD_TORCH"
+want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16) $SWARMD_TORCH test,plot"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "installing swarmd and its dependencies into .venv (first run only; log: .venv/install.log)" >&2
     {
         .venv/bin/python -m pip install --disable-pip-version-check "$SWARMD_TORCH" &&
-        .venv/bin/python -m pip install --disable-pip-version-check -e '.[test]'
+        .venv/bin/python -m pip install --disable-pip-version-check -e '.[test,plot]'
     } > .venv/install.log 2>&1 ||
         { tail -n 30 .venv/install.log >&2; echo "swarmd: error: installing into .venv failed; see .venv/install.log" >&2; exit 1; }
     echo "$want" > "$stamp"
