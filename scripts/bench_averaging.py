@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from swarmd.finite import strict_json_dumps
 from swarmd.net.messages import AverageReply, AverageRequest
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import WireLimits
@@ -122,7 +122,7 @@ def main() -> int:
                                         "max": round(max(took), 4)}
         out["codecs"][codec] = entry
     if args.json:
-        json.dump(out, sys.stdout, indent=2)
+        print(strict_json_dumps(out, indent=2))
         print()
         return 0
     mib = 2**20

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import tempfile
@@ -25,6 +24,7 @@ import torch
 
 from swarmd.checkpoint import Checkpointer
 from swarmd.export import from_checkpoints, write_model
+from swarmd.finite import strict_json_dumps
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 
@@ -85,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for preset in args.presets:
         with tempfile.TemporaryDirectory(prefix="swarmd-bench-ckpt-") as tmp:
-            print(json.dumps(asyncio.run(bench(preset, Path(tmp), args.batch))), flush=True)
+            print(strict_json_dumps(asyncio.run(bench(preset, Path(tmp), args.batch))), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from swarmd.finite import strict_json_dumps
 from swarmd.net.codecs import CODECS
 from swarmd.net.wire import decode_frame, encode_frame
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     result = run(args.repeats, args.threads)
     if args.json:
-        print(json.dumps(result))
+        print(strict_json_dumps(result))
     else:
         print_table(result)
     return 0

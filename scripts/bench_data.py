@@ -20,7 +20,6 @@ One JSON object on stdout with ``--json`` (else a table).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from swarmd.finite import strict_json_dumps
 from swarmd.train.data import BatchSampler, load_corpus, read_pieces, source_files
 from swarmd.train.shards import ShardFile, ShardStream, prepare
 from swarmd.train.tokenizer import BYTE_LEVEL, HFTokenizer, Tokenizer, train_bpe, write_tokenizer
@@ -122,7 +122,7 @@ def main() -> None:
         "sampling": {"seq_len": args.seq_len, "microbatch": args.microbatch, **sampling},
     }
     if args.json:
-        print(json.dumps(report))
+        print(strict_json_dumps(report))
         return
     print(f"train_bpe: {trained['bytes'] / 2**20:.1f} MiB -> {trained['vocab_size']} tokens in {trained['seconds']} s "
           f"({trained['mb_per_s']} MB/s)")

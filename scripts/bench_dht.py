@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import platform
@@ -38,6 +37,7 @@ from swarmd.dht import (
     sign_record,
 )
 from swarmd.dht.records import encode_bundle
+from swarmd.finite import strict_json_dumps
 
 
 def realistic_record(identity: Identity, *, stage: int = 0, ttl: float = 300.0) -> bytes:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     result = asyncio.run(bench(args.nodes, args.gets, args.visibility, args.seed))
     if args.json:
-        print(json.dumps(result))
+        print(strict_json_dumps(result))
     else:
         for key, value in result.items():
             print(f"{key:>28}: {value}")

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from swarmd.finite import strict_json_dumps  # noqa: E402
 from swarmd.local_swarm import DaemonProcess  # noqa: E402
 from swarmd.train.trainer import Trainer, TrainerConfig  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> None:
     result = {"steps": args.steps, "stages": args.stages, "window": args.window,
               "target_batch_size": args.target_batch_size, "samples": samples,
               "growth_mb_from_step": first["step"], "growth_mb": growth}
-    print(json.dumps(result) if args.json else json.dumps(growth))
+    print(strict_json_dumps(result) if args.json else strict_json_dumps(growth))
 
 
 if __name__ == "__main__":

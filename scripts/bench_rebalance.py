@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import os
 import platform
 import random
@@ -29,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from swarmd.finite import strict_json_dumps
 from swarmd.pipeline.rebalance import (
     POLICIES,
     PeerLoad,
@@ -125,7 +125,7 @@ def main() -> int:
         row["bottleneck"] = round(bottleneck(snap), 3)
         report["scenarios"][name] = row  # type: ignore[index]
     if args.json:
-        print(json.dumps(report))
+        print(strict_json_dumps(report))
     else:
         for name, row in report["scenarios"].items():  # type: ignore[union-attr]
             print(f"{name:10s} swarm {row['swarm']['median_ms']:7.2f} ms ({row['swarm']['moves']} move)  "

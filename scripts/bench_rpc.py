@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
-import json
 import os
 import random
 import statistics
@@ -49,6 +48,7 @@ from typing import Any
 
 import torch
 
+from swarmd.finite import strict_json_dumps
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import DEFAULT_LIMITS
@@ -197,7 +197,7 @@ def main() -> int:
     }
     out.update(asyncio.run(measure(spec, args.batch, args.codecs, args.rounds, args.warmup, args.threads)))
     if args.json:
-        json.dump(out, sys.stdout, indent=2)
+        print(strict_json_dumps(out, indent=2))
         print()
         return 0
     loc = out["local"]

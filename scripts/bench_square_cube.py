@@ -40,7 +40,6 @@ rest over loopback, ``scripts/bench_wan.py`` on a shaped network).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 
 import torch
 
+from swarmd.finite import strict_json_dumps
 from swarmd.net.wire import encode_frame
 from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.spec import ModelSpec
@@ -137,7 +137,7 @@ def main() -> int:
                            # CPU the rest of the machine used per second: above ~0.1, compute_s is unreliable
                            "other_processes_cpu_cores": round(max(other, 0.0), 3), "blocks": blocks}
     if args.json:
-        json.dump(out, sys.stdout, indent=2)
+        print(strict_json_dumps(out, indent=2))
         print()
         return 0
     print(f"one block, batch {args.batch} x seq {args.seq}, {args.threads} torch thread(s); "

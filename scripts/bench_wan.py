@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netlab.py beside this file, run as a script
 
 import netlab  # noqa: E402
+from swarmd.finite import strict_json_dumps  # noqa: E402
 from swarmd.local_swarm import DaemonProcess, DaemonStartError  # noqa: E402
 
 SEED = 0
@@ -308,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.trainer_child is not None:
         spec = json.loads(args.trainer_child)
-        print(json.dumps(trainer_child(Settings(**spec["settings"]), spec["api"])))
+        print(strict_json_dumps(trainer_child(Settings(**spec["settings"]), spec["api"])))
         return 0
     problem = netlab.support_problem()
     if problem is not None:
@@ -334,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     result["bench_wall_s"] = time.monotonic() - started
     if args.json:
-        print(json.dumps(result))
+        print(strict_json_dumps(result))
     else:
         print_summary(result)
     return 0

@@ -12,8 +12,10 @@ or finite values whose sum overflows float32) is the exact elementwise test run.
 Numbers that leave swarmd as JSON (``--json`` lines, the control plane) are strict JSON:
 ``json.dumps`` writes ``NaN`` and ``Infinity`` by default, which ``jq``, browsers and most
 parsers reject (issue #13). :func:`strict_json` turns every non-finite float into ``null`` and
-:func:`strict_json_dumps` refuses to write anything else. This module imports torch only when a
-tensor is checked, so the light CLI commands (``swarmd status``) can use it.
+:func:`strict_json_dumps` refuses to write anything else; :func:`json_response` is the data plane's
+(aiohttp) JSON reply written that way, so no endpoint can answer ``NaN``. This module imports torch
+only when a tensor is checked, and aiohttp only when a response is built, so the light CLI
+commands (``swarmd status``) can use it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from aiohttp import web
 
-__all__ = ["all_finite", "strict_json", "strict_json_dumps"]
+__all__ = ["all_finite", "json_response", "strict_json", "strict_json_dumps"]
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -58,3 +61,11 @@ def strict_json_dumps(value: Any, **kwargs: Any) -> str:
     non-finite number hidden where :func:`strict_json` does not look raises ValueError instead
     of writing ``NaN``."""
     return json.dumps(strict_json(value), allow_nan=False, **kwargs)
+
+
+def json_response(data: Any, *, status: int = 200, **kwargs: Any) -> web.Response:
+    """aiohttp's ``web.json_response`` written with :func:`strict_json_dumps`: a non-finite number
+    in ``data`` goes out as ``null``, never as ``NaN`` (aiohttp's default ``json.dumps`` would)."""
+    from aiohttp import web  # loaded by every caller already (the data plane): a dictionary lookup
+
+    return web.json_response(data, status=status, dumps=strict_json_dumps, **kwargs)

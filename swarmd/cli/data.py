@@ -10,7 +10,6 @@ shows an index. The parser imports nothing heavy.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from swarmd.cli.common import (
     setup_logging,
 )
 from swarmd.errors import ConfigError
+from swarmd.finite import strict_json_dumps
 
 
 def fraction(text: str) -> float:
@@ -94,7 +94,7 @@ def prepare(args: argparse.Namespace, prog: str) -> int:
         "mb_per_s": round(result.mb_per_s, 3), "tokens_per_s": round(result.tokens_per_s, 1),
     }
     if args.json:
-        print(json.dumps(summary))
+        print(strict_json_dumps(summary))
     else:
         print(f"wrote {summary['train_tokens']} training and {summary['val_tokens']} validation tokens "
               f"({summary['dtype']}, {summary['shards']} shards) to {args.out} in {result.seconds:.1f}s: "
@@ -109,7 +109,7 @@ def info(args: argparse.Namespace) -> int:
 
     index = read_index(args.dir)
     if args.json:
-        print(json.dumps(index))
+        print(strict_json_dumps(index))
     else:
         s = _summary(index)
         print(f"{args.dir}: {s['train_tokens']} training and {s['val_tokens']} validation tokens, {s['dtype']}, "

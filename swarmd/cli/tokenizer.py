@@ -10,7 +10,6 @@ the digest that ``ModelSpec.tokenizer`` carries. The parser imports nothing heav
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from swarmd.cli.common import (
     setup_logging,
 )
 from swarmd.errors import ConfigError
+from swarmd.finite import strict_json_dumps
 
 
 def build_parser(prog: str = "swarmd tokenizer") -> argparse.ArgumentParser:
@@ -100,7 +100,7 @@ def info(args: argparse.Namespace) -> int:
 
     tok = HFTokenizer.from_file(args.file)
     if args.json:
-        print(json.dumps({"file": str(args.file), "digest": tok.digest, "vocab_size": tok.vocab_size}))
+        print(strict_json_dumps({"file": str(args.file), "digest": tok.digest, "vocab_size": tok.vocab_size}))
     else:
         print(f"{args.file}: {tok.vocab_size} token ids, digest {tok.digest}")
     return 0

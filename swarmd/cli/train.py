@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import json
 import math
 import sys
 import time
@@ -32,6 +31,7 @@ from swarmd.cli.common import (
     setup_logging,
 )
 from swarmd.errors import ConfigError, SwarmdError
+from swarmd.finite import strict_json_dumps
 
 if TYPE_CHECKING:
     from swarmd.train.trainer import TrainerConfig, TrainSummary
@@ -60,9 +60,10 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="the field of a .jsonl record that holds its text (default: text)")
     p.add_argument("--data-shards", type=positive_int, default=16, metavar="N",
-                   help="cut the training data into N disjoint shards; each trainer draws from one (default: 16)")
+                   help="cut the training data into N disjoint shards; an async trainer draws from one at a time, "
+                        "starting at its own and moving on after one pass over it (default: 16)")
     p.add_argument("--shard", type=non_negative_int, default=None, metavar="K",
-                   help="draw from shard K of --data-shards (default: the rank the swarm hands this trainer)")
+                   help="start on shard K of --data-shards (default: the rank the swarm hands this trainer)")
     p.add_argument("--lease-s", type=seconds, default=5.0, metavar="SECONDS",
                    help="this trainer's sample reservations expire this long after its last renewal, so a dead "
                    "trainer's samples are granted again (0.5-300; default: 5)")
@@ -197,7 +198,7 @@ def main(argv: Sequence[str], prog: str = "swarmd train") -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     if args.json:
-        print(json.dumps(summary.to_json()))
+        print(strict_json_dumps(summary.to_json()))
     else:
         print(f"trained {summary.steps} steps: loss {summary.first_loss:.4f} -> {summary.final_loss:.4f}, "
               f"validation {summary.val_loss:.4f}, {summary.samples_per_s:.1f} samples/s, "

@@ -31,6 +31,8 @@ from swarmd.net.messages import (
     AverageRequest,
     BackwardReply,
     BackwardRequest,
+    ClaimReply,
+    ClaimRequest,
     ForwardReply,
     ForwardRequest,
     InfoReply,
@@ -136,15 +138,18 @@ class DataPlaneClient:
         deadline_ms: int | None = None,
         timeout_s: float | None = None,
         verify: bool = False,
+        attempt: int = 0,
     ) -> BackwardReply:
         """``step``: the step this stage's forward reported for the microbatch (None: no check);
         ``mb``: the id its forward was sent with (a hit in that peer's activation cache; counted
         once per step); ``deadline_ms``: the peer adds the gradient only within this long of
         receiving it (send less than this call's timeout: the rest is the way there and back);
         ``timeout_s``: this call's own bound, else the client's; ``verify``: a spot check's second
-        opinion, computed and answered but never accumulated (``swarmd.train.verify``)."""
+        opinion, computed and answered but never accumulated (``swarmd.train.verify``); ``attempt``:
+        this call's number among the attempts at ``mb`` on this stage (exactly once: a claim fences)."""
         request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
-                                  codec=codec, step=step, mb=mb, deadline_ms=deadline_ms, verify=verify)
+                                  codec=codec, step=step, mb=mb, deadline_ms=deadline_ms, verify=verify,
+                                  attempt=attempt)
         frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets),
                                  timeout_s=timeout_s)
         return self._read(addr, BackwardReply.from_frame, frame)
@@ -164,6 +169,12 @@ class DataPlaneClient:
         """Ask a stage peer's lease book for sample reservations (``swarmd.pipeline.reservations``)."""
         frame = await self._post(addr, "reserve", request.encode, 0, timeout_s=timeout_s)
         return self._read(addr, ReserveReply.from_frame, frame)
+
+    async def claim(self, addr: str, request: ClaimRequest, *, timeout_s: float | None = None) -> ClaimReply:
+        """Ask a peer whether it counted a microbatch whose backward there failed without an answer
+        (and fence the attempt off if not: ``swarmd.pipeline.step_protocol``, exactly once)."""
+        frame = await self._post(addr, "claim", request.encode, 0, timeout_s=timeout_s)
+        return self._read(addr, ClaimReply.from_frame, frame)
 
     async def report(self, addr: str, request: ReportRequest, *, timeout_s: float | None = None) -> ReportReply:
         """Hand a peer a signed misbehaviour report (``swarmd.pipeline.reports``)."""

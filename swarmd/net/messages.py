@@ -16,6 +16,7 @@ POST /v1/forward  :class:`ForwardRequest`     :class:`ForwardReply`
 POST /v1/backward :class:`BackwardRequest`    :class:`BackwardReply`
 POST /v1/average  :class:`AverageRequest`     :class:`AverageReply`
 POST /v1/reserve  :class:`ReserveRequest`     :class:`ReserveReply`
+POST /v1/claim    :class:`ClaimRequest`       :class:`ClaimReply`
 POST /v1/report   :class:`ReportRequest`      :class:`ReportReply`
 GET  /v1/info     (none)                      :class:`InfoReply`
 GET  /v1/progress :class:`ProgressRequest`    :class:`ProgressReply` (one shape, always)
@@ -56,6 +57,8 @@ __all__ = [
     "AverageRequest",
     "BackwardReply",
     "BackwardRequest",
+    "ClaimReply",
+    "ClaimRequest",
     "ForwardReply",
     "ForwardRequest",
     "InfoLimits",
@@ -76,6 +79,11 @@ MAX_PROGRESS_WAIT_S = 10.0
 MAX_PEER_ID_LEN = 64
 #: The most peer ids a progress reply's ``excluded`` may list.
 MAX_EXCLUDED = 1024
+#: The most microbatch ids a contribution may name (``AverageRequest.mbs``, an int64 tensor: 8 MiB
+#: at most). A peer holding more sends none: the ids feed a counter (exactly once), never the mean.
+MAX_CONTRIBUTION_MBS = 1 << 20
+#: The highest attempt number a backward or claim may carry (a trainer retries a few times).
+MAX_ATTEMPT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,14 @@ def _microbatch_id(meta: Mapping[str, Any]) -> int | None:
     if mb is not None and (not _is_int(mb) or not 0 <= mb < 2**64):
         raise RequestError(f"meta.mb must be an integer in [0, 2**64) (a microbatch id), got {mb!r:.60}")
     return mb
+
+
+def _attempt(meta: Mapping[str, Any]) -> int:
+    """``meta.attempt``: the trainer's number of this attempt at the microbatch (default 0)."""
+    attempt = meta.get("attempt", 0)
+    if not _is_int(attempt) or not 0 <= attempt <= MAX_ATTEMPT:
+        raise RequestError(f"meta.attempt must be an integer in [0, {MAX_ATTEMPT}], got {attempt!r:.40}")
+    return int(attempt)
 
 
 def _required(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -269,7 +285,9 @@ class BackwardRequest:
     gradient only within it (past it, the sender has retried elsewhere: exactly-once).
     ``verify``: a trainer's spot check (``swarmd.train.verify``) asks this peer for a second
     opinion on a backward another peer of the stage counted: computed and answered, never
-    accumulated nor marked as counted (meta ``verify: true``).
+    accumulated nor marked as counted (meta ``verify: true``); a retry whose first attempt was
+    counted elsewhere is sent so too. ``attempt``: the sender's number of this attempt at ``mb``
+    on this stage (from 0; a :class:`ClaimRequest` fences earlier ones off).
     """
 
     stage: int
@@ -282,6 +300,7 @@ class BackwardRequest:
     mb: int | None = None
     deadline_ms: int | None = None
     verify: bool = False
+    attempt: int = 0
 
     KIND = "backward"
 
@@ -297,6 +316,8 @@ class BackwardRequest:
             meta["deadline_ms"] = self.deadline_ms
         if self.verify:
             meta["verify"] = True
+        if self.attempt:
+            meta["attempt"] = self.attempt
         tensors = {"inputs": self.inputs}
         if self.grad_outputs is not None:
             tensors["grad_outputs"] = self.grad_outputs
@@ -319,7 +340,7 @@ class BackwardRequest:
             raise RequestError(f"meta.verify must be true or false, got {verify!r:.40}")
         return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
                    targets=frame.tensors.get("targets"), model=_model(meta.get("model")), codec=codec, step=step,
-                   mb=_microbatch_id(meta), deadline_ms=deadline_ms, verify=verify)
+                   mb=_microbatch_id(meta), deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta))
 
 
 @dataclass(frozen=True)
@@ -374,6 +395,10 @@ class AverageRequest:
     gradients' digest, its peer id, the leader's), and the digest of the gradients as the leader
     will decode them (``swarmd.pipeline.round_checks.tensor_digest``). Optional on the wire; a
     leader refuses an unsigned contribution (``swarmd.pipeline.averaging``).
+
+    ``mbs`` (tensor ``mbs``, int64 holding the unsigned 64-bit ids' bits): the microbatch ids whose
+    gradients the sum holds, so the leader can count an id that two contributions hold
+    (``swarmd.pipeline.step_protocol``, exactly once). Not signed: it feeds a counter, never the mean.
     """
 
     stage: int
@@ -385,6 +410,7 @@ class AverageRequest:
     public_key: bytes | None = None
     signature: bytes | None = None
     digest: str | None = None
+    mbs: tuple[int, ...] = ()
 
     KIND = "average"
 
@@ -394,6 +420,8 @@ class AverageRequest:
         if self.public_key is not None and self.signature is not None:
             meta.update(pk=self.public_key, sig=self.signature, digest=self.digest or "")
         tensors = {} if self.grads is None else {"grads": self.grads}
+        if self.mbs and len(self.mbs) <= MAX_CONTRIBUTION_MBS:
+            tensors["mbs"] = torch.tensor([m - 2**64 if m >= 2**63 else m for m in self.mbs], dtype=torch.int64)
         return encode_frame(self.KIND, meta, tensors, self.codec if self.grads is not None else "none")
 
     @classmethod
@@ -427,8 +455,12 @@ class AverageRequest:
                 raise RequestError("meta.digest must be the gradients' 64-hex-character digest (or empty)")
         else:
             digest = None
+        ids = frame.tensors.get("mbs")
+        if ids is not None and (ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() > MAX_CONTRIBUTION_MBS):
+            raise RequestError(f"'mbs' must be int64 of shape [n], n <= {MAX_CONTRIBUTION_MBS} (microbatch ids)")
+        mbs = () if ids is None else tuple(m % 2**64 for m in ids.tolist())
         return cls(stage=stage, peer_id=peer_id, step=step, samples=samples, grads=grads,
-                   public_key=pk, signature=sig, digest=digest)
+                   public_key=pk, signature=sig, digest=digest, mbs=mbs)
 
 
 @dataclass(frozen=True)
@@ -580,6 +612,59 @@ class ReserveReply:
             raise MalformedFrame("a reserve reply's meta.leases must list [lease_id, samples] pairs")
         return cls(stage=stage, step=step, leases=tuple((int(i), int(n)) for i, n in leases),
                    reserved=_reply_int(frame.meta, "reserved"), target=_reply_int(frame.meta, "target"))
+
+
+# ---- POST /v1/claim ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A trainer whose backward of microbatch ``mb`` on this stage failed without an answer asks,
+    before retrying it elsewhere, whether this peer counted it; a peer that did not fences the
+    attempts numbered below ``attempt`` off (``swarmd.pipeline.step_protocol``, exactly once)."""
+
+    stage: int
+    mb: int
+    attempt: int
+
+    KIND = "claim"
+
+    def encode(self) -> bytes:
+        return encode_frame(self.KIND, {"stage": self.stage, "mb": self.mb, "attempt": self.attempt}, {}, "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame, target: StageTarget | None = None) -> ClaimRequest:
+        _kind(frame, cls.KIND)
+        meta = frame.meta
+        stage = _stage(meta)
+        _check_target(stage, meta.get("model"), target)
+        mb = _microbatch_id(meta)
+        if mb is None:
+            raise RequestError("meta.mb (the microbatch id the claim is about) is required")
+        return cls(stage=stage, mb=mb, attempt=_attempt(meta))
+
+
+@dataclass(frozen=True)
+class ClaimReply:
+    """Whether the peer had counted the microbatch (at ``step`` or the step before); if not, the
+    claimed attempts never will be."""
+
+    stage: int
+    step: int
+    counted: bool
+
+    KIND = "claim_result"
+
+    def encode(self, codec: str = "none") -> bytes:
+        return encode_frame(self.KIND, {"stage": self.stage, "step": self.step, "counted": self.counted}, {}, "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ClaimReply:
+        stage, step = _reply_fields(frame, cls.KIND)
+        counted = frame.meta.get("counted")
+        if not isinstance(counted, bool):
+            raise MalformedFrame(f"a claim reply's meta.counted must be true or false, got {counted!r:.30}")
+        return cls(stage=stage, step=step, counted=counted)
 
 
 # ---- POST /v1/report --------------------------------------------------------------------------

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import secrets
@@ -52,6 +51,7 @@ from aiohttp import web
 
 from swarmd.dht.identity import Identity, peer_id_of, verify
 from swarmd.dht.records import PeerRecord
+from swarmd.finite import json_response, strict_json_dumps
 from swarmd.net.addresses import RELAY_ATTACH_PATH, format_relayed
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class RelayServer:
 
     def _refuse(self, reason: str, status: int, message: str) -> web.Response:
         self.refused[reason] = self.refused.get(reason, 0) + 1
-        return web.json_response({"error": "RelayRefused", "message": message}, status=status)
+        return json_response({"error": "RelayRefused", "message": message}, status=status)
 
     async def attach(self, request: web.Request) -> web.StreamResponse:
         """A relayed peer's WebSocket (see the module docstring for the handshake)."""
@@ -213,11 +213,11 @@ class RelayServer:
         """Pass ``request`` (for ``target``, body already read) to the attached peer; its answer back."""
         entry = self.peers.get(target)
         if entry is None:
-            return web.json_response({"error": "NotRelayed",
+            return json_response({"error": "NotRelayed",
                                       "message": f"peer {target[:12]} is not relayed here (any more)"}, status=502)
         if not self.budget.take(len(body)):
             self.over_budget += 1
-            return web.json_response({"error": "Busy", "message": "this relay's byte budget is spent; retry elsewhere"},
+            return json_response({"error": "Busy", "message": "this relay's byte budget is spent; retry elsewhere"},
                                      status=503)
         entry.next_id += 1
         rid = entry.next_id
@@ -232,7 +232,7 @@ class RelayServer:
                                                  "p": request.rel_url.raw_path_qs, "h": headers, "b": body}))
             first = await asyncio.wait_for(queue.get(), REQUEST_TIMEOUT_S)
             if first is None or first.get("t") != "res" or type(first.get("s")) is not int:
-                return web.json_response({"error": "RelayFailed", "message": "the relayed peer went away"}, status=502)
+                return json_response({"error": "RelayFailed", "message": "the relayed peer went away"}, status=502)
             out_headers = {k: v for k, v in (first.get("h") or {}).items()
                            if isinstance(k, str) and isinstance(v, str) and k.lower() in _ANSWER_HEADERS}
             chunk = _bytes(first.get("b"))
@@ -259,10 +259,10 @@ class RelayServer:
             self._count(entry, len(body) + sent)
             return resp
         except asyncio.TimeoutError:
-            return web.json_response({"error": "RelayFailed", "message": "the relayed peer did not answer in time"},
+            return json_response({"error": "RelayFailed", "message": "the relayed peer did not answer in time"},
                                      status=504)
         except ConnectionError:
-            return web.json_response({"error": "RelayFailed", "message": "the relayed peer went away"}, status=502)
+            return json_response({"error": "RelayFailed", "message": "the relayed peer went away"}, status=502)
         finally:
             entry.pending.pop(rid, None)
 
@@ -437,4 +437,4 @@ class RelayClient:
 
 
 def _pack_error(message: str) -> bytes:
-    return json.dumps({"error": "RelayFailed", "message": message}).encode()
+    return strict_json_dumps({"error": "RelayFailed", "message": message}).encode()

@@ -18,6 +18,8 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
 - ``POST /v1/reserve`` a trainer's sample reservations for the stage's current step: leases
   from the stage's lease book (``swarmd.pipeline.reservations``), so several trainers together
   never start more than one step's batch.
+- ``POST /v1/claim``   whether this stage counted a microbatch whose backward's answer a trainer
+  lost; if not, the lost attempt is fenced off (``swarmd.pipeline.step_protocol``, exactly once).
 - ``POST /v1/gradients`` a leaving stage-mate's accumulated gradients, accepted for this very
   step only (``swarmd.net.handover``).
 - ``POST /v1/report``   a trainer's signed misbehaviour report (``swarmd.pipeline.reports``),
@@ -77,6 +79,7 @@ from swarmd.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from swarmd.finite import json_response
 from swarmd.net.addresses import RELAY_ATTACH_PATH, RELAY_HEADER
 from swarmd.net.codecs import CODECS
 from swarmd.net.handover import GradientsRequest
@@ -84,6 +87,8 @@ from swarmd.net.messages import (
     AverageRequest,
     BackwardReply,
     BackwardRequest,
+    ClaimReply,
+    ClaimRequest,
     ForwardReply,
     ForwardRequest,
     InfoLimits,
@@ -103,7 +108,12 @@ from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
 from swarmd.pipeline.runtime import RuntimeGetter, StageRuntime
 from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
 
-__all__ = ["MAX_REPORT_FRAME_BYTES", "DataPlane", "error_response"]
+__all__ = ["CODEC_KEY", "MAX_REPORT_FRAME_BYTES", "DataPlane", "error_response"]
+
+#: Where a handler leaves the codec its request named (``meta.codec``, validated), for the byte
+#: counters' ``codec`` label (``swarmd.api.metrics``); requests without tensors count as ``none``.
+#: A ``web.RequestKey`` where aiohttp has one (a plain string key warns there), a string before.
+CODEC_KEY: Any = web.RequestKey("codec", str) if hasattr(web, "RequestKey") else "swarmd.codec"
 
 #: The largest ``POST /v1/report`` body served (a report is about 400 bytes).
 MAX_REPORT_FRAME_BYTES = 16 * 2**10
@@ -119,7 +129,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def error_response(status: int, error: str, message: str) -> web.Response:
     """The data plane's refusal: JSON ``{"error", "message"}``; the client rebuilds ``error``
     as its class (``swarmd.errors.remote_error``)."""
-    return web.json_response({"error": error, "message": message}, status=status)
+    return json_response({"error": error, "message": message}, status=status)
 
 
 def _refuse(exc: SwarmdError) -> web.Response:
@@ -157,6 +167,7 @@ class DataPlane:
         self.read_timeout_s = read_timeout_s
         self.in_flight = 0
         self.served = {"forward": 0, "backward": 0, "rejected": 0}
+        self.state_served = {"streams": 0, "bytes": 0}  # GET /v1/state: snapshots streamed to joiners
         self._draining = False
         self._paused = False  # migrating between stages: new requests get 503
         self._idle = asyncio.Event()
@@ -172,6 +183,7 @@ class DataPlane:
         self.app.router.add_get("/v1/progress", self._progress)
         self.app.router.add_post("/v1/average", self._average)
         self.app.router.add_post("/v1/reserve", self._reserve)  # sample reservations (pipeline/reservations.py)
+        self.app.router.add_post("/v1/claim", self._claim)  # exactly once across peers (pipeline/step_protocol.py)
         self.app.router.add_post("/v1/gradients", self._gradients)  # a leaver's hand-over (net/handover.py)
         self.app.router.add_post("/v1/report", self._report)  # misbehaviour reports (pipeline/reports.py)
         # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
@@ -327,6 +339,7 @@ class DataPlane:
     async def _forward(self, request: web.Request) -> web.Response:
         runtime = self._current()
         req = ForwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        request[CODEC_KEY] = req.codec  # validated: one of CODECS (the metrics' codec label)
         result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb)
         self.served["forward"] += 1
         loss = float(result.outputs) if req.targets is not None else None
@@ -337,10 +350,12 @@ class DataPlane:
         received = time.monotonic()  # the sender's deadline runs from here (exactly once: step_protocol.py)
         runtime = self._current()
         req = BackwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        request[CODEC_KEY] = req.codec
         ex = runtime.executor
         deadline = None if req.deadline_ms is None else received + req.deadline_ms / 1000.0
         result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb,
-                                   deadline=deadline, verify=req.verify)
+                                   deadline=deadline, verify=req.verify, attempt=req.attempt,
+                                   source=request.remote or "")
         self.served["backward"] += 1
         reply = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
                               grad_inputs=result.grad_inputs, loss=result.loss, duplicate=result.duplicate)
@@ -357,7 +372,7 @@ class DataPlane:
             codecs=tuple(sorted(CODECS)),
             limits=InfoLimits.of(self.limits, ex.max_batch_tokens),
         )
-        return web.json_response(reply.to_json())
+        return json_response(reply.to_json())
 
     async def _progress(self, request: web.Request) -> web.Response:
         req = ProgressRequest.from_query(request.query)
@@ -370,12 +385,12 @@ class DataPlane:
         if averager is not None:  # and the peers its round checks caught (a refused leader, a poisoned contributor)
             excluded = tuple(sorted(set(excluded) | averager.suspicions.excluded()))
         if averager is not None and not self._paused:
-            return web.json_response(dataclasses.replace(averager.progress(), excluded=excluded).to_json())
+            return json_response(dataclasses.replace(averager.progress(), excluded=excluded).to_json())
         ex = runtime.executor  # not taking part in rounds (starting, or moving to another stage)
         away = ProgressReply(stage=ex.stage, step=ex.step, samples=ex.grad_samples, averaging=ex.averaging,
                              away=True, dropped_samples=ex.dropped_samples,
                              target_batch_size=ex.training.target_batch_size, excluded=excluded)
-        return web.json_response(away.to_json())
+        return json_response(away.to_json())
 
     async def _report(self, request: web.Request) -> web.Response:
         """A signed misbehaviour report: validated (422 naming what is wrong), then counted."""
@@ -400,6 +415,7 @@ class DataPlane:
                 signer = await self._in_pool(checker.signer_of, frame)  # hashes the gradients: off the loop
                 checker.note_unreadable(frame, str(exc), signer)
             raise
+        request[CODEC_KEY] = str(frame.meta.get("codec", "none"))  # checked by from_frame: one of CODECS
         averager = runtime.averager
         if averager is None:
             raise Busy("this peer is not taking part in averaging rounds yet")
@@ -422,17 +438,31 @@ class DataPlane:
                              target=grant.target)
         return await self._reply(reply.encode, "none")
 
+    async def _claim(self, request: web.Request) -> web.Response:
+        """Whether this stage counted a microbatch; if not, the claimed attempts never will be
+        (``swarmd.pipeline.step_protocol``, exactly once). No compute, answered at once."""
+        runtime = self._current()
+        req = ClaimRequest.from_frame(await self._read_frame(request), self._target(runtime))
+        # fences only the attempts sent from the claimant's own address (step_protocol.py)
+        counted, step = runtime.executor.claim(req.mb, req.attempt, request.remote or "")
+        return await self._reply(ClaimReply(stage=req.stage, step=step, counted=counted).encode, "none")
+
     async def _gradients(self, request: web.Request) -> web.Response:
         """A leaving stage-mate's accumulated gradients (``swarmd.net.handover``)."""
         ex = self._current().executor
         req = GradientsRequest.from_frame(await self._read_frame(request), stage=ex.stage, model=ex.spec.digest,
                                           grad_numel=ex.grad_numel)
         await ex.receive_gradients(req.grads, req.samples, req.step)
-        return web.json_response({"accepted": req.samples, "step": req.step})
+        return json_response({"accepted": req.samples, "step": req.step})
 
     async def _state(self, request: web.Request) -> web.StreamResponse:
         meta, tensors = await self._current().executor.snapshot_state()
-        return await stream_state(request, StateSnapshot(meta=meta, tensors=tensors))
+        self.state_served["streams"] += 1
+
+        def sent(n: int) -> None:
+            self.state_served["bytes"] += n
+
+        return await stream_state(request, StateSnapshot(meta=meta, tensors=tensors), on_sent=sent)
 
 
 def _unauthorized(reason: str) -> web.Response:

@@ -23,7 +23,8 @@ reference assignment) and the event loop adopts when it collects the job's resul
 executor's attributes (``step``, ``grad_samples``, ``out_samples``, ``averaging``, ``digest``,
 ...) read that snapshot, so loop code sees them change only between its awaits, all together,
 never half-way through a job (a take moves ``grad_samples`` into ``out_samples``; their sum is
-what ``/v1/progress`` reports).
+what ``/v1/progress`` reports). One call skips the worker: :meth:`StageExecutor.claim` (exactly
+once) answers at once on the event loop, through the step protocol's lock on its microbatch books.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Contribution:
     step: int
     samples: int
     grads: torch.Tensor | None  # flat float32 sum over samples, parameters in name order
+    mbs: tuple[int, ...] = ()  # the microbatch ids it holds (a leader counts repeats: step_protocol)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class ProgressSnapshot:
     handed_in_samples: int  # samples whose gradients leaving stage-mates handed to this peer
     duplicates: int  # backwards of a microbatch already counted at that step (answered, not added)
     late_refused: int  # backwards past their sender's deadline (not added: it retried elsewhere)
+    fenced_refused: int  # attempts a trainer's claim fenced off (not added: it asked, then retried)
     throughput: float  # samples/s for a forward + backward (see StageExecutor.throughput)
     worker_cpu_s: float  # CPU time of the worker thread's jobs (the stage's compute)
     cache: CacheStats
@@ -204,6 +207,15 @@ class StageExecutor:
     def late_refused(self) -> int:
         return self.progress_snapshot.late_refused
 
+    def exactly_once(self) -> dict[str, int]:
+        """The exactly-once counts for ``/status`` (``swarmd.pipeline.step_protocol``): repeats
+        answered but not added, attempts refused past their deadline or fenced off by a claim,
+        and the claims answered (how many found the microbatch counted here)."""
+        s = self.progress_snapshot
+        # the claim counts are the event loop's own (claim() runs on it), not the worker's: read as they are
+        return {"duplicates": s.duplicates, "late_refused": s.late_refused, "fenced_refused": s.fenced_refused,
+                "claims": self._steps.claims, "claims_counted": self._steps.claims_counted}
+
     @property
     def worker_cpu_s(self) -> float:
         return self.progress_snapshot.worker_cpu_s
@@ -260,6 +272,8 @@ class StageExecutor:
         mb: int | None = None,
         deadline: float | None = None,
         verify: bool = False,
+        attempt: int = 0,
+        source: str = "",
     ) -> BackwardResult:
         """Recompute the forward (or reuse the cached graph of ``mb``), backpropagate, accumulate.
 
@@ -267,9 +281,18 @@ class StageExecutor:
         as for the last stage's fused forward + backward). ``mb`` is counted once per step (a
         repeat is answered, not added); ``deadline`` (``time.monotonic()``): the gradient is
         added only before it (``swarmd.pipeline.step_protocol``, exactly once). ``verify``: a
-        trainer's spot check: computed and answered, never accumulated nor counted.
+        trainer's spot check: computed and answered, never accumulated nor counted. ``attempt``:
+        the trainer's number of this attempt at ``mb`` (a :meth:`claim` from the same ``source``,
+        the sender's IP, may fence it off).
         """
-        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets, step, mb, deadline, verify))
+        return await self._run(lambda: self._backward_sync(inputs, grad_outputs, targets, step, mb, deadline, verify,
+                                                           attempt, source))
+
+    def claim(self, mb: int, attempt: int, source: str = "") -> tuple[bool, int]:
+        """Whether microbatch ``mb`` is counted here, and the step; if not, its attempts below
+        ``attempt`` never will be (``StepProtocol.claim``). Answered at once on the event loop,
+        not queued behind the worker's jobs: the step protocol's books take a lock for it."""
+        return self._steps.claim(mb, attempt, source), self.progress_snapshot.step
 
     async def add_gradients(self, flat: torch.Tensor, samples: int) -> None:
         """Accumulate a flat gradient sum over ``samples`` samples as a backward would, under the
@@ -392,6 +415,7 @@ class StageExecutor:
             handed_in_samples=steps.handed_in_samples,
             duplicates=steps.duplicates,
             late_refused=steps.late_refused,
+            fenced_refused=steps.fenced_refused,
             throughput=1.0 / sum(1.0 / r for r in rates) if rates else 0.0,
             worker_cpu_s=self._cpu_s,
             cache=self._cache.stats(),
@@ -476,6 +500,8 @@ class StageExecutor:
         mb: int | None,
         deadline: float | None = None,
         verify: bool = False,
+        attempt: int = 0,
+        source: str = "",
     ) -> BackwardResult:
         current = self._steps.admit(step)  # the step rule comes first, cache or not
         x, y = self._prepare(inputs, targets, targets_required=self.module.is_last)
@@ -491,6 +517,7 @@ class StageExecutor:
                 self._steps.late()
                 raise RequestTimeout("this backward finished after its sender stopped waiting; not applied "
                                      "(the sender retries it elsewhere)")
+            self._steps.commit(mb, current, attempt, source)  # or refused: a claim fenced this attempt off
 
         def run(backward: Callable[[], None]) -> None:
             if first:
@@ -575,7 +602,7 @@ class StageExecutor:
         else:
             grads = None
             self._grads.clear()
-        return Contribution(step=taken.step, samples=taken.samples, grads=grads)
+        return Contribution(step=taken.step, samples=taken.samples, grads=grads, mbs=taken.mbs)
 
     def _restore_contribution_sync(self, contribution: Contribution) -> None:
         if self._steps.restore(contribution.step, contribution.samples) and contribution.grads is not None:

@@ -29,23 +29,47 @@ A stage-mate that leaves gracefully hands its accumulated sum over instead of dr
 gradients are not out for averaging, so a handed-over gradient obeys the step rule too
 (counted in ``handed_in_samples``).
 
-Exactly once. A trainer retries a backward that timed out, on the same peer or another one, and
-the first attempt may still complete (a frozen peer waking up, an answer lost on the way back):
-counted twice, the microbatch would weigh double in the step. Two rules keep each microbatch's
-gradient counted once per step on a stage:
+Exactly once. A trainer retries a backward that failed, on the same peer or another one, and
+the first attempt may still have counted (its answer lost: a connection reset, a relay gone, a
+peer frozen after adding it, a reply that did not decode): counted twice, the microbatch would
+weigh double in the step. The rules, each microbatch id (``meta.mb``) per stage:
 
-- *Same peer*: a stage counts a microbatch id (``meta.mb``) once per step
-  (:meth:`StepProtocol.first_count`). A backward of an id it already counted at that step is a
-  *duplicate* (counted in ``duplicates``): its gradients are computed and answered, so the
-  trainer can go on, but not accumulated again.
-- *Another peer*: a backward names how long its sender waits (``deadline_ms``); the peer
-  applies the gradient only within that time of receiving it, checked after the compute and
-  right before the gradient joins the sum (refused as ``RequestTimeout``, counted in
-  ``late_refused``). The trainer gives up, and retries elsewhere, only after waiting longer, so
-  a late first attempt is dropped, not added. Residual case: a peer that adds the gradient in
-  time and *then* freezes before its answer leaves, and wakes before its stage steps, counts it
-  next to the retry's copy; the deadline margin (a quarter of the trainer's timeout) makes that
-  need a freeze between two lines of code.
+- *Same peer*: a stage counts a microbatch id once per step (:meth:`StepProtocol.first_count`).
+  A backward of an id it already counted is a *duplicate* (counted in ``duplicates``): its
+  gradients are computed and answered, so the trainer can go on, but not accumulated again.
+- *Deadline*: a backward names how long its sender waits (``deadline_ms``); the peer applies
+  the gradient only within that time of receiving it, checked right before the gradient joins
+  the sum (refused as ``RequestTimeout``, counted in ``late_refused``). A trainer whose call
+  *timed out* has waited longer, so the slow attempt is dropped, not added.
+- *Ask before retrying elsewhere* (``POST /v1/claim``): each attempt carries its number
+  (``meta.attempt``). When an attempt failed in a way that leaves its outcome unknown
+  (:func:`may_have_counted`: no answer, a 5xx, an unreadable reply), the trainer asks that peer,
+  before the next attempt, whether it counted the id (:meth:`StepProtocol.claim`, short
+  timeout). The peer answers from its books and, if it had not counted it, *fences* the id:
+  attempts numbered below the claim's never count there any more (checked at the same point as
+  the deadline, under the same lock, so "not counted" stays true). "Counted": the trainer's
+  remaining attempts only compute (``verify: true``: input gradients, nothing accumulated).
+  "Not counted": the retry accumulates wherever it lands. :class:`BackwardAttempts` is the
+  trainer's side of this rule.
+- *Detected when it cannot be prevented*: if the peer cannot be asked (dead, frozen,
+  unreachable), the retry accumulates anyway (a sample lost is worse than one counted twice, and
+  a dead peer's copy dies with it). Contributions carry the ids they hold (``mbs``), and a
+  round's leader counts every id found in two contributions, or in one and in the round it led
+  the step before (the last stage checks no step, so the copies may straddle a step):
+  :func:`repeated_microbatches`, ``/status`` → ``averaging.duplicate_microbatches``.
+
+Guaranteed: a microbatch is never counted twice on a stage when every peer whose attempt at it
+failed either answers the claim or never rejoins the stage's rounds with its copy. Not
+guaranteed (counted twice, then *detected* in ``duplicate_microbatches``, not corrected): a peer
+that counted the microbatch, could not be asked within the claim timeout (frozen, partitioned),
+and then contributed to the same step's round. Nor is a copy handed over by a leaving peer
+(``receive`` carries no ids), nor are peers that lie about their books (issue #17's ground).
+A fence holds only for attempts sent from the claimant's own address (``request.remote``: a
+trainer asks from where it sent them), so a member that saw a microbatch id (the trainer sends
+one id to every stage) cannot fence it on other peers from its own host. What remains: a sender
+sharing the trainer's address (the same NAT, the same relay) could still fence its attempts,
+and a trainer whose address changes between an attempt and its claim fences nothing (its lost
+attempt is then only detected, as above).
 
 Sample reservations (several trainers pacing to one step) are the lease book's, next door:
 ``swarmd.pipeline.reservations``.
@@ -53,22 +77,35 @@ Sample reservations (several trainers pacing to one step) are the lease book's, 
 :func:`judge_backward` is the rule as a pure function; :class:`StepProtocol` applies it and
 keeps the counts (plain Python, no tensors); :class:`GradientAccumulator` holds the gradient
 sums themselves in the parameters' ``.grad``. Both classes belong to the stage's worker thread
-(``swarmd.pipeline.executor``), which publishes what other threads may read.
+(``swarmd.pipeline.executor``), which publishes what other threads may read; the one exception
+is :meth:`StepProtocol.claim`, answered on the event loop at once (a claim must not queue
+behind the very backward it asks about), which shares the microbatch books with the worker
+under a lock.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from swarmd.errors import Busy, PeerBehind, RequestError, StaleStep
+from swarmd.errors import Busy, PeerBehind, PeerError, RequestError, RequestTimeout, StaleStep
 from swarmd.finite import all_finite
 
-__all__ = ["GradientAccumulator", "StepProtocol", "Taken", "Verdict", "judge_backward"]
+__all__ = [
+    "BackwardAttempts",
+    "GradientAccumulator",
+    "StepProtocol",
+    "Taken",
+    "Verdict",
+    "judge_backward",
+    "may_have_counted",
+    "repeated_microbatches",
+]
 
 
 class Verdict(enum.Enum):
@@ -97,12 +134,80 @@ def judge_backward(stage_step: int, forward_step: int | None, *, averaging: bool
     return Verdict.STALE if forward_step < stage_step else Verdict.BEHIND
 
 
+def may_have_counted(error: PeerError) -> bool:
+    """Whether a backward that failed with ``error`` may still have been counted by its peer.
+
+    A refusal the peer itself sent (4xx; 503 Busy, Draining, ...) is raised before the gradient
+    joins the sum: not counted. No answer (status 0: a reset, a timeout, a relay gone), another
+    5xx (the peer failed after the compute, or a relay did), or a 200 whose reply did not decode
+    leave the outcome unknown.
+    """
+    return error.status in (0, 200) or (error.status >= 500 and error.status != 503)
+
+
+def repeated_microbatches(groups: Iterable[Collection[int]]) -> set[int]:
+    """The microbatch ids found in two or more of ``groups`` (the contributions of a round, and
+    what the leader's previous round held): counted twice."""
+    seen: set[int] = set()
+    repeated: set[int] = set()
+    for group in groups:
+        ids = set(group)
+        repeated |= ids & seen
+        seen |= ids
+    return repeated
+
+
+@dataclass
+class BackwardAttempts:
+    """A trainer's record of one microbatch's backward on one stage, for the exactly-once rule.
+
+    Attempts are numbered from 0 (``meta.attempt``). ``lost`` maps each peer address whose
+    attempt :func:`may_have_counted` to the claim's fence: the number of attempts sent so far,
+    so a claim there fences every attempt already made. Pure: the trainer does the I/O.
+    """
+
+    mb: int | None
+    sent: int = 0  # attempts sent so far
+    lost: dict[str, int] = field(default_factory=dict)
+    counted_by: str | None = None  # a peer that said it counted the microbatch: the rest only compute
+    unsettled: int = 0  # lost attempts whose peer could not be asked: the retry accumulated anyway
+
+    @property
+    def compute_only(self) -> bool:
+        return self.counted_by is not None
+
+    def next_attempt(self) -> int:
+        """The number of the attempt about to be sent."""
+        self.sent += 1
+        return self.sent - 1
+
+    def failed(self, addr: str, error: PeerError) -> None:
+        """The attempt just sent to ``addr`` failed with ``error``."""
+        if self.mb is not None and not self.compute_only and may_have_counted(error):
+            self.lost[addr] = self.sent
+
+    def to_settle(self) -> list[tuple[str, int]]:
+        """The (address, fence) claims to make before the next attempt."""
+        return [] if self.compute_only else sorted(self.lost.items())
+
+    def settled(self, addr: str, counted: bool | None) -> None:
+        """The claim at ``addr`` answered ``counted`` (None: it could not be asked)."""
+        self.lost.pop(addr, None)
+        if counted:
+            self.counted_by = addr
+            self.lost.clear()
+        elif counted is None:
+            self.unsettled += 1
+
+
 @dataclass(frozen=True)
 class Taken:
-    """What a round took out of the accumulator: the step its gradients were computed at, and how many samples."""
+    """What a round took out of the accumulator: the step its gradients were computed at, how
+    many samples, and the microbatch ids they hold."""
 
     step: int
     samples: int
+    mbs: tuple[int, ...] = ()
 
 
 class StepProtocol:
@@ -121,7 +226,17 @@ class StepProtocol:
         self.handed_in_samples = 0  # samples whose gradients a leaving stage-mate handed to this peer
         self.duplicates = 0  # backwards of a microbatch already counted at that step: answered, not added
         self.late_refused = 0  # backwards past their sender's deadline: not added (it retried elsewhere)
+        self.fenced_refused = 0  # attempts a claim fenced off (their sender asked, then retried): not added
+        self.claims = 0  # claims answered (POST /v1/claim)
+        self.claims_counted = 0  # ... that found the microbatch counted here
+        # The microbatch books: the worker thread writes them, claim() (event loop) reads and fences.
+        self._books = threading.Lock()
         self._counted: dict[int, set[int]] = {}  # step -> microbatch ids counted at it (this and the last)
+        # step fenced at -> {(claimant's source, mb): attempts below this never count}: a claim fences only the
+        # attempts that come from where it came from, so a stranger who saw a microbatch id cannot fence it
+        self._fenced: dict[int, dict[tuple[str, int], int]] = {}
+        self._pending_mbs: list[int] = []  # ids accumulated since the last take
+        self._out_mbs: tuple[int, ...] = ()  # ids of the contribution out for averaging
 
     @property
     def held_samples(self) -> int:
@@ -151,18 +266,53 @@ class StepProtocol:
 
     def accumulated(self, samples: int, mb: int | None = None, step: int | None = None) -> None:
         """A backward of ``samples`` samples added its gradient sum (of microbatch ``mb``, counted
-        towards ``step``)."""
+        towards ``step``; marked already when it passed :meth:`commit`)."""
         self.grad_samples += samples
         if mb is not None:
-            self._counted.setdefault(self.step if step is None else step, set()).add(mb)
+            with self._books:
+                self._mark(mb, self.step if step is None else step)
 
     def first_count(self, mb: int | None, step: int) -> bool:
         """Whether microbatch ``mb`` has yet to be counted towards ``step`` here (None: unnamed,
         always counted); a repeat is counted as a duplicate."""
-        if mb is None or mb not in self._counted.get(step, ()):
-            return True
+        with self._books:
+            if mb is None or mb not in self._counted.get(step, ()):
+                return True
         self.duplicates += 1
         return False
+
+    def commit(self, mb: int | None, step: int, attempt: int = 0, source: str = "") -> None:
+        """Attempt ``attempt`` of microbatch ``mb``, sent from ``source`` (the sender's IP), is about
+        to join the sum of ``step``: mark it counted, or raise ``RequestTimeout`` (counted in
+        ``fenced_refused``) if a claim from that source fenced that attempt off. Atomic with
+        :meth:`claim`."""
+        if mb is None:
+            return
+        with self._books:
+            if any(fences.get((source, mb), 0) > attempt for fences in self._fenced.values()):
+                self.fenced_refused += 1
+                raise RequestTimeout("its sender gave this attempt up and asked whether it counted (it had not); "
+                                     "not applied: the sender retries it")
+            self._mark(mb, step)
+
+    def claim(self, mb: int, attempt: int, source: str = "") -> bool:
+        """Whether microbatch ``mb`` is counted here (at this step or the last); if not, fence it:
+        attempts numbered below ``attempt`` sent from ``source`` (the claimant's IP: a trainer asks
+        from where it sent them) never count here. Thread-safe (the event loop's)."""
+        with self._books:
+            self.claims += 1
+            if any(mb in ids for ids in self._counted.values()):
+                self.claims_counted += 1
+                return True
+            fences = self._fenced.setdefault(self.step, {})
+            fences[(source, mb)] = max(fences.get((source, mb), 0), attempt)
+            return False
+
+    def _mark(self, mb: int, step: int) -> None:
+        ids = self._counted.setdefault(step, set())
+        if mb not in ids:
+            ids.add(mb)
+            self._pending_mbs.append(mb)
 
     def late(self) -> None:
         """A backward came back past its sender's deadline: not added."""
@@ -188,9 +338,12 @@ class StepProtocol:
         """A round takes the accumulated gradients out; backwards are refused until it settles."""
         if self.averaging:
             raise Busy(f"the gradients of stage {self.stage} are already out for averaging")
-        taken = Taken(step=self.step, samples=self.grad_samples)
+        with self._books:
+            taken = Taken(step=self.step, samples=self.grad_samples, mbs=tuple(self._pending_mbs))
+            self._pending_mbs = []
         self.averaging = True
         self.out_samples = self.grad_samples
+        self._out_mbs = taken.mbs
         self.grad_samples = 0
         return taken
 
@@ -203,6 +356,8 @@ class StepProtocol:
         back = step == self.step
         if back:
             self.grad_samples += samples
+            with self._books:
+                self._pending_mbs[:0] = self._out_mbs
         self._settle()
         return back
 
@@ -223,17 +378,23 @@ class StepProtocol:
         self.step = step
         self.dropped_samples += self.grad_samples
         self.grad_samples = 0
-        self._counted.clear()
+        with self._books:
+            self._counted.clear()
+            self._fenced.clear()
+            self._pending_mbs = []
         self._settle()
 
     def _prune(self) -> None:
         """Keep the ids of this step and the last (delayed updates accept one step old)."""
-        for step in [s for s in self._counted if s < self.step - 1]:
-            del self._counted[step]
+        with self._books:
+            for book in (self._counted, self._fenced):
+                for step in [s for s in book if s < self.step - 1]:
+                    del book[step]
 
     def _settle(self) -> None:
         self.averaging = False
         self.out_samples = 0
+        self._out_mbs = ()
 
 
 class GradientAccumulator:

@@ -31,8 +31,10 @@ get redone. A trainer that finds the step full waits for it (a long-poll). Witho
 and what *it* has in flight. In ``sync`` mode the trainer sends exactly one
 global batch per step and waits until every peer of every stage has stepped (a long-poll of
 ``/v1/progress``), which makes a swarm compute exactly what single-process training computes
-(the equivalence test); the batch's first and last microbatches are halved and the first one
-leads, which shortens the pipeline's fill and drain at every step.
+(the equivalence test); the batch is tapered at both ends (the first and last microbatches
+halved, or a ramp in quarters once the stages' measured latencies say a small microbatch is worth
+its request: ``swarmd.pipeline.partition.tapered_sizes``) and each microbatch starts once the one
+before has its first forward back, which shortens the pipeline's fill and drain at every step.
 
 Spot checks (issue #17, ``swarmd.train.verify``): a random ``verify_fraction`` of forward and
 backward calls is sent again, in the background, to a second peer of the stage (a forward with a
@@ -41,7 +43,10 @@ never accumulated) and the answers compared (a peer's first answers always, and 
 for that verdict); on a mismatch a third peer arbitrates, the peer
 that disagrees with the other two is banned for an hour and a signed report
 (``swarmd.pipeline.reports``) goes to every listed peer. Peers the swarm excluded after two
-independent reports (a majority of progress answers lists them) are not routed to. The cost is
+independent reports (a majority of progress answers lists them), peers most of their own stage
+excludes (its round checks caught them) and forks (another params digest than most of the stage
+at that step) are not routed to; a sync trainer's step wait counts no samples nor step of a peer
+any stage-mate excludes (``verify.stage_distrust``: the stage is topped up instead). The cost is
 in the summary (``verify``: checks, mismatches, arbitrations, extra samples and bytes, the
 traffic fraction).
 
@@ -70,16 +75,36 @@ from swarmd.dht.identity import Identity
 from swarmd.errors import ConfigError, PeerError
 from swarmd.finite import strict_json
 from swarmd.net.client import DataPlaneClient, client_session
-from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest, ReserveReply, ReserveRequest
+from swarmd.net.messages import (
+    BackwardReply,
+    ClaimRequest,
+    ForwardReply,
+    ReportRequest,
+    ReserveReply,
+    ReserveRequest,
+)
 from swarmd.pipeline.failures import Action, classify
+from swarmd.pipeline.partition import taper_depth, tapered_sizes
 from swarmd.pipeline.reports import MisbehaviourReport, digest_tensor_bytes
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+from swarmd.pipeline.step_protocol import BackwardAttempts
 from swarmd.swarm_key import SwarmKey
-from swarmd.train.data import BatchSampler, load_corpus, shard, val_batches
+from swarmd.train.data import BatchSampler, load_corpus, val_batches
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerListener
 from swarmd.train.swarm_client import PeerProgress, Registration, SwarmClient, TrainerError
-from swarmd.train.verify import LIAR_BAN_S, Answer, SpotChecker, Verdict, VerifyStats, arbitrate, tolerance
+from swarmd.train.verify import (
+    LIAR_BAN_S,
+    Answer,
+    SpotChecker,
+    Verdict,
+    VerifyStats,
+    arbitrate,
+    excluded_by_stage,
+    forks,
+    stage_distrust,
+    tolerance,
+)
 
 __all__ = ["TrainSummary", "Trainer", "TrainerConfig", "TrainerError", "split_batch"]
 
@@ -97,10 +122,25 @@ BACKWARD_SLACK_S = 5.0
 #: round) before it is sent anyway (a stage short of samples would never step without it).
 STAGE_CATCH_UP_S = 2.0
 RESERVE_TIMEOUT_S = 10.0  # a lease request (no compute) to a peer that has answered this trainer
+CLAIM_TIMEOUT_S = 3.0  # asking a peer whether it counted a backward whose answer was lost (no compute)
+#: A lease-book peer seen behind the first stage's front step is waited for this long before the
+#: trainer turns to the next peer's book: at every step some stage-mate applies its update a moment
+#: after the others, and a trainer that switched books then would lease samples the stage's book
+#: never learns of (a second book: overfilled steps, and samples no write-off can account for).
+BOOK_LAG_GRACE_S = 2.0
+#: The corpus order (and so the train/held-out split) of every asynchronous trainer; ``--seed``
+#: orders its samples. A ``--sync`` trainer trains alone and splits by its own seed.
+SPLIT_SEED = 0
 PROBATION_RESERVE_TIMEOUT_S = 5.0  # ... and to one that has not yet (the trainer's first, or a newcomer)
 REPORT_TIMEOUT_S = 5.0  # a misbehaviour report to one peer
 FIRST_CHECKS = 1  # a peer's answers of each kind checked always until this many were confirmed
 OPINION_ATTEMPTS = 4  # tries for a spot check's second (or third) opinion
+#: A sync trainer tops up a stage that holds the target batch yet has not stepped for this long (an
+#: honest stage starts its round within a poll period of holding it; see ``_wait_all_stepped``).
+STUCK_GRACE_S = 10.0
+#: ... and stops waiting for a peer that most of its stage left behind this long (a resync takes
+#: seconds; a peer that claims an old step forever must not stall the trainer until it gives up).
+LAG_GRACE_S = 30.0
 #: The shortest per-call timeout (below it, scheduling noise on a loaded machine would ban honest peers).
 TIMEOUT_FLOOR_S = 2.0
 #: ... of a backward: its deadline (above) must leave the peer time to compute.
@@ -110,32 +150,21 @@ PROBATION_TIMEOUT_S = 15.0
 
 
 def split_batch(batch: int, microbatch: int, *, taper: bool = False) -> list[int]:
-    """Microbatch sizes for one global batch: ``microbatch`` each, the remainder last.
-
-    ``taper``: the first microbatch is half size, and so is the last (``32, 8`` gives
-    ``4 8 8 8 4``; ``36, 8`` gives ``4 8 8 8 4 4``). In sync mode the pipeline fills and drains
-    at every step, and only the first microbatch's forwards and the last one's backwards run
-    while the other stages idle: halving those shortens the step by about half a microbatch's
-    compute on every stage but the slowest. The samples (drawn one after another) and so the
-    step's gradient are the same however the batch is split, up to float rounding.
-    """
-    sizes: list[int] = []
-    taper = taper and microbatch > 1 and batch > microbatch
-    if taper:
-        sizes.append(microbatch // 2)
-    rest = batch - sum(sizes)
-    sizes += [microbatch] * (rest // microbatch)
-    if rest % microbatch:
-        sizes.append(rest % microbatch)
-    elif taper and len(sizes) > 2:  # the last is a full one: halve it too
-        sizes[-1:] = [microbatch - microbatch // 2, microbatch // 2]
-    return sizes
+    """Microbatch sizes for one global batch: ``microbatch`` each, the remainder last; with
+    ``taper``, the first and the last halved (``32, 8`` gives ``4 8 8 8 4``; ``36, 8`` gives
+    ``4 8 8 8 4 4``). :func:`swarmd.pipeline.partition.tapered_sizes` at depth 0 or 1, which
+    says why; a sync trainer may taper finer (depth 2) once it has measured its stages."""
+    return tapered_sizes(batch, microbatch, 1 if taper else 0)
 
 
 def _front_step(progress: list[list[PeerProgress]]) -> int:
     """The step the whole swarm has reached: the slowest stage's most advanced peer (0 if a
-    stage has no peer that answered)."""
-    fronts = [max((p.step for p in peers if p.step is not None), default=None) for peers in progress]
+    stage has no peer that answered), not counting a refused leader that stepped alone on its own
+    lie (most of its stage excludes it, or it is a fork: one accuser cannot hold the front back)."""
+    fronts = []
+    for peers in progress:
+        ignored = excluded_by_stage(peers) | forks(peers)
+        fronts.append(max((p.step for p in peers if p.step is not None and p.peer_id not in ignored), default=None))
     known = [f for f in fronts if f is not None]
     return min(known) if len(known) == len(fronts) and known else 0
 
@@ -202,7 +231,8 @@ class TrainerConfig:
     codec: str = "8bit"  # activations and their gradients between stages
     seed: int = 0
     window: int = 8  # microbatches in flight at once
-    taper: bool = True  # sync mode: halve the step's first and last microbatch (see split_batch)
+    taper: bool = True  # sync mode: taper the step's ends (swarmd.pipeline.partition.tapered_sizes)
+    max_taper_depth: int = 2  # ... at most this finely (1: halves only; 2: quarters, when measured to pay)
     sync: bool = False
     val_every: int = 10  # steps between validation losses (0: only at the end)
     val_batches: int = 4
@@ -217,7 +247,7 @@ class TrainerConfig:
     swarm_key: SwarmKey | None = None  # a private swarm's key: signs every data-plane request
     reserve: bool = True  # pace through the first stage's sample reservations (False: each trainer on its own)
     lease_s: float = 5.0  # sample reservations expire this long after the last renewal (a dead trainer's)
-    data_shards: int = 16  # the training split is cut in this many shards; each async trainer draws from one
+    data_shards: int = 16  # the training split is cut in this many shards; an async trainer draws from one at a time
     shard: int | None = None  # which one; None: the rank the daemon handed out at registration
     verify_fraction: float = 0.02  # spot checks: this share of calls is sent to a second peer too (swarmd.train.verify)
 
@@ -235,6 +265,8 @@ class TrainerConfig:
             raise ConfigError("--lease-s must lie in [0.5, 300] seconds")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ConfigError("--verify-fraction must lie in [0, 1]")
+        if self.max_taper_depth not in (0, 1, 2):
+            raise ConfigError("max_taper_depth must be 0, 1 or 2")
 
 
 @dataclass
@@ -254,9 +286,12 @@ class TrainSummary:
     microbatches_completed: int = 0
     samples: int = 0
     duplicates: int = 0  # backwards a stage had counted already (a retry after a lost answer): not added twice
+    claims: int = 0  # backwards whose answer was lost: the peer was asked whether it had counted them
+    claims_counted: int = 0  # ... and it had: the retry only computed (exactly once, step_protocol)
+    claims_unanswered: int = 0  # ... the peer could not be asked: the retry counted (perhaps twice; detected)
     leases: int = 0  # sample reservations granted to this trainer
     full_waits: int = 0  # times the step was fully reserved and the trainer waited for it
-    shard: int | None = None  # the shard of the training split it drew from (None: the whole split)
+    shard: int | None = None  # the shard of the training split it started on (None: the whole split at once)
     elapsed_s: float = 0.0
     step_losses: list[float] = field(default_factory=list)
     step_samples: list[int] = field(default_factory=list)  # its share of each step: samples counted at it
@@ -314,6 +349,7 @@ class Trainer:
         self._step_losses: dict[int, list[tuple[float, int]]] = {}
         self._step_samples: dict[int, int] = {}  # first-stage step -> this trainer's samples counted at it
         self._rank: int | None = None
+        self._book_behind_since: dict[str, float] = {}  # stage-0 peers seen behind the front step, since when
         self._reserving = config.reserve  # False once the first stage turned out to have no lease book (an older peer)
         self.checks = VerifyStats()
         self._checker = SpotChecker(config.verify_fraction, random.Random(secrets.randbits(64)))
@@ -333,15 +369,18 @@ class Trainer:
                                       refresh_s=cfg.refresh_s, sync=cfg.sync)
             spec, _ = self._registered(await self._swarm.register(), first=True)
             corpus = await asyncio.to_thread(
-                load_corpus, cfg.data, max_bytes=cfg.max_corpus_bytes, seed=cfg.seed, seq_len=spec.seq_len,
+                # asynchronous trainers share one train/held-out split whatever their --seed (it orders the
+                # corpus's files): their rank shards are then disjoint and their validation the same windows
+                load_corpus, cfg.data, max_bytes=cfg.max_corpus_bytes, seed=cfg.seed if cfg.sync else SPLIT_SEED,
+                seq_len=spec.seq_len,
                 tokenizer=cfg.tokenizer, text_field=cfg.text_field, spec=spec,
             )
             index = cfg.shard if cfg.shard is not None else self._rank
-            train, self.summary.shard = corpus.train, None
+            first = None
             if index is not None and cfg.data_shards > 1 and not cfg.sync:  # a sync trainer trains alone: all of it
-                train = shard(corpus.train, index % cfg.data_shards, cfg.data_shards, spec.seq_len)
-                self.summary.shard = index % cfg.data_shards if train is not corpus.train else None
-            sampler = BatchSampler(train, spec.seq_len, seed=cfg.seed)
+                first = (index % cfg.data_shards, cfg.data_shards)  # starts there, then moves on shard by shard
+            sampler = BatchSampler(corpus.train, spec.seq_len, seed=cfg.seed, shard=first)
+            self.summary.shard = sampler.current_shard
             validation = val_batches(corpus.val, spec.seq_len, cfg.microbatch_size, cfg.val_batches)
             heartbeat = asyncio.create_task(self._swarm.keep_registered(cfg.heartbeat_s, self._registered_again),
                                             name="swarmd-trainer-heartbeat")
@@ -356,6 +395,7 @@ class Trainer:
                 await self._finish_checks()
             finally:
                 heartbeat.cancel()
+                await self._swarm.aclose()  # newcomers' progress polls still out (issue #18)
                 for task in self._check_tasks:
                     task.cancel()
                 await asyncio.gather(heartbeat, *self._check_tasks, return_exceptions=True)
@@ -397,7 +437,7 @@ class Trainer:
         ceiling = self.config.request_timeout_s
         return StageRouter(stage, timeout_ceiling_s=ceiling, timeout_floor_s=min(TIMEOUT_FLOOR_S, ceiling),
                            probation_timeout_s=min(PROBATION_TIMEOUT_S, ceiling),
-                           probation_slots=max(1, self.config.window // 4))
+                           probation_slots=max(1, self.config.window // 4), require_alive=True)
 
     def _floor(self, kind: str) -> float:
         """The shortest timeout of a call of ``kind`` (a backward's leaves room for its deadline)."""
@@ -510,15 +550,20 @@ class Trainer:
         training, spec = self._require_training(), self._require_spec()
         return self._reserving and not training.delay_updates and spec.n_stages >= 2
 
-    def _book_peer(self, behind: Collection[str] = ()) -> tuple[str, str] | None:
+    def _book_peer(self, behind: Collection[str] = (), answered: Collection[str] = ()) -> tuple[str, str] | None:
         """The first stage's peer whose lease book this trainer uses: the smallest usable peer
         id, so that trainers with the same stage map use the same book; among peers that have
         answered this trainer when there are any (a fake record with a small id is not asked
         before the peers that proved themselves), and not one ``behind`` the stage's front step
-        (it would refuse every reservation with PeerBehind until it catches up)."""
+        (it would refuse every reservation with PeerBehind until it catches up). A peer banned
+        for a failed compute call still keeps its book while it ``answered`` the last progress
+        poll: a trainer that turned to another book would lease samples the stage's book never
+        learns of."""
         usable = [p for p in self.routers[0].snapshot()
-                  if not p["banned_for_s"] and not p["excluded"] and p["id"] not in behind] if self.routers else []
-        for peer in [p for p in usable if p["proven"]] or usable:
+                  if (not p["banned_for_s"] or p["id"] in answered) and not p["excluded"] and p["id"] not in behind
+                  ] if self.routers else []
+        # then among peers that answered a progress poll (a tarpit never does: issue #18)
+        for peer in [p for p in usable if p["proven"]] or [p for p in usable if p["alive"]] or usable:
             return peer["id"], peer["addr"]
         return None
 
@@ -534,9 +579,17 @@ class Trainer:
         excluded = {p["id"] for p in self.routers[0].snapshot() if p["excluded"]} if self.routers else set()
         seen = [p for p in progress[0] if p.step is not None and p.peer_id not in excluded] if progress else []
         front = max((p.step for p in seen if p.step is not None), default=None)
-        book = self._book_peer(behind={p.peer_id for p in seen if front is not None and p.step != front})
-        if book is None or self.trainer_id is None:
-            return None
+        now = time.monotonic()
+        lagging = {p.peer_id for p in seen if front is not None and p.step != front}
+        since = self._book_behind_since
+        for pid in [pid for pid in since if pid not in lagging]:
+            del since[pid]
+        for pid in lagging:
+            since.setdefault(pid, now)
+        book = self._book_peer(behind={pid for pid in lagging if now - since[pid] > BOOK_LAG_GRACE_S},
+                               answered={p.peer_id for p in seen})
+        if book is None or self.trainer_id is None or book[0] in lagging:
+            return None  # (the book's peer is finishing its step: ask again shortly, not another book)
         peer_id, addr = book
         held = sum(p.samples for p in seen if p.step == front)
         complete = seen and len(seen) == len(progress[0])  # every stage-0 peer answered: the sum is the stage's
@@ -597,24 +650,54 @@ class Trainer:
             if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
                 break
             step = start + i
-            sizes = split_batch(batch, cfg.microbatch_size, taper=cfg.taper and len(self.routers) > 1)
+            depth = self._taper_depth()
+            sizes = tapered_sizes(batch, cfg.microbatch_size, depth)
             microbatches = [sampler.sample(size) for size in sizes]  # drawn in order: reproducible
             semaphore = asyncio.Semaphore(cfg.window)
-            # the first microbatch leads: the others start once its first forward is back, so
-            # stage 0 computes it first (requests sent together reach the worker in any order)
-            # and the next stage starts after the step's smallest forward, not a larger one
-            led = asyncio.Event()
+            # the first microbatch leads: the others start once its first forward is back, so stage 0
+            # computes it first (requests sent together reach the worker in any order) and the next
+            # stage starts after the step's smallest forward. Under the finer taper each one waits for
+            # the one before, so the ramp reaches stage 0 in order (its calls are long enough that the
+            # round trip between them costs little; a model whose calls are mostly overhead is not chained)
+            led = [asyncio.Event() for _ in microbatches]
 
-            async def one(index: int, x: torch.Tensor, y: torch.Tensor, led: asyncio.Event = led,
-                          semaphore: asyncio.Semaphore = semaphore) -> tuple[float, int, int]:
+            async def one(index: int, x: torch.Tensor, y: torch.Tensor, led: list[asyncio.Event] = led,
+                          semaphore: asyncio.Semaphore = semaphore,
+                          chained: bool = depth >= 2) -> tuple[float, int, int]:
                 if index:
-                    await led.wait()
+                    await led[index - 1 if chained else 0].wait()
                 async with semaphore:
-                    return await self._microbatch(x, y, on_forward=led.set if index == 0 else None)
+                    return await self._microbatch(x, y, on_forward=led[index].set)
 
-            await asyncio.gather(*(one(k, x, y) for k, (x, y) in enumerate(microbatches)))
+            async def refresh(led: list[asyncio.Event] = led) -> None:
+                # the stage map is re-read (when due) mid-step, while the pipeline is full: not at the step's
+                # ends, where the first stage's daemon (often the control plane's too) is the critical path
+                await led[len(led) // 2].wait()
+                await self._refresh_view()
+
+            refreshed = asyncio.create_task(refresh(), name="swarmd-trainer-refresh")
+            try:
+                await asyncio.gather(*(one(k, x, y) for k, (x, y) in enumerate(microbatches)))
+                await refreshed
+            finally:
+                if not refreshed.done():  # a microbatch failed: the step ends here
+                    refreshed.cancel()
+                    await asyncio.gather(refreshed, return_exceptions=True)
             await self._wait_all_stepped(step + 1, sampler)
             await self._finish_step(step, i + 1, validation)
+
+    def _taper_depth(self) -> int:
+        """How finely a sync step's batch is tapered (``swarmd.pipeline.partition.taper_depth``):
+        from the slowest stage's typical seconds per sample (a forward and a backward on stages
+        before the last, the fused call on the last) as this trainer measured them; 0 without a
+        taper or with one stage (no pipeline to fill)."""
+        if not self.config.taper or len(self.routers) < 2:
+            return 0
+        per_sample = [sum(v for v in (router.typical_latency(kind) for kind in ("forward", "backward"))
+                          if v is not None) for router in self.routers]
+        slowest = max(per_sample)
+        return min(self.config.max_taper_depth, taper_depth(slowest if slowest > 0 else None,
+                                                            self.config.microbatch_size))
 
     async def _finish_step(self, step: int, done: int, validation: list) -> None:
         losses = [entry for at in sorted(k for k in self._step_losses if k <= step)
@@ -634,8 +717,12 @@ class Trainer:
             await self._validate(validation)
         progress = self.progress()
         if self._swarm is not None:  # reported with the next heartbeat (swarmd.training_summary)
+            c = self.checks  # the spot checks' counts so far: /trainers and swarmd_trainer_spot_checks_total
             self._swarm.observe_step(step, loss if total else None, s.samples, s.val_loss if validated else None,
-                                     retries=s.retries, bans=s.bans)
+                                     retries=s.retries, bans=s.bans,
+                                     spot_checks={"checks": c.checks, "mismatches": c.mismatches,
+                                                  "arbitrations": c.arbitrations, "liars": c.liars,
+                                                  "reports_sent": c.reports_sent})
         self._emit(StepDone(done=done, step=step, loss=loss if total else None, progress=progress,
                             at=time.perf_counter()))
         if self.on_step is not None:
@@ -678,7 +765,9 @@ class Trainer:
         ``PROGRESS_WAIT_S``.
 
         Peers that never answered this trainer (on probation) are polled with a short timeout,
-        banned when they do not answer, and not polled while banned; excluded peers are not
+        banned when they do not answer, and not polled while banned; one never heard from does not
+        hold the poll up (``SwarmClient.progress``: its poll may end in the background, told to
+        :meth:`_heard`, and it is not in this poll's answers until it answered); excluded peers are not
         polled. A peer that did answer before is polled even while banned (a sync trainer must
         not run ahead of an honest peer that missed one call). The answers also carry each
         peer's excluded set (:func:`excluded_by_majority` decides which to believe).
@@ -691,23 +780,43 @@ class Trainer:
             stages.append([(p["id"], p["addr"]) for p in peers])
             probation |= {p["id"] for p in peers if not p["proven"]}
         polled = await self._require_swarm().progress(stages, wait_step=wait_step, wait_s=PROGRESS_WAIT_S,
-                                                      probation=probation)
-        for router, answers in zip(self.routers, polled, strict=True):
+                                                      probation=probation, on_late=self._heard)
+        for stage, answers in enumerate(polled):
             for answer in answers:
-                if answer.error is not None and answer.peer_id in probation and answer.error.status in (0, 200):
-                    router.report_failure(answer.peer_id, timeout="Timeout" in answer.error.error)
+                self._heard(stage, answer)
         self._adopt_exclusions(polled)
         return polled
 
+    def _heard(self, stage: int, answer: PeerProgress) -> None:
+        """A peer's progress answer, in a poll or after it (a newcomer polled in the background):
+        an unproven peer that answered may now be called (``StageRouter.require_alive``: a tarpit
+        never is), one on probation that did not answer is banned like a failed call."""
+        if not 0 <= stage < len(self.routers) or answer.peer_id not in self.routers[stage]:
+            return
+        router = self.routers[stage]
+        if answer.step is not None:
+            router.report_alive(answer.peer_id)
+        elif answer.error is not None and answer.error.status in (0, 200) and not router.stats(answer.peer_id).proven:
+            router.report_failure(answer.peer_id, timeout="Timeout" in answer.error.error)
+
     def _adopt_exclusions(self, polled: list[list[PeerProgress]]) -> None:
-        """Stop routing to the peers a majority of the answering peers excluded (issue #17)."""
-        excluded = excluded_by_majority([a for answers in polled for a in answers if a.step is not None])
-        for router in self.routers:
+        """Stop routing to the peers a majority of the answering peers excluded (issue #17), to the
+        peers most of their own stage excludes (caught by its round checks), and to forks (a peer
+        holding another params digest than most of its stage at its step: ``verify.forks``)."""
+        swarm_wide = excluded_by_majority([a for answers in polled for a in answers if a.step is not None])
+        for router, answers in zip(self.routers, polled, strict=True):
+            by_stage, forked = excluded_by_stage(answers), forks(answers)
+            excluded = swarm_wide | by_stage | forked
             if excluded != router.excluded:
-                newly = excluded - router.excluded
+                newly = {p for p in excluded - router.excluded if p in router}  # its own stage's, for the log
                 if newly:
-                    log.warning("stage %d: the swarm excluded %s (reported by two independent checks); "
-                                "not routing to them", router.stage, ", ".join(sorted(p[:12] for p in newly)))
+                    log.warning("stage %d: not routing to %s (%s)", router.stage,
+                                ", ".join(sorted(p[:12] for p in newly)),
+                                "; ".join(why for why, named in (
+                                    ("excluded by the swarm: two independent reports", swarm_wide & newly),
+                                    ("excluded by most of its stage: round checks or reports", by_stage & newly),
+                                    ("another params digest than most of its stage: a fork", forked & newly))
+                                    if named))
                 router.set_excluded(excluded)
 
     async def _wait_all_stepped(self, step: int, sampler: BatchSampler) -> None:
@@ -716,26 +825,50 @@ class Trainer:
         A stage whose peers hold fewer than ``target_batch_size`` samples for the step and are
         not averaging lost gradients with a dead peer: after a short grace period it is topped
         up with fresh microbatches, so the step still aggregates a full batch.
+
+        Liars (issue #17): a peer a stage-mate excludes, or a fork (``verify.stage_distrust``),
+        counts neither for the samples its stage holds nor as lagging: a poisoned contributor's
+        samples are refused by the round, and a refused leader stepped alone on its own lie, so
+        the honest peers are topped up as for a dead peer. A stage that holds the target yet does
+        not step for :data:`STUCK_GRACE_S` (a peer that reports samples it never contributes) gets
+        one more microbatch per grace period.
         """
         training = self._require_training()
         began = time.perf_counter()
         deadline = time.monotonic() + self.config.stage_wait_timeout_s
         short_since: float | None = None
+        stuck_since: float | None = None
+        left_behind: dict[str, float] = {}  # peer -> since when most of its stage is past it
         while True:
             lagging = []
             missing = 0
+            stuck = refused = False
             polled_at = time.monotonic()
             for stage, polled in enumerate(await self._poll_progress(wait_step=step)):
-                # a silent peer counts as lagging until the DHT forgets it (a dead one) or it answers
-                lagging += [(stage, p.peer_id, p.step) for p in polled if p.step is None or p.step < step]
-                seen = [p for p in polled if p.step is not None]
+                distrusted = stage_distrust(polled)
+                counted = [p for p in polled if p.peer_id not in distrusted]
+                # a silent peer counts as lagging until the DHT forgets it (a dead one) or it answers; one
+                # that most of its stage left behind for LAG_GRACE_S is not waited for (it resyncs, or lies)
+                behind = [p for p in counted if p.step is None or p.step < step]
+                if len(counted) - len(behind) > len(counted) // 2:
+                    left_behind.update({p.peer_id: time.monotonic() for p in behind if p.peer_id not in left_behind})
+                    behind = [p for p in behind if time.monotonic() - left_behind[p.peer_id] <= LAG_GRACE_S]
+                lagging += [(stage, p.peer_id, p.step) for p in behind]
+                seen = [p for p in counted if p.step is not None]
                 front = max((p.step for p in seen if p.step is not None), default=step)
                 if front < step:  # the whole stage has yet to step: does it hold a full batch?
                     at_front = [p for p in seen if p.step == front]
                     if not any(p.averaging for p in at_front):
                         held = sum(p.samples for p in at_front)
                         missing = max(missing, training.target_batch_size - held)
+                        stuck = stuck or held >= training.target_batch_size
+                        # short because its stage-mates refuse a liar's work: nothing left to wait for
+                        refused = refused or (bool(distrusted) and held < training.target_batch_size)
             if not lagging:
+                late = sorted(p[:12] for p, since in left_behind.items() if time.monotonic() - since > LAG_GRACE_S)
+                if late:
+                    log.warning("step %d: not waiting any longer for %s, left behind by most of its stage for "
+                                "%.0fs", step, ", ".join(late), LAG_GRACE_S)
                 self._emit(StepWait(step=step, started=began, ended=time.perf_counter()))
                 return
             now = time.monotonic()
@@ -743,16 +876,23 @@ class Trainer:
                 raise TrainerError(f"stages did not reach step {step} in time: {lagging}")
             if missing > 0:
                 short_since = short_since or now
-                if now - short_since > 1.0:
+                if refused or now - short_since > 1.0:
                     count = -(-missing // self.config.microbatch_size)
-                    log.warning("a stage is %d samples short of step %d (a peer died holding gradients); "
-                                "topping up with %d microbatches", missing, step, count)
+                    log.warning("a stage is %d samples short of step %d (a peer died holding gradients, or its "
+                                "stage-mates refused its work); topping up with %d microbatches", missing, step, count)
                     self.summary.topup_microbatches += count
                     await asyncio.gather(*(self._microbatch(*sampler.sample(self.config.microbatch_size))
                                            for _ in range(count)))
                     short_since = None
             else:
                 short_since = None
+            stuck_since = (stuck_since or now) if stuck and not missing > 0 else None
+            if stuck_since is not None and now - stuck_since > STUCK_GRACE_S:
+                log.warning("a stage holds the samples of step %d but has not stepped for %.0fs (a peer holds "
+                            "samples it does not contribute?); topping up with one microbatch", step, STUCK_GRACE_S)
+                self.summary.topup_microbatches += 1
+                await self._microbatch(*sampler.sample(self.config.microbatch_size))
+                stuck_since = None
             # the long-poll already waited; a peer that answered at once (or not at all) did not
             await asyncio.sleep(max(0.0, 0.05 - (time.monotonic() - polled_at)))
 
@@ -848,15 +988,47 @@ class Trainer:
         prefer: str | None = None,
     ) -> tuple[BackwardReply, str]:
         client, spec, codec = self._require_client(), self._require_spec(), self.config.codec
-        # the peer adds the gradient only within its deadline: past it, this trainer may have given
-        # up and retried elsewhere (exactly once)
-        return await self._call(
-            stage, "backward", inputs.shape[0],
-            lambda addr, timeout: client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec,
-                                                  model=spec.digest, step=step, mb=mb,
-                                                  deadline_ms=backward_deadline_ms(timeout), timeout_s=timeout),
-            prefer=prefer,
-        )
+        # Exactly once (swarmd.pipeline.step_protocol): the peer adds the gradient only within its
+        # deadline (past it, this trainer gave up and retries elsewhere); an attempt whose answer was
+        # lost is settled by asking its peer before the next attempt, which only computes if it counted.
+        attempts = BackwardAttempts(mb)
+
+        async def send(addr: str, timeout: float) -> BackwardReply:
+            await self._settle_lost(stage, attempts)
+            attempt = attempts.next_attempt()
+            try:
+                return await client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec,
+                                             model=spec.digest, step=step, mb=mb, attempt=attempt,
+                                             verify=attempts.compute_only,
+                                             deadline_ms=backward_deadline_ms(timeout), timeout_s=timeout)
+            except PeerError as exc:
+                attempts.failed(addr, exc)
+                raise
+
+        return await self._call(stage, "backward", inputs.shape[0], send, prefer=prefer)
+
+    async def _settle_lost(self, stage: int, attempts: BackwardAttempts) -> None:
+        """Ask each peer whose attempt at this backward failed without an answer whether it counted
+        the microbatch (``POST /v1/claim``): if one did, the next attempts only compute; if not, it
+        has fenced the lost attempt off. A peer that cannot be asked is noted, and the retry counts."""
+        mb = attempts.mb
+        if mb is None:
+            return
+        client, s = self._require_client(), self.summary
+        for addr, fence in attempts.to_settle():
+            s.claims += 1
+            try:
+                reply = await client.claim(addr, ClaimRequest(stage=stage, mb=mb, attempt=fence),
+                                           timeout_s=CLAIM_TIMEOUT_S)
+            except PeerError as exc:
+                s.claims_unanswered += 1
+                attempts.settled(addr, None)
+                log.warning("stage %d: a backward's answer from %s was lost and that peer cannot say whether it "
+                            "counted it (%s); retrying it as a new count (a repeat is detected at averaging)",
+                            stage, addr, exc)
+                continue
+            s.claims_counted += int(reply.counted)
+            attempts.settled(addr, reply.counted)
 
     async def _call(
         self,
@@ -913,7 +1085,10 @@ class Trainer:
             self.summary.probation_calls += int(on_probation)
             started = time.monotonic()
             try:
-                reply = await send(addr, timeout)
+                if on_probation and kind == "forward":  # no side effect: may be cut short (issue #18)
+                    reply = await self._watched(router, peer_id, samples, kind, send(addr, timeout), started)
+                else:
+                    reply = await send(addr, timeout)
             except PeerError as exc:
                 action = classify(exc)
                 if action is Action.BAN:
@@ -945,6 +1120,28 @@ class Trainer:
             self._emit(CallDone(stage=stage, kind=kind, samples=samples, peer_id=peer_id, attempts=attempts,
                                 started=began, ended=time.perf_counter()))
             return reply, peer_id
+
+    async def _watched(self, router: StageRouter, peer_id: str, samples: int, kind: str, call: Awaitable[R],
+                       started: float) -> R:
+        """A forward to a peer on probation, given up once it is overdue by the timeout the stage's
+        latency gives *now*: a trainer's first calls go out before any estimate exists (the ceiling
+        then holds), and a peer that answers polls but holds calls must cost about one typical call
+        once its stage-mates have answered, not the ceiling (issue #18)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                limit = router.timeout_for(peer_id, samples, kind, floor_s=self._floor(kind))
+                left = started + limit - time.monotonic()
+                if left <= 0:
+                    raise PeerError(0, "TimeoutError", f"no answer within {limit:.1f}s, the stage's typical latency "
+                                    "(a peer on probation)")
+                done, _ = await asyncio.wait({task}, timeout=min(left, 0.25))
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     # ---- spot checks (swarmd.train.verify) -------------------------------------------------------
 
