@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.flood import FloodProcess, bundle_chunks  # noqa: E402
 
+from swarmd.finite import strict_json_dumps  # noqa: E402
 from swarmd.local_swarm import DaemonProcess  # noqa: E402
 from swarmd.train.trainer import Trainer, TrainerConfig  # noqa: E402
 
@@ -107,11 +108,11 @@ async def one(fakes: int, target: str | None, args: argparse.Namespace) -> dict[
                 for d, st in zip(daemons, statuses, strict=True):
                     if st["peer_id"] not in listed_ids(view):
                         own = await asyncio.to_thread(listing, d)
-                        print(json.dumps({"missing": st["peer_id"], "in_own_view": st["peer_id"] in listed_ids(own),
-                                          "others_view": [st["peer_id"] in listed_ids(await asyncio.to_thread(
-                                              listing, o)) for o in daemons if o is not d],
-                                          "untrusted": st.get("untrusted"), "log": d.log_tail(3000)}),
-                              file=sys.stderr)
+                        print(strict_json_dumps({
+                            "missing": st["peer_id"], "in_own_view": st["peer_id"] in listed_ids(own),
+                            "others_view": [st["peer_id"] in listed_ids(await asyncio.to_thread(listing, o))
+                                            for o in daemons if o is not d],
+                            "untrusted": st.get("untrusted"), "log": d.log_tail(3000)}), file=sys.stderr)
             stats = flood.stop() if flood is not None else {}
         finally:
             if flood is not None:
@@ -256,7 +257,7 @@ def main() -> None:
                   f"stage read {d['read_s_before']} s -> {d['read_s_after']} s", flush=True)
     if args.dht_only:
         if args.json:
-            print(json.dumps({"dht": dht}, allow_nan=False))
+            print(strict_json_dumps({"dht": dht}))
         return
     plan: list[tuple[int, str | None]] = []
     for _ in range(args.repeat):
@@ -295,7 +296,7 @@ def main() -> None:
               "dht": dht, "by_config": summary, "runs": runs, "min_ratio": min(flooded) if flooded else None,
               "target_ratio": 0.8, "target_met": bool(flooded) and min(flooded) >= 0.8}
     if args.json:
-        print(json.dumps(report, allow_nan=False))
+        print(strict_json_dumps(report))
     else:
         for config, v in summary.items():
             print(f"{config}: ratio {v['ratio_mean']}, steady-state ratio {v['steady_ratio_mean']}, "

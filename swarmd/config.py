@@ -53,6 +53,8 @@ class DHTConfig:
     announce_period_s: float = 10.0  # records are refreshed this often and expire after 3 periods
     bootstrap_timeout_s: float = 30.0  # give up joining (and finding the swarm's record) after this
     state_dir: Path | None = None  # where the peer's key lives; None: a fresh key for this run only
+    max_per_source: int = 8  # new records one source group may place under one DHT key (swarmd.dht.sources)
+    source_grouping: str = "auto"  # what one source group is: auto | prefix | address | endpoint
 
     @property
     def record_ttl_s(self) -> float:

@@ -45,14 +45,14 @@ import logging
 import random
 import socket
 import time
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import aiohttp
 
 from swarmd import __version__
 from swarmd.api.app import create_app
 from swarmd.api.metrics import DaemonMetrics
-from swarmd.api.models import ModelInfo, Status, TrainerReport
+from swarmd.api.models import ModelInfo, PrecisionInfo, Status, TrainerReport
 from swarmd.api.server import EmbeddedUvicorn, bind_socket, embedded_server
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.checkpoint import (
@@ -69,6 +69,7 @@ from swarmd.dht.identity import Identity
 from swarmd.dht.membership import Membership
 from swarmd.dht.node import DHTNode
 from swarmd.dht.records import PeerRecord, sign_record
+from swarmd.dht.sources import Grouping
 from swarmd.errors import ConfigError, SwarmdError
 from swarmd.net import codecs, reachability
 from swarmd.net.addresses import (
@@ -83,7 +84,7 @@ from swarmd.net.addresses import (
     route_source,
 )
 from swarmd.net.client import client_session
-from swarmd.net.handover import GradientsRequest, hand_over
+from swarmd.net.handover import GradientsRequest, hand_over, handover_order
 from swarmd.net.proof import ProofService, Prover
 from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
@@ -277,6 +278,7 @@ class Daemon:
             identity=self.identity,
             prover=self.prover,
             exclude=self._ledger_excluded,
+            on_round=self.metrics.observe_round,  # swarmd_averaging_round_duration_seconds
         )
         runtime.averager = averager
         self.tasks.spawn(AVERAGER_TASK, averager.run, restart=True)
@@ -404,7 +406,9 @@ class Daemon:
         else:
             self.identity = Identity.generate()
         key = self.config.swarm_key
-        self.dht = DHTNode(self.identity, host=dht.host, port=dht.port, rpc_timeout=1.0, swarm_key=key)
+        self.dht = DHTNode(self.identity, host=dht.host, port=dht.port, rpc_timeout=1.0, swarm_key=key,
+                           max_per_source=dht.max_per_source,
+                           source_grouping=cast("Grouping", dht.source_grouping))  # checked by source_group()
         if key is not None:
             log.info("private swarm: DHT datagrams and data-plane requests are authenticated with the swarm key "
                      "from %s (key id %s)", key.source or "the config", key.key_id)
@@ -517,7 +521,8 @@ class Daemon:
         proven = self.prover.proven({r.peer_id: r.data_addr for r in members})
         if proven:  # members that answered a signed challenge: a fake prober costs a timeout, or lies (issue 18)
             members = [r for r in members if r.peer_id in proven]
-        result = await reachability.check(self._session, peer_id=peer_id, addr=addr, members=members)
+        result = await reachability.check(self._session, peer_id=peer_id, addr=addr, members=members,
+                                          probers=reachability.PROBERS if proven else reachability.UNPROVEN_PROBERS)
         changed = result.status != self.reachability.status
         self.reachability = result
         if result.status == "no" and self.relayed_addr is None:
@@ -605,7 +610,9 @@ class Daemon:
                 if required:
                     raise SwarmdError(f"no serving peer of stage {runtime.stage} to download its state from")
                 return False
-            result = await adopt_state(self._session, runtime.executor, donors, model_digest=self.spec.digest)
+            result = await adopt_state(self._session, runtime.executor, donors, model_digest=self.spec.digest,
+                                       on_received=self._state_received)
+            self.state_downloads["downloads_ok" if result is not None else "downloads_failed"] += 1
             if result is None:
                 if required:
                     raise SwarmdError(f"could not download the state of stage {runtime.stage} "
@@ -613,6 +620,7 @@ class Daemon:
                 return False
             self.synced_from = result.donor.peer_id
             self.last_sync_s = result.seconds
+            self.state_downloads["last_download_s"] = round(result.seconds, 3)
             if runtime.executor.throughput == 0.0 and not self.migrator.last_throughput:
                 # until it measures its own: what its donor serves (a joiner announcing 0 would make its
                 # stage look empty, and the rebalancer would send a second peer to fill the gap)
@@ -774,7 +782,12 @@ class Daemon:
         except SwarmdError as exc:
             log.warning("cannot list stage-mates for the hand-over: %s", exc)
             mates = {}
-        candidates = [(pid, addr) for pid, addr in sorted(mates.items()) if pid != self.identity.peer_id]
+        # proven stage-mates first, few others (issue #18: a listing may hold fakes at tarpits)
+        averager = runtime.averager
+        prover = averager.prover if averager is not None else None
+        candidates = handover_order(mates, proven=set(prover.proven(mates)) if prover is not None else None,
+                                    excluded=averager.excluded() if averager is not None else (),
+                                    self_id=self.identity.peer_id)
         request = GradientsRequest(stage=runtime.stage, model=self.spec.digest, step=contribution.step,
                                    samples=contribution.samples, peer_id=self.identity.peer_id,
                                    grads=contribution.grads)
@@ -875,6 +888,12 @@ class Daemon:
         self.training_log = TrainingLog(live_s=self.config.dht.record_ttl_s)
         self.trainers = TrainerRegistry(on_report=self._on_trainer_report)
         self.metrics = DaemonMetrics(self)
+        # state downloads from stage-mates (swarmd.net.state_sync): /status -> state_transfer
+        self.state_downloads: dict[str, Any] = {"downloaded_bytes": 0, "downloads_ok": 0, "downloads_failed": 0,
+                                                "last_download_s": None}
+
+    def _state_received(self, n: int) -> None:
+        self.state_downloads["downloaded_bytes"] += n
 
     def _on_trainer_report(self, trainer_id: str, report: TrainerReport) -> None:
         self.training_log.report(trainer_id, steps=[(p.step, p.loss, p.val_loss) for p in report.steps],
@@ -1029,7 +1048,7 @@ class Daemon:
             stale_applied=ex.stale_applied if ex else 0,
             activation_cache=ex.cache_stats() if ex else None,
             worker_cpu_s=ex.worker_cpu_s if ex else 0.0,
-            exactly_once={"duplicates": ex.duplicates, "late_refused": ex.late_refused} if ex else {},
+            exactly_once=ex.exactly_once() if ex else {},
             reservations=ex.reservations.status() if ex else None,
             params_digest=ex.digest if ex else None,
             averaging={
@@ -1041,6 +1060,11 @@ class Daemon:
             } if averager else None,
             synced_from=self.synced_from,
             migration=self.migration,
+            migrations=dict(self.migrator.results),
+            state_transfer={**self.state_downloads, "served_bytes": dp.state_served["bytes"] if dp else 0,
+                            "served_streams": dp.state_served["streams"] if dp else 0},
+            precision=PrecisionInfo(mode=ex.precision, loss_scale=ex.loss_scale.scale if ex.loss_scale else None,
+                                    overflows=ex.loss_scale.overflows if ex.loss_scale else None) if ex else None,
             served=dict(dp.served) if dp else {},
             auth=self._auth_status(),
             data_addr=self.data_addr,

@@ -43,6 +43,8 @@ SERVE_SAMPLES: dict[str, tuple[Any, list[str]]] = {
     "dht-port": (31337, ["--dht-port", "31337"]),
     "announce-period": (2, ["--announce-period", "2"]),
     "bootstrap-timeout": (60, ["--bootstrap-timeout", "60"]),
+    "dht-source-quota": (16, ["--dht-source-quota", "16"]),
+    "dht-source-grouping": ("address", ["--dht-source-grouping", "address"]),
     "state-dir": ("/var/lib/swarmd", ["--state-dir", "/var/lib/swarmd"]),
     "rebalance-policy": ("swarm", ["--rebalance-policy", "swarm"]),
     "rebalance-period": (120, ["--rebalance-period", "120"]),

@@ -246,3 +246,17 @@ async def test_views_leave_out_the_peers_with_evidence_against_them_and_say_why(
         assert [set(s) for s in await membership.stage_peers(2)] == [{me.peer_id, fakes[0].peer_id},
                                                                      {real.peer_id, fakes[1].peer_id}]
         assert membership.untrusted()["dropped"] == {}
+
+
+def test_the_source_quota_and_grouping_flags_reach_the_dht_node() -> None:
+    """``--dht-source-quota`` / ``--dht-source-grouping`` (and their ``--config`` keys) set the storing
+    node's per-source quota; the CLI spells out the groupings so that ``--help`` imports no DHT code."""
+    from swarmd.cli import serve
+    from swarmd.dht.sources import GROUPINGS
+
+    assert serve.DHT_GROUPINGS == GROUPINGS
+    args = serve.build_parser().parse_args(["--dht-source-quota", "3", "--dht-source-grouping", "address"])
+    dht = serve.config_from_args(args).dht
+    assert (dht.max_per_source, dht.source_grouping) == (3, "address")
+    node = DHTNode(Identity.generate(), max_per_source=dht.max_per_source, source_grouping="address")
+    assert node.storage.max_per_source == 3 and node.flood_stats()["grouping"] == "address"

@@ -312,6 +312,7 @@ def test_snapshot_fields() -> None:
         "throughput": pytest.approx(10.0),
         "measured": True,
         "proven": True,
+        "alive": False,
         "weight": pytest.approx(10.0),
         "in_flight": 0,
         "banned_for_s": 0.0,

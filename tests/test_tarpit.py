@@ -6,10 +6,12 @@ compute request: a *plain* tarpit, silent on every path, and a *smart* one that 
 check that costs it nothing: it answers ``GET /v1/progress`` at its stage's step (idle, away from
 the stage's rounds, so the stage does not wait for it: that is the averaging's defence), and
 ``GET /v1/proof`` with its own identity's signature (so the daemons take it for a proven
-stage-mate and keep it listed: swarmd.net.proof), and holds every compute request forever. The trainer must pay for each one probation attempt at most, bounded by a timeout
-derived from the stage's measured latency (not the configured request timeout), hold at most one
-call on them at a time, ban them for long, and finish its steps. Counts, not wall-clock times, are
-asserted: the servers count what reached them.
+stage-mate and keep it listed: swarmd.net.proof), and holds every compute request forever. The
+trainer must pay for each one probation attempt at most, bounded by a timeout derived from the
+stage's measured latency (not the configured request timeout), hold at most one call on them at a
+time, ban them for long, and finish its steps. Counts, not wall-clock times, are asserted: the
+servers count what reached them. A third fake mirrors the honest peer's progress and takes part
+in its stage's rounds, never contributing: the round waits for it a bounded time, then excludes it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -30,7 +33,7 @@ from swarmd.train.trainer import Trainer, TrainerConfig
 from tests.test_spot_checks import fast_swarm
 
 SPEC = replace(PRESETS["tiny"], name="tarpit")
-TRAINING = TrainingSpec(target_batch_size=8, lr=3e-3, warmup_steps=1, averaging_timeout_s=5.0)
+TRAINING = TrainingSpec(target_batch_size=8, lr=3e-3, warmup_steps=1, averaging_timeout_s=2.5)
 CEILING_S = 20.0  # the trainer's request timeout: what each attempt would cost without per-peer timeouts
 
 
@@ -93,6 +96,66 @@ class Tarpit:
         return sum(self.requests[f"POST /v1/{kind}"] for kind in ("forward", "backward", "reserve"))
 
 
+class Mirror:
+    """Answers ``/v1/proof`` with its own signature and ``/v1/progress`` with ``mirror``'s answer
+    under its own id; every other request has its connection cut (it never contributes)."""
+
+    def __init__(self, mirror: str, identity: Identity, stage: int) -> None:
+        self.mirror, self.identity, self.stage = mirror, identity, stage
+        self.addr = ""
+        self.polls = 0
+        self.proofs = 0
+        self.dropped = 0
+        self._runner: web.AppRunner | None = None
+
+    async def __aenter__(self) -> Mirror:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+        self.addr = f"{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _mirrored(self, query: Any) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(f"http://{self.mirror}/v1/progress", params=query) as r:
+            return dict(await r.json(content_type=None))
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method == "GET" and request.path == "/v1/progress":
+            self.polls += 1
+            progress = await self._mirrored(request.query)
+            return web.json_response({**progress, "peer_id": self.identity.peer_id, "round": None,
+                                      "round_expected": None, "round_contributors": None})
+        if request.method == "GET" and request.path == "/v1/proof":
+            self.proofs += 1
+            progress = await self._mirrored({})
+            claim = ProofClaim(nonce=request.query.get("nonce", ""), peer_id=self.identity.peer_id, addr=self.addr,
+                               stage=self.stage, step=progress["step"], params_digest=progress.get("params_digest"))
+            return web.json_response(sign_proof(self.identity, claim).to_json())
+        self.dropped += 1  # a trainer's call (a tarpit's cost to trainers is tests/test_tarpit.py's): cut at once
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response(status=500)  # never reaches the client: the connection is gone
+
+
+async def proven_by(daemon: Any, fake: Mirror) -> None:
+    """Until ``daemon``'s averager holds a valid proof of ``fake`` (it asks at its stage's ticks)."""
+    for _ in range(200):
+        averager = daemon.averager
+        if averager is not None and averager.prover is not None \
+                and averager.prover.proven({fake.identity.peer_id: fake.addr}):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{daemon.peer_id} never proved the fake ({fake.proofs} proofs asked)")
+
+
 def identity_after(peer_id: str) -> Identity:
     """A fresh identity whose id sorts after ``peer_id`` (so the honest peer is the first one a
     fresh router probes, and the fakes are tried as newcomers to a running trainer)."""
@@ -118,10 +181,15 @@ async def test_tarpits_listed_as_serving_peers_cost_one_probation_attempt_each()
         honest = next(d for d in daemons if d.stage == 0)
         assert honest.peer_id is not None and honest.data_addr is not None
         async with Tarpit(honest.data_addr, identity_after(honest.peer_id)) as smart, \
-                Tarpit(None, identity_after(honest.peer_id)) as plain:
+                Tarpit(None, identity_after(honest.peer_id)) as plain, \
+                Mirror(honest.data_addr, identity_after(honest.peer_id), stage=0) as mirror:
             api = f"http://{daemons[0].status()['api_addr']}"
             fakes = {await publish_fake(daemons[0].dht, "train-test", 0, pit.addr, pit.identity): pit
                      for pit in (smart, plain)}
+            # a proven fake that mirrors the honest peer's progress and takes part in its rounds, never
+            # contributing: the round waits for it a bounded time, then excludes it (item 2; 2 peers: test_flood_silent)
+            await publish_fake(daemons[0].dht, "train-test", 0, mirror.addr, mirror.identity)
+            await proven_by(honest, mirror)
             async with aiohttp.ClientSession() as s:  # the swarm lists them as serving peers of stage 0
                 for _ in range(100):
                     async with s.get(f"{api}/swarm") as r:
@@ -136,15 +204,27 @@ async def test_tarpits_listed_as_serving_peers_cost_one_probation_attempt_each()
             summary = await trainer.run()
             assert summary.steps == 3 and summary.microbatches_issued == summary.microbatches_completed
             router = trainer.routers[0]
-            # the plain tarpit fails its first progress poll (a short probation timeout) and is banned before
-            # it is ever sent a compute request; the smart one holds one request, once, and is banned
+            # the plain tarpit never answers a progress poll, so it is never sent a compute request; the
+            # smart one (it answers polls) holds one request, once, and is banned
             assert plain.posts == 0 and plain.requests["GET /v1/progress"] >= 1, (plain.requests, smart.requests)
             assert smart.posts == 1 and smart.max_holding == 1, smart.requests
-            assert summary.timeouts == 1 and summary.probation_calls >= 2, (smart.requests, summary.bans, summary.retries, summary.probation_calls, router.snapshot())  # the smart tarpit's and the honest peer's
-            for fake_id in fakes:
-                stats = router.stats(fake_id)
-                assert not stats.proven and stats.banned_for(time.monotonic()) > 20.0  # a probation ban: 30 s
-            assert router.stats(next(iter(fakes))).timeouts + router.stats(list(fakes)[1]).timeouts == 2
+            # the smart tarpit's timeout; probation calls: its and the honest peer's
+            assert summary.timeouts == 1 and summary.probation_calls >= 2, (
+                smart.requests, summary.bans, summary.retries, summary.probation_calls, router.snapshot())
+            ids = {pit: fake_id for fake_id, pit in fakes.items()}
+            smart_stats, plain_stats = router.stats(ids[smart]), router.stats(ids[plain])
+            # the smart one held its call until its timeout: a probation ban (30 s)
+            assert not smart_stats.proven and smart_stats.banned_for(time.monotonic()) > 20.0
+            assert smart_stats.timeouts >= 1
+            # the plain one never answered a poll, so it was never alive and never called; its poll
+            # (left running in the background) ends with a probation ban, if the run lasted that long
+            assert not plain_stats.proven and not plain_stats.alive and plain_stats.picks == 0
+            assert plain_stats.failures == 0 or plain_stats.banned_for(time.monotonic()) > 20.0
+            # the smart tarpit's forward was given up by the stage's latency, not by the HTTP timeout
+            assert "typical latency" in trainer._last_failures[0][smart.addr].message  # noqa: SLF001
             # what the smart tarpit's attempt could cost: a few typical requests, not the configured timeout
             assert router.timeout_for(next(p for p, t in fakes.items() if t is smart), 4, "forward") < CEILING_S / 4
             assert router.stats(honest.peer_id).proven and router.stats(honest.peer_id).failures == 0
+            averaging = honest.status()["averaging"]
+            assert averaging["silent_contributors"] >= 1 and mirror.identity.peer_id in str(averaging["excluded"])
+            assert averaging["rounds_ok"] >= 3 and averaging["rounds_aborted"] <= 2, averaging

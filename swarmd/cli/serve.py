@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 READY_KEYS = ("peer_id", "stage", "data_addr", "api_addr", "dht_addr", "swarm", "model")
 
+# swarmd.dht.sources.GROUPINGS, spelled out so that --help imports no DHT code (a test keeps them equal)
+DHT_GROUPINGS = ("auto", "prefix", "address", "endpoint")
+
 
 def stage(text: str) -> int | None:
     """A stage number, or ``auto`` (None): the stage that needs this peer most."""
@@ -131,6 +134,14 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
                    help="how often this peer refreshes its DHT record; records expire after 3 periods (default: 10)")
     p.add_argument("--bootstrap-timeout", type=seconds, default=30.0, metavar="SECONDS",
                    help="give up joining when no --join address answers within this (default: 30)")
+    p.add_argument("--dht-source-quota", type=positive_int, default=8, metavar="N",
+                   help="how many new records one source (see --dht-source-grouping) may place under one DHT key "
+                        "this node stores: a flood of fake peers from one place cannot crowd out real ones "
+                        "(default: 8)")
+    p.add_argument("--dht-source-grouping", choices=DHT_GROUPINGS, default="auto",
+                   help="what counts as one source: prefix (IPv4 /24, IPv6 /64), address (one IP), endpoint "
+                        "(IP and port), auto (endpoint on loopback, prefix for public addresses, address on a "
+                        "LAN; default)")
     p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
                    help=f"where the peer's identity key and its checkpoints are kept, one directory per daemon "
                    f"(default: {default_state_dir()})")
@@ -181,19 +192,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def with_tokenizer(spec: ModelSpec | None, path: Path, *, joining: bool) -> ModelSpec:
+def with_tokenizer(model: str | None, path: Path, *, joining: bool) -> ModelSpec:
     """``--model``'s spec (a founder's default preset without it) with the tokenizer file's vocabulary
-    size and digest; a joiner may name one only with ``--model``, which the swarm's must then equal."""
-    from dataclasses import replace
-
-    from swarmd.pipeline.spec import PRESETS
+    size and digest, applied before a model file's ``"partition": "balanced"`` is resolved (the head's
+    cost grows with the vocabulary); a joiner may name one only with ``--model``, which the swarm's
+    must then equal."""
+    from swarmd.pipeline.spec import load_spec
     from swarmd.train.tokenizer import HFTokenizer
 
-    if spec is None and joining:
+    if model is None and joining:
         raise ConfigError("--tokenizer sets the model of a swarm being founded; a joiner serves the swarm's model "
                           "(drop --tokenizer, or give --model too to check that the swarm's model is that one)")
     tok = HFTokenizer.from_file(path)
-    return replace(spec or PRESETS["tiny"], vocab_size=tok.vocab_size, tokenizer=tok.digest)
+    return load_spec(model or "tiny", vocab=(tok.vocab_size, tok.digest))
 
 
 def with_partition(spec: ModelSpec | None, partition: str, *, joining: bool) -> ModelSpec:
@@ -213,9 +224,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     from swarmd.net.addresses import is_loopback
     from swarmd.pipeline.spec import TrainingSpec, load_spec
 
-    spec = load_spec(args.model) if args.model is not None else None
+    spec: ModelSpec | None
     if args.tokenizer is not None:
-        spec = with_tokenizer(spec, args.tokenizer, joining=bool(args.join))
+        spec = with_tokenizer(args.model, args.tokenizer, joining=bool(args.join))
+    else:
+        spec = load_spec(args.model) if args.model is not None else None
     if args.partition is not None:  # last: "balanced" weighs the final vocabulary (the tokenizer's)
         spec = with_partition(spec, args.partition, joining=bool(args.join))
     given = {
@@ -253,6 +266,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             join=tuple(args.join),
             announce_period_s=args.announce_period,
             bootstrap_timeout_s=args.bootstrap_timeout,
+            max_per_source=args.dht_source_quota,
+            source_grouping=args.dht_source_grouping,
             state_dir=args.state_dir or default_state_dir(),
         ),
         rebalance=RebalanceConfig(policy=args.rebalance_policy, period_s=args.rebalance_period),

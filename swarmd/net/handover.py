@@ -8,6 +8,12 @@ serving stage-mate, which accumulates it only if it is at the very same step and
 update of another. Refused (``Busy``, ``StaleStep``, ``Draining`` ...), the leaver tries the next
 stage-mate, and what nobody took is counted as dropped.
 
+Whom it offers them to (:func:`handover_order`, issue #18): in an open swarm a stage's listing
+may hold dozens of fake peers, and a leaver on its way out must not spend its drain offering
+gradients to each. It tries the stage-mates that proved themselves (``swarmd.net.proof``) first,
+in id order, then at most :data:`MAX_UNPROVEN_ATTEMPTS` others with a short timeout, and never
+one its stage excludes.
+
 The request is a wire frame (``swarmd.net.wire``), kind ``gradients``: meta ``{stage, model,
 step, samples, peer_id}``, one float32 tensor ``grads`` (the flat sum over ``samples``, the
 parameters in name order, as ``/v1/average`` carries it; always codec ``none``, the hand-over is
@@ -19,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +35,32 @@ import torch
 from swarmd.errors import PeerError, RequestError, WrongStage, remote_error
 from swarmd.net.wire import CONTENT_TYPE, Frame, encode_frame
 
-__all__ = ["GradientsRequest", "HandoverResult", "hand_over", "send_gradients"]
+__all__ = ["GradientsRequest", "HandoverResult", "hand_over", "handover_order", "send_gradients"]
 
 log = logging.getLogger(__name__)
 
 KIND = "gradients"
 MAX_PEER_ID_CHARS = 64
+#: A hand-over to a stage-mate that proved itself may take this long ...
+PROVEN_TIMEOUT_S = 10.0
+#: ... one to a stage-mate that did not (maybe a fake record pointing at a tarpit) this long,
+UNPROVEN_TIMEOUT_S = 2.0
+#: and at most this many unproven stage-mates are tried at all.
+MAX_UNPROVEN_ATTEMPTS = 2
+
+
+def handover_order(mates: Mapping[str, str], *, proven: Collection[str] | None, excluded: Collection[str] = (),
+                   self_id: str = "") -> list[tuple[str, str, float]]:
+    """``(peer_id, addr, timeout_s)`` to offer a hand-over to, in order: the ``proven`` stage-mates
+    (by id), then at most :data:`MAX_UNPROVEN_ATTEMPTS` unproven ones with a short timeout; never
+    ``excluded`` ones or ``self_id``. ``proven`` None: nothing is known about proofs (a private
+    swarm's members, or no averager yet) and every listed stage-mate is tried as before."""
+    listed = [(pid, addr) for pid, addr in sorted(mates.items()) if pid != self_id and pid not in excluded]
+    if proven is None:
+        return [(pid, addr, PROVEN_TIMEOUT_S) for pid, addr in listed]
+    first = [(pid, addr, PROVEN_TIMEOUT_S) for pid, addr in listed if pid in proven]
+    rest = [(pid, addr, UNPROVEN_TIMEOUT_S) for pid, addr in listed if pid not in proven]
+    return first + rest[:MAX_UNPROVEN_ATTEMPTS]
 
 
 def _count(meta: Mapping[str, Any], key: str) -> int:
@@ -117,13 +143,14 @@ async def send_gradients(session: aiohttp.ClientSession, addr: str, request: Gra
     return accepted
 
 
-async def hand_over(session: aiohttp.ClientSession, mates: Iterable[tuple[str, str]],
+async def hand_over(session: aiohttp.ClientSession, mates: Iterable[tuple[str, str, float]],
                     request: GradientsRequest) -> HandoverResult:
-    """Offer ``request`` to each ``(peer_id, data_addr)`` in turn until one accepts it."""
+    """Offer ``request`` to each ``(peer_id, data_addr, timeout_s)`` in turn until one accepts it
+    (:func:`handover_order` says whom)."""
     refusals: list[str] = []
-    for peer_id, addr in mates:
+    for peer_id, addr, timeout_s in mates:
         try:
-            await send_gradients(session, addr, request)
+            await send_gradients(session, addr, request, timeout_s=timeout_s)
         except PeerError as exc:
             refusals.append(f"{peer_id[:12]}: {exc.error}")
             log.debug("hand-over of %d samples to %s refused: %s", request.samples, peer_id[:12], exc)

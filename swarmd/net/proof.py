@@ -47,6 +47,7 @@ from aiohttp import web
 
 from swarmd.dht.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
 from swarmd.errors import RequestError, Starting
+from swarmd.finite import json_response
 from swarmd.net.addresses import dial_target
 
 if TYPE_CHECKING:
@@ -401,4 +402,4 @@ class ProofService:
         claim = ProofClaim(nonce=nonce, peer_id=identity.peer_id, addr=addr, stage=ex.stage, step=ex.step,
                            params_digest=ex.digest)
         self.served += 1
-        return web.json_response(sign_proof(identity, claim).to_json())
+        return json_response(sign_proof(identity, claim).to_json())

@@ -42,11 +42,15 @@ import aiohttp
 from aiohttp import web
 
 from swarmd.dht.records import PeerRecord
+from swarmd.finite import json_response
 from swarmd.net.addresses import RELAY_HEADER, dial_target, is_wildcard, parse_host_port
 
 log = logging.getLogger(__name__)
 
 PROBERS = 3  # members asked to dial this peer
+#: ... when none of them has proven itself (issue #18: some may be fakes that never answer); the
+#: first "reached" ends the check, so a fake prober costs nothing once an honest one answered
+UNPROVEN_PROBERS = 6
 DIAL_TIMEOUT_S = 3.0  # a prober's dial of the announced address
 ASK_TIMEOUT_S = DIAL_TIMEOUT_S + 3.0  # this peer's wait for a prober's answer
 MAX_CONCURRENT_PROBES = 4
@@ -56,7 +60,7 @@ _PEER_ID = re.compile(r"[0-9a-f]{40}")
 
 
 def _bad(message: str) -> web.Response:
-    return web.json_response({"error": "RequestError", "message": message}, status=422)
+    return json_response({"error": "RequestError", "message": message}, status=422)
 
 
 @dataclass
@@ -89,15 +93,15 @@ class ProbeService:
         nonce = request.query.get("nonce", "")
         if not _NONCE.fullmatch(nonce):
             return _bad("nonce must be 16-64 lowercase hex characters")
-        return web.json_response({"peer_id": self._peer_id(), "nonce": nonce})
+        return json_response({"peer_id": self._peer_id(), "nonce": nonce})
 
     async def probe(self, request: web.Request) -> web.Response:
         if (request.content_length or 0) > MAX_PROBE_BODY:
-            return web.json_response({"error": "LimitExceeded", "message": "a probe body is a few hundred bytes"},
+            return json_response({"error": "LimitExceeded", "message": "a probe body is a few hundred bytes"},
                                      status=413)
         raw = await request.read()
         if len(raw) > MAX_PROBE_BODY:
-            return web.json_response({"error": "LimitExceeded", "message": "a probe body is a few hundred bytes"},
+            return json_response({"error": "LimitExceeded", "message": "a probe body is a few hundred bytes"},
                                      status=413)
         try:
             body = json.loads(raw)
@@ -124,14 +128,14 @@ class ProbeService:
             return _bad("addr must name a specific IP address and a port")
         session = self._session()
         if session is None or self._running >= MAX_CONCURRENT_PROBES:
-            return web.json_response({"error": "Busy", "message": "too many probes at once; retry later"}, status=503)
+            return json_response({"error": "Busy", "message": "too many probes at once; retry later"}, status=503)
         self._running += 1
         try:
             reachable, reason, rtt = await dial(session, ip, port, peer_id=peer_id, nonce=nonce, relayed=relayed)
         finally:
             self._running -= 1
         self.probes_served += 1
-        return web.json_response({"reachable": reachable, "reason": reason, "rtt_ms": rtt})
+        return json_response({"reachable": reachable, "reason": reason, "rtt_ms": rtt})
 
 
 def _url(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
@@ -161,14 +165,23 @@ async def dial(session: aiohttp.ClientSession, ip: ipaddress.IPv4Address | ipadd
     return True, None, round((time.monotonic() - started) * 1000, 2)
 
 
+def verdict(answers: Sequence[bool | None]) -> str:
+    """``yes`` when any prober reached the peer, else ``no`` when any could not, else ``unknown``
+    (nobody could probe): one honest prober's success outweighs any number of failures or lies."""
+    if any(a is True for a in answers):
+        return "yes"
+    return "no" if any(a is False for a in answers) else "unknown"
+
+
 async def check(session: aiohttp.ClientSession, *, peer_id: str, addr: str, members: Sequence[PeerRecord],
-                rng: random.Random | None = None) -> Reachability:
-    """Ask up to :data:`PROBERS` of ``members`` (serving, usable, not this peer) to dial ``addr``."""
+                rng: random.Random | None = None, probers: int = PROBERS) -> Reachability:
+    """Ask up to ``probers`` of ``members`` (serving, usable, not this peer) at once to dial ``addr``;
+    the first that reached it ends the check (the others' asks are cancelled: "not needed")."""
     candidates = [r for r in members if r.peer_id != peer_id and r.usable and r.data_addr]
     (rng or random).shuffle(candidates)
-    probers = candidates[:PROBERS]
+    chosen = candidates[:probers]
     result = Reachability(addr=addr, checked_at=time.time())
-    if not probers:
+    if not chosen:
         return result
     nonce = secrets.token_hex(16)
 
@@ -186,11 +199,19 @@ async def check(session: aiohttp.ClientSession, *, peer_id: str, addr: str, memb
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             return member.peer_id, None, f"could not probe ({type(exc).__name__})"
 
-    answers = await asyncio.gather(*(ask(m) for m in probers))
-    result.by = {pid: why for pid, _, why in answers}
-    verdicts = [ok for _, ok, _ in answers if ok is not None]
-    if any(verdicts):
-        result.status = "yes"
-    elif verdicts:
-        result.status = "no"
+    pending = {asyncio.create_task(ask(m)): m.peer_id for m in chosen}
+    answers: list[tuple[str, bool | None, str]] = []
+    try:
+        while pending and verdict([ok for _, ok, _ in answers]) != "yes":
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                del pending[task]
+                answers.append(task.result())
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    result.by = {pid: why for pid, _, why in answers} | {
+        pid: "not needed: another member reached this peer" for pid in pending.values()}
+    result.status = verdict([ok for _, ok, _ in answers])
     return result

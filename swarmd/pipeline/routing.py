@@ -57,6 +57,13 @@ Design choices:
 * **Weight floor**: every peer gets at least ``min_share`` of the largest weight, so a peer
   measured as very slow (or as 0 samples/s) still sees occasional traffic and can prove it
   recovered.
+* **Alive before called** (``require_alive``, the trainer's setting): while some proven (or
+  alive) peer of the stage is usable, an unproven peer is called only once it has answered a
+  progress poll (:meth:`StageRouter.report_alive`) since its last failure. A tarpit never
+  answers one, so it never holds a microbatch, and so never the step that microbatch belongs to.
+* **Polls do not wait for newcomers** (:class:`NewcomerPolls`): a progress poll waits for the
+  peers that answered before; a never-seen peer gets a short grace after them, then its poll
+  goes on in the background, and at most ``rate`` never-seen peers per second are probed.
 * **In-flight accounting** (optional): :meth:`StageRouter.begin` marks a call as started, the
   success or failure report ends it; with ``max_in_flight`` set, peers at the cap are skipped,
   so a burst of concurrent requests cannot all pile onto one peer.
@@ -68,13 +75,13 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from swarmd.pipeline.throughput import ThroughputEMA
 
-__all__ = ["JITTER", "LatencyEMA", "PeerStats", "StageRouter"]
+__all__ = ["JITTER", "LatencyEMA", "NewcomerPolls", "PeerStats", "StageRouter"]
 
 #: Relative jitter applied to every ban length (+-10%).
 JITTER = 0.1
@@ -119,6 +126,7 @@ class PeerStats:
     banned_until: float | None = None  # clock() value; None when never banned
     in_flight: int = 0
     picks: int = 0  # how often choose() returned this peer
+    alive: bool = False  # answered a progress poll since its last failure (see ``require_alive``)
     current: float = field(default=0.0, repr=False)  # smooth weighted round-robin counter
 
     def __post_init__(self) -> None:
@@ -151,6 +159,53 @@ class PeerStats:
             self.latency.setdefault(kind, LatencyEMA(self.alpha)).update(seconds / samples)
 
 
+class NewcomerPolls:
+    """How a trainer's progress poll treats peers that never answered it (issue #18).
+
+    A listed peer may be a tarpit: polled together with the others, it would hold every poll
+    (and the trainer's loop behind it) for the poll's whole timeout. So a poll waits in full
+    only for the peers that answered before; it is *ready* once those all finished and every
+    stage has an answer from someone (or nothing left to wait for), and newcomers then get
+    :meth:`grace_s` more: ``factor`` times what the poll took to get ready, at least
+    ``floor_s``, at most ``ceiling_s``. An honest newcomer answers within that on any sane
+    network (it answers as fast as its stage-mates); one that does not is left to finish in the
+    background and is simply not in this poll's answers. A token bucket (:meth:`take`: ``rate``
+    per second, ``burst`` at once) caps how many never-seen peers are probed, so 500 fresh
+    records cost 500 connections only over ``500 / rate`` seconds. Pure: the clock is injected.
+    """
+
+    def __init__(self, *, factor: float = 1.0, floor_s: float = 0.05, ceiling_s: float = 0.25, rate: float = 20.0,
+                 burst: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (factor >= 0.0 and 0.0 <= floor_s <= ceiling_s and rate > 0.0 and burst >= 1):
+            raise ValueError("need factor >= 0, 0 <= floor_s <= ceiling_s, rate > 0, burst >= 1")
+        self.factor, self.floor_s, self.ceiling_s = factor, floor_s, ceiling_s
+        self.rate, self.burst = rate, burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    @staticmethod
+    def ready(trusted_pending: int, answered: Sequence[bool], newcomers_pending: Sequence[int]) -> bool:
+        """Whether a poll has what it must wait for: no poll of a peer that answered before is
+        pending, and every stage (``answered[k]``: some peer of stage k answered this poll) has
+        an answer or no newcomer left to hear from."""
+        return trusted_pending == 0 and all(a or n == 0 for a, n in zip(answered, newcomers_pending, strict=True))
+
+    def grace_s(self, ready_after_s: float) -> float:
+        """How much longer newcomers are waited for, once the poll was ready ``ready_after_s``
+        seconds after it began."""
+        return min(self.ceiling_s, max(self.floor_s, self.factor * max(0.0, ready_after_s)))
+
+    def take(self, wanted: int) -> int:
+        """How many of ``wanted`` never-seen peers may be probed now (and spend that many tokens)."""
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        granted = max(0, min(wanted, int(self._tokens)))
+        self._tokens -= granted
+        return granted
+
+
 class StageRouter:
     """Chooses the peer for each request to one stage and learns from the outcomes."""
 
@@ -170,6 +225,7 @@ class StageRouter:
         explore_weight: float | None = None,
         min_share: float = 0.01,
         max_in_flight: int | None = None,
+        require_alive: bool = False,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
@@ -202,6 +258,7 @@ class StageRouter:
         self.explore_weight = explore_weight
         self.min_share = min_share
         self.max_in_flight = max_in_flight
+        self.require_alive = require_alive
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._peers: dict[str, PeerStats] = {}
@@ -252,21 +309,24 @@ class StageRouter:
 
     # ---- choosing ------------------------------------------------------------------------
 
-    def _probation_open(self) -> bool:
-        """Whether an unproven peer may take one more call now (see the module docstring)."""
+    def _probation_open(self) -> tuple[bool, bool]:
+        """Whether an unproven peer may take one more call now, and whether it must have shown
+        itself alive first (see the module docstring: ``require_alive``)."""
         now = self._clock()
         usable = [p for p in self._peers.values() if p.banned_for(now) == 0.0 and p.peer_id not in self._excluded]
+        need_alive = self.require_alive and any(p.proven or p.alive for p in usable)
         if not any(p.proven for p in usable):
-            return True
-        return sum(p.in_flight for p in self._peers.values() if not p.proven) < self.probation_slots
+            return True, need_alive
+        return sum(p.in_flight for p in self._peers.values() if not p.proven) < self.probation_slots, need_alive
 
-    def _eligible(self, p: PeerStats, now: float, exclude: Collection[str], probation_open: bool) -> bool:
+    def _eligible(self, p: PeerStats, now: float, exclude: Collection[str], probation: tuple[bool, bool]) -> bool:
+        probation_open, need_alive = probation
         return (
             p.banned_for(now) == 0.0
             and p.peer_id not in exclude
             and p.peer_id not in self._excluded
             and (self.max_in_flight is None or p.in_flight < self.max_in_flight)
-            and (p.proven or (probation_open and p.in_flight == 0))
+            and (p.proven or (probation_open and p.in_flight == 0 and (p.alive or not need_alive)))
         )
 
     def choose(self, exclude: Collection[str] = ()) -> tuple[str, str] | None:
@@ -277,8 +337,8 @@ class StageRouter:
         budget and, with ``max_in_flight``, saturated ones are skipped as well.
         """
         now = self._clock()
-        probation_open = self._probation_open()
-        candidates = [p for p in self._peers.values() if self._eligible(p, now, exclude, probation_open)]
+        probation = self._probation_open()
+        candidates = [p for p in self._peers.values() if self._eligible(p, now, exclude, probation)]
         if not candidates:
             return None
         fresh = [p for p in candidates if p.picks == 0 and not p.measured and p.failures == 0]
@@ -314,10 +374,13 @@ class StageRouter:
 
     def waiting_on_caps(self, exclude: Collection[str] = ()) -> bool:
         """Whether :meth:`choose` found nobody only because of in-flight or probation caps: some
-        peer outside ``exclude`` is neither banned nor excluded, so a call ending frees one."""
+        peer outside ``exclude`` is neither banned nor excluded, so a call ending frees one (an
+        unproven peer that is not alive while ``require_alive`` holds frees nothing: not counted)."""
         now = self._clock()
+        _, need_alive = self._probation_open()
         return any(
             p.banned_for(now) == 0.0 and p.peer_id not in exclude and p.peer_id not in self._excluded
+            and (p.proven or p.alive or not need_alive)
             for p in self._peers.values()
         )
 
@@ -396,6 +459,12 @@ class StageRouter:
         stats.consecutive_failures = 0
         stats.observe(samples, seconds, kind)
 
+    def report_alive(self, peer_id: str) -> None:
+        """``peer_id`` answered a progress poll: an unproven peer may now be called (``require_alive``)."""
+        stats = self._peers.get(peer_id)
+        if stats is not None:
+            stats.alive = True
+
     def report_failure(self, peer_id: str, *, timeout: bool = False) -> float:
         """Ban ``peer_id`` with exponential backoff; returns the ban length in seconds.
 
@@ -411,6 +480,7 @@ class StageRouter:
         stats.failures += 1
         stats.timeouts += int(timeout)
         stats.consecutive_failures += 1
+        stats.alive = False
         exponent = min(stats.consecutive_failures - 1, _MAX_BACKOFF_EXPONENT)
         jitter = 1.0 + self._rng.uniform(-JITTER, JITTER)
         base = self.ban_base_s if stats.proven else self.probation_ban_s
@@ -460,6 +530,7 @@ class StageRouter:
                 "throughput": p.throughput,
                 "measured": p.measured,
                 "proven": p.proven,
+                "alive": p.alive,
                 "weight": weights[p.peer_id],
                 "in_flight": p.in_flight,
                 "banned_for_s": p.banned_for(now),

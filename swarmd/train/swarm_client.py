@@ -18,10 +18,11 @@ This is I/O only; what the trainer does with the answers lives in ``swarmd.train
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 from swarmd.api.models import MAX_REPORT_STEPS, SwarmView, TrainerWelcome
 from swarmd.errors import PeerError, SwarmdError
 from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.routing import NewcomerPolls
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 
 __all__ = ["PeerProgress", "Registration", "SwarmClient", "TrainerError"]
@@ -71,6 +73,7 @@ class PeerProgress:
     averaging: bool = False
     error: PeerError | None = None  # why it did not answer (step None)
     excluded: tuple[str, ...] = ()  # peers its stage excluded after two independent reports (issue #17)
+    params_digest: str | None = None  # of its parameters at ``step`` (a forked peer's differs from its stage's)
 
 
 class SwarmClient:
@@ -103,6 +106,11 @@ class SwarmClient:
         self._steps: list[dict[str, object]] = []  # steps finished since the last heartbeat got through
         self._samples = 0
         self._retries = self._bans = 0  # cumulative, reported with heartbeats (/metrics sums them)
+        self._spot_checks: dict[str, int] | None = None  # cumulative spot-check counts (issue #17), when given
+        self.newcomers = NewcomerPolls()  # how polls treat peers that never answered one (issue #18)
+        self._answered: set[str] = set()  # peers that answered this client's last poll of them
+        self._late: dict[str, asyncio.Task[PeerProgress]] = {}  # newcomers' polls left running in the background
+        self.newcomer_stats = {"probed": 0, "left_running": 0, "over_budget": 0}  # counts of never-seen peers' polls
         self._rate = 0.0
         self._rate_from: tuple[float, int] | None = None  # (monotonic, samples) at the last heartbeat
 
@@ -134,7 +142,7 @@ class SwarmClient:
         return registration
 
     def observe_step(self, step: int, loss: float | None, samples: int, val_loss: float | None = None,
-                     *, retries: int = 0, bans: int = 0) -> None:
+                     *, retries: int = 0, bans: int = 0, spot_checks: Mapping[str, int] | None = None) -> None:
         """A step the swarm took, as this trainer saw it: reported with the next heartbeat."""
         def finite(v: float | None) -> float | None:
             return v if v is not None and math.isfinite(v) else None
@@ -143,6 +151,8 @@ class SwarmClient:
             self._rate_from = (time.monotonic(), self._samples)
         self._samples = samples
         self._retries, self._bans = retries, bans
+        if spot_checks is not None:
+            self._spot_checks = dict(spot_checks)
         self._steps.append({"step": step, "loss": finite(loss), "val_loss": finite(val_loss)})
         del self._steps[:-MAX_REPORT_STEPS]  # a long silence: the newest steps are the ones to show
 
@@ -151,8 +161,12 @@ class SwarmClient:
         if self._rate_from is not None and now > self._rate_from[0]:
             self._rate = max(0.0, (self._samples - self._rate_from[1]) / (now - self._rate_from[0]))
             self._rate_from = (now, self._samples)
-        return {"steps": list(self._steps), "samples": self._samples, "samples_per_s": round(self._rate, 3),
-                "retries": self._retries, "bans": self._bans}
+        report: dict[str, object] = {"steps": list(self._steps), "samples": self._samples,
+                                     "samples_per_s": round(self._rate, 3), "retries": self._retries,
+                                     "bans": self._bans}
+        if self._spot_checks is not None:
+            report["spot_checks"] = self._spot_checks
+        return report
 
     async def heartbeat(self) -> bool:
         """Renew the registration, reporting the steps since the last heartbeat; False when the
@@ -241,27 +255,109 @@ class SwarmClient:
 
     async def progress(
         self, stages: Sequence[Sequence[tuple[str, str]]], *, wait_step: int | None = None, wait_s: float = 0.5,
-        probation: Collection[str] = (),
+        probation: Collection[str] = (), on_late: Callable[[int, PeerProgress], None] | None = None,
     ) -> list[list[PeerProgress]]:
         """Every listed peer's progress (``stages[k]``: ``(peer_id, data_addr)`` pairs), per stage,
         all polled at once. With ``wait_step``, a long-poll: each peer answers once it reaches
-        that step, or after ``wait_s``. Peers in ``probation`` (never answered the trainer) get
-        :data:`PROBATION_PROGRESS_TIMEOUT_S` instead of :data:`PROGRESS_TIMEOUT_S`."""
+        that step, or after ``wait_s``. Peers in ``probation`` (never answered the trainer's
+        calls) get :data:`PROBATION_PROGRESS_TIMEOUT_S` instead of :data:`PROGRESS_TIMEOUT_S`.
+
+        Peers that never answered a poll of this client (newcomers, or fakes: issue #18) do not
+        hold the poll up (:class:`~swarmd.pipeline.routing.NewcomerPolls`): once the others are
+        in, they get a short grace; one still silent then is left out of the answers, its poll
+        goes on in the background (one at a time per peer, owned, awaited by :meth:`aclose`) and
+        ``on_late(stage, answer)`` hears how it ended. At most ``newcomers.rate`` never-seen
+        peers per second are probed; the others wait for a later poll."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        waits = wait_step is not None
 
         async def one(peer_id: str, addr: str) -> PeerProgress:
             limit = PROBATION_PROGRESS_TIMEOUT_S if peer_id in probation else PROGRESS_TIMEOUT_S
-            waits = wait_step is not None
             try:
                 reply = await self._data.progress(addr, wait_step=wait_step, wait_s=wait_s if waits else None,
                                                   timeout_s=limit + (wait_s if waits else 0.0))
             except PeerError as exc:
+                self._answered.discard(peer_id)
                 return PeerProgress(peer_id, None, error=exc)
-            return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging, excluded=reply.excluded)
+            self._answered.add(peer_id)
+            return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging, excluded=reply.excluded,
+                                params_digest=reply.params_digest)
 
-        flat = await asyncio.gather(*(one(pid, addr) for peers in stages for pid, addr in peers))
-        out: list[list[PeerProgress]] = []
-        at = 0
-        for peers in stages:
-            out.append(list(flat[at:at + len(peers)]))
-            at += len(peers)
+        self._answered &= {pid for peers in stages for pid, _ in peers}  # bounded by the listed peers
+        trusted: dict[asyncio.Task[PeerProgress], int] = {}
+        newcomers: dict[asyncio.Task[PeerProgress], int] = {}
+        order: list[tuple[int, str, asyncio.Task[PeerProgress]]] = []
+        fresh = [(k, pid, addr) for k, peers in enumerate(stages) for pid, addr in peers
+                 if pid not in self._answered and pid not in self._late]
+        allowed = {pid for _, pid, _ in fresh[:self.newcomers.take(len(fresh))]}
+        self.newcomer_stats["probed"] += len(allowed)
+        self.newcomer_stats["over_budget"] += len(fresh) - len(allowed)
+        for k, peers in enumerate(stages):
+            for pid, addr in peers:
+                if pid in self._late or (pid not in self._answered and pid not in allowed):
+                    continue  # a poll of it is still out, or over the probe budget: not in this answer
+                task = asyncio.create_task(one(pid, addr), name=f"swarmd-progress-{pid[:12]}")
+                (trusted if pid in self._answered else newcomers)[task] = k
+                order.append((k, pid, task))
+        answered = [False] * len(stages)
+        pending = set(trusted) | set(newcomers)
+        try:
+            await self._gather_ready(pending, trusted, newcomers, answered, began)
+        except BaseException:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise
+        out: list[list[PeerProgress]] = [[] for _ in stages]
+        for k, pid, task in order:
+            if not task.done():  # a newcomer still silent: finishes in the background, told to on_late
+                self._late[pid] = task
+                self.newcomer_stats["left_running"] += 1
+                task.add_done_callback(functools.partial(self._late_done, pid, k, on_late))
+            else:
+                out[k].append(task.result())
         return out
+
+    async def _gather_ready(
+        self, pending: set[asyncio.Task[PeerProgress]], trusted: dict[asyncio.Task[PeerProgress], int],
+        newcomers: dict[asyncio.Task[PeerProgress], int], answered: list[bool], began: float,
+    ) -> None:
+        """Wait for ``pending`` polls as :class:`NewcomerPolls` says (``answered`` filled in per
+        stage); newcomers' polls still running when the grace ends are left running."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while pending:
+            if deadline is None and self.newcomers.ready(
+                    sum(1 for t in trusted if t in pending), answered,
+                    [sum(1 for t, k in newcomers.items() if k == stage and t in pending)
+                     for stage in range(len(answered))]):
+                deadline = loop.time() + self.newcomers.grace_s(loop.time() - began)
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            if timeout == 0.0:
+                break
+            done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            pending -= done
+            for task in done:
+                k = trusted.get(task, newcomers.get(task, 0))
+                answered[k] = answered[k] or task.result().step is not None
+
+    def _late_done(self, peer_id: str, stage: int, on_late: Callable[[int, PeerProgress], None] | None,
+                   task: asyncio.Task[PeerProgress]) -> None:
+        self._late.pop(peer_id, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # one() turns every PeerError into an answer: anything else is a bug, said loudly
+            log.error("a background progress poll of %s failed", peer_id[:12], exc_info=exc)
+            return
+        if on_late is not None:
+            on_late(stage, task.result())
+
+    async def aclose(self) -> None:
+        """Cancel and await the progress polls still running in the background."""
+        late = list(self._late.values())
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        self._late.clear()

@@ -1,0 +1,49 @@
+"""How long a round waits for a contributor (issue #18, item 2): ``swarmd.pipeline.round_patience``."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmd.pipeline.round_patience import RoundPatience
+
+
+def test_the_round_timeout_holds_until_enough_honest_rounds_were_seen() -> None:
+    p = RoundPatience(factor=4.0, floor_s=2.0, min_samples=3)
+    assert p.wait_s(30.0) == 30.0
+    p.observe({"a": 0.1, "b": 0.2})
+    assert p.wait_s(30.0, {"a", "b", "fake"}) == 30.0  # two samples: not enough yet
+    p.observe({"a": 0.3})
+    assert p.samples == 3
+    assert p.wait_s(30.0, {"fake"}) == 2.0  # 4 x median 0.2 = 0.8, floored
+    assert p.wait_s(1.0, {"fake"}) == 1.0  # never past the round timeout
+
+
+def test_the_stage_median_resists_a_minority_of_late_peers_but_a_slow_honest_peer_keeps_its_own_patience() -> None:
+    p = RoundPatience(factor=4.0, floor_s=0.5, min_samples=3)
+    for _ in range(10):
+        p.observe({"fast1": 0.2, "fast2": 0.25, "slow": 5.0})
+    assert p.wait_s(60.0, {"fast1", "fast2", "fake"}) == pytest.approx(1.0)  # 4 x the median (0.25)
+    assert p.wait_s(60.0, {"fast1", "slow", "fake"}) == pytest.approx(20.0)  # the slow one is waited for
+    assert p.wait_s(10.0, {"slow"}) == 10.0
+
+
+def test_silent_contributors_are_the_expected_ones_that_never_came_but_never_the_leader() -> None:
+    assert RoundPatience.silent({"lead", "a", "fake"}, {"lead", "a"}, leader="lead") == {"fake"}
+    assert RoundPatience.silent({"lead", "a"}, {"lead", "a", "late"}, leader="lead") == set()
+    assert RoundPatience.silent({"lead"}, set(), leader="lead") == set()
+
+
+def test_per_peer_memory_is_bounded() -> None:
+    p = RoundPatience(per_peer=2, max_peers=3, min_samples=1, floor_s=0.1)
+    for i in range(10):
+        p.observe({f"p{i}": 9.0})
+    p.observe({"p9": 0.1})
+    assert p.wait_s(100.0, {"p0"}) == pytest.approx(4 * 9.0)  # the stage's median (9 s): p0 itself is forgotten
+    assert len(p._own) == 3  # noqa: SLF001
+
+
+@pytest.mark.parametrize("kwargs", [{"factor": 0.5}, {"floor_s": 0.0}, {"window": 0}, {"min_samples": 0},
+                                    {"min_samples": 100, "window": 10}, {"per_peer": 0}, {"max_peers": 0}])
+def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        RoundPatience(**kwargs)  # type: ignore[arg-type]
