@@ -41,6 +41,7 @@ from swarmd.net.wire import WireLimits, decode_frame, encode_frame
 from swarmd.pipeline.averaging import RoundResult, StageAverager, contribution_message
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.round_checks import (
+    StallWatch,
     Suspicions,
     Used,
     allowed_ratio,
@@ -51,6 +52,7 @@ from swarmd.pipeline.round_checks import (
 )
 from swarmd.pipeline.runtime import StageRuntime
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from tests.liars import lie_as_leader, poison_contributions
 
 ONE = replace(PRESETS["tiny"], name="one", n_stages=1, layers_per_stage=1)
 MICRO = 4
@@ -354,51 +356,11 @@ async def test_fake_records_with_the_smallest_ids_never_lead_nor_hold_up_a_round
         await tarpit.wait_closed()
 
 
-def poison(peer: Peer, how: str) -> None:
-    """Make ``peer`` send poisoned contributions (its executor keeps the true ones)."""
-    original = peer.averager._post
-
-    async def _post(addr: str, own: Any) -> Any:
-        if own.grads is not None:
-            g = torch.Generator().manual_seed(own.step)
-            if how == "scaled":
-                grads = own.grads * 5000
-            elif how == "noisy":
-                grads = own.grads + torch.randn(own.grads.shape, generator=g) * (
-                    float(own.grads.norm()) / own.grads.numel() ** 0.5 * 2000)
-            else:  # "nan"
-                grads = own.grads.clone()
-                grads[::97] = float("nan")
-            own = replace(own, grads=grads)
-        return await original(addr, own)
-
-    peer.averager._post = _post  # type: ignore[method-assign]
-
-
-def lie_as_leader(peer: Peer, how: str) -> None:
-    """Make ``peer``, leading, answer with a wrong mean (scaled) or leave a contribution out of its list."""
-    original = peer.averager._reduce
-
-    def _reduce(rnd: Any) -> RoundResult:
-        result = original(rnd)
-        if result.status != "ok" or result.reply is None or result.mean_grads is None or result.used is None:
-            return result
-        mean, used = result.mean_grads, result.used
-        if how == "scaled":
-            mean = mean * 10
-        else:  # "dropped": the answer lists only the leader's own contribution
-            used = tuple(u for u in used if u.peer_id == peer.pid)
-        lie = replace(result, mean_grads=mean, used=used)
-        return replace(lie, reply=lie.to_reply(0).encode("none"))
-
-    peer.averager._reduce = _reduce  # type: ignore[method-assign]
-
-
 @pytest.mark.parametrize("how", ["scaled", "noisy", "nan"])
 async def test_a_poisoned_contribution_is_refused_and_its_sender_excluded(how: str) -> None:
     async with stage(3, target=8) as peers, averaging_running(peers):
         leader, honest, liar = peers
-        poison(liar, how)
+        poison_contributions(liar.averager, how)  # tests/liars.py: its executor keeps the true gradients
         feed = Feeder()
         for p in peers:
             await feed(p)
@@ -423,7 +385,7 @@ async def test_a_poisoned_contribution_is_refused_and_its_sender_excluded(how: s
 async def test_a_lying_leader_is_refused_its_contributors_keep_their_gradients_and_step_without_it(how: str) -> None:
     async with stage(3, target=8) as peers, averaging_running(peers):
         liar, a, b = peers  # the smallest id leads
-        lie_as_leader(liar, how)
+        lie_as_leader(liar.averager, how)
         feed = Feeder()
         for p in peers:
             await feed(p)
@@ -440,6 +402,45 @@ async def test_a_lying_leader_is_refused_its_contributors_keep_their_gradients_a
         assert {r["leader"] for r in a.averager.history if r["status"] == "ok"} == {a.pid}
         # books: what the honest peers were given is in their round or still held; the liar's own died with it
         assert a.given + b.given == honest_rounds[0] + a.ex.grad_samples + b.ex.grad_samples
+
+
+def test_a_stall_watch_accuses_a_leader_that_aborts_every_round_at_one_step_on_a_fake_clock() -> None:
+    now = [0.0]
+    watch = StallWatch(clock=lambda: now[0])
+    assert watch.aborted("L", 3, 10.0) is None
+    now[0] = 9.0
+    assert watch.aborted("L", 3, 10.0) is None
+    watch.answered("L")  # an ok answer in between: starts afresh
+    now[0] = 12.0
+    assert watch.aborted("L", 3, 10.0) is None
+    now[0] = 21.0
+    assert watch.aborted("L", 4, 10.0) is None  # another step: starts afresh too
+    now[0] = 31.5
+    assert watch.aborted("L", 4, 10.0) == pytest.approx(10.5)
+    assert watch.aborted("L", 4, 10.0) is None  # accused once, then counted afresh
+
+
+async def test_a_leader_that_aborts_every_round_is_excluded_and_its_stage_steps_without_it() -> None:
+    """The smallest id answers every contribution ``aborted`` (nothing it says is wrong, its stage just
+    never steps). After twice the averaging timeout of such answers its stage-mates exclude it and step
+    with the next leader, their samples intact."""
+    async with stage(3, target=8, timeout_s=0.5) as peers, averaging_running(peers):
+        liar, a, b = peers
+
+        async def contribute(peer_id: str, step: int, *_: Any, **__: Any) -> RoundResult:
+            return RoundResult("aborted", step, 0, 0, None)
+
+        liar.averager.contribute = contribute  # type: ignore[method-assign]
+        feed = Feeder()
+        for p in peers:
+            await feed(p)
+        await wait_for(lambda: a.ex.step == 1 and b.ex.step == 1, 30, "the honest peers step without the liar")
+        for p in (a, b):
+            checks = p.averager.checks_status()
+            assert checks["leaders_stalling"] == {liar.pid: 1} and liar.pid in checks["excluded"], checks
+            assert checks["excluded"][liar.pid]["reason"].startswith("stalling: every round aborted at step 0")
+        assert ok_rounds([a, b]) == {0: 2 * MICRO} and a.ex.digest == b.ex.digest
+        assert liar.ex.step == 0
 
 
 async def test_contributions_from_a_stage_mate_not_yet_proven_are_refused_not_lost() -> None:
@@ -516,7 +517,7 @@ async def test_real_daemons_refuse_a_lying_leader_and_a_joiner_never_downloads_f
         publisher = asyncio.get_running_loop().create_task(_publish_fake(founder, fake, pit, stop))
         liar, a, b = real
         assert liar.averager is not None
-        lie_as_leader(Peer(liar.identity, liar.executor, liar.data_plane, liar.averager, ""), "scaled")  # type: ignore[arg-type]
+        lie_as_leader(liar.averager, "scaled")
 
         async def everyone_sees_the_fake() -> bool:
             return all([fake.peer_id in await d._stage_mates(max_age_s=0.0) for d in real])
@@ -663,9 +664,9 @@ async def _run_2x3(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, kind
             return True
 
         await wait_for(all_see_all, 30, "every peer lists the whole swarm")
-        # asynchronous: a --sync trainer does not top up a stage whose held samples include a refused peer's
-        # (see /tmp/prompts/interfaces.md, H4 -> H3); the stage itself goes on as soon as samples arrive
-        trainer = Trainer(TrainerConfig(api=by_stage[0][0].api, steps=SLOW_STEPS, sync=False, codec="none",
+        # --sync, what a user runs: it counts no refused peer's samples nor a fork's step, and tops the
+        # honest peers up (swarmd.train.verify.stage_distrust)
+        trainer = Trainer(TrainerConfig(api=by_stage[0][0].api, steps=SLOW_STEPS, sync=True, codec="none",
                                         microbatch_size=4, window=6, val_every=0, val_batches=8,
                                         max_corpus_bytes=1 << 20, request_timeout_s=20, stage_wait_timeout_s=90))
         summary = await asyncio.wait_for(trainer.run(), 600)

@@ -77,8 +77,10 @@ come from a proven, non-excluded stage-mate. The leader refuses outlier contribu
 publishes what it used; contributors check the answer before applying it
 (``swarmd.pipeline.round_checks`` has the rules and why). A refused answer is not applied (the
 contributor keeps its gradients for the next round) and its leader is excluded for a growing
-period; so is the sender of a refused contribution. Peers excluded by the trainers' reports
-(``exclude``) are treated the same way.
+period; so is the sender of a refused contribution, and a leader that keeps aborting rounds while
+its contributors hold the batch (``round_checks.StallWatch``). Contributors count no samples of
+peers their leader excludes. Peers excluded by the trainers' reports (``exclude``) are treated the
+same way.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ from swarmd.net.messages import AverageReply, AverageRequest, ProgressReply
 from swarmd.net.wire import Frame, decode_frame, encode_frame
 from swarmd.pipeline.executor import Contribution, StageExecutor
 from swarmd.pipeline.round_checks import (
+    StallWatch,
     Suspicions,
     Used,
     check_answer,
@@ -110,6 +113,8 @@ from swarmd.pipeline.round_checks import (
     per_sample_norm,
     tensor_digest,
 )
+from swarmd.pipeline.round_patience import RoundPatience
+from swarmd.pipeline.step_protocol import repeated_microbatches
 
 if TYPE_CHECKING:
     from swarmd.net.proof import Prover
@@ -200,6 +205,7 @@ class StageAverager:
         prover: Prover | None = None,
         exclude: Callable[[], set[str]] | None = None,
         suspicions: Suspicions | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """``session``: the daemon's (signed in a private swarm); the averager talks to its
         stage-mates through a :class:`DataPlaneClient` on it and leaves it open.
@@ -208,7 +214,9 @@ class StageAverager:
         neither, for tests of the reduction alone). ``prover``: the daemon's proofs of its peers
         (``swarmd.net.proof``); with it, only proven stage-mates are polled, waited for, led by
         or accepted (None: every listed stage-mate is trusted). ``exclude``: peers excluded from
-        elsewhere (the trainers' reports), treated as this averager's own excluded peers."""
+        elsewhere (the trainers' reports), treated as this averager's own excluded peers.
+        ``on_round``: told of every round this peer recorded (``last_round``, with its ``duration_s``),
+        for the daemon's ``swarmd_averaging_round_duration_seconds``."""
         self.executor = executor
         self.peer_id = peer_id
         self.stage_peers = stage_peers
@@ -220,12 +228,21 @@ class StageAverager:
         self.prover = prover
         self.exclude = exclude or set
         self.suspicions = suspicions or Suspicions()
+        self.on_round = on_round
         self.rounds_ok = 0
         self.rounds_aborted = 0
         self.rounds_refused = 0  # answers of a leader this peer refused to apply
         self.leaders_refused: Counter[str] = Counter()  # by leader peer id
+        self.leaders_stalling: Counter[str] = Counter()  # leaders accused of aborting every round, by peer id
+        self.stalls = StallWatch()
         self.contributions_refused: Counter[str] = Counter()  # by reason (outlier, unproven, unsigned, ...)
         self.refused_samples = 0  # samples of contributions this leader refused
+        # microbatch ids two contributions to a round this peer led both held: counted twice, seen
+        # (the exactly-once rule's last resort, swarmd.pipeline.step_protocol)
+        self.duplicate_microbatches = 0
+        self.patience = RoundPatience()  # how long rounds wait for contributors (issue #18)
+        self.silent_contributors = 0  # expected contributors that never came (then excluded)
+        self._led_mbs: tuple[int, frozenset[int]] = (-1, frozenset())  # the step and ids of the last round led
         self.last_round: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=256)  # recent rounds this peer took part in
         self._leader_view: str | None = None
@@ -270,8 +287,11 @@ class StageAverager:
         out: dict[str, Any] = {
             "rounds_refused": self.rounds_refused,
             "leaders_refused": dict(self.leaders_refused),
+            "leaders_stalling": dict(self.leaders_stalling),
             "contributions_refused": dict(self.contributions_refused),
             "refused_samples": self.refused_samples,
+            "duplicate_microbatches": self.duplicate_microbatches,
+            "silent_contributors": self.silent_contributors,
             "excluded": self.suspicions.status(),
             "excluded_by_reports": sorted(self.exclude()),
         }
@@ -391,9 +411,16 @@ class StageAverager:
         leader_progress = progress.get(leader)
         joining_open_round = leader != self.peer_id and leader_progress is not None and leader_progress.round == step
         if not joining_open_round:
-            total = ex.grad_samples + sum(p.samples for pid, p in progress.items() if pid in group)
+            # the leader's round refuses the peers it excludes (a poisoned contributor it caught): their
+            # samples do not count, or this peer would open a round that aborts short at every poll
+            refused = set(leader_progress.excluded) if leader_progress is not None else self.excluded()
+            total = ex.grad_samples + sum(p.samples for pid, p in progress.items()
+                                          if pid in group and pid not in refused)
             self._mates_samples = total - ex.grad_samples
             if total < self.target:
+                return
+            if self.peer_id in refused:  # the leader turns this peer away: asking would cost it a hash per try,
+                self._aborted_by(leader, step)  # and one that turns everyone away stalls the stage
                 return
             leaders = {p.leader for pid, p in progress.items() if pid in group}
             if leaders - {leader}:
@@ -438,6 +465,7 @@ class StageAverager:
 
     async def _settle(self, rnd: _OpenRound) -> RoundResult:
         """Add our own contribution, wait for the others, reduce, apply, answer everyone."""
+        started = time.monotonic()
         try:
             own = await self.executor.take_contribution()
         except Busy:  # our gradients are already out (we are contributing elsewhere)
@@ -446,9 +474,15 @@ class StageAverager:
             self._round = None
             return result
         rnd.contributions[self.peer_id] = own
+        # a silent proven contributor (a fake that passed the proof) is waited for only as long as
+        # honest contributions take (swarmd.pipeline.round_patience), then excluded
+        opened = rnd.deadline - self.timeout_s
+        patient_until = min(rnd.deadline, opened + self.patience.wait_s(self.timeout_s, rnd.expected - {self.peer_id}))
+        arrivals: dict[str, float] = {}
         try:
             while not rnd.expected <= set(rnd.contributions) | set(rnd.refused):
-                remaining = rnd.deadline - time.monotonic()
+                arrivals.update({p: time.monotonic() - opened for p in rnd.contributions if p not in arrivals})
+                remaining = patient_until - time.monotonic()
                 if remaining <= 0:
                     break
                 rnd.arrived.clear()
@@ -456,10 +490,14 @@ class StageAverager:
                     await asyncio.wait_for(rnd.arrived.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
+            arrivals.update({p: time.monotonic() - opened for p in rnd.contributions if p not in arrivals})
             # From here the mean is fixed: a contribution arriving while we apply it would be
             # answered with a mean that does not hold it, and its samples would vanish.
             rnd.closed = True
+            self._accuse_silent(rnd, set(rnd.contributions) | set(rnd.refused))
             result = await asyncio.to_thread(self._reduce, rnd)
+            if result.status == "ok":
+                self.patience.observe({p: d for p, d in arrivals.items() if p != self.peer_id})
             for pid, why in sorted(rnd.refused.items()):
                 self._refuse_contributor(pid, why, rnd.step)
             self.refused_samples += rnd.refused_samples
@@ -473,11 +511,20 @@ class StageAverager:
                 assert result.mean_grads is not None
                 await self.executor.apply_average(result.mean_grads, rnd.step)
                 self.rounds_ok += 1
+                groups = [c.mbs for _, c in sorted(rnd.contributions.items())]
+                last_step, last_ids = self._led_mbs
+                repeated = repeated_microbatches([*groups, last_ids] if last_step == rnd.step - 1 else groups)
+                self._led_mbs = (rnd.step, frozenset(m for g in groups for m in g))
+                if repeated:
+                    self.duplicate_microbatches += len(repeated)
+                    log.warning("stage %d step %d: %d microbatch(es) were counted by two peers (a lost backward "
+                                "answer whose peer could not be asked); the step weighs them twice",
+                                self.executor.stage, rnd.step, len(repeated))
             else:
                 await self.executor.restore_contribution(own)
                 self.rounds_aborted += 1
             self._record(result, self.peer_id, missing=sorted(rnd.expected - set(rnd.contributions)),
-                         refused=dict(rnd.refused))
+                         refused=dict(rnd.refused), started=started)
             rnd.result.set_result(result)
             return result
         except BaseException as exc:
@@ -489,6 +536,16 @@ class StageAverager:
             raise
         finally:
             self._round = None
+
+    def _accuse_silent(self, rnd: _OpenRound, arrived: set[str]) -> None:
+        """Exclude the expected contributors that never came (issue #18: a proof shows a peer holds
+        its identity, not that it will contribute), with the growing periods of the round checks."""
+        for pid in sorted(RoundPatience.silent(rnd.expected, arrived, leader=self.peer_id)):
+            period = self.suspicions.accuse(pid, "silent: expected in a round, never contributed")
+            self.silent_contributors += 1
+            self._warn(pid, "silent", "stage %d step %d: stage-mate %s was expected in the round and never "
+                       "contributed; excluded from this stage's rounds for %.0fs", self.executor.stage, rnd.step,
+                       pid[:12], period)
 
     def _reduce(self, rnd: _OpenRound) -> RoundResult:
         """Refuse outliers, sum, divide, encode the answer (off the event loop: called in a thread)."""
@@ -515,12 +572,19 @@ class StageAverager:
         # contribution is finite float32 and carries at least one sample per gradient it sums, so
         # the mean is bounded by the largest contribution: float32 sums of huge finite gradients
         # could overflow to Inf, this cannot.
-        summed = torch.zeros(self.executor.grad_numel, dtype=torch.float64)
-        for pid in sorted(rnd.contributions):
-            grads = rnd.contributions[pid].grads
-            if grads is not None:
-                summed += grads
-        mean = (summed / total).to(torch.float32)
+        if len(rnd.contributions) == 1 and own is not None and own.grads is not None:
+            # a lone peer: the float32 quotient is bit-identical to the float64 path's (a correctly rounded
+            # division rounded twice, 53 >= 2 * 24 + 2 bits; + 0.0 first turns -0.0 into +0.0 as zeros + g
+            # does, and keeps the sign of a quotient that underflows to zero: checked on 27M values, with
+            # subnormals), without a float64 copy of every gradient on the sync step's critical path
+            mean = torch.div(own.grads + 0.0, total)
+        else:
+            summed = torch.zeros(self.executor.grad_numel, dtype=torch.float64)
+            for pid in sorted(rnd.contributions):
+                grads = rnd.contributions[pid].grads
+                if grads is not None:
+                    summed += grads
+            mean = (summed / total).to(torch.float32)
         if not bool(torch.isfinite(mean).all()):  # cannot happen with the checks above; never apply it
             log.error("stage %d step %d: the mean gradient is not finite; round aborted", self.executor.stage, rnd.step)
             return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
@@ -558,7 +622,8 @@ class StageAverager:
             if ex.averaging:  # we are contributing to another leader ourselves
                 return _aborted(step)
             rnd, _ = self._open(step, {peer_id})
-            rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads)
+            rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads,
+                                                      mbs=request.mbs if request is not None else ())
             if digest is not None:
                 rnd.digests[peer_id] = digest
             task = asyncio.get_running_loop().create_task(self._settle_owned(rnd), name="swarmd-average")
@@ -568,7 +633,8 @@ class StageAverager:
             rnd = self._round
             if rnd.step != step or rnd.closed or rnd.result.done():  # too late for this round: keep them
                 return _aborted(step)
-            rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads)
+            rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads,
+                                                      mbs=request.mbs if request is not None else ())
             if digest is not None:
                 rnd.digests[peer_id] = digest
             rnd.expected.add(peer_id)
@@ -663,6 +729,7 @@ class StageAverager:
     # ---- contributor -----------------------------------------------------------------------
 
     async def _contribute_to(self, leader: str, addr: str) -> None:
+        started = time.monotonic()
         own = await self.executor.take_contribution()
         try:
             self._posting_to = leader  # (a parameter would change _post's signature, which test hooks wrap)
@@ -689,15 +756,32 @@ class StageAverager:
                        "gradients, and not averaging with it for %.0fs", self.executor.stage, own.step, leader[:12],
                        why, period)
             self._record(RoundResult("aborted", own.step, result.samples, result.contributors, None), leader,
-                         missing=[], status="refused", reason=why)
+                         missing=[], status="refused", reason=why, started=started)
             return
         if result.status == "ok" and result.mean_grads is not None:
             await self.executor.apply_average(result.mean_grads, own.step)
             self.rounds_ok += 1
+            self.stalls.answered(leader)
         else:
             await self.executor.restore_contribution(own)
             self.rounds_aborted += 1
-        self._record(result, leader, missing=[], reason=result.reason)
+            self._aborted_by(leader, own.step)
+        self._record(result, leader, missing=[], reason=result.reason, started=started)
+
+    def _aborted_by(self, leader: str, step: int) -> None:
+        """``leader`` aborted this peer's round at ``step`` (or turned it away) while this peer's view
+        held the batch: past twice the averaging timeout of that, it is accused of stalling the stage
+        (``round_checks.StallWatch``)."""
+        if leader == self.peer_id:
+            return
+        stalled = self.stalls.aborted(leader, step, 2 * self.timeout_s)
+        if stalled is None:
+            return
+        self.leaders_stalling[leader] += 1
+        period = self.suspicions.accuse(leader, f"stalling: every round aborted at step {step} for {stalled:.0f}s")
+        self._warn(leader, "stalling", "stage %d step %d: leader %s aborted or turned away every round for %.0fs "
+                   "while this peer's view held the batch; not averaging with it for %.0fs", self.executor.stage,
+                   step, leader[:12], stalled, period)
 
     def _check_answer(self, result: RoundResult, mine: Used, decoded: torch.Tensor | None, leader: str) -> str | None:
         """Why this contributor refuses the leader's ``ok`` answer (off the loop: a thread)."""
@@ -724,7 +808,8 @@ class StageAverager:
             sig = self.identity.sign(contribution_message(ex.stage, own.step, own.samples, digest, self.peer_id,
                                                           leader))
         request = AverageRequest(stage=ex.stage, peer_id=self.peer_id, step=own.step, samples=own.samples,
-                                 grads=own.grads, codec=codec, public_key=key, signature=sig, digest=digest)
+                                 grads=own.grads, codec=codec, public_key=key, signature=sig, digest=digest,
+                                 mbs=own.mbs)
         answer = await self.client.average(addr, request, grad_numel=ex.grad_numel,
                                            timeout_s=self.timeout_s + REPLY_SLACK_S)
         try:
@@ -736,7 +821,10 @@ class StageAverager:
                                           reason=answer.reason)
 
     def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
-                reason: str | None = None, refused: dict[str, str] | None = None) -> None:
+                reason: str | None = None, refused: dict[str, str] | None = None,
+                started: float | None = None) -> None:
+        """Keep the round in ``last_round``/``history`` (``duration_s``: from taking this peer's
+        contribution to the outcome, leader or contributor) and tell ``on_round``."""
         self.last_round = {
             "status": status or result.status,
             "step": result.step,
@@ -751,7 +839,11 @@ class StageAverager:
             self.last_round["refused"] = refused
         if leader == self.peer_id and result.used is not None:
             self.last_round["used"] = {u.peer_id: u.samples for u in result.used}  # whose samples the mean holds
+        if started is not None:
+            self.last_round["duration_s"] = round(time.monotonic() - started, 6)
         self.history.append(self.last_round)
+        if self.on_round is not None:
+            self.on_round(self.last_round)
         log.info("stage %d step %d: round %s with %d samples from %d peer(s)%s%s",
                  self.executor.stage, result.step, status or result.status, result.samples, result.contributors,
                  f", missing {len(missing)}" if missing else "", f", refused {len(refused)}" if refused else "")

@@ -51,6 +51,13 @@ A refused answer is not applied: the contributor keeps its gradients (and their 
 the next round, and the leader is excluded from leading for a growing period
 (:class:`Suspicions`). A refused contribution's sender is excluded from the leader's rounds
 the same way.
+
+**Contributors bound a stalling leader** (:class:`StallWatch`). A leader can also answer every
+contribution ``aborted`` (or refuse them as outliers it made up): nothing it answers is wrong,
+but its stage never steps while its id is the smallest. A contributor asks only while its own
+view holds the batch and the leader does not exclude it; a leader that keeps answering
+``aborted`` at one step for ``patience_s`` (twice the averaging timeout: an honest round aborts
+once when a contributor dies, and the next one goes without it) is accused like a refused one.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ import torch
 __all__ = [
     "ANSWER_SLACK",
     "OUTLIER_FACTOR",
+    "StallWatch",
     "Suspicions",
     "Used",
     "allowed_ratio",
@@ -276,3 +284,33 @@ class Suspicions:
         now = self.clock()
         return {pid: {"offences": n, "excluded_for_s": round(until - now, 1), "reason": why}
                 for pid, (n, until, why) in self._entries.items() if until > now}
+
+
+class StallWatch:
+    """Aborted answers of each leader at one step, since the first with no ``ok`` in between (see
+    the module docstring). Bounded to ``max_peers`` leaders; ``clock`` injected for tests."""
+
+    def __init__(self, *, max_peers: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_peers = max_peers
+        self.clock = clock
+        self._since: dict[str, tuple[int, float]] = {}  # leader -> (step, first aborted answer there)
+
+    def aborted(self, leader: str, step: int, patience_s: float) -> float | None:
+        """Record an aborted answer of ``leader`` at ``step``: how long it has stalled once that is
+        ``patience_s`` or more (and it starts afresh), else None."""
+        now = self.clock()
+        since = self._since.get(leader)
+        if since is None or since[0] != step:
+            self._since.pop(leader, None)
+            self._since[leader] = (step, now)
+            while len(self._since) > self.max_peers:
+                self._since.pop(next(iter(self._since)))
+            return None
+        if now - since[1] >= patience_s:
+            del self._since[leader]
+            return now - since[1]
+        return None
+
+    def answered(self, leader: str) -> None:
+        """``leader`` answered ``ok``: not stalling."""
+        self._since.pop(leader, None)

@@ -31,8 +31,23 @@ alone). A lie smaller than that (an output scaled by 1.01 over 8-bit) goes unnot
 codec's own error is of the same size.
 
 What is not checked: the first stage's backward answers nothing comparable (token ids have no
-gradient; its parameter gradients stay on the peer and are the averaging checks' business,
-``swarmd.pipeline.round_checks``), so only forwards are checked on stage 0.
+gradient), so only forwards are checked on stage 0. Asking it for a digest or norm of the
+parameter gradients it computed would not help: a peer can answer a check honestly and
+accumulate something else, on any stage. What a peer accumulates leaves it only as its averaging
+contribution, so parameter-gradient poisoning is the averaging checks' business
+(``swarmd.pipeline.round_checks``), on every stage alike.
+
+Whose word a trainer takes about a stage (:func:`stage_distrust`, :func:`excluded_by_stage`). Its
+progress polls tell each peer's step, held samples, params digest and the peers it excludes. A
+peer that lied in a round is known first to its own stage-mates only (the leader that refused
+its contribution, the contributors that refused its answer), and a refused leader *forks* its
+stage: it applies its own lie and sits at the honest peers' step with another digest. So a
+trainer that waits for a stage to step (``--sync``) counts neither the held samples nor the step
+of a peer that a stage-mate excludes or whose digest a strict majority of its stage at that step
+does not hold: the stage looks short and is topped up, as after a peer died. That direction is
+safe: a liar naming honest peers costs extra samples, never a stall. Routing is stricter, since
+a liar could name every honest peer: a trainer stops routing to a peer only when most of its
+stage's answering peers exclude it (:func:`excluded_by_stage`), or when it holds a minority digest.
 """
 
 from __future__ import annotations
@@ -40,9 +55,10 @@ from __future__ import annotations
 import enum
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -57,6 +73,9 @@ __all__ = [
     "VerifyStats",
     "agree",
     "arbitrate",
+    "excluded_by_stage",
+    "forks",
+    "stage_distrust",
     "tolerance",
 ]
 
@@ -209,3 +228,57 @@ class VerifyStats:
         out["caught"] = list(self.caught)
         out["traffic_fraction"] = round(self.fraction, 6)
         return out
+
+
+class Standing(Protocol):
+    """What a trainer's progress poll learnt of one peer (``swarmd.train.swarm_client.PeerProgress``)."""
+
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def step(self) -> int | None: ...  # None: it did not answer
+    @property
+    def excluded(self) -> tuple[str, ...]: ...
+    @property
+    def params_digest(self) -> str | None: ...
+
+
+def forks(stage: Sequence[Standing]) -> frozenset[str]:
+    """The peers of one stage that hold another params digest than a strict majority of the
+    stage's peers at the same step (a refused leader that applied its own lie). Peers that
+    step together hold bit-identical parameters, so an honest stage has no fork; a tie (two
+    peers, two digests) names nobody."""
+    by_step: dict[int, Counter[str]] = {}
+    for p in stage:
+        if p.step is not None and p.params_digest:
+            by_step.setdefault(p.step, Counter())[p.params_digest] += 1
+    out = set()
+    for p in stage:
+        if p.step is None or not p.params_digest:
+            continue
+        counts = by_step[p.step].most_common(2)
+        top, n = counts[0]
+        if p.params_digest != top and (len(counts) < 2 or n > counts[1][1]):
+            out.add(p.peer_id)
+    return frozenset(out)
+
+
+def stage_distrust(stage: Sequence[Standing]) -> frozenset[str]:
+    """The peers of one stage whose held samples and step a trainer waiting for the stage's step
+    must not count on: excluded by another answering peer of the stage (its round checks or its
+    report ledger), or :func:`forks`. Wrongly naming an honest peer only makes the trainer top the
+    stage up (more samples than the target), so one accuser is enough here."""
+    ids = {p.peer_id for p in stage}
+    named = {e for p in stage if p.step is not None for e in p.excluded if e != p.peer_id and e in ids}
+    return frozenset(named) | forks(stage)
+
+
+def excluded_by_stage(stage: Sequence[Standing]) -> frozenset[str]:
+    """The peers of one stage that more than half of the stage's answering peers (and at least
+    two) exclude: a peer caught lying in rounds is known to its stage-mates only, and one liar
+    must not cut an honest peer off (two colluding liars in a 3-peer stage can: a majority of a
+    stage can do anything, docs/SECURITY.md)."""
+    answers = [p for p in stage if p.step is not None]
+    counts = Counter(e for p in answers for e in set(p.excluded) if e != p.peer_id)
+    need = max(2, len(answers) // 2 + 1)
+    return frozenset(pid for pid, n in counts.items() if n >= need)
