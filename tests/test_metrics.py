@@ -7,21 +7,28 @@ status`` runs as a child process against them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmd.cli.common import JSON_LOG_KEYS, JsonFormatter
 from swarmd.cli.train import CSV_COLUMNS, run_trainer
+from swarmd.daemon import Daemon
+from swarmd.net.codecs import CODECS
+from swarmd.net.wire import CONTENT_TYPE as WIRE_CONTENT_TYPE
+from swarmd.net.wire import encode_frame
 from swarmd.train.plot import have_matplotlib, plot_training, read_csv
 from swarmd.train.trainer import TrainerConfig
-from tests.conftest import running_daemon
+from tests.conftest import daemon_config, running_daemon
 from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
 
 
@@ -53,7 +60,12 @@ async def test_metrics_training_summary_and_status_cli_on_a_live_swarm(tmp_path:
         assert before[("swarmd_served_requests_total", (("kind", "forward"),))] == 0
         assert before[("swarmd_step", ())] == 0
 
-        run = TrainerConfig(api=f"http://{api}", steps=3, sync=True, codec="none", microbatch_size=MICRO,
+        assert before[("swarmd_averaging_round_duration_seconds_count", (("result", "ok"),))] == 0
+        assert before[("swarmd_precision_info", (("precision", "fp32"),))] == 1
+        assert ("swarmd_loss_scale", ()) not in before  # fp32: no loss scale
+
+        # activations travel as fp16: the byte counters say so, by the codec each request named
+        run = TrainerConfig(api=f"http://{api}", steps=3, sync=True, codec="fp16", microbatch_size=MICRO,
                             val_every=2, max_corpus_bytes=CORPUS_BYTES)
         summary = await run_trainer(run, show_progress=False, log_csv=tmp_path / "run.csv")
         assert summary.steps == 3
@@ -69,7 +81,11 @@ async def test_metrics_training_summary_and_status_cli_on_a_live_swarm(tmp_path:
                 "swarmd_data_plane_requests", "swarmd_data_plane_request_duration_seconds",
                 "swarmd_data_plane_received_bytes", "swarmd_data_plane_sent_bytes",
                 "swarmd_control_plane_requests", "swarmd_checkpoint_age_seconds", "swarmd_relay_served_bytes",
-                "swarmd_dht_routing_table_peers", "swarmd_trainers", "swarmd_trainer_loss"} <= families(text)
+                "swarmd_dht_routing_table_peers", "swarmd_trainers", "swarmd_trainer_loss",
+                "swarmd_averaging_round_duration_seconds", "swarmd_migrations", "swarmd_state_transfer_bytes",
+                "swarmd_state_downloads", "swarmd_precision_info", "swarmd_trainer_spot_checks",
+                "swarmd_trainer_retries", "swarmd_trainer_bans",
+                "swarmd_relay_served_requests"} <= families(text)
         stage = int(after[("swarmd_stage", ())])
         assert stage == founder.stage == 0 and after[("swarmd_state", (("state", "serving"),))] == 1
         assert after[("swarmd_step", ())] == founder.executor.step == 3
@@ -77,9 +93,32 @@ async def test_metrics_training_summary_and_status_cli_on_a_live_swarm(tmp_path:
         forward = (("endpoint", "/v1/forward"), ("status", "200"))
         assert after[("swarmd_data_plane_requests_total", forward)] > 0
         assert after[("swarmd_data_plane_request_duration_seconds_count", (("endpoint", "/v1/forward"),))] > 0
-        assert after[("swarmd_data_plane_received_bytes_total", (("endpoint", "/v1/forward"),))] > 1000
-        assert after[("swarmd_data_plane_sent_bytes_total", (("endpoint", "/v1/forward"),))] > 1000
-        assert after[("swarmd_averaging_rounds_total", (("result", "ok"),))] >= 1
+        fp16_forward = (("codec", "fp16"), ("endpoint", "/v1/forward"))
+        assert after[("swarmd_data_plane_received_bytes_total", fp16_forward)] > 1000
+        assert after[("swarmd_data_plane_sent_bytes_total", fp16_forward)] > 1000
+        assert (("swarmd_data_plane_sent_bytes_total", (("codec", "none"), ("endpoint", "/v1/forward")))
+                not in after)  # nothing was asked for uncompressed
+        # a request naming a codec that does not exist is refused, and grows no label: every codec label is a codec
+        async with httpx.AsyncClient() as c:
+            bogus = encode_frame("forward", {"stage": 0, "codec": "x" * 40},
+                                 {"inputs": torch.zeros(1, 4, dtype=torch.long)})
+            r = await c.post(f"http://{founder.status()['data_addr']}/v1/forward", content=bogus,
+                             headers={"Content-Type": WIRE_CONTENT_TYPE})
+        assert r.status_code == 422, r.text
+        codecs = {dict(labels).get("codec") for (name, labels) in samples(await scrape(api))
+                  if name.startswith("swarmd_data_plane_") and name.endswith("_bytes_total")}
+        assert codecs <= set(CODECS) and {"none", "fp16"} <= codecs, codecs
+        # the stage-mates' gradients travel to their round's leader with the swarm's grad_codec (none here)
+        leader = next(d for d in daemons if d.peer_id == founder.averager.last_round["leader"])
+        led = samples(await scrape(leader.status()["api_addr"]))
+        assert led[("swarmd_data_plane_received_bytes_total", (("codec", "none"), ("endpoint", "/v1/average")))] > 0
+        rounds_ok = after[("swarmd_averaging_rounds_total", (("result", "ok"),))]
+        assert rounds_ok >= 1
+        # every recorded round is timed: as many observations as rounds, each within the averaging timeout
+        timed = after[("swarmd_averaging_round_duration_seconds_count", (("result", "ok"),))]
+        assert timed == rounds_ok and 0 < after[("swarmd_averaging_round_duration_seconds_sum", (("result", "ok"),))]
+        assert all(0 < r["duration_s"] < TRAINING.averaging_timeout_s
+                   for r in founder.status()["averaging"]["recent"] if r["status"] == "ok")
         heartbeats = (("endpoint", "/trainers/{trainer_id}/heartbeat"), ("status", "204"))
         assert after[("swarmd_control_plane_requests_total", heartbeats)] >= 1  # the trainer's last report
         assert after[("swarmd_trainers", ())] == 1 and after[("swarmd_trainer_loss", ())] > 0
@@ -91,6 +130,10 @@ async def test_metrics_training_summary_and_status_cli_on_a_live_swarm(tmp_path:
         assert [p["step"] for p in local["local"]] == [0, 1, 2]
         assert all(p["loss"] > 0 for p in local["local"]) and local["local"][1]["val_loss"] > 0
         assert trainers[0]["step"] == 2 and trainers[0]["samples"] == summary.samples
+        # the trainer's spot checks of peers' answers (issue 17: a peer's first answers are always checked)
+        spot = trainers[0]["spot_checks"]
+        assert 0 < spot["checks"] <= summary.verify["checks"] and spot["mismatches"] == 0, (spot, summary.verify)
+        assert after[("swarmd_trainer_spot_checks_total", ())] == spot["checks"]
         # ... and, through the DHT, every daemon's view of the swarm's loss
         await founder.publish_training_summary()
         await other.publish_training_summary()
@@ -113,8 +156,37 @@ async def test_metrics_training_summary_and_status_cli_on_a_live_swarm(tmp_path:
             assert d.peer_id[:12] in shown.stdout
         assert "stage 0: 2 serving of 2" in shown.stdout and "stage 1: 2 serving of 2" in shown.stdout
         assert "at step 2" in shown.stdout and "the swarm: 1 trainer(s) via 1 daemon(s)" in shown.stdout
+        assert ", precision fp32" in shown.stdout.splitlines()[0]
         picture = json.loads(as_json.stdout)
         assert picture["status"]["peer_id"] == other.peer_id and len(picture["swarm"]["stages"]) == 2
+
+        # a move between stages: counted by how it ended; the mover downloads its new stage's state, which
+        # a stage-0 peer serves (the same bytes on both sides)
+        mover, donors = daemons[3], [daemons[0], daemons[2]]
+        assert mover.stage == 1
+        mover_api = mover.status()["api_addr"]
+        start = samples(await scrape(mover_api))
+        served_before = [samples(await scrape(d.status()["api_addr"])) for d in donors]
+        async with httpx.AsyncClient(base_url=f"http://{mover_api}") as c:
+            assert (await c.post("/migrate", json={"stage": 1})).status_code == 409  # it is there already
+            assert (await c.post("/migrate", json={"stage": 0})).status_code == 202
+        deadline = asyncio.get_running_loop().time() + 30
+        while (mover.migration or {}).get("phase") != "done":
+            assert asyncio.get_running_loop().time() < deadline, mover.migration
+            await asyncio.sleep(0.05)
+        moved = samples(await scrape(mover_api))
+        served_after = [samples(await scrape(d.status()["api_addr"])) for d in donors]
+        for result, count in (("refused", 1), ("done", 1), ("failed", 0), ("cancelled", 0)):
+            assert start[("swarmd_migrations_total", (("result", result),))] == 0
+            assert moved[("swarmd_migrations_total", (("result", result),))] == count, result
+        down = ("swarmd_state_transfer_bytes_total", (("direction", "downloaded"),))
+        served = ("swarmd_state_transfer_bytes_total", (("direction", "served"),))
+        downloaded = moved[down] - start[down]
+        assert downloaded > 100_000  # parameters and optimizer state of a tiny stage
+        assert sum(a[served] - b[served] for a, b in zip(served_after, served_before, strict=True)) == downloaded
+        assert moved[("swarmd_state_downloads_total", (("result", "ok"),))] == \
+            start[("swarmd_state_downloads_total", (("result", "ok"),))] + 1
+        assert mover.status()["state_transfer"]["last_download_s"] > 0
 
 
 def test_status_cli_names_an_unreachable_daemon() -> None:
@@ -144,24 +216,52 @@ def test_json_logs_are_one_object_per_line_with_stable_keys() -> None:
     assert "ValueError: boom" in entry["exc"]
 
 
-async def test_trainers_retries_and_bans_from_heartbeats_are_counters() -> None:
-    """Trainers report their retries and bans so far with each heartbeat; the daemon counts what they
-    grew by, so the counters never go down (a repeated or older report adds nothing)."""
-    async with running_daemon() as d:
+SPOT = ("swarmd_trainer_spot_checks_total", "swarmd_trainer_spot_check_mismatches_total",
+        "swarmd_trainer_spot_check_arbitrations_total", "swarmd_trainer_liars_caught_total",
+        "swarmd_trainer_reports_sent_total")
+
+
+async def test_trainers_retries_bans_and_spot_checks_from_heartbeats_are_counters() -> None:
+    """Trainers report their retries, bans and spot checks (issue 17) so far with each heartbeat; the
+    daemon counts what they grew by, so the counters never go down (a repeated or older report adds
+    nothing, and a heartbeat without spot checks, from an older trainer, is accepted and changes none).
+    The daemon computes in fp16 here: /status and /metrics show its precision and loss scale."""
+    cfg = daemon_config()
+    async with contextlib.AsyncExitStack() as stack:
+        d = Daemon(replace(cfg, pipeline=replace(cfg.pipeline, precision="fp16")))
+        stack.push_async_callback(d.shutdown)
+        await d.start()
         api = d.status()["api_addr"]
         async with httpx.AsyncClient(base_url=f"http://{api}") as c:
             first = samples(await scrape(api))
             assert first[("swarmd_trainer_retries_total", ())] == 0 and first[("swarmd_trainer_bans_total", ())] == 0
+            assert all(first[(name, ())] == 0 for name in SPOT)
             ids = [(await c.post("/trainers", json={"name": name})).json()["trainer_id"] for name in ("a", "b")]
-            for trainer_id, retries, bans in ((ids[0], 3, 1), (ids[1], 2, 0), (ids[0], 5, 1), (ids[0], 4, 1)):
-                r = await c.post(f"/trainers/{trainer_id}/heartbeat", json={"retries": retries, "bans": bans})
+            for trainer_id, retries, bans, spot in (
+                    (ids[0], 3, 1, {"checks": 4, "mismatches": 1, "arbitrations": 1, "liars": 1, "reports_sent": 2}),
+                    (ids[1], 2, 0, None),  # an older trainer: no spot checks
+                    (ids[0], 5, 1, {"checks": 9, "mismatches": 1, "arbitrations": 1, "liars": 1, "reports_sent": 2}),
+                    (ids[0], 4, 1, {"checks": 7}),  # older, out of order: adds nothing
+                    (ids[1], 2, 0, {"checks": 3})):
+                body = {"retries": retries, "bans": bans, **({"spot_checks": spot} if spot is not None else {})}
+                r = await c.post(f"/trainers/{trainer_id}/heartbeat", json=body)
                 assert r.status_code == 204, r.text
             after = samples(await scrape(api))
-            listed = {t["trainer_id"]: (t["retries"], t["bans"]) for t in (await c.get("/trainers")).json()}
-            refused = await c.post(f"/trainers/{ids[1]}/heartbeat", json={"retries": -1})
+            listed = {t["trainer_id"]: (t["retries"], t["bans"], t["spot_checks"])
+                      for t in (await c.get("/trainers")).json()}
+            refused = [await c.post(f"/trainers/{ids[1]}/heartbeat", json=body)
+                       for body in ({"retries": -1}, {"spot_checks": {"checks": -1}}, {"spot_checks": [1]})]
+            status = (await c.get("/status")).json()
         assert after[("swarmd_trainer_retries_total", ())] == 5 + 2 and after[("swarmd_trainer_bans_total", ())] == 1
-        assert listed == {ids[0]: (5, 1), ids[1]: (2, 0)}
-        assert refused.status_code == 422
+        assert [after[(name, ())] for name in SPOT] == [9 + 3, 1, 1, 1, 2]
+        assert listed == {ids[0]: (5, 1, {"checks": 9, "mismatches": 1, "arbitrations": 1, "liars": 1,
+                                          "reports_sent": 2}),
+                          ids[1]: (2, 0, {"checks": 3, "mismatches": 0, "arbitrations": 0, "liars": 0,
+                                          "reports_sent": 0})}
+        assert [r.status_code for r in refused] == [422, 422, 422]
+        assert status["precision"] == {"mode": "fp16", "loss_scale": 2.0**16, "overflows": 0}
+        assert after[("swarmd_precision_info", (("precision", "fp16"),))] == 1
+        assert after[("swarmd_loss_scale", ())] == 2.0**16 and after[("swarmd_loss_scale_overflows_total", ())] == 0
 
 
 def strict_loads(text: str) -> object:
@@ -216,6 +316,8 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
                     "announcements": 1, "task_crashes": {}, "uptime_s": 1.0,
                     "averaging": {"rounds_ok": 2, "rounds_aborted": 1, "rounds_refused": 4,
                                   "contributions_refused": {"outlier": 2, "nan": 1}, "refused_samples": 24,
+                                  "leaders_refused": {"p4": 2, "p5": 1}, "leaders_stalling": {"p4": 1},
+                                  "silent_contributors": 6, "duplicate_microbatches": 7,
                                   "excluded": {"p1": 30.0}, "excluded_by_reports": ["p2", "p3"],
                                   "proofs": {"proven": 2, "failing": 1, "unproven": 0, "proofs_ok": 9,
                                              "proofs_failed": {"unreachable": 3}}},
@@ -230,6 +332,10 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
     assert got[("swarmd_averaging_contributions_refused_total", (("reason", "outlier"),))] == 2
     assert got[("swarmd_averaging_contributions_refused_total", (("reason", "nan"),))] == 1
     assert got[("swarmd_averaging_refused_samples_total", ())] == 24
+    assert got[("swarmd_averaging_leaders_refused_total", ())] == 3
+    assert got[("swarmd_averaging_leaders_stalling_total", ())] == 1
+    assert got[("swarmd_averaging_silent_contributors_total", ())] == 6
+    assert got[("swarmd_averaging_duplicate_microbatches_total", ())] == 7
     assert got[("swarmd_averaging_excluded_peers", (("by", "checks"),))] == 1
     assert got[("swarmd_averaging_excluded_peers", (("by", "reports"),))] == 2
     assert got[("swarmd_proof_peers", (("state", "failing"),))] == 1 and got[("swarmd_proofs_ok_total", ())] == 9

@@ -11,7 +11,11 @@ Two kinds of metric, so that nothing is counted twice and nothing drifts from ``
   requests pass: :meth:`DaemonMetrics.data_plane_middleware` on the aiohttp data plane and
   :meth:`DaemonMetrics.observe_api` on the control plane. Their endpoint label is the route's
   template (``/v1/forward``, ``/trainers/{trainer_id}/heartbeat``), never the raw path, so a
-  scanner cannot grow the registry.
+  scanner cannot grow the registry; the data plane's byte counters also carry the ``codec`` the
+  request named (one of ``swarmd.net.codecs.CODECS``, checked before it is used; ``none`` for
+  requests without tensors or refused before their frame was read). The duration of each
+  averaging round (SWARM section 3.2: stage-mates average, then step together) is observed when
+  the round is recorded (:meth:`DaemonMetrics.observe_round`, the averager's ``on_round``).
 
 Names follow Prometheus conventions: ``swarmd_`` prefix, base units (``_seconds``, ``_bytes``),
 counters end in ``_total``. Registries are per daemon (never the global default), so several
@@ -31,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from swarmd.api.trainers import TrainerRegistry
+from swarmd.net.server import CODEC_KEY
 from swarmd.training_summary import TrainingLog
 
 __all__ = ["CONTENT_TYPE", "DaemonMetrics", "MetricsSource", "StatusCollector"]
@@ -39,6 +44,13 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 #: Request latency buckets: a loopback forward takes milliseconds, a WAN state download minutes.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+#: Averaging round buckets: a loopback round of a tiny model takes milliseconds; the averaging
+#: timeout (default 30 s) bounds a round that waits for a silent stage-mate.
+ROUND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: How a recorded round ended (``swarmd.pipeline.averaging``): the label's only values.
+ROUND_RESULTS = ("ok", "aborted", "refused")
+#: How a move between stages ended, or that it was refused (``swarmd.pipeline.migration``).
+MIGRATION_RESULTS = ("done", "failed", "cancelled", "refused")
 STATES = ("starting", "joining", "serving", "migrating", "draining", "stopped")
 
 
@@ -136,6 +148,11 @@ class StatusCollector(Collector):
         yield from self._cache(s.get("activation_cache"))
         yield from self._auth(s.get("auth"))
         yield from self._migration(s.get("migration"))
+        yield _by("swarmd_migrations", "moves between stages, by how they ended (refused: a request or a "
+                  "rebalancing decision that was checked and refused)", "result",
+                  {r: (s.get("migrations") or {}).get(r, 0) for r in MIGRATION_RESULTS})
+        yield from self._state_transfer(s.get("state_transfer") or {})
+        yield from self._precision(s.get("precision"))
         yield from self._checkpoint(s.get("checkpoint"))
         yield from self._relay(s.get("relay") or {})
         handover = s.get("gradient_handover") or {}
@@ -152,6 +169,49 @@ class StatusCollector(Collector):
                        "as their heartbeats report", trainers.retries_total)
         yield _counter("swarmd_trainer_bans", "peers the trainers registered here banned after a failure, as their "
                        "heartbeats report", trainers.bans_total)
+        spot = trainers.spot_checks_total
+        for key, name, doc in (("checks", "swarmd_trainer_spot_checks", "calls the trainers registered here re-sent "
+                                "to a second peer to check its answer (issue 17), as their heartbeats report"),
+                               ("mismatches", "swarmd_trainer_spot_check_mismatches", "spot checks whose two "
+                                "answers disagreed"),
+                               ("arbitrations", "swarmd_trainer_spot_check_arbitrations", "third opinions the "
+                                "trainers asked for after a mismatch"),
+                               ("liars", "swarmd_trainer_liars_caught", "peers the trainers caught lying (banned and "
+                                "reported)"),
+                               ("reports_sent", "swarmd_trainer_reports_sent", "signed misbehaviour reports the "
+                                "trainers sent that peers accepted")):
+            yield _counter(name, doc, spot.get(key, 0))
+
+    @staticmethod
+    def _state_transfer(transfer: Mapping[str, Any]) -> Iterator[Metric]:
+        """A stage's state (parameters, optimizer state, step) downloaded from and served to stage-mates."""
+        family = CounterMetricFamily("swarmd_state_transfer_bytes", "stage state streamed between stage-mates, by "
+                                     "direction (downloaded: read from donors, failed attempts included; served: "
+                                     "streamed to joiners by GET /v1/state)", labels=["direction"])
+        for direction in ("downloaded", "served"):
+            family.add_metric([direction], float(transfer.get(f"{direction}_bytes", 0)))
+        yield family
+        downloads = CounterMetricFamily("swarmd_state_downloads", "state downloads this peer adopted or gave up on "
+                                        "(every donor failed), by result", labels=["result"])
+        downloads.add_metric(["ok"], float(transfer.get("downloads_ok", 0)))
+        downloads.add_metric(["failed"], float(transfer.get("downloads_failed", 0)))
+        yield downloads
+        yield _counter("swarmd_state_served_streams", "state snapshots streamed to stage-mates",
+                       transfer.get("served_streams", 0))
+        yield _gauge("swarmd_state_last_download_seconds", "how long the last adopted state download took",
+                     transfer.get("last_download_s"))
+
+    @staticmethod
+    def _precision(precision: Mapping[str, Any] | None) -> Iterator[Metric]:
+        """``--precision`` and, for fp16, the stage's loss scale (``swarmd.pipeline.precision``)."""
+        info = InfoMetricFamily("swarmd_precision", "the precision this peer computes its stage in")
+        if precision is not None:
+            info.add_metric([], {"precision": str(precision.get("mode"))})
+        yield info
+        precision = precision or {}
+        yield _gauge("swarmd_loss_scale", "the stage's dynamic loss scale (fp16 only)", precision.get("loss_scale"))
+        yield _counter("swarmd_loss_scale_overflows", "backwards recomputed at half the loss scale after an overflow "
+                       "(fp16 only)", precision.get("overflows") or 0)
 
     @staticmethod
     def _untrusted(untrusted: Mapping[str, Any]) -> Iterator[Metric]:
@@ -182,6 +242,14 @@ class StatusCollector(Collector):
                   "leader, by reason", "reason", averaging.get("contributions_refused") or {})
         yield _counter("swarmd_averaging_refused_samples", "samples in refused contributions and answers",
                        averaging.get("refused_samples") or 0)
+        yield _counter("swarmd_averaging_leaders_refused", "leaders' answers this peer refused (each counts once "
+                       "per refusal, summed over leaders)", sum((averaging.get("leaders_refused") or {}).values()))
+        yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "
+                       "away every round at one step", sum((averaging.get("leaders_stalling") or {}).values()))
+        yield _counter("swarmd_averaging_silent_contributors", "expected contributors that never came to a round "
+                       "this peer led (then excluded)", averaging.get("silent_contributors") or 0)
+        yield _counter("swarmd_averaging_duplicate_microbatches", "microbatch ids found in two contributions of one "
+                       "round this peer led (exactly-once, issue 13)", averaging.get("duplicate_microbatches") or 0)
         yield _by("swarmd_averaging_excluded_peers", "stage-mates this peer leaves out of its rounds now, by why",
                   "by", {"checks": len(averaging.get("excluded") or {}),
                          "reports": len(averaging.get("excluded_by_reports") or [])}, counter=False)
@@ -254,6 +322,10 @@ class StatusCollector(Collector):
         yield _gauge("swarmd_relay_peers", "unreachable peers relayed through this one", len(server.get("peers") or {}))
         yield _gauge("swarmd_relayed", "1 while this peer is reached through a relay",
                      1.0 if client.get("state") == "relayed" else 0.0)
+        yield _counter("swarmd_relayed_requests", "requests that reached this peer through its relay",
+                       client.get("requests") or 0)
+        yield _by("swarmd_relay_refused", "relay requests this peer refused, by reason", "reason",
+                  server.get("refused") or {})
 
     @staticmethod
     def _dht(stats: Mapping[str, Any] | None) -> Iterator[Metric]:
@@ -295,14 +367,19 @@ class DaemonMetrics:
                                      ["endpoint", "status"], registry=r)
         self.data_seconds = Histogram("swarmd_data_plane_request_duration_seconds", "data-plane request latency",
                                       ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
-        self.data_in = Counter("swarmd_data_plane_received_bytes", "request bodies received, by endpoint",
-                               ["endpoint"], registry=r)
-        self.data_out = Counter("swarmd_data_plane_sent_bytes", "reply bodies sent, by endpoint (state transfer: "
-                                "/v1/state)", ["endpoint"], registry=r)
+        self.data_in = Counter("swarmd_data_plane_received_bytes", "request bodies received, by endpoint and the "
+                               "codec the request named", ["endpoint", "codec"], registry=r)
+        self.data_out = Counter("swarmd_data_plane_sent_bytes", "reply bodies sent, by endpoint and the codec the "
+                                "request named (state transfer: /v1/state)", ["endpoint", "codec"], registry=r)
         self.api_requests = Counter("swarmd_control_plane_requests", "control-plane requests, by endpoint and "
                                     "status (401: token refusals)", ["endpoint", "status"], registry=r)
         self.api_seconds = Histogram("swarmd_control_plane_request_duration_seconds", "control-plane latency",
                                      ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.round_seconds = Histogram("swarmd_averaging_round_duration_seconds", "averaging rounds this peer "
+                                       "took part in, from taking its gradients to the outcome, by result",
+                                       ["result"], buckets=ROUND_BUCKETS_S, registry=r)
+        for result in ROUND_RESULTS:  # every result shows, at 0, before the first round
+            self.round_seconds.labels(result)
 
     def render(self) -> bytes:
         """The exposition, in Prometheus text format (``CONTENT_TYPE``)."""
@@ -311,6 +388,13 @@ class DaemonMetrics:
     def observe_api(self, endpoint: str, status: int, seconds: float) -> None:
         self.api_requests.labels(endpoint, str(status)).inc()
         self.api_seconds.labels(endpoint).observe(seconds)
+
+    def observe_round(self, record: Mapping[str, Any]) -> None:
+        """An averaging round the averager recorded (its ``last_round``): its duration by result."""
+        seconds = record.get("duration_s")
+        result = str(record.get("status"))
+        if isinstance(seconds, (int, float)) and result in ROUND_RESULTS:
+            self.round_seconds.labels(result).observe(float(seconds))
 
     def data_plane_middleware(self) -> Middleware:
         """An aiohttp middleware counting the data plane's requests, bytes and latency by route."""
@@ -332,8 +416,9 @@ class DaemonMetrics:
             finally:
                 self.data_requests.labels(endpoint, str(status)).inc()
                 self.data_seconds.labels(endpoint).observe(time.perf_counter() - started)
-                self.data_in.labels(endpoint).inc(request.content_length or 0)
-                self.data_out.labels(endpoint).inc(_body_bytes(response))
+                codec = str(request.get(CODEC_KEY, "none"))
+                self.data_in.labels(endpoint, codec).inc(request.content_length or 0)
+                self.data_out.labels(endpoint, codec).inc(_body_bytes(response))
 
         return observe
 

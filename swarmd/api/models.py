@@ -17,6 +17,20 @@ class ModelInfo(BaseModel):
     digest: str = Field(description="stable sha256 of the spec; peers of one swarm must agree on it")
 
 
+class PrecisionInfo(BaseModel):
+    """How this peer computes its stage (``--precision``, ``swarmd.pipeline.precision``): a peer's own
+    choice, like its device; weights, optimizer state and the wire stay float32 whatever it is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: str = Field(description="fp32 | bf16 | fp16 (autocast for the last two)")
+    loss_scale: float | None = Field(default=None, description="fp16: the stage's dynamic loss scale now (a power "
+                                     "of two; halved on overflow, doubled after a run of clean backwards); None "
+                                     "otherwise")
+    overflows: int | None = Field(default=None, description="fp16: backwards recomputed at half the scale since "
+                                  "the stage was built; None otherwise")
+
+
 class Status(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -44,7 +58,9 @@ class Status(BaseModel):
         default_factory=dict,
         description="each microbatch's gradient counted once per step: duplicates (a microbatch id this peer had "
         "counted at that step already: answered, not added again), late_refused (finished past the sender's "
-        "deadline: not added, the sender retried elsewhere)",
+        "deadline: not added, the sender retried elsewhere), fenced_refused (attempts a trainer's claim fenced "
+        "off: not added, it retried elsewhere), claims (POST /v1/claim answered), claims_counted (of them, "
+        "those that found the microbatch counted here: the retry then only computes)",
     )
     reservations: dict[str, Any] | None = Field(
         default=None,
@@ -54,13 +70,28 @@ class Status(BaseModel):
     )
     params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
     averaging: dict[str, Any] | None = Field(
-        description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round, recent; the round "
-        "checks (issue 17): rounds_refused, leaders_refused, contributions_refused (by reason), refused_samples, "
-        "excluded, excluded_by_reports; proofs (issue 18): proven, failing, failing_reasons, proofs_ok, "
-        "proofs_failed, unproven"
+        description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round, recent (each round: "
+        "status, step, leader, samples, contributors, missing, duration_s, ...); the round "
+        "checks (issue 17): rounds_refused, leaders_refused, leaders_stalling, contributions_refused (by reason), "
+        "refused_samples, silent_contributors, duplicate_microbatches, excluded, excluded_by_reports; proofs "
+        "(issue 18): proven, failing, failing_reasons, proofs_ok, proofs_failed, unproven"
     )
     synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
-    migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason")
+    migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason, "
+                                             "started_at, duration_s, error, dropped_samples")
+    migrations: dict[str, int] = Field(
+        default_factory=dict,
+        description="moves between stages since the daemon started, by how they ended: done, failed, cancelled, "
+        "and refused (requests or rebalancing decisions checked and refused)",
+    )
+    state_transfer: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the stage's state (parameters, optimizer state, step) between stage-mates: downloaded_bytes "
+        "(read from donors, failed attempts included), downloads_ok, downloads_failed (every donor failed), "
+        "last_download_s; served_bytes and served_streams (GET /v1/state to joiners)",
+    )
+    precision: PrecisionInfo | None = Field(default=None, description="how this peer computes its stage (None "
+                                            "before a stage is built)")
     served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
     auth: dict[str, Any] | None = Field(
         default=None,
@@ -193,6 +224,19 @@ class TrainerInfo(BaseModel):
     finished: bool = Field(default=False, description="it finished (listed until its registration expires)")
     retries: int = Field(default=0, description="requests it retried on another peer, as it reported")
     bans: int = Field(default=0, description="peers it banned after a failure, as it reported")
+    spot_checks: dict[str, int] | None = Field(default=None, description="its spot checks of peers' answers so far "
+                                               "(issue 17), as it reported: checks, mismatches, arbitrations, "
+                                               "liars, reports_sent (None: it reported none)")
+
+
+class SpotCheckCounts(BaseModel):
+    """A trainer's spot checks since it started (``swarmd.train.verify.VerifyStats``), cumulative."""
+
+    checks: int = Field(default=0, ge=0, description="calls re-sent to a second peer")
+    mismatches: int = Field(default=0, ge=0, description="checks whose two answers disagreed")
+    arbitrations: int = Field(default=0, ge=0, description="third opinions asked for")
+    liars: int = Field(default=0, ge=0, description="distinct peers caught (banned and reported)")
+    reports_sent: int = Field(default=0, ge=0, description="signed reports peers accepted")
 
 
 MAX_REPORT_STEPS = 256  # steps one heartbeat may report (a trainer reports every ~10 s)
@@ -214,6 +258,8 @@ class TrainerReport(BaseModel):
     samples_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="the trainer's samples/s lately")
     retries: int = Field(default=0, ge=0, description="requests the trainer retried on another peer since it started")
     bans: int = Field(default=0, ge=0, description="peers the trainer banned after a failure since it started")
+    spot_checks: SpotCheckCounts | None = Field(default=None, description="its spot checks since it started "
+                                                "(optional: trainers before issue 17 send none)")
 
 
 class TrainingPointInfo(BaseModel):

@@ -4,10 +4,12 @@ Trainers are lightweight clients (SWARM, section 3.2): they run no DHT node, so 
 with any daemon's control plane, learn the swarm from it, and keep the registration alive with
 heartbeats. The registry is local to the daemon and only informative (for ``GET /trainers``);
 trainers talk to stage peers directly over the data plane. A heartbeat may carry a report (step,
-loss, samples/s, validation loss, and the trainer's retries and bans so far): the registry keeps
-the newest values per trainer, sums what the retries and bans grew by into counters that outlive
-registrations (``/metrics``), and hands the report to ``on_report`` (the daemon's
-``swarmd.training_summary.TrainingLog``).
+loss, samples/s, validation loss, and the trainer's retries, bans and spot checks so far): the
+registry keeps the newest values per trainer, sums what the retries, bans and spot-check counts
+grew by into counters that outlive registrations (``/metrics``), and hands the report to
+``on_report`` (the daemon's ``swarmd.training_summary.TrainingLog``). Spot checks (issue #17,
+``swarmd.train.verify``) are the trainers' cost of verifying peers' work; a heartbeat without
+them (an older trainer) changes none of their counts.
 
 Each registration gets a *rank*, the smallest no live trainer holds: the trainer draws its
 training windows from that shard of the data (``swarmd.train.data.shard``), so trainers of one
@@ -23,11 +25,15 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from swarmd.api.models import TrainerReport
+
+#: The spot-check counts a heartbeat may carry (``swarmd.train.verify.VerifyStats`` fields,
+#: cumulative since the trainer started).
+SPOT_CHECK_FIELDS = ("checks", "mismatches", "arbitrations", "liars", "reports_sent")
 
 DEFAULT_TTL_S = 30.0
 MAX_TRAINERS = 1024  # a registration costs a few bytes, but an unbounded dict is a DoS handle
@@ -50,19 +56,27 @@ class Registration:
     finished: bool = False  # it said it finished (DELETE /trainers/{id}): listed until it expires
     retries: int = 0  # its retries and bans since it started, as reported (cumulative on its side)
     bans: int = 0
+    spot_checks: dict[str, int] = field(default_factory=dict)  # SPOT_CHECK_FIELDS, as reported (cumulative)
 
-    def note(self, report: TrainerReport) -> tuple[int, int]:
-        """Keep the newest values of a heartbeat's report; the retries and bans it adds."""
+    def note(self, report: TrainerReport) -> tuple[int, int, dict[str, int]]:
+        """Keep the newest values of a heartbeat's report; the retries, bans and spot-check counts it adds
+        (a repeated or older report adds nothing: counts never go down)."""
         self.samples, self.samples_per_s = report.samples, report.samples_per_s
         added = max(0, report.retries - self.retries), max(0, report.bans - self.bans)
         self.retries, self.bans = max(self.retries, report.retries), max(self.bans, report.bans)
+        spot: dict[str, int] = {}
+        if report.spot_checks is not None:
+            for key in SPOT_CHECK_FIELDS:
+                now, before = getattr(report.spot_checks, key), self.spot_checks.get(key, 0)
+                spot[key] = max(0, now - before)
+                self.spot_checks[key] = max(before, now)
         for point in report.steps:
             if self.step is None or point.step > self.step:
                 self.steps_seen += 1
             self.step = point.step if self.step is None else max(self.step, point.step)
             self.loss = point.loss if point.loss is not None else self.loss
             self.val_loss = point.val_loss if point.val_loss is not None else self.val_loss
-        return added
+        return added[0], added[1], spot
 
 
 class TrainerRegistry:
@@ -76,6 +90,7 @@ class TrainerRegistry:
         # outlive a registration's expiry (``swarmd_trainer_retries_total``, ``..._bans_total``)
         self.retries_total = 0
         self.bans_total = 0
+        self.spot_checks_total: dict[str, int] = dict.fromkeys(SPOT_CHECK_FIELDS, 0)
 
     def conflict(self, *, sync: bool) -> str | None:
         """Why a new (``sync``) trainer cannot train through this daemon now, or None."""
@@ -119,9 +134,11 @@ class TrainerRegistry:
             return False
         reg.last_seen = self._clock()
         if report is not None:
-            retries, bans = reg.note(report)
+            retries, bans, spot = reg.note(report)
             self.retries_total += retries
             self.bans_total += bans
+            for key, added in spot.items():
+                self.spot_checks_total[key] += added
             if self._on_report is not None:
                 self._on_report(trainer_id, report)
         return True
@@ -133,7 +150,8 @@ class TrainerRegistry:
             {"trainer_id": r.trainer_id, "name": r.name, "registered_at": r.registered_at,
              "last_seen_s": round(now - r.last_seen, 3), "step": r.step, "loss": r.loss, "val_loss": r.val_loss,
              "samples": r.samples, "samples_per_s": r.samples_per_s, "rank": r.rank, "sync": r.sync,
-             "steps_seen": r.steps_seen, "finished": r.finished, "retries": r.retries, "bans": r.bans}
+             "steps_seen": r.steps_seen, "finished": r.finished, "retries": r.retries, "bans": r.bans,
+             "spot_checks": dict(r.spot_checks) or None}
             for r in sorted(self._trainers.values(), key=lambda r: r.registered_at)
         ]
 

@@ -98,12 +98,21 @@ def loss_line(training: dict[str, Any] | None) -> str:
     return line + ")"
 
 
+def _precision(info: dict[str, Any] | None) -> str:
+    """``, precision bf16`` (and fp16's current loss scale) for the header; nothing from older daemons."""
+    if not info:
+        return ""
+    scale = info.get("loss_scale")
+    return f", precision {info.get('mode', '-')}" + ("" if scale is None else f" (loss scale {scale:g})")
+
+
 def render(picture: dict[str, Any]) -> str:
     """The text ``swarmd status`` prints for :func:`fetch`'s result."""
     s, swarm = picture["status"], picture["swarm"]
     model = s.get("model") or {}
     lines = [f"swarm {s['swarm']!r}, model {model.get('name', '-')} ({str(model.get('digest', ''))[:12]}): "
-             f"this peer {str(s.get('peer_id') or '-')[:12]} is {s['state']} on stage {s['stage']}, step {s['step']}"]
+             f"this peer {str(s.get('peer_id') or '-')[:12]} is {s['state']} on stage {s['stage']}, step {s['step']}"
+             + _precision(s.get("precision"))]
     if swarm is None:
         lines.append("(no stage map: the daemon is not serving yet)")
     else:

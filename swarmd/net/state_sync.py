@@ -28,7 +28,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,11 +109,13 @@ async def adopt_state(
     donors: Iterable[PeerRecord],
     *,
     model_digest: str,
+    on_received: Callable[[int], None] | None = None,
 ) -> SyncResult | None:
     """Download the stage's state from the first donor that serves a good one and adopt it.
 
     Returns None when every donor failed (each failure logged with the donor and why); the
-    executor then holds what it held before.
+    executor then holds what it held before. ``on_received(n)``: every ``n`` bytes read from any
+    donor (``download_state``), for the daemon's counters.
     """
     stage = executor.stage
     tried = 0
@@ -128,7 +130,7 @@ async def adopt_state(
 
         started = time.monotonic()
         try:
-            snapshot = await download_state(session, url, expected=expected, headers=relay)
+            snapshot = await download_state(session, url, expected=expected, headers=relay, on_received=on_received)
             params = [(k.removeprefix("param."), t) for k, t in snapshot.tensors.items() if k.startswith("param.")]
             digest = await asyncio.to_thread(tensors_digest, params)  # hashing a large state: off the loop
             if digest != snapshot.meta.get("params_digest"):

@@ -689,8 +689,11 @@ async def stream_state(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
     executor: Executor | None = None,
+    on_sent: Callable[[int], None] | None = None,
 ) -> web.StreamResponse:
     """Serve ``snapshot`` as the response to ``request``, one message at a time.
+
+    ``on_sent(n)`` is told of every ``n`` bytes written (the daemon's state-transfer counters).
 
     Producing a chunk hashes and copies up to ``chunk_bytes`` (milliseconds for 4 MiB), so each
     one is made on ``executor`` (default: the loop's) while the loop keeps serving other
@@ -710,6 +713,8 @@ async def stream_state(
         while (message := await loop.run_in_executor(executor, next, messages, None)) is not None:
             await resp.write(message)
             sent += len(message)
+            if on_sent is not None:
+                on_sent(len(message))
     except ConnectionError as exc:
         log.info("state stream to %s ended after %d bytes: the client went away (%s)", request.remote, sent, exc)
         return resp
@@ -732,10 +737,13 @@ async def download_state(
     limits: StateLimits = DEFAULT_STATE_LIMITS,
     executor: Executor | None = None,
     headers: Mapping[str, str] | None = None,
+    on_received: Callable[[int], None] | None = None,
 ) -> StateSnapshot:
     """GET ``url`` and rebuild the state it streams, verified; see the module docstring.
 
     ``headers``: extra request headers (a relayed donor's ``X-Swarm-Relay``, ``swarmd.net.relay``).
+    ``on_received(n)``: told of every ``n`` body bytes read, whether the download succeeds or not
+    (what a state download cost the network: the daemon's ``swarmd_state_transfer_bytes_total``).
 
     ``timeout_s`` bounds the whole download (connect, headers, body), replacing the session's
     own timeouts, which are usually sized for small requests. ``expected(meta)`` may reject the
@@ -747,7 +755,8 @@ async def download_state(
     """
     decoder = StateStreamDecoder(max_total_bytes=max_total_bytes, limits=limits, expected=expected, url=url)
     try:
-        return await asyncio.wait_for(_download(session, url, decoder, executor, headers or {}), timeout_s)
+        return await asyncio.wait_for(_download(session, url, decoder, executor, headers or {}, on_received),
+                                      timeout_s)
     except StateTransferError:
         raise
     except asyncio.TimeoutError as exc:
@@ -761,7 +770,7 @@ async def download_state(
 
 async def _download(
     session: aiohttp.ClientSession, url: str, decoder: StateStreamDecoder, executor: Executor | None,
-    headers: Mapping[str, str],
+    headers: Mapping[str, str], on_received: Callable[[int], None] | None = None,
 ) -> StateSnapshot:
     loop = asyncio.get_running_loop()
     async with session.get(
@@ -778,6 +787,8 @@ async def _download(
                 f"the peer answered with {resp.content_type!r}, not {STATE_CONTENT_TYPE!r}", url=url
             )
         async for piece in resp.content.iter_chunked(_READ_BYTES):
+            if on_received is not None:
+                on_received(len(piece))
             if decoder.meta is None:
                 decoder.feed(piece)  # on the loop: the header is small and `expected` runs here
             else:

@@ -31,6 +31,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -72,6 +73,7 @@ class MigrationStatus:
     started_at: float = field(default_factory=time.time)
     error: str | None = None
     dropped_samples: int | None = None  # accumulated for the old stage when it was dropped
+    duration_s: float | None = None  # from the start to done, failed or cancelled
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -126,6 +128,8 @@ class Migrator:
         self.moving = False
         self.moved_at = -math.inf  # monotonic time of the last finished move
         self.last_throughput = 0.0  # measured on the stage the host left, announced until re-measured
+        # moves by how they ended (done, failed, cancelled) and requests refused: ``swarmd_migrations_total``
+        self.results: Counter[str] = Counter()
 
     @property
     def target(self) -> int | None:
@@ -141,6 +145,13 @@ class Migrator:
 
     async def request(self, stage: int, *, force: bool = False, reason: str = "by hand") -> dict[str, Any]:
         """Check a move to ``stage`` and start it in the background; MigrationRefused says why not."""
+        try:
+            return await self._request(stage, force=force, reason=reason)
+        except MigrationRefused:
+            self.results["refused"] += 1
+            raise
+
+    async def _request(self, stage: int, *, force: bool, reason: str) -> dict[str, Any]:
         host = self.host
         if host.state != PeerState.SERVING or self.moving or host.spec is None or host.stage is None:
             raise MigrationRefused(f"this peer is {host.state}; it can move only while serving")
@@ -196,6 +207,8 @@ class Migrator:
             host.state = PeerState.SERVING
         finally:
             self.moving = False
+            self.results[status.phase.value] += 1  # done, failed or cancelled
+            status.duration_s = round(time.time() - status.started_at, 3)
             host.resume_serving()
             if host.state == PeerState.SERVING:
                 host.start_averaging()

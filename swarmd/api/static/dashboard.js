@@ -141,17 +141,20 @@ function drawChart(id, series, xLabel, describe) {
 }
 
 function lossSeries(training) {
-  // the swarm's curve (merged from every daemon's DHT record) when there is one, else this daemon's trainers'
+  // The swarm's curve (merged from every daemon's DHT record, one point per merge) when other daemons' trainers
+  // report too, or when it has as many steps as this daemon's trainers' (one point per step); else theirs.
   const swarm = (training && training.swarm) || [];
   const local = (training && training.local) || [];
-  const useSwarm = swarm.filter((p) => p.loss !== null).length >= 2 || !local.length;
-  const rows = useSwarm ? swarm : local;
-  const byStep = (key) => {
+  const byStep = (rows, key) => {
     const seen = new Map();
     for (const p of rows) if (p[key] !== null && p[key] !== undefined) seen.set(p.step, p[key]);
     return [...seen.entries()].sort((a, b) => a[0] - b[0]);
   };
-  return { source: useSwarm ? "swarm" : "local", loss: byStep("loss"), val: byStep("val_loss"),
+  const swarmSteps = byStep(swarm, "loss").length;
+  const others = swarm.length && swarm[swarm.length - 1].publishers > 1;
+  const useSwarm = !local.length || (swarmSteps >= 2 && (others || swarmSteps >= byStep(local, "loss").length));
+  const rows = useSwarm ? swarm : local;
+  return { source: useSwarm ? "swarm" : "local", loss: byStep(rows, "loss"), val: byStep(rows, "val_loss"),
            rate: (useSwarm ? swarm : local).map((p) => [p.t, p.samples_per_s]) };
 }
 
@@ -181,16 +184,27 @@ function drawPeer(status, trainers) {
   const rounds = document.querySelector("#rounds tbody");
   const recent = ((status && status.averaging && status.averaging.recent) || []).slice(-10).reverse();
   rounds.replaceChildren(...(recent.length ? recent.map((r) => el("tr", {}, el("td", {}, r.step), el("td", {}, r.status),
-    el("td", { class: "num" }, r.samples), el("td", { class: "num" }, r.contributors), el("td", {}, String(r.leader || "").slice(0, 12))))
-    : [el("tr", {}, el("td", { colspan: 5, class: "muted" }, "none yet"))]));
+    el("td", { class: "num" }, r.samples), el("td", { class: "num" }, r.contributors),
+    el("td", { class: "num" }, r.duration_s === undefined ? "-" : `${fmt(r.duration_s, 2)} s`), el("td", {}, String(r.leader || "").slice(0, 12))))
+    : [el("tr", {}, el("td", { colspan: 6, class: "muted" }, "none yet"))]));
   const m = status && status.migration;
   const migration = document.getElementById("migration");
-  migration.textContent = m ? `stage ${m.from} → ${m.to}: ${m.phase} (${m.reason})${m.error ? ", " + m.error : ""}` : "none";
+  const counts = Object.entries((status && status.migrations) || {}).filter(([, n]) => n > 0).map(([k, n]) => `${n} ${k}`);
+  migration.textContent = (m ? `stage ${m.from} → ${m.to}: ${m.phase} (${m.reason})${m.error ? ", " + m.error : ""}` +
+    (m.duration_s !== null && m.duration_s !== undefined ? ` in ${fmt(m.duration_s, 1)} s` : "") : "none") +
+    (counts.length ? `; moves so far: ${counts.join(", ")}` : "");
   migration.className = m ? "" : "muted";
   const body = document.querySelector("#trainers tbody");
   body.replaceChildren(...((trainers && trainers.length) ? trainers.map((t) => el("tr", {}, el("td", {}, t.name + " " + t.trainer_id.slice(0, 8)),
     el("td", { class: "num" }, fmt(t.step, 0)), el("td", { class: "num" }, fmt(t.loss, 3)), el("td", { class: "num" }, fmt(t.samples_per_s)),
     el("td", {}, ago(t.last_seen_s)))) : [el("tr", {}, el("td", { colspan: 5, class: "muted" }, "none"))]));
+}
+
+// --precision (fp32 | bf16 | fp16) and, for fp16, the stage's loss scale and overflows so far
+function precisionText(p) {
+  if (!p) return "";
+  const scale = p.loss_scale !== null && p.loss_scale !== undefined ? `, loss scale ${p.loss_scale} (${p.overflows || 0} overflows)` : "";
+  return `, computing in ${p.mode}${scale}`;
 }
 
 async function refresh() {
@@ -199,7 +213,8 @@ async function refresh() {
   if (status) {
     document.getElementById("swarm-name").textContent = `swarm ${status.swarm}`;
     document.getElementById("summary").textContent = `This peer ${String(status.peer_id || "").slice(0, 12)} is ${status.state} on stage ` +
-      `${status.stage} of ${status.n_stages}, step ${status.step}, ${fmt(status.throughput)} samples/s, model ${status.model ? status.model.name : "-"}.`;
+      `${status.stage} of ${status.n_stages}, step ${status.step}, ${fmt(status.throughput)} samples/s, model ${status.model ? status.model.name : "-"}` +
+      `${precisionText(status.precision)}.`;
   } else if (needsToken) {
     document.getElementById("summary").textContent =
       "This daemon's status needs its API token when read from another machine: open this page as " +
