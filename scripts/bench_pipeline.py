@@ -17,8 +17,10 @@ Two runs of the same training job, one after the other, each in its own process(
   global batch per step, then wait until every stage has stepped).
 
 Why the comparison is fair: both draw the same samples (same corpus, seed, sampler and
-order; the swarm's trainer halves the first and last microbatch of a sync step unless
-``--no-taper``, which changes how the batch is grouped, not what it holds), compute the same loss and take the same optimizer steps (with ``--sync --codec
+order; the swarm's trainer tapers a sync step's ends unless ``--no-taper``: the first and last
+microbatch halved, then, once it has measured the stages, a ramp in quarters, ``2 4 6 8 6 4 2``
+for 32 in 8s (``swarmd.pipeline.partition.tapered_sizes``), which changes how the batch is
+grouped, not what it holds), compute the same loss and take the same optimizer steps (with ``--sync --codec
 none`` the per-step losses agree to float rounding, and the report says how closely), run
 with the same total number of torch threads, and are timed over the same steps: from the end
 of warm-up step ``W`` to the end of step ``W + N``, so start-up, corpus loading, first-call
@@ -87,6 +89,7 @@ from typing import Any
 import torch
 
 from swarmd.errors import ConfigError
+from swarmd.finite import strict_json_dumps
 from swarmd.local_swarm import DaemonProcess, DaemonStartError
 from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.optimizer import build_optimizer
@@ -119,7 +122,8 @@ class Settings:
     sync: bool
     threads: int
     delay_updates: bool = False
-    taper: bool = True  # the trainer halves a sync step's first and last microbatch (split_batch)
+    taper: bool = True  # the trainer tapers a sync step's ends (swarmd.pipeline.partition.tapered_sizes)
+    max_taper_depth: int = 2  # ... at most this finely (1: the halved ends only)
     partition: str = "equal"  # equal, balanced, or blocks per stage "3,1"
 
     @property
@@ -385,7 +389,7 @@ async def swarm_run(
     config = TrainerConfig(
         api=f"http://{founder.info['api_addr']}", steps=s.warmup + s.steps, batch_size=s.batch_size,
         microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window, sync=s.sync,
-        val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench", taper=s.taper,
+        val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench", taper=s.taper, max_taper_depth=s.max_taper_depth,
     )
     trainer = Trainer(config, events=window.observe)
     summary = await trainer.run()
@@ -615,8 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the swarm uses delayed parameter updates (staleness 1; meaningful without --sync, "
                    "and then not the same computation as the single run)")
     p.add_argument("--taper", action=argparse.BooleanOptionalAction, default=True,
-                   help="the swarm trainer halves a sync step's first and last microbatch, which shortens "
-                   "the pipeline's fill and drain; same samples, same gradient (default: --taper)")
+                   help="the swarm trainer tapers a sync step's ends (halves, then quarters once measured), "
+                   "which shortens the pipeline's fill and drain; same samples, same gradient (default: --taper)")
+    p.add_argument("--max-taper-depth", type=int, choices=(1, 2), default=2,
+                   help="the finest taper the trainer may use: 1 halves the ends only, 2 also ramps them in "
+                   "quarters once it has measured that a small microbatch is worth its request (default: 2)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the single run, split evenly over the daemons (default: CPU count)")
     p.add_argument("--profile", action="store_true", help="run the trainer's timed steps under cProfile")
@@ -631,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.single_child is not None:
-        print(json.dumps(single_run(Settings(**json.loads(args.single_child)))))
+        print(strict_json_dumps(single_run(Settings(**json.loads(args.single_child)))))
         return 0
     for name in ("steps", "warmup", "batch_size", "microbatch_size", "window", "threads"):
         if getattr(args, name) < 1:
@@ -644,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         preset=args.preset, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                         microbatch_size=args.microbatch_size, window=args.window, codec=args.codec,
                         sync=args.sync, threads=args.threads, delay_updates=args.delay_updates,
-                        taper=args.taper)
+                        taper=args.taper, max_taper_depth=args.max_taper_depth)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C does
@@ -667,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         if profile_text:
             print(profile_text, file=sys.stderr)
-        print(json.dumps(result))
+        print(strict_json_dumps(result))
     else:
         print_summary(result)
         if profile_text:

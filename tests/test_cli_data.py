@@ -195,7 +195,7 @@ def test_generate_decodes_with_the_models_tokenizer_and_refuses_another(
     from swarmd.pipeline.model import build_stage, tensors_digest
 
     tok = small_bpe(tmp_path)
-    spec = serve_cli.with_tokenizer(PRESETS["tiny"], tok, joining=False)
+    spec = serve_cli.with_tokenizer("tiny", tok, joining=False)
     exported = ExportedModel(spec)
     for k in range(spec.n_stages):
         params = {n: p.detach() for n, p in build_stage(spec, k).named_parameters()}

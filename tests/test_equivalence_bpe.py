@@ -20,7 +20,7 @@ from swarmd.train.shards import ShardStream, prepare
 from swarmd.train.tokenizer import HFTokenizer
 from swarmd.train.trainer import Trainer, TrainerConfig
 from tests.test_tokenizer import small_bpe
-from tests.test_training import MICRO, TINY, TRAINING, swarm
+from tests.test_training import MICRO, TRAINING, swarm
 
 SOURCE = ("json", "textwrap.py", "string.py")  # stdlib text to prepare: ~150 KB, 50k BPE ids
 
@@ -35,7 +35,7 @@ async def test_swarm_training_on_bpe_shards_equals_single_process_training(tmp_p
             (src / f"{name}_{file.name}").write_bytes(file.read_bytes())
     prepare(src, tmp_path / "shards", tokenizer=tok, shard_tokens=8192, val_fraction=0.05)
     # the founder's --tokenizer: the preset with the file's vocabulary and digest
-    spec = replace(with_tokenizer(TINY, path, joining=False), name="eq-bpe")
+    spec = replace(with_tokenizer("tiny", path, joining=False), name="eq-bpe")
     assert spec.vocab_size == tok.vocab_size and spec.tokenizer == tok.digest
     steps, seed = 3, 0
     async with swarm(spec, TRAINING) as daemons:  # 2 stages x 2 peers

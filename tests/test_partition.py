@@ -132,3 +132,19 @@ def test_the_partition_flag_cuts_a_founded_model_before_it_is_published() -> Non
         config_from_args(parser.parse_args(["--join", "127.0.0.1:1", "--partition", "balanced", "--device", "cpu"]))
     with pytest.raises(ConfigError, match="holds 5 blocks"):
         config_from_args(parser.parse_args(["--model", "small", "--partition", "4,1", "--device", "cpu"]))
+
+
+def test_a_tokenizer_vocabulary_is_weighed_before_a_model_file_is_balanced(tmp_path) -> None:
+    from swarmd.pipeline.partition import balanced_partition_of
+    from swarmd.pipeline.spec import load_spec
+
+    path = tmp_path / "six.json"  # small's width, 6 blocks, a byte vocabulary: balanced is the equal cut
+    path.write_text('{"d_model": 256, "n_heads": 8, "d_ff": 1024, "layers_per_stage": 3, "n_stages": 2, '
+                    '"vocab_size": 256, "seq_len": 128, "partition": "balanced"}')
+    digest = "ab" * 32
+    assert load_spec(str(path)).blocks_per_stage == (3, 3)
+    wide = load_spec(str(path), vocab=(8192, digest))  # a real tokenizer's head: a block moves to stage 0
+    assert (wide.vocab_size, wide.tokenizer) == (8192, digest)
+    assert wide.blocks_per_stage == (4, 2) == balanced_partition_of(dataclasses.replace(wide, partition=()))
+    preset = load_spec("small", vocab=(8192, digest))
+    assert (preset.vocab_size, preset.tokenizer, preset.blocks_per_stage) == (8192, digest, (2, 2))

@@ -67,12 +67,21 @@ async def test_a_sync_step_starts_with_its_first_microbatch_alone(monkeypatch) -
     monkeypatch.setattr(trainer, "_swarm_step", step_zero)
     monkeypatch.setattr(trainer, "_wait_all_stepped", nothing)
     monkeypatch.setattr(trainer, "_finish_step", nothing)
+    monkeypatch.setattr(trainer, "_refresh_view", nothing)
     data = torch.randint(0, 256, (10_000,), generator=torch.Generator().manual_seed(0))
     await trainer._run_sync(BatchSampler(data, TINY.seq_len, seed=0), [])
-    assert len(events) == 2 * 6
-    for step in (events[:6], events[6:]):
+    assert len(events) == 2 * 10  # nothing measured: the halved taper (2 4 4 4 2), the first one leading
+    for step in (events[:10], events[10:]):
         assert step[:2] == [("start", 2, True), ("first forward back",)]
-        assert sorted(e[1] for e in step[2:]) == [2, 4, 4, 4]
+        assert sorted(e[1] for e in step[2:] if e[0] == "start") == [2, 4, 4, 4]
+    # measured latencies worth a quarter ramp (1 2 3 4 3 2 1 here): each waits for the one before's forward
+    events.clear()
+    for k, router in enumerate(trainer.routers):
+        router.update_peers({f"peer{k}": f"127.0.0.1:{4000 + k}"})
+        router.report_success(f"peer{k}", 4, 4 * 0.03, "backward")
+    await trainer._run_sync(BatchSampler(data, TINY.seq_len, seed=0), [])
+    one_step = [event for size in (1, 2, 3, 4, 3, 2, 1) for event in (("start", size, True), ("first forward back",))]
+    assert events == one_step * 2
 
 
 async def test_async_trainer_paces_itself_so_few_microbatches_are_redone() -> None:

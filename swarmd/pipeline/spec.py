@@ -430,14 +430,22 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def load_spec(preset_or_path: str) -> ModelSpec:
+def load_spec(preset_or_path: str, *, vocab: tuple[int, str] | None = None) -> ModelSpec:
     """Resolve a preset name (see :data:`PRESETS`) or a JSON model file into a spec.
 
     A model file holds a JSON object of :class:`ModelSpec` fields; ``name`` defaults to the
     file's stem. Preset names win over files of the same name in the working directory.
+
+    ``vocab``: ``(vocab_size, tokenizer digest)`` of a tokenizer file (``--tokenizer``), which
+    replace the model's own. They are applied before a file's ``"partition": "balanced"`` (or
+    ``"measured"``) is resolved, since the head's cost grows with the vocabulary: applied
+    afterwards, the cut would balance a model that is not the one trained.
     """
     if preset_or_path in PRESETS:
-        return PRESETS[preset_or_path]
+        preset = PRESETS[preset_or_path]
+        if vocab is None:
+            return preset
+        return dataclasses.replace(preset, vocab_size=vocab[0], tokenizer=vocab[1])
     path = Path(preset_or_path)
     presets = ", ".join(sorted(PRESETS))
     if not path.exists():
@@ -462,6 +470,8 @@ def load_spec(preset_or_path: str) -> ModelSpec:
             f"got {type(data).__name__}"
         )
     data.setdefault("name", path.stem)
+    if vocab is not None:
+        data["vocab_size"], data["tokenizer"] = vocab
     partition = data.get("partition")
     computed = partition if isinstance(partition, str) and partition.strip() in _COMPUTED_PARTITIONS else None
     if computed is not None:
