@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -37,22 +37,17 @@ TRAINING = TrainingSpec(target_batch_size=8, lr=3e-3, warmup_steps=1, averaging_
 CEILING_S = 20.0  # the trainer's request timeout: what each attempt would cost without per-peer timeouts
 
 
-class Tarpit:
-    """An HTTP server that never answers a POST; with ``progress_from``, it answers progress polls
-    with what that (honest) peer answers."""
+_Fake = TypeVar("_Fake", bound="FakePeer")
 
-    def __init__(self, progress_from: str | None = None, identity: Identity | None = None, stage: int = 0) -> None:
-        self.progress_from = progress_from
-        self.identity = identity or Identity.generate()
-        self.stage = stage
-        self.requests: Counter[str] = Counter()
-        self.holding = 0
-        self.max_holding = 0
-        self._never = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-        self.addr = ""
 
-    async def __aenter__(self) -> Tarpit:
+class FakePeer:
+    """An HTTP server on a loopback port that answers every request with its ``_handle``: the
+    fake peers below differ only in that."""
+
+    addr = ""
+    _runner: web.AppRunner | None = None
+
+    async def __aenter__(self: _Fake) -> _Fake:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
@@ -66,6 +61,23 @@ class Tarpit:
     async def __aexit__(self, *exc: object) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+class Tarpit(FakePeer):
+    """An HTTP server that never answers a POST; with ``progress_from``, it answers progress polls
+    with what that (honest) peer answers."""
+
+    def __init__(self, progress_from: str | None = None, identity: Identity | None = None, stage: int = 0) -> None:
+        self.progress_from = progress_from
+        self.identity = identity or Identity.generate()
+        self.stage = stage
+        self.requests: Counter[str] = Counter()
+        self.holding = 0
+        self.max_holding = 0
+        self._never = asyncio.Event()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests[f"{request.method} {request.path}"] += 1
@@ -96,32 +108,15 @@ class Tarpit:
         return sum(self.requests[f"POST /v1/{kind}"] for kind in ("forward", "backward", "reserve"))
 
 
-class Mirror:
+class Mirror(FakePeer):
     """Answers ``/v1/proof`` with its own signature and ``/v1/progress`` with ``mirror``'s answer
     under its own id; every other request has its connection cut (it never contributes)."""
 
     def __init__(self, mirror: str, identity: Identity, stage: int) -> None:
         self.mirror, self.identity, self.stage = mirror, identity, stage
-        self.addr = ""
         self.polls = 0
         self.proofs = 0
         self.dropped = 0
-        self._runner: web.AppRunner | None = None
-
-    async def __aenter__(self) -> Mirror:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
-        self.addr = f"{host}:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     async def _mirrored(self, query: Any) -> dict[str, Any]:
         async with aiohttp.ClientSession() as s, s.get(f"http://{self.mirror}/v1/progress", params=query) as r:
