@@ -201,3 +201,21 @@ async def test_aclose_cancels_newcomers_polls_still_out() -> None:
         await client.aclose()
         assert late == [] and client.newcomer_stats["left_running"] == 1
         assert not client._late  # noqa: SLF001 - nothing left running
+
+
+async def test_the_reported_rate_spans_a_window_not_the_time_since_the_last_heartbeat(monkeypatch) -> None:
+    """A final report right after a heartbeat used to say 0 samples/s; a stalled trainer's rate
+    falls to 0 once it has seen no step for the window."""
+    clock = [100.0]
+    monkeypatch.setattr(swarm_client.time, "monotonic", lambda: clock[0])
+    async with aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
+        client = SwarmClient("http://127.0.0.1:1", http=http, data=data)
+        assert client.samples_per_s() == 0.0
+        for step in range(1, 11):  # 32 samples a second for 10 s
+            clock[0] += 1.0
+            client.observe_step(step, 5.0, 32 * step)
+        assert client._report()["samples_per_s"] == pytest.approx(32.0)
+        assert client._report()["samples_per_s"] == pytest.approx(32.0)  # a second report at once: the same
+        clock[0] += swarm_client.RATE_WINDOW_S + 1  # stalled for longer than the window
+        assert client.samples_per_s() == 0.0
+        assert len(client._seen) == 1  # the window keeps what it needs, not every step ever seen

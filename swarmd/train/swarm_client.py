@@ -22,6 +22,7 @@ import functools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ PROBATION_PROGRESS_TIMEOUT_S = 3.0
 #: How long the last report may take when the trainer finishes.
 FLUSH_TIMEOUT_S = 5.0
 
+
+RATE_WINDOW_S = 30.0  # the span of the samples/s a trainer reports with its heartbeats
 
 class TrainerError(SwarmdError):
     """The trainer cannot go on (no peer for a stage within the timeout, a refused request)."""
@@ -111,8 +114,9 @@ class SwarmClient:
         self._answered: set[str] = set()  # peers that answered this client's last poll of them
         self._late: dict[str, asyncio.Task[PeerProgress]] = {}  # newcomers' polls left running in the background
         self.newcomer_stats = {"probed": 0, "left_running": 0, "over_budget": 0}  # counts of never-seen peers' polls
-        self._rate = 0.0
-        self._rate_from: tuple[float, int] | None = None  # (monotonic, samples) at the last heartbeat
+        # (monotonic, samples) at each step seen in the last RATE_WINDOW_S: the reported rate spans that
+        # window, not the time since the last heartbeat (a final report right after one said 0 samples/s)
+        self._seen: deque[tuple[float, int]] = deque()
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -147,22 +151,33 @@ class SwarmClient:
         def finite(v: float | None) -> float | None:
             return v if v is not None and math.isfinite(v) else None
 
-        if self._rate_from is None:
-            self._rate_from = (time.monotonic(), self._samples)
         self._samples = samples
+        self._seen.append((time.monotonic(), samples))  # the first one only starts the window
+        self._prune(time.monotonic())
         self._retries, self._bans = retries, bans
         if spot_checks is not None:
             self._spot_checks = dict(spot_checks)
         self._steps.append({"step": step, "loss": finite(loss), "val_loss": finite(val_loss)})
         del self._steps[:-MAX_REPORT_STEPS]  # a long silence: the newest steps are the ones to show
 
+    def samples_per_s(self, now: float | None = None) -> float:
+        """This trainer's samples per second over the last :data:`RATE_WINDOW_S` (0 once it has
+        seen no step for that long): a rate that neither says 0 right after a heartbeat nor
+        stays high while the trainer is stalled."""
+        now = time.monotonic() if now is None else now
+        self._prune(now)
+        if not self._seen or now <= self._seen[0][0]:
+            return 0.0
+        t0, s0 = self._seen[0]
+        return max(0.0, (self._samples - s0) / (now - t0))
+
+    def _prune(self, now: float) -> None:
+        while len(self._seen) > 1 and self._seen[1][0] <= now - RATE_WINDOW_S:
+            self._seen.popleft()  # keep the newest observation before the window as its start
+
     def _report(self) -> dict[str, object]:
-        now = time.monotonic()
-        if self._rate_from is not None and now > self._rate_from[0]:
-            self._rate = max(0.0, (self._samples - self._rate_from[1]) / (now - self._rate_from[0]))
-            self._rate_from = (now, self._samples)
         report: dict[str, object] = {"steps": list(self._steps), "samples": self._samples,
-                                     "samples_per_s": round(self._rate, 3), "retries": self._retries,
+                                     "samples_per_s": round(self.samples_per_s(), 3), "retries": self._retries,
                                      "bans": self._bans}
         if self._spot_checks is not None:
             report["spot_checks"] = self._spot_checks
@@ -186,9 +201,12 @@ class SwarmClient:
             log.warning("heartbeat to %s failed: %s", url, exc)
             return True
 
-    async def flush(self) -> None:
-        """Report the last steps when the trainer finishes (bounded: a gone daemon costs seconds)."""
-        if not self._steps:
+    async def flush(self, samples: int | None = None) -> None:
+        """Report the last steps when the trainer finishes, and its final count of ``samples``
+        (what completed after the last step it saw counts too); bounded: a gone daemon costs seconds."""
+        if samples is not None and samples != self._samples:
+            self._samples = samples
+        elif not self._steps:
             return
         try:
             await asyncio.wait_for(self.heartbeat(), FLUSH_TIMEOUT_S)

@@ -400,7 +400,7 @@ class Trainer:
                     task.cancel()
                 await asyncio.gather(heartbeat, *self._check_tasks, return_exceptions=True)
                 self.summary.verify = self.checks.to_json()
-                await self._swarm.flush()  # the last steps' losses, for the daemons' curves
+                await self._swarm.flush(self.summary.samples)  # the last steps' losses and the final count
                 await self._swarm.unregister()
         s = self.summary
         s.elapsed_s = round(time.monotonic() - started, 3)
