@@ -121,7 +121,13 @@ async def _flood(d, n: int, rng: random.Random, statuses: Counter[int]) -> None:
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def test_10000_malformed_requests_grow_rss_by_less_than_50_mb(spawn) -> None:  # noqa: ANN001
+async def test_10000_malformed_requests_grow_rss_by_less_than_100_mb(spawn) -> None:  # noqa: ANN001
+    """RSS after 10,000 hostile requests stays within 100 MiB of where it was after 500. The bound
+    was 50 MiB until the flood's mix gained proof challenges (issue 18): with them the daemon's RSS
+    climbs ~30-70 MiB over the first 10,000-20,000 requests and then stays flat (2026-12-01, four
+    floods of 10,000 in a row: 412 -> 441 -> 486 -> 487 -> 492 MiB; without the proof requests
+    +15 MiB; 1,000 valid proofs alone +0.3 MiB), so the warm-up, not a leak, crossed 50 MiB.
+    A leak of 10 KB per request still fails it."""
     d = spawn("--model", "tiny", "--stage", "0", "--swarm", "hostile")
     await asyncio.to_thread(d.wait_ready)
     pid = d.proc.pid
@@ -140,7 +146,7 @@ async def test_10000_malformed_requests_grow_rss_by_less_than_50_mb(spawn) -> No
           f"{rss1 / 2**20:.1f} MiB, growth {growth:+.1f} MiB; statuses {dict(sorted(statuses.items()))}")
     assert all(status < 500 for status in statuses), statuses
     assert statuses[413] and statuses[400] and statuses[422] and statuses[415], statuses
-    assert growth < 50, f"RSS grew by {growth:.1f} MiB"
+    assert growth < 100, f"RSS grew by {growth:.1f} MiB"
     async with aiohttp.ClientSession() as session:
         assert torch.equal(await forward(session, d.data), before)
         async with session.get(f"{d.api}/status") as r:
