@@ -361,7 +361,7 @@ def test_a_sharded_sampler_starts_on_its_shard_stays_disjoint_and_moves_on() -> 
     to the next shard after one pass over theirs, so a trainer alone still sees all of its data."""
     seq_len, count = 8, 4
     data = torch.arange(4 * 400, dtype=torch.long)  # each id says where it lies: shard k holds [400k, 400k + 400)
-    samplers = [BatchSampler(data, seq_len, seed=k, shard=(k, count)) for k in range(count)]
+    samplers = [BatchSampler(data, seq_len, seed=k, shards=(k, count)) for k in range(count)]
     per_pass = 400 // seq_len  # 50 windows: one pass over a shard
     for _ in range(per_pass // 5):
         for k, s in enumerate(samplers):
@@ -369,15 +369,15 @@ def test_a_sharded_sampler_starts_on_its_shard_stays_disjoint_and_moves_on() -> 
             assert torch.equal(x[:, 1:], y[:, :-1])
             assert bool(((y // 400) == k).all()), k  # every window, targets included, inside shard k
     assert [s.current_shard for s in samplers] == [1, 2, 3, 0]  # one pass each: all moved on, still disjoint
-    lone = BatchSampler(data, seq_len, seed=9, shard=(2, count))
+    lone = BatchSampler(data, seq_len, seed=9, shards=(2, count))
     seen = {int(lone.sample(per_pass)[1][0, 0]) // 400 for _ in range(count)}
     assert seen == {0, 1, 2, 3}  # alone, it covers the whole split
     state = lone.state_dict()
-    resumed = BatchSampler(data, seq_len, seed=0, shard=(2, count))
+    resumed = BatchSampler(data, seq_len, seed=0, shards=(2, count))
     resumed.load_state_dict(state)
     assert resumed.current_shard == lone.current_shard == 2 and torch.equal(resumed.sample(3)[0], lone.sample(3)[0])
-    assert BatchSampler(data[:35], seq_len, shard=(1, count)).current_shard is None  # 8 ids a shard: too few to cut
-    plain, whole = BatchSampler(data, seq_len, seed=5), BatchSampler(data, seq_len, seed=5, shard=(0, 1))
+    assert BatchSampler(data[:35], seq_len, shards=(1, count)).current_shard is None  # 8 ids a shard: too few to cut
+    plain, whole = BatchSampler(data, seq_len, seed=5), BatchSampler(data, seq_len, seed=5, shards=(0, 1))
     assert torch.equal(plain.sample(6)[0], whole.sample(6)[0])  # one shard is the whole split, drawn as before
     with pytest.raises(ValueError, match="shard index"):
-        BatchSampler(data, seq_len, shard=(4, count))
+        BatchSampler(data, seq_len, shards=(4, count))

@@ -389,16 +389,16 @@ class BatchSampler:
     ``torch.Generator`` seeded with ``seed``, so the sequence of batches is fixed by the seed
     and, through :meth:`state_dict`, resumable.
 
-    With ``shard=(index, count)`` the split is cut as :func:`shard` cuts it and the windows come
+    With ``shards=(index, count)`` the split is cut by :func:`shard` and the windows come
     from one shard at a time, starting at shard ``index`` and moving to the next (mod ``count``)
     after as many windows as the shard holds (one pass, in expectation). Trainers of one swarm
     start on the shards of their ranks, so trainers drawing at similar rates stay on disjoint
     shards, and a trainer alone still covers the whole split instead of one ``count``-th of it.
-    A split too small to give every shard one window is sampled whole, as without ``shard``.
+    A split too small to give every shard one window is sampled whole, as without ``shards``.
     """
 
     def __init__(self, data: Tokens, seq_len: int, *, seed: int = 0,
-                 shard: tuple[int, int] | None = None) -> None:
+                 shards: tuple[int, int] | None = None) -> None:
         _check_windows(data, seq_len)
         self.data = data
         self.seq_len = seq_len
@@ -406,36 +406,35 @@ class BatchSampler:
         self._offsets = torch.arange(seq_len + 1)
         self._gen = torch.Generator().manual_seed(seed)
         self.drawn = 0  # windows sampled so far (moves the shard along; part of the state)
-        self._shard: tuple[int, int] | None = None
-        self._shard_size = data.numel()
-        if shard is not None:
-            index, count = shard
-            if not 0 <= index < count:
-                raise ValueError(f"shard index {index} is not in [0, {count})")
-            size = data.numel() // count
-            if count > 1 and size >= seq_len + 1:
-                self._shard, self._shard_size = (index, count), size
+        self._first = 0
+        self._parts: list[Tokens] = []  # the shards, cut by shard(); empty: the whole split
+        if shards is not None:
+            self._first, count = shards
+            if not 0 <= self._first < count:
+                raise ValueError(f"shard index {self._first} is not in [0, {count})")
+            parts = [shard(data, k, count, seq_len) for k in range(count)]
+            if count > 1 and parts[0] is not data:  # shard() returns the split whole when it is too small
+                self._parts = parts
 
     @property
     def current_shard(self) -> int | None:
         """The shard the next batch is drawn from (None: the whole split)."""
-        if self._shard is None:
+        if not self._parts:
             return None
-        index, count = self._shard
-        return (index + self.drawn // max(1, self._shard_size // self.seq_len)) % count
+        per_pass = max(1, self._parts[0].numel() // self.seq_len)  # windows in one pass over a shard
+        return (self._first + self.drawn // per_pass) % len(self._parts)
 
     def sample(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, both int64 ``[batch_size, seq_len]``."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         current = self.current_shard
+        data = self.data if current is None else self._parts[current]
         starts = torch.randint(
-            0, self._shard_size - self.seq_len, (batch_size,), generator=self._gen
+            0, data.numel() - self.seq_len, (batch_size,), generator=self._gen
         )
-        if current is not None:
-            starts += current * self._shard_size
         self.drawn += batch_size
-        return _windows(self.data, starts, self._offsets)
+        return _windows(data, starts, self._offsets)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "seq_len": self.seq_len, "generator": self._gen.get_state(),

@@ -379,7 +379,7 @@ class Trainer:
             first = None
             if index is not None and cfg.data_shards > 1 and not cfg.sync:  # a sync trainer trains alone: all of it
                 first = (index % cfg.data_shards, cfg.data_shards)  # starts there, then moves on shard by shard
-            sampler = BatchSampler(corpus.train, spec.seq_len, seed=cfg.seed, shard=first)
+            sampler = BatchSampler(corpus.train, spec.seq_len, seed=cfg.seed, shards=first)
             self.summary.shard = sampler.current_shard
             validation = val_batches(corpus.val, spec.seq_len, cfg.microbatch_size, cfg.val_batches)
             heartbeat = asyncio.create_task(self._swarm.keep_registered(cfg.heartbeat_s, self._registered_again),
