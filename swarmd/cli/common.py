@@ -136,6 +136,16 @@ def load_swarm_key(path: Path | str | None) -> SwarmKey | None:
 # ---- logging ------------------------------------------------------------------------------------
 
 
+def add_text_source(parser: argparse.ArgumentParser, *,
+                    data_help: str = "a text file, .jsonl file or folder (default: the Python standard library's "
+                    "sources)") -> None:
+    """``--data`` and ``--text-field``: where a command reads text, spelled alike in every command
+    (``swarmd train``, ``swarmd data prepare``, ``swarmd tokenizer train``)."""
+    parser.add_argument("--data", default=None, metavar="PATH", help=data_help)
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the field of a .jsonl record that holds its text (default: text)")
+
+
 def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
     """``--log-level`` and ``--log-format`` with one spelling and one set of choices for every command."""
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,

@@ -20,6 +20,7 @@ from swarmd.cli.common import (
     EXIT_USAGE,
     Parser,
     add_log_level,
+    add_text_source,
     non_negative_int,
     positive_int,
     setup_logging,
@@ -44,13 +45,10 @@ def build_parser(prog: str = "swarmd data") -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="action", required=True, metavar="{prepare,info}", parser_class=Parser)
     pr = sub.add_parser("prepare", help="tokenize a corpus into .bin shards plus an index",
                         description="Tokenize a corpus once into .bin shards (numpy memmap) plus index.json.")
-    pr.add_argument("--data", default=None, metavar="PATH",
-                    help="a text file, .jsonl file or folder (default: the Python standard library's sources)")
+    add_text_source(pr)
     pr.add_argument("--tokenizer", type=Path, default=None, metavar="FILE",
                     help="a Hugging Face tokenizers JSON file, the swarm's (default: byte-level)")
     pr.add_argument("--out", type=Path, required=True, metavar="DIR", help="an empty or new folder for the shards")
-    pr.add_argument("--text-field", default="text", metavar="NAME",
-                    help="the field of a .jsonl record that holds its text (default: text)")
     pr.add_argument("--val-fraction", type=fraction, default=0.005, metavar="F",
                     help="the held-out share of the text, the tail of the seeded file order (default: 0.005)")
     pr.add_argument("--seed", type=non_negative_int, default=0, help="the order files are read in (default: 0)")

@@ -19,6 +19,7 @@ from swarmd.cli.common import (
     EXIT_USAGE,
     Parser,
     add_log_level,
+    add_text_source,
     non_negative_int,
     positive_int,
     setup_logging,
@@ -33,13 +34,10 @@ def build_parser(prog: str = "swarmd tokenizer") -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="action", required=True, metavar="{train,info}", parser_class=Parser)
     t = sub.add_parser("train", help="train a byte-level BPE tokenizer on local text (offline)",
                        description="Train a byte-level BPE tokenizer (GPT-2's pre-tokenizer, <|endoftext|> as id 0).")
-    t.add_argument("--data", default=None, metavar="PATH",
-                   help="a text file, .jsonl file or folder (default: the Python standard library's sources)")
+    add_text_source(t)
     t.add_argument("--vocab-size", type=positive_int, required=True, metavar="N",
                    help="token ids the tokenizer may use (at least 257: 256 bytes + <|endoftext|>)")
     t.add_argument("--out", type=Path, required=True, metavar="FILE", help="the tokenizer JSON file to write")
-    t.add_argument("--text-field", default="text", metavar="NAME",
-                   help="the field of a .jsonl record that holds its text (default: text)")
     t.add_argument("--max-bytes", type=positive_int, default=None, metavar="N",
                    help="train on at most N bytes of text (default: all of it)")
     t.add_argument("--min-frequency", type=positive_int, default=2, metavar="N",

@@ -23,6 +23,7 @@ from swarmd.cli.common import (
     EXIT_USAGE,
     Parser,
     add_log_level,
+    add_text_source,
     load_swarm_key,
     non_negative_int,
     positive_int,
@@ -51,14 +52,11 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
     p.add_argument("--swarm-key", default=None, metavar="FILE",
                    help="a private swarm's key file (the one its daemons were given with --swarm-key): "
                    "the stages refuse requests not signed with it")
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="a text file, .jsonl file or folder to train on, or a folder written by 'swarmd data prepare' "
-                   "(streamed from its shards) (default: the Python standard library's sources)")
+    add_text_source(p, data_help="a text file, .jsonl file or folder to train on, or a folder written by 'swarmd "
+                    "data prepare' (streamed from its shards) (default: the Python standard library's sources)")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="the swarm's Hugging Face tokenizers JSON file (its digest must be the model's; default: "
                    "byte-level, or a prepared --data folder's own)")
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="the field of a .jsonl record that holds its text (default: text)")
     p.add_argument("--data-shards", type=positive_int, default=16, metavar="N",
                    help="cut the training data into N disjoint shards; an async trainer draws from one at a time, "
                         "starting at its own and moving on after one pass over it (default: 16)")
