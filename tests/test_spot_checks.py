@@ -221,7 +221,9 @@ async def test_liars_in_a_2x3_swarm_are_caught_reported_and_excluded_while_train
         liars = {liar0.peer_id, liar1.peer_id}
         honest = [d for d in daemons if d.peer_id not in liars]
         caught: set[str] = set()
-        for attempt in range(4):  # two trainers at a time until both liars were reported by two of them
+        # two trainers at a time until both liars were reported by two of them: each pair routes at random, so
+        # a pair may not reach one liar at all (4 pairs fell short once in CI, 2026-12-01: 3 of 4 reports)
+        for attempt in range(6):
             trainers = [Trainer(trainer_config(api, f"t{attempt}{k}", steps=3, seed=10 * attempt + k))
                         for k in range(2)]
             summaries = await asyncio.gather(*(t.run() for t in trainers))
