@@ -222,6 +222,21 @@ async def get_json(client: httpx.AsyncClient, url: str) -> dict | None:
         return None
 
 
+async def agreed_statuses(client: httpx.AsyncClient, daemons: list[DaemonProcess], timeout: float = 30.0) -> list[dict]:
+    """The daemons' /status once all of them hold the same step and params digest, or after
+    ``timeout`` as they are (the caller's assertion then says who differs). A sync trainer
+    ends once the peers it routes to have stepped; a stage-mate it does not route to (one it
+    banned while it was frozen, never having called it before) may still be one resync behind."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [await get_json(client, f"{d.api}/status") for d in daemons]
+        if all(states) and len({(s["step"], s["params_digest"]) for s in states}) == 1:
+            return states
+        if time.monotonic() > deadline:
+            return [s or {"step": None, "params_digest": None, "averaging": {"recent": []}} for s in states]
+        await asyncio.sleep(0.1)
+
+
 def ok_rounds(statuses: list[dict]) -> dict[int, int]:
     """step -> samples of the stage's successful round at that step, from the survivors' books."""
     rounds: dict[int, int] = {}
@@ -323,7 +338,7 @@ async def test_a_peer_killed_mid_all_reduce_is_left_out_within_the_timeout(tmp_p
             took = time.monotonic() - killed_at
             summary = await asyncio.wait_for(run, 120)
             survivors = [d for d in procs if d is not victim]
-            statuses = [(await client.get(f"{d.api}/status")).json() for d in survivors]
+            statuses = await agreed_statuses(client, survivors)
     finally:
         await stop(run, procs)
 
@@ -355,7 +370,8 @@ async def test_the_leader_killed_mid_all_reduce_hangs_no_one(tmp_path, monkeypat
         stopped = ids[max(ids)]
         other = next(d for d in procs if d not in (leader, stopped))  # the trainer's daemon must live
         ctl.write_text(json.dumps({"victim": stopped.info["peer_id"], "min_step": 1}))
-        run = asyncio.create_task(trainer(other.api).run())
+        train = trainer(other.api)
+        run = asyncio.create_task(train.run())
         async with httpx.AsyncClient() as client:
             progress = await freeze_victim_mid_round(client, procs, ctl, stopped, leader)
             step = progress["fired"]["step"]
@@ -373,14 +389,16 @@ async def test_the_leader_killed_mid_all_reduce_hangs_no_one(tmp_path, monkeypat
             await wait_for(stepped, 60, "the survivors step without the leader")
             took = time.monotonic() - killed_at
             summary = await asyncio.wait_for(run, 120)
-            statuses = [(await client.get(f"{d.api}/status")).json() for d in survivors]
+            statuses = await agreed_statuses(client, survivors)
             dropped = sum([(await client.get(f"{d.data}/v1/progress")).json()["dropped_samples"] for d in survivors])
     finally:
         await stop(run, procs)
 
     assert took < timeout_s, took  # nobody waited out the dead leader's round
     assert summary.steps == STEPS and summary.microbatches_issued == summary.microbatches_completed
-    assert {(s["step"], s["params_digest"]) for s in statuses} == {(STEPS, statuses[0]["params_digest"])}
+    assert {(s["step"], s["params_digest"]) for s in statuses} == {(STEPS, statuses[0]["params_digest"])}, (
+        [(d.info["peer_id"][:12], s["step"]) for d, s in zip(survivors, statuses, strict=True)],
+        train.routers[0].snapshot())
     # step `step` was taken by the survivors under a new leader
     at_step = [r for s in statuses for r in s["averaging"]["recent"] if r["step"] == step and r["status"] == "ok"]
     assert at_step and {r["leader"] for r in at_step} <= {d.info["peer_id"] for d in survivors}

@@ -208,6 +208,13 @@ def bundles(draw: st.DrawFn, good: bytes) -> tuple[str, bytes]:
     return family, encode_bundle([bytes(raw)])
 
 
+def is_empty_array(bundle: bytes) -> bool:
+    try:
+        return msgpack.unpackb(bundle, strict_map_key=False) == []
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError):
+        return False
+
+
 def test_garbage_bundles_stored_over_udp_are_refused_counted_and_never_held() -> None:
     """The record decoder behind a real ``store`` RPC: only what ``open_record`` accepts is held."""
     with two_nodes() as nodes:
@@ -231,7 +238,7 @@ def test_garbage_bundles_stored_over_udp_are_refused_counted_and_never_held() ->
                     return
                 assert answer is False
                 assert target.storage.records(key) == held, (family, bundle)
-                empty = family == "msgpack" and msgpack.unpackb(bundle, strict_map_key=False) == []
+                empty = is_empty_array(bundle)  # no record to refuse (random bytes may be one too: b"\x90")
                 assert empty or sum(target.storage.rejected.values()) > before, (family, bundle)
 
             fuzz()
