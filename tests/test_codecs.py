@@ -78,6 +78,46 @@ def test_import_is_lazy_about_bitsandbytes() -> None:
     assert subprocess.run([sys.executable, "-W", "error", "-c", code], timeout=60).returncode == 0
 
 
+def test_bitsandbytes_is_imported_without_compiling_its_kernels() -> None:
+    """bitsandbytes' import-time ``torch.compile`` calls would load Inductor (seconds per daemon
+    start-up): the warm-up must not, must leave ``torch.compile`` as it found it, and the 8-bit
+    codec must still round-trip."""
+    code = """if True:
+        import sys, torch
+        compile_ = torch.compile
+        from swarmd.net import codecs
+        codecs.warm_up()
+        assert 'bitsandbytes' in sys.modules, 'no import'
+        assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor loaded'
+        assert torch.compile is compile_, 'torch.compile not restored'
+        x = torch.randn(4096)
+        c = codecs.get_codec('8bit')
+        assert (c.decode(c.encode(x), torch.float32, (4096,)) - x).abs().max() <= 0.02 * x.abs().max()
+    """
+    done = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_compile_stand_in_passes_other_code_through() -> None:
+    from swarmd.net.codecs import _not_for_bitsandbytes
+
+    seen: list[object] = []
+
+    def compile_(model: object, **kwargs: object) -> str:
+        seen.append((model, kwargs))
+        return "compiled"
+
+    def theirs() -> None: ...
+
+    def bnb_kernel() -> None: ...
+
+    bnb_kernel.__module__ = "bitsandbytes.backends.default.ops"
+    stand_in = _not_for_bitsandbytes(compile_)
+    assert stand_in(bnb_kernel, dynamic=False) is bnb_kernel and stand_in()(bnb_kernel) is bnb_kernel
+    assert stand_in(theirs, dynamic=False) == "compiled" and stand_in(mode="max")(theirs) == "compiled"
+    assert seen == [(theirs, {"dynamic": False}), (theirs, {"mode": "max"})]
+
+
 # --- none ----------------------------------------------------------------------------------------
 
 
