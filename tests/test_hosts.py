@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from scripts.netlab import Lab, Shape, nat_problem
 
-from swarmd.local_swarm import DaemonProcess
+from swarmd.local_swarm import DaemonProcess, stop_all
 from tests.test_training import TINY, TRAINING, reference_run
 
 DRIVER = Path(__file__).resolve().parent / "hosts_driver.py"
@@ -94,8 +94,7 @@ class Swarm:
         return int(done.stdout)
 
     def close(self) -> None:
-        for d in self.daemons.values():
-            d.stop(15)
+        stop_all(list(self.daemons.values()), 15)
 
 
 @pytest.fixture

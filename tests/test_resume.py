@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmd.local_swarm import DaemonProcess
+from swarmd.local_swarm import DaemonProcess, stop_all
 from swarmd.train.trainer import Trainer, TrainerConfig
 
 pytestmark = pytest.mark.timeout(240)
@@ -55,21 +55,6 @@ async def swarm_of_two(workdir: Path, *, founder_args: list[str], joiner_args: l
         await asyncio.to_thread(stop_all, [founder, joiner])
         raise
     return [founder, joiner]
-
-
-def stop_all(peers: list[DaemonProcess], timeout_s: float = 30.0) -> list[int]:
-    """SIGTERM every peer at once (each drains and writes its last checkpoint), then their exit codes
-    (SIGKILL after ``timeout_s``)."""
-    for p in peers:
-        if p.running():
-            p.proc.send_signal(signal.SIGTERM)
-    codes = []
-    for p in peers:  # not p.stop(): a second SIGTERM could reach a daemon past its handlers and kill it
-        try:
-            codes.append(p.proc.wait(timeout_s))
-        except subprocess.TimeoutExpired:
-            codes.append(p.kill())
-    return codes
 
 
 async def uninterrupted(workdir: Path) -> list[float]:

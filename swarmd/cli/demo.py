@@ -26,7 +26,7 @@ from typing import Any
 from swarmd.cli.common import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, Parser, load_swarm_key
 from swarmd.errors import ConfigError
 from swarmd.finite import strict_json_dumps
-from swarmd.local_swarm import DaemonProcess, DaemonStartError
+from swarmd.local_swarm import DaemonProcess, DaemonStartError, stop_all
 
 MODEL = "tiny"  # the default --model
 
@@ -85,7 +85,7 @@ def main(argv: Sequence[str], prog: str = "swarmd demo") -> int:
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return EXIT_RUNTIME
         finally:
-            codes = [p.stop() for p in peers]
+            codes = stop_all(peers)
             if peers:
                 print(f"stopped {len(peers)} peer processes (exit codes {codes})", file=sys.stderr)
 
