@@ -410,7 +410,7 @@ async def test_bootstrap_to_a_dead_address_fails_in_time_naming_it(caplog):
         took = time.perf_counter() - start
     finally:
         silent.close()
-    assert 1.0 <= took < 1.0 + 0.3 + 0.5
+    assert 1.0 <= took < 1.0 + 0.3 + 1.2  # the deadline, one RPC timeout, and slack for a busy machine
     where = f"127.0.0.1:{dead[1]}"
     assert where in str(err.value) and "[::1]:4000" in str(err.value)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
