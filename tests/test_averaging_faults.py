@@ -225,8 +225,9 @@ async def get_json(client: httpx.AsyncClient, url: str) -> dict | None:
 async def agreed_statuses(client: httpx.AsyncClient, daemons: list[DaemonProcess], timeout: float = 30.0) -> list[dict]:
     """The daemons' /status once all of them hold the same step and params digest, or after
     ``timeout`` as they are (the caller's assertion then says who differs). A sync trainer
-    ends once the peers it routes to have stepped; a stage-mate it does not route to (one it
-    banned while it was frozen, never having called it before) may still be one resync behind."""
+    ends once the peers it hears from have stepped; a stage-mate whose poll it lost (one that
+    was frozen, then resynced: a peer whose poll failed is polled as a newcomer, which does not
+    hold the wait up) may still be one resync behind. Seen once in CI: {4, 5} at the end."""
     deadline = time.monotonic() + timeout
     while True:
         states = [await get_json(client, f"{d.api}/status") for d in daemons]
