@@ -711,3 +711,20 @@ async def test_each_liar_in_a_2x3_swarm_is_caught_excluded_and_training_ends_nea
     # the honest run's held-out loss, within 5 %
     val, ref = summary.val_loss, _HONEST["summary"].val_loss
     assert val is not None and ref is not None and abs(val - ref) <= 0.05 * ref, (val, ref)
+
+
+@pytest.mark.parametrize("samples", [1, 3, 32, 1000])
+def test_a_lone_peers_mean_is_the_float64_paths_bit_for_bit(samples: int) -> None:
+    """A round holding only the leader's own gradients skips the float64 sum: its quotient must
+    still be the one the general path would apply, signed zeros and subnormals included."""
+    from swarmd.pipeline.averaging import lone_mean
+
+    gen = torch.Generator().manual_seed(samples)
+    tiny = torch.finfo(torch.float32).tiny
+    grads = torch.cat([
+        torch.randn(100_000, generator=gen) * 10.0 ** torch.randint(-40, 38, (100_000,), generator=gen).float(),
+        torch.tensor([0.0, -0.0, tiny, -tiny, tiny / 4, -tiny / 1024, 3.4e38, -3.4e38, 1e-45, -1e-45]),
+    ]).float()
+    grads = grads[torch.isfinite(grads)]
+    general = ((torch.zeros(grads.numel(), dtype=torch.float64) + grads) / samples).to(torch.float32)
+    assert torch.equal(lone_mean(grads, samples).view(torch.int32), general.view(torch.int32))

@@ -71,6 +71,8 @@ from typing import Any
 
 import torch
 
+from swarmd.finite import all_finite
+
 __all__ = [
     "ANSWER_SLACK",
     "OUTLIER_FACTOR",
@@ -218,7 +220,7 @@ def check_answer(
     if bad:
         pid, why = next(iter(bad.items()))
         return f"the answer lists {pid[:12]} although it is an outlier ({why})"
-    if not bool(torch.isfinite(mean).all()):
+    if not all_finite(mean):
         return "the mean is not finite"
     slack = 1.0 + ANSWER_SLACK.get(codec, 0.5)
     m = mean.to(torch.float64)
