@@ -87,7 +87,9 @@ def main(argv: Sequence[str], prog: str = "swarmd demo") -> int:
         finally:
             codes = stop_all(peers)
             if peers:
-                print(f"stopped {len(peers)} peer processes (exit codes {codes})", file=sys.stderr)
+                why = (f"; {-signal.SIGKILL}: SIGKILLed, the peer killed halfway or one that did not drain in time"
+                       if -signal.SIGKILL in codes else "")
+                print(f"stopped {len(peers)} peer processes (exit codes {codes}{why})", file=sys.stderr)
 
 
 def _demo_spec(model: str, stages: int | None) -> Any:
