@@ -198,6 +198,9 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
     trainers = [Trainer(trainer_config(api, f"k{i}", steps=7)) for i in range(3)]
     summaries = await asyncio.gather(*(t.run() for t in trainers))
     statuses = {d: await d.status_async() for d in peers if d is not victim}
+    async with httpx.AsyncClient() as http:
+        dropped = {d: (await http.get(f"{d.data}/v1/progress", timeout=10)).json()["dropped_samples"]
+                   for d in statuses}
     fired = Path(f"{ctl}.fired")
     assert fired.exists() and victim.proc.wait(timeout=10) == -9, (
         "the victim never held two microbatches after step 2: " + repr([s.to_json() for s in summaries]))
@@ -210,17 +213,34 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
     lost = kept["reservations"]["written_off"]
     books = json.dumps({"book_rounds": [(r["step"], r["samples"]) for r in rounds(kept)], "book": kept["reservations"],
                         "book_held": kept["grad_samples"], "killed": json.loads(fired.read_text()),
-                        "last_rounds": {st["peer_id"][:8]: [(r["step"], r["samples"]) for r in rounds(st)]
+                        "last_rounds": {st["peer_id"][:8]: [(r["step"], r["samples"], r["status"])
+                                                            for r in (st["averaging"] or {}).get("recent", [])]
                                         for st in statuses.values() if st["stage"] == 1},
+                        "last_held": [st["grad_samples"] for st in statuses.values() if st["stage"] == 1],
+                        "last_dropped": [dropped[d] for d, st in statuses.items() if st["stage"] == 1],
                         "trainers": [(s.samples, s.leases, s.stale_redos, s.claims, s.claims_unanswered)
                                      for s in summaries]})
     # every step of the paced stage aggregated exactly the target batch, also the one the victim's death cut short
     assert rounds(kept) and all(r["samples"] == TARGET for r in rounds(kept)), books
-    for status in statuses.values():  # the last stage had counted the victim's samples: their redo is its only excess
+    for status in statuses.values():
         assert all(r["samples"] >= TARGET for r in rounds(status))
-        assert sum(r["samples"] - TARGET for r in rounds(status)) <= lost, books
     stepped = sum(r["samples"] for r in rounds(kept)) + kept["grad_samples"]
     computed = sum(s.samples for s in summaries)
+    # The last stage counts by its own step, not through the book: a round of it that starts late (or is
+    # retried after an abort, as on a loaded machine) takes in microbatches the book granted for the next
+    # step, so one of its steps may hold more than the target (CI once saw 56 of 32) and a later one is
+    # completed with fewer. Over the run its books balance: every sample the trainers completed was counted
+    # there (stepped, still held, or dropped by a resync), and beyond those only the microbatches redone
+    # after the victim's death or as stale, and the victim's samples the book wrote off and granted again.
+    last = [st for st in statuses.values() if st["stage"] == 1]
+    last_steps: dict[int, int] = {}
+    for st in last:
+        for r in rounds(st):
+            assert last_steps.setdefault(r["step"], r["samples"]) == r["samples"], books
+    counted_last = (sum(last_steps.values()) + sum(st["grad_samples"] for st in last)
+                    + sum(dropped[d] for d, st in statuses.items() if st["stage"] == 1))
+    redone = MICRO * sum(s.stale_redos + s.claims_unanswered for s in summaries)
+    assert computed <= counted_last <= computed + lost + redone, (computed, counted_last, lost, redone, books)
     # each sample counted at most once; the ones not counted died with the victim, and the book wrote them off
     assert lost > 0 and stepped <= computed <= stepped + lost, (stepped, computed, lost, books)
     issued = sum(s.microbatches_issued for s in summaries)
