@@ -192,10 +192,12 @@ class Migrator:
             await host.announce()
             await host.sync_state(min_step=0, required=False)
             host.state = PeerState.SERVING
-            status.phase = MigrationPhase.DONE
             self.moving = False
             await host.announce()
             self.moved_at = time.monotonic()
+            # done only now, with no await before `finally` counts it: /status never says "done" while
+            # swarmd_migrations_total does not count it yet
+            status.phase = MigrationPhase.DONE
             log.info("moved from stage %d to stage %d (%s) at step %d", status.src, dst, status.reason,
                      new.executor.step)
         except asyncio.CancelledError:
