@@ -558,7 +558,7 @@ class StageAverager:
     def _reduce(self, rnd: _OpenRound) -> RoundResult:
         """Refuse outliers, sum, divide, encode the answer (off the event loop: called in a thread)."""
         own = rnd.contributions.get(self.peer_id)
-        if set(rnd.contributions) <= {self.peer_id}:
+        if set(rnd.contributions) <= {self.peer_id} and own is not None and own.samples >= self.target:
             return self._reduce_alone(rnd, own)
         if own is not None and self.peer_id not in rnd.digests:
             rnd.digests[self.peer_id] = tensor_digest(own.grads)
@@ -601,23 +601,18 @@ class StageAverager:
             mean = decode_frame(reply).tensors["grads"]
         return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, reply, used=used)
 
-    def _reduce_alone(self, rnd: _OpenRound, own: Contribution | None) -> RoundResult:
-        """:meth:`_reduce` for a round that holds only this peer's own gradients (a stage of one,
-        or stage-mates that did not join): nobody to check against or to answer, so no digest of
-        the contribution (the ``used`` list goes to no one), no float64 copy of it, and a
-        finiteness test that sums first (:func:`~swarmd.finite.all_finite`; the elementwise one
-        took 4 ms here), together ~8 ms of a sync step's critical path on small.
+    def _reduce_alone(self, rnd: _OpenRound, own: Contribution) -> RoundResult:
+        """:meth:`_reduce` for a round that holds only this peer's own gradients, at least the
+        target (a stage of one, or stage-mates that did not join; a short one takes the general
+        path, which aborts it): nobody to check against or to answer, so no digest of the
+        contribution (the ``used`` list goes to no one), no float64 copy of it, and a finiteness
+        test that sums first (:func:`~swarmd.finite.all_finite`; the elementwise one took 4 ms
+        here), together ~8 ms of a sync step's critical path on small.
 
         The mean is the general path's, bit for bit: the float32 quotient of a correctly rounded
         division rounded twice (53 >= 2 * 24 + 2 bits); + 0.0 first turns -0.0 into +0.0 as
         zeros + g does, and keeps the sign of a quotient that underflows to zero (checked on 27M
         values, with subnormals)."""
-        if own is None or own.samples < self.target:
-            samples = own.samples if own is not None else 0
-            log.warning("stage %d step %d: only %d of %d samples arrived from %d peer(s); round aborted, "
-                        "gradients kept", self.executor.stage, rnd.step, samples, self.target,
-                        len(rnd.contributions))
-            return RoundResult("aborted", rnd.step, samples, len(rnd.contributions), None)
         samples = own.samples
         if own.grads is None:
             mean = torch.zeros(self.executor.grad_numel, dtype=torch.float32)
@@ -626,7 +621,7 @@ class StageAverager:
         if not all_finite(mean):  # contributions are checked finite; never apply one that is not
             log.error("stage %d step %d: the mean gradient is not finite; round aborted", self.executor.stage, rnd.step)
             return RoundResult("aborted", rnd.step, samples, 1, None)
-        norm = float(torch.linalg.vector_norm(mean)) if own.grads is not None else 0.0  # per sample, as used lists say
+        norm = float(torch.linalg.vector_norm(mean))  # ||sum|| / samples: the per-sample norm used lists carry
         return RoundResult("ok", rnd.step, samples, 1, mean, used=(Used(self.peer_id, samples, "", norm),))
 
     async def contribute(self, peer_id: str, step: int, samples: int, grads: torch.Tensor | None,
