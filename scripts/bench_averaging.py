@@ -59,7 +59,7 @@ async def time_rounds(spec: Any, n: int, codec: str, rounds: int) -> list[float]
         host, port = await plane.start("127.0.0.1", 0)
         addrs[f"{i:064x}"] = f"{host}:{port}"
 
-    async def stage_peers() -> dict[str, str]:
+    async def stage_peers(*, fresh: bool = False) -> dict[str, str]:
         return dict(addrs)
 
     session = aiohttp.ClientSession()

@@ -866,13 +866,14 @@ class Daemon:
         if self.reachability.status == "no":
             self._start_relaying()
 
-    async def _stage_mates(self, max_age_s: float = 1.0) -> dict[str, str]:
-        """Serving peers of this stage (peer_id -> data_addr), this one included, cached briefly."""
+    async def _stage_mates(self, max_age_s: float = 1.0, *, fresh: bool = False) -> dict[str, str]:
+        """Serving peers of this stage (peer_id -> data_addr), this one included, cached briefly
+        (``fresh``: read now)."""
         assert self.dht is not None and self.stage is not None  # only called while averaging
         now = time.monotonic()
         stage = self.stage
         cached = self._mates_cache
-        if cached is None or now - cached[0] > max_age_s or cached[2] != stage:
+        if fresh or cached is None or now - cached[0] > max_age_s or cached[2] != stage:
             records = await self.dht.get_stage_peers(self.config.swarm, stage)
             # this peer, and the stage-mates the others can dial (an unreachable one cannot take part)
             mates = {pid: r.data_addr for pid, r in records.items()

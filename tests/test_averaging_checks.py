@@ -196,13 +196,22 @@ class Peer:
 
 @contextlib.asynccontextmanager
 async def stage(n: int, *, target: int, codec: str = "none", extra: dict[str, str] | None = None,
-                timeout_s: float = 5.0) -> AsyncIterator[list[Peer]]:
-    """``n`` peers of one stage, averaging; ``extra``: more listed "stage-mates" (fakes), id -> address."""
+                timeout_s: float = 5.0, unlisted_s: float = 0.0) -> AsyncIterator[list[Peer]]:
+    """``n`` peers of one stage, averaging; ``extra``: more listed "stage-mates" (fakes), id -> address.
+    ``unlisted_s``: for that long after the first listing, a cached listing names nobody (a daemon's
+    listing is a DHT read cached for a second), until some peer asks for a fresh one."""
     training = TrainingSpec(target_batch_size=target, grad_codec=codec, averaging_timeout_s=timeout_s, lr=3e-3,
                             warmup_steps=2)
     directory: dict[str, str] = {}
+    stale_until: list[float] = []
 
-    async def stage_peers() -> dict[str, str]:
+    async def stage_peers(*, fresh: bool = False) -> dict[str, str]:
+        if not stale_until:
+            stale_until.append(time.monotonic() + unlisted_s)
+        if fresh:
+            stale_until[0] = 0.0
+        if time.monotonic() < stale_until[0]:
+            return {}
         return {**directory, **(extra or {})}
 
     peers: list[Peer] = []
@@ -279,6 +288,22 @@ async def test_an_honest_stage_steps_with_no_false_alarm(codec: str) -> None:
             assert checks["rounds_refused"] == 0 and checks["contributions_refused"] == {}, checks
             assert checks["proofs"]["proven"] == 2 and checks["proofs"]["unproven"] == 0, checks
         assert ok_rounds(peers) == {0: 12, 1: 12, 2: 12}
+
+
+async def test_a_peer_with_a_full_batch_does_not_step_alone_past_mates_its_listing_did_not_show_yet() -> None:
+    """Two stage-mates began serving just after the third last read the stage's listing, and the
+    trainers fed all three: the third reaches the batch on its own first. Stepping alone would strand
+    the two behind it for good (two at a step outnumber the one ahead, so neither follows it); it
+    reads the listing afresh before a round of its own, and the three step together."""
+    async with stage(3, target=12, unlisted_s=3.0) as peers, averaging_running(peers):
+        feed = Feeder()
+        first, *late = sorted(peers, key=lambda p: p.pid, reverse=True)  # not the leader of a full view
+        for p in late:
+            await feed(p)
+        await feed(first, 12)
+        await wait_for(lambda: all(p.ex.step == 1 for p in peers), 20, "the three at step 1")
+        assert len({p.ex.digest for p in peers}) == 1
+        assert ok_rounds(peers) == {0: 20}, [p.averager.history for p in peers]
 
 
 async def test_fake_records_with_the_smallest_ids_never_lead_nor_hold_up_a_round() -> None:

@@ -91,7 +91,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import aiohttp
 import msgpack
@@ -122,7 +122,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-StagePeers = Callable[[], Awaitable[dict[str, str]]]  # serving stage-mates: peer_id -> data_addr
+
+
+class StagePeers(Protocol):
+    """The serving stage-mates (peer_id -> data_addr), this peer included; ``fresh``: read now,
+    not from a listing cached for a moment (the daemon's DHT lookup)."""
+
+    def __call__(self, *, fresh: bool = False) -> Awaitable[dict[str, str]]: ...
+
 
 #: A contributor waits this long past ``averaging_timeout_s`` for the leader's answer (upload,
 #: reduction, the optimizer step, download), then takes its gradients back.
@@ -363,6 +370,17 @@ class StageAverager:
             await asyncio.wait({task}, timeout=FIRST_PROOF_WAIT_S)
         return {pid: mates[pid] for pid in prover.proven(mates)}
 
+    async def _newly_listed(self) -> bool:
+        """Whether a fresh read of the stage's listing names a stage-mate (not excluded) that the
+        last one did not. Asked before a round of this peer alone: stage-mates that began serving
+        within the listing's cache age may hold samples of this step (trainers route to a peer as
+        soon as its record is out), and a lone step would leave them behind together, where the
+        rule of :meth:`_tick` keeps them (two of them outnumber the one ahead) for good."""
+        listed = await self.stage_peers(fresh=True)
+        listed.pop(self.peer_id, None)
+        excluded = self.excluded()
+        return any(pid not in self._mates and pid not in excluded for pid in listed)
+
     def _prove(self, mates: dict[str, str]) -> asyncio.Task[None] | None:
         """Challenge the due stage-mates in a task this averager owns (one at a time); the task."""
         prover = self.prover
@@ -433,6 +451,8 @@ class StageAverager:
             leaders = {p.leader for pid, p in progress.items() if pid in group}
             if leaders - {leader}:
                 return  # views differ (a peer joined or left): wait until they agree
+        if leader == self.peer_id and not group and await self._newly_listed():
+            return  # a stage-mate began serving since the listing was read: hear from it before stepping alone
         if leader == self.peer_id:
             await self._lead(step, set(group))
         else:
