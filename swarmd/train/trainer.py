@@ -1207,7 +1207,7 @@ class Trainer:
             self.checks.skipped += 1
             return None
         self.checks.first_checks += int(first)
-        task = asyncio.create_task(self._check(stage, kind, primary, resend, request, mb),
+        task = asyncio.create_task(self._check(stage, kind, primary, resend, request, mb, waited=first),
                                    name=f"swarmd-spot-check-{stage}-{kind}")
         self._check_tasks.add(task)
         task.add_done_callback(self._check_done)
@@ -1232,18 +1232,22 @@ class Trainer:
     async def _check(
         self, stage: int, kind: Literal["forward", "backward"], primary: Answer,
         resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], request: tuple[torch.Tensor, ...],
-        mb: int,
+        mb: int, *, waited: bool = False,
     ) -> Answer | None:
         """One spot check: a second opinion, and on a mismatch a third (``verify.arbitrate``); the
         majority's answer when the primary lied, :data:`_SUSPECT` when a mismatch stayed unsettled,
-        else None."""
+        else None. A check the call ``waited`` for (a peer's first answers) that cannot confirm the
+        answer (nobody else answered, or the stage stepped in between) is :data:`_SUSPECT` too: a
+        peer never confirmed may be a liar, and its answer is not used (the price: the microbatch is
+        redone, counted in ``redone``; the stage that already added its gradient counts it twice)."""
         stats, tol = self.checks, tolerance(self.config.codec)
         samples = int(request[0].shape[0])
         nbytes = sum(t.numel() * t.element_size() for t in request)
         stats.checks += 1
+        unconfirmed = _SUSPECT if waited else None
         second = await self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id})
         if second is None:
-            return None
+            return unconfirmed
         outcome = arbitrate([primary, second], tol)
         if outcome.verdict is Verdict.AGREE:
             stats.agreements += 1
@@ -1252,7 +1256,7 @@ class Trainer:
             return None
         if outcome.verdict is Verdict.INCONCLUSIVE:
             stats.inconclusive += 1
-            return None
+            return unconfirmed
         stats.mismatches += 1
         stats.arbitrations += 1
         log.warning("spot check: stage %d peers %s and %s answered a %s differently at step %d; asking a third",
