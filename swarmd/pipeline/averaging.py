@@ -50,6 +50,15 @@ same step as its stage-mates with other parameters, which nothing would ever rec
 (Residual risk: a freeze of more than ``REPLY_SLACK_S - COMMIT_GRACE_S`` seconds exactly
 between that check and the answers; ``tests/test_averaging_faults.py`` covers the rest.)
 
+Who follows whom. A peer behind follows the stage-mates ahead only when they are at least as many
+as the peers at its own step (itself included): a lost answer leaves the majority ahead, while a
+peer that stepped on a batch of its own, or on its own lie, leaves the majority here. The price
+is liveness: two peers left behind *together* by one that stepped alone stay behind, since the
+trainers' lease book moves to the stage's front step and no longer feeds theirs. So a peer about
+to step alone first reads its listing afresh (``_newly_listed``): mates that began serving within
+the listing's cache second are polled and proven first (``FIRST_PROOF_WAIT_S``). What remains is a
+mate listed but not proven within that wait; it is not resolved here.
+
 Why one leader per round, not a chunked all-reduce. A reduce-scatter + all-gather (each peer
 owning the reduction of one chunk) spreads the traffic: every peer sends and receives about
 ``2 * |grads|`` per round whatever the stage's size, where the leader here receives and sends
