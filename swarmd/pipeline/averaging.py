@@ -132,7 +132,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class StagePeers(Protocol):
     """The serving stage-mates (peer_id -> data_addr), this peer included; ``fresh``: read now,
     not from a listing cached for a moment (the daemon's DHT lookup)."""
