@@ -221,6 +221,13 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
                         "last_dropped": [dropped[d] for d, st in statuses.items() if st["stage"] == 1],
                         "trainers": [(s.samples, s.leases, s.stale_redos, s.claims, s.claims_unanswered)
                                      for s in summaries]})
+    # printed whole (pytest cuts a long assertion message): each survivor's step, digest and recent rounds
+    print("stage-1 survivors:", json.dumps([
+        {"peer": st["peer_id"][:8], "step": st["step"], "digest": (st["params_digest"] or "")[:12],
+         "rounds_ok": st["averaging"]["rounds_ok"], "rounds_aborted": st["averaging"]["rounds_aborted"],
+         "recent": [(r["step"], r["samples"], r["status"], (r.get("leader") or "")[:8], r.get("used"))
+                    for r in st["averaging"]["recent"]]}
+        for st in statuses.values() if st["stage"] == 1], default=str))
     # every step of the paced stage aggregated exactly the target batch, also the one the victim's death cut short
     assert rounds(kept) and all(r["samples"] == TARGET for r in rounds(kept)), books
     for status in statuses.values():
