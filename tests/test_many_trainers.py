@@ -111,6 +111,7 @@ async def test_three_trainers_pace_through_reservations_and_every_step_is_exactl
     by_name = {t["name"]: t for t in after}  # the last report: what each trainer contributed, as it counted it
     assert [by_name[f"t{i}"]["samples"] for i in range(3)] == [s.samples for s in summaries], after
     # samples_per_s spans the last 30 s of steps, so a final report just after a heartbeat does not say 0
+    print("/trainers after the run:", json.dumps(after))  # whole: pytest cuts a long assertion message
     assert all(by_name[f"t{i}"]["steps_seen"] >= 6 and by_name[f"t{i}"]["samples_per_s"] > 0 for i in range(3)), after
 
 
