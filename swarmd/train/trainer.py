@@ -1299,7 +1299,8 @@ class Trainer:
         step: all agree (each confirmed), or the odd one out is convicted, or :data:`_SUSPECT`."""
         stats, tol = self.checks, tolerance(self.config.codec)
         answers = [primary, second, third]
-        if agree(primary, second, tol) and agree(primary, third, tol):
+        with_second, with_third = agree(primary, second, tol), agree(primary, third, tol)
+        if with_second and with_third:
             stats.agreements += 1
             for a in answers:
                 self._agreed[(a.peer_id, kind)] = self._agreed.get((a.peer_id, kind), 0) + 1
@@ -1309,10 +1310,10 @@ class Trainer:
         stats.arbitrations += 1
         log.warning("spot check: stage %d peers %s, %s and %s answered a %s differently at step %d", stage,
                     primary.peer_id[:12], second.peer_id[:12], third.peer_id[:12], kind, primary.step)
-        if agree(primary, second, tol) or agree(primary, third, tol):
+        if with_second or with_third:
             # the primary has a witness: the odd one out was a second opinion (convicted when the
             # other two agree, which they do here)
-            witness, odd = (second, third) if agree(primary, second, tol) else (third, second)
+            witness, odd = (second, third) if with_second else (third, second)
             return await self._convicted(stage, kind, [primary, odd, witness], request, mb)
         return await self._convicted(stage, kind, answers, request, mb)
 
