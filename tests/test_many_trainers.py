@@ -215,9 +215,6 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
     lost = kept["reservations"]["written_off"]
     books = json.dumps({"book_rounds": [(r["step"], r["samples"]) for r in rounds(kept)], "book": kept["reservations"],
                         "book_held": kept["grad_samples"], "killed": json.loads(fired.read_text()),
-                        "last_rounds": {st["peer_id"][:8]: [(r["step"], r["samples"], r["status"])
-                                                            for r in (st["averaging"] or {}).get("recent", [])]
-                                        for st in statuses.values() if st["stage"] == 1},
                         "last_held": [st["grad_samples"] for st in statuses.values() if st["stage"] == 1],
                         "last_dropped": [dropped[d] for d, st in statuses.items() if st["stage"] == 1],
                         "trainers": [(s.samples, s.leases, s.stale_redos, s.claims, s.claims_unanswered)
