@@ -288,7 +288,7 @@ async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daem
                 assert (await resp.json())["message"]
 
 
-async def _train_with(lie: str | None, steps: int = 20) -> tuple[float, set[str], set[str]]:
+async def _train_with(lie: str | None, steps: int = 40) -> tuple[float, set[str], set[str]]:
     """Two checking trainers for ``steps`` steps on a fresh 2x3 swarm, with one lying peer (``lie``
     on stage 0 for the forward lies, on stage 1 for wrong input gradients); the held-out loss of
     the trained swarm, the liars caught, and the liar's id. The liar is excluded by every honest
@@ -314,8 +314,10 @@ async def _train_with(lie: str | None, steps: int = 20) -> tuple[float, set[str]
         if liar is not None and liar.data_plane is not None:
             served = liar.data_plane.served
             assert served["forward"] + served["backward"] <= 60, dict(served)
-        # the held-out loss, measured by a trainer that routes around excluded peers and checks nothing
-        final = await Trainer(trainer_config(api, "val", steps=1, fraction=0.0, seed=99)).run()
+        # the held-out loss, measured by a trainer that routes around excluded peers and checks nothing,
+        # on 64 windows of the held-out split
+        final = await Trainer(replace(trainer_config(api, "val", steps=1, fraction=0.0, seed=99),
+                                      val_batches=16)).run()
         assert final.val_loss is not None
         return final.val_loss, {p for s in summaries for p in s.verify["caught"]}, liars
 
@@ -323,20 +325,15 @@ async def _train_with(lie: str | None, steps: int = 20) -> tuple[float, set[str]
 _HONEST_LOSS: list[float] = []  # the honest run's held-out loss, run once for the three kinds of liar
 
 
+# 40 steps and 64 held-out windows: at 20 steps and 8 windows honest runs alone spread 3.16-3.36, so a
+# 5 % comparison of two runs failed by chance; at 40 steps five honest runs spread 2.894-2.929.
+@pytest.mark.timeout(300)  # the first kind runs the honest swarm too (~20-30 s a run here)
 @pytest.mark.parametrize("lie", ["scale", "noise", "grad"])
-async def test_each_kind_of_liar_is_caught_and_excluded_while_training_goes_on(lie: str) -> None:
-    """In CI: every trainer step done, the liar caught, excluded by every honest peer after a bounded
-    number of answers (``_train_with``'s assertions); the loss comparison is the slow test below."""
-    _, caught, liars = await _train_with(lie)
-    assert caught == liars
-
-
-# Slow: a gradient liar still costs the held-out loss up to ~5 % (3.396 against an honest 3.230 in one
-# CI run, 2026-12-01; honest runs spread 3.23-3.31), so this comparison is not stable enough for CI.
-@pytest.mark.slow
-@pytest.mark.timeout(300)  # the first kind runs the honest swarm too (here: 35 s for all four runs)
-@pytest.mark.parametrize("lie", ["scale", "noise", "grad"])
-async def test_each_kind_of_liar_is_caught_and_the_loss_ends_within_5_percent_of_an_honest_run(lie: str) -> None:
+async def test_each_kind_of_liar_is_caught_and_excluded_and_the_loss_ends_within_5_percent_of_an_honest_run(
+        lie: str) -> None:
+    """Every trainer step done, the liar caught and excluded by every honest peer after a bounded
+    number of answers (``_train_with``'s assertions), and the held-out loss within 5 % of an honest
+    run's (a gradient liar's unconfirmed answers once cost 6-9 %: ``Trainer._check``)."""
     if not _HONEST_LOSS:
         honest, caught, _ = await _train_with(None)
         assert not caught  # no false alarm on the honest swarm

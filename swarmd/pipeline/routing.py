@@ -372,6 +372,14 @@ class StageRouter:
             return p.peer_id, p.addr
         return self.choose(exclude)
 
+    def choose_only(self, peer_id: str) -> tuple[str, str] | None:
+        """``peer_id`` itself if it is usable now, else None (nobody else instead, and the
+        round-robin counters left alone): a spot check asking the same peer again."""
+        p = self._peers.get(peer_id)
+        if p is None or not self._eligible(p, self._clock(), (), self._probation_open()):
+            return None
+        return p.peer_id, p.addr
+
     def waiting_on_caps(self, exclude: Collection[str] = ()) -> bool:
         """Whether :meth:`choose` found nobody only because of in-flight or probation caps: some
         peer outside ``exclude`` is neither banned nor excluded, so a call ending frees one (an

@@ -136,6 +136,7 @@ PROBATION_RESERVE_TIMEOUT_S = 5.0  # ... and to one that has not yet (the traine
 REPORT_TIMEOUT_S = 5.0  # a misbehaviour report to one peer
 FIRST_CHECKS = 1  # a peer's answers of each kind checked always until this many were confirmed
 OPINION_ATTEMPTS = 4  # tries for a spot check's second (or third) opinion
+RECHECKS = 2  # a first check that met no opinion at its step asks the same peer again this often
 #: A sync trainer tops up a stage that holds the target batch yet has not stepped for this long (an
 #: honest stage starts its round within a poll period of holding it; see ``_wait_all_stepped``).
 STUCK_GRACE_S = 10.0
@@ -172,6 +173,8 @@ def _front_step(progress: list[list[PeerProgress]]) -> int:
 
 #: A spot check's verdict: the answers disagreed and no third peer settled who lied.
 _SUSPECT = Answer("", -1, None)
+#: ... and (inside a check only): no opinion at the answer's step, so it is neither confirmed nor refuted.
+_UNCONFIRMED = Answer("", -2, None)
 
 
 def backward_deadline_ms(timeout_s: float) -> int:
@@ -1237,41 +1240,79 @@ class Trainer:
         mb: int, *, waited: bool = False,
     ) -> Answer | None:
         """One spot check: a second opinion, and on a mismatch a third (``verify.arbitrate``); the
-        majority's answer when the primary lied, :data:`_SUSPECT` when a mismatch stayed unsettled,
-        else None.
+        answer to go on with when the primary lied (the majority's) or was asked again (below),
+        :data:`_SUSPECT` when a mismatch stayed unsettled, else None.
 
         A check the call ``waited`` for (a peer's first answers) that cannot confirm the answer
-        (nobody else answered, or the stage stepped in between) lets it through, unless the peer is
-        *disputed*: it was in a mismatch that no conviction cleared. Then it is :data:`_SUSPECT` too
-        and the microbatch is redone (counted in ``redone``; the stage that added its gradient
-        counts it twice). A liar is disputed from its first comparable answer on, so no later
-        unconfirmed answer of it is used (before this rule such answers were, often enough that
-        two of 17 runs of a 2x3 swarm with a scaling liar ended 6-8 % above the honest loss);
-        honest peers never are in an honest swarm, whose sample counts stay exact."""
-        stats, tol = self.checks, tolerance(self.config.codec)
+        (nobody else answered, or the stage stepped in between) asks the *same* peer again, with
+        its stage-mates at once (:meth:`_recheck`, up to :data:`RECHECKS` times): the same request a
+        moment later meets them at one step. An unconfirmed answer used to go through (a liar not
+        yet disputed by this trainer); a gradient liar's one or two such answers per run left the
+        held-out loss 6-9 % above an honest run's in 2 of 8 runs of 40 steps (its tripled
+        gradients inflate Adam's second moments for hundreds of steps). A backward's recheck is
+        flagged ``verify`` (never accumulated), so what goes on is its fresh answer, never the
+        unconfirmed one; a forward's recheck looks like any forward to the peer, and the original
+        answer goes on. Only when the rechecks cannot confirm either is the answer let through,
+        unless the peer is *disputed* (in a mismatch no conviction cleared): then it is
+        :data:`_SUSPECT` and the microbatch is redone (counted in ``redone``; the stage that added
+        its gradient counts it twice). Honest swarms never redo, so their sample counts stay exact."""
+        stats = self.checks
         samples = int(request[0].shape[0])
         nbytes = sum(t.numel() * t.element_size() for t in request)
         stats.checks += 1
-
-        def unconfirmed() -> Answer | None:
+        both = waited and self.routers[stage].usable_count > 2
+        taken: set[str] = set()
+        # a first check asks two peers at once: all three answers likely come from one step, so a
+        # liar is convicted at once (a third asked only after a mismatch often met the next step:
+        # one trainer saw 17 mismatches of a liar and convicted it never)
+        opinions = await asyncio.gather(*(self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id}, taken)
+                                          for _ in range(2 if both else 1)))
+        verdict = await self._compare(stage, kind, primary, list(opinions), resend, request, mb)
+        for _ in range(RECHECKS if waited else 0):
+            if verdict is not _UNCONFIRMED:
+                break
+            stats.rechecks += 1
+            again = await self._recheck(stage, kind, primary.peer_id, resend, samples, nbytes)
+            if again is None:
+                break
+            verdict = await self._compare(stage, kind, again[0], again[1], resend, request, mb)
+            if verdict is None and kind == "backward":
+                verdict = again[0]  # confirmed: its fresh gradients go on, not the unconfirmed ones
+        if verdict is _UNCONFIRMED:
+            stats.unconfirmed += int(waited)
             return _SUSPECT if waited and primary.peer_id in self._disputed else None
+        return verdict
 
-        if waited and self.routers[stage].usable_count > 2:
-            # a first check asks two peers at once: all three answers likely come from one step, so a
-            # liar is convicted at once (a third asked only after a mismatch often met the next step:
-            # one trainer saw 17 mismatches of a liar and convicted it never)
-            taken: set[str] = set()
-            opinions = await asyncio.gather(
-                self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id}, taken),
-                self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id}, taken))
-            same = [a for a in opinions if a is not None and a.step == primary.step]
-            if len(same) == 2:
-                return await self._settle_three(stage, kind, primary, same[0], same[1], request, mb)
-            second = same[0] if same else next((a for a in opinions if a is not None), None)
-        else:
-            second = await self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id})
+    async def _recheck(
+        self, stage: int, kind: Literal["forward", "backward"], peer_id: str,
+        resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], samples: int, nbytes: int,
+    ) -> tuple[Answer, list[Answer | None]] | None:
+        """``peer_id``'s answer to the checked request again, and its stage-mates' (two when the
+        stage has them), all asked at once; None when ``peer_id`` cannot be asked or did not answer."""
+        taken: set[str] = set()
+        others = 2 if self.routers[stage].usable_count > 2 else 1
+        answers = await asyncio.gather(
+            self._opinion(stage, kind, resend, samples, nbytes, set(), only=peer_id),
+            *(self._opinion(stage, kind, resend, samples, nbytes, {peer_id}, taken) for _ in range(others)))
+        if answers[0] is None:
+            return None
+        return answers[0], list(answers[1:])
+
+    async def _compare(
+        self, stage: int, kind: Literal["forward", "backward"], primary: Answer, opinions: list[Answer | None],
+        resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], request: tuple[torch.Tensor, ...],
+        mb: int,
+    ) -> Answer | None:
+        """The verdict on ``primary`` given the ``opinions`` asked for it: None (confirmed), the
+        answer to go on with (it lied), :data:`_SUSPECT` (an unsettled mismatch), or
+        :data:`_UNCONFIRMED` (no opinion at its step)."""
+        stats, tol = self.checks, tolerance(self.config.codec)
+        same = [a for a in opinions if a is not None and a.step == primary.step]
+        if len(same) >= 2:
+            return await self._settle_three(stage, kind, primary, same[0], same[1], request, mb)
+        second = same[0] if same else next((a for a in opinions if a is not None), None)
         if second is None:
-            return unconfirmed()
+            return _UNCONFIRMED
         outcome = arbitrate([primary, second], tol)
         if outcome.verdict is Verdict.AGREE:
             stats.agreements += 1
@@ -1280,12 +1321,14 @@ class Trainer:
             return None
         if outcome.verdict is Verdict.INCONCLUSIVE:
             stats.inconclusive += 1
-            return unconfirmed()
+            return _UNCONFIRMED
         self._disputed |= {primary.peer_id, second.peer_id}
         stats.mismatches += 1
         stats.arbitrations += 1
         log.warning("spot check: stage %d peers %s and %s answered a %s differently at step %d; asking a third",
                     stage, primary.peer_id[:12], second.peer_id[:12], kind, primary.step)
+        samples = int(request[0].shape[0])
+        nbytes = sum(t.numel() * t.element_size() for t in request)
         third = await self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id, second.peer_id})
         if third is None:
             return _SUSPECT
@@ -1335,20 +1378,24 @@ class Trainer:
     async def _opinion(
         self, stage: int, kind: Literal["forward", "backward"],
         resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], samples: int, nbytes: int,
-        exclude: set[str], taken: set[str] | None = None,
+        exclude: set[str], taken: set[str] | None = None, *, only: str | None = None,
     ) -> Answer | None:
         """Another peer's answer to a checked call; None (counted) when there is nobody else to ask or
         none answered (``failed``), or it refused as its stage stepped meanwhile (``inconclusive``).
 
         Like :meth:`_call`, at most :data:`OPINION_ATTEMPTS` tries: a busy peer (averaging) is asked
         again shortly, a broken one is banned and another one asked. ``taken``: shared by opinions
-        asked at once, so that each asks another peer (a peer is added before the first await)."""
+        asked at once, so that each asks another peer (a peer is added before the first await).
+        ``only``: ask that peer and nobody else (a recheck of the primary)."""
         router = self.routers[stage]
         exclude = set(exclude)
         taken = set() if taken is None else taken
         mine: str | None = None  # this opinion's own claim in ``taken`` (a busy peer may be asked again)
         for _ in range(OPINION_ATTEMPTS):
-            choice = router.choose(exclude=exclude | (taken - {mine}))
+            if only is not None:
+                choice = router.choose_only(only) if only not in exclude else None
+            else:
+                choice = router.choose(exclude=exclude | (taken - {mine}))
             if choice is None:
                 break
             peer_id, addr = choice

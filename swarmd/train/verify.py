@@ -213,6 +213,8 @@ class VerifyStats:
     failed: int = 0  # checks whose second or third peer did not answer
     skipped: int = 0  # drawn for a check while as many checks as the window were running already
     redone: int = 0  # microbatches redone: a first check's mismatch that no third peer settled
+    rechecks: int = 0  # first checks that met no opinion at their step and asked the same peer again
+    unconfirmed: int = 0  # first answers neither confirmed nor refuted even so (let through, or redone)
     extra_samples: int = 0  # samples computed again for the checks
     extra_bytes: int = 0  # tensor bytes sent for them
     reports_sent: int = 0  # signed reports peers accepted
