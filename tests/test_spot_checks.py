@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import math
 import random
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -24,6 +25,7 @@ from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest
 from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.reports import MisbehaviourReport
+from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
 from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
 from swarmd.train.verify import (
@@ -160,6 +162,67 @@ def _requantized(t: torch.Tensor, codec: str) -> torch.Tensor:
     """``t`` nudged by float rounding (another build) and coded again: still within the rule."""
     nudged = t * (1 + 1e-6) + 1e-7
     return ForwardReply.from_frame(decode_frame(ForwardReply(1, 0, nudged).encode(codec))).outputs
+
+
+# ---- a first check that meets another step: the same peer is asked again -------------------------
+
+def _checking_trainer(client: DataPlaneClient) -> tuple[Trainer, dict[str, str]]:
+    """A trainer whose stage-1 router lists three peers (``liar``, ``b``, ``c``) at closed loopback
+    ports: reports to them fail at once, which ``_convict`` takes as not accepted."""
+    t = Trainer(TrainerConfig(api="http://unused", verify_fraction=0.02, codec="none"))
+    t.routers = [StageRouter(0), StageRouter(1)]
+    ports = []
+    for _ in range(3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    addrs = {name * 20: f"127.0.0.1:{port}" for name, port in zip(("ab", "bc", "cd"), ports, strict=True)}
+    t.routers[1].update_peers(addrs)
+    t._client = client
+    return t, addrs
+
+
+def _scripted(addrs: dict[str, str], answers: dict[str, list[tuple[int, torch.Tensor]]]) -> Any:
+    """A ``resend`` that answers each peer's checked backward from its script, in order: (step, grad)."""
+    by_addr = {addr: answers[peer] for peer, addr in addrs.items()}
+
+    async def resend(addr: str, timeout: float) -> BackwardReply:
+        step, grad = by_addr[addr].pop(0)
+        return BackwardReply(1, step, 4, 0, grad, loss=1.0)
+
+    return resend
+
+
+async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() -> None:
+    """Checked at its first backward, a liar's answer (step 0) meets both stage-mates at step 1 (the
+    stage stepped in between): not comparable. Before the recheck its tripled gradient went on
+    unconfirmed (a gradient liar's one or two such answers per run cost the held-out loss 6-9 %);
+    now the liar and both mates are asked again at once, the liar is convicted, and the majority's
+    gradient goes on. An honest peer's recheck confirms it, and its fresh answer goes on; a peer
+    that cannot be asked again is let through, counted as unconfirmed."""
+    g0, g1 = torch.ones(4, 8), torch.full((4, 8), 2.0)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, addrs = _checking_trainer(client)
+        liar, b, c = addrs
+        resend = _scripted(addrs, {liar: [(1, -3 * g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
+        request = (torch.zeros(4, 8),)
+        verdict = await t._check(1, "backward", Answer(liar, 0, -3 * g0, 1.0), resend, request, 7, waited=True)
+        assert verdict is not None and torch.equal(verdict.tensor, g1)  # the honest mates' gradient, not the lie
+        assert t.checks.caught == (liar,) and t.checks.rechecks == 1 and t.checks.unconfirmed == 0
+
+        t, addrs = _checking_trainer(client)
+        honest, b, c = addrs
+        resend = _scripted(addrs, {honest: [(1, g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
+        verdict = await t._check(1, "backward", Answer(honest, 0, g0, 1.0), resend, request, 8, waited=True)
+        assert verdict is not None and verdict.peer_id == honest and verdict.step == 1  # its confirmed fresh answer
+        assert not t.checks.caught and t.checks.agreements == 1 and t.checks.unconfirmed == 0
+
+        t, addrs = _checking_trainer(client)
+        gone, b, c = addrs
+        t.routers[1].ban(gone, 60.0)  # cannot be asked again
+        resend = _scripted(addrs, {gone: [], b: [(1, g1)], c: [(1, g1)]})  # one opinion: two peers usable
+        assert await t._check(1, "backward", Answer(gone, 0, g0, 1.0), resend, request, 9, waited=True) is None
+        assert t.checks.rechecks == 1 and t.checks.unconfirmed == 1 and not t.checks.caught
 
 
 # ---- liars in a real swarm ------------------------------------------------------------------------

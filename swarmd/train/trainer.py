@@ -1289,6 +1289,8 @@ class Trainer:
     ) -> tuple[Answer, list[Answer | None]] | None:
         """``peer_id``'s answer to the checked request again, and its stage-mates' (two when the
         stage has them), all asked at once; None when ``peer_id`` cannot be asked or did not answer."""
+        if self.routers[stage].choose_only(peer_id) is None:
+            return None  # banned or busy meanwhile: its mates are not asked in vain
         taken: set[str] = set()
         others = 2 if self.routers[stage].usable_count > 2 else 1
         answers = await asyncio.gather(
