@@ -1406,6 +1406,7 @@ class Trainer:
             mine = peer_id
             timeout = router.timeout_for(peer_id, samples, kind, floor_s=self._floor(kind))
             router.begin(peer_id)
+            self.checks.extra_requests += 1
             self.checks.extra_samples += samples
             self.checks.extra_bytes += nbytes
             started = time.monotonic()

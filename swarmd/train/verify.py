@@ -215,6 +215,7 @@ class VerifyStats:
     redone: int = 0  # microbatches redone: a first check's mismatch that no third peer settled
     rechecks: int = 0  # first checks that met no opinion at their step and asked the same peer again
     unconfirmed: int = 0  # first answers neither confirmed nor refuted even so (let through, or redone)
+    extra_requests: int = 0  # requests sent for them (second and third opinions, rechecks, retries)
     extra_samples: int = 0  # samples computed again for the checks
     extra_bytes: int = 0  # tensor bytes sent for them
     reports_sent: int = 0  # signed reports peers accepted
@@ -222,8 +223,8 @@ class VerifyStats:
 
     @property
     def fraction(self) -> float:
-        """Extra requests per call: the traffic spot checks added."""
-        return (self.checks + self.arbitrations) / self.calls if self.calls else 0.0
+        """Extra requests per call: the traffic spot checks added (every request they sent)."""
+        return self.extra_requests / self.calls if self.calls else 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
