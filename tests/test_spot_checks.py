@@ -198,7 +198,8 @@ async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() ->
     stage stepped in between): not comparable. Before the recheck its tripled gradient went on
     unconfirmed (a gradient liar's one or two such answers per run cost the held-out loss 6-9 %);
     now the liar and both mates are asked again at once, the liar is convicted, and the majority's
-    gradient goes on. An honest peer's recheck confirms it, and its fresh answer goes on; a peer
+    gradient goes on. An honest peer's recheck confirms it, and its fresh answer goes on (the peer
+    not counted as confirmed: a backward's recheck is flagged ``verify``, a liar could tell); a peer
     that cannot be asked again is let through, counted as unconfirmed."""
     g0, g1 = torch.ones(4, 8), torch.full((4, 8), 2.0)
     async with DataPlaneClient(timeout_s=2) as client:
@@ -216,6 +217,8 @@ async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() ->
         verdict = await t._check(1, "backward", Answer(honest, 0, g0, 1.0), resend, request, 8, waited=True)
         assert verdict is not None and verdict.peer_id == honest and verdict.step == 1  # its confirmed fresh answer
         assert not t.checks.caught and t.checks.agreements == 1 and t.checks.unconfirmed == 0
+        # a flagged recheck proves nothing of its unflagged answers: its next one is checked first again
+        assert (honest, "backward") not in t._agreed and t._agreed[(b, "backward")] == 1
 
         t, addrs = _checking_trainer(client)
         gone, b, c = addrs

@@ -1251,8 +1251,8 @@ class Trainer:
         held-out loss 6-9 % above an honest run's in 2 of 8 runs of 40 steps (its tripled
         gradients inflate Adam's second moments for hundreds of steps). A backward's recheck is
         flagged ``verify`` (never accumulated), so what goes on is its fresh answer, never the
-        unconfirmed one; a forward's recheck looks like any forward to the peer, and the original
-        answer goes on. Only when the rechecks cannot confirm either is the answer let through,
+        unconfirmed one, and the peer's next backward is checked first again (:meth:`_credit`);
+        a forward's recheck looks like any forward to the peer, and the original answer goes on. Only when the rechecks cannot confirm either is the answer let through,
         unless the peer is *disputed* (in a mismatch no conviction cleared): then it is
         :data:`_SUSPECT` and the microbatch is redone (counted in ``redone``; the stage that added
         its gradient counts it twice). Honest swarms never redo, so their sample counts stay exact."""
@@ -1275,7 +1275,8 @@ class Trainer:
             again = await self._recheck(stage, kind, primary.peer_id, resend, samples, nbytes)
             if again is None:
                 break
-            verdict = await self._compare(stage, kind, again[0], again[1], resend, request, mb)
+            verdict = await self._compare(stage, kind, again[0], again[1], resend, request, mb,
+                                          uncredited=primary.peer_id if kind == "backward" else None)
             if verdict is None and kind == "backward":
                 verdict = again[0]  # confirmed: its fresh gradients go on, not the unconfirmed ones
         if verdict is _UNCONFIRMED:
@@ -1300,26 +1301,33 @@ class Trainer:
             return None
         return answers[0], list(answers[1:])
 
+    def _credit(self, answers: Sequence[Answer], kind: Literal["forward", "backward"], uncredited: str | None) -> None:
+        """Count a confirmed answer for each peer (a peer is checked always until :data:`FIRST_CHECKS`),
+        but not for ``uncredited``: a backward's recheck is flagged, so it proves nothing of what the
+        peer answers to an unflagged request, and that peer's next answer is checked again first."""
+        for a in answers:
+            if a.peer_id != uncredited:
+                self._agreed[(a.peer_id, kind)] = self._agreed.get((a.peer_id, kind), 0) + 1
+
     async def _compare(
         self, stage: int, kind: Literal["forward", "backward"], primary: Answer, opinions: list[Answer | None],
         resend: Callable[[str, float], Awaitable[ForwardReply | BackwardReply]], request: tuple[torch.Tensor, ...],
-        mb: int,
+        mb: int, uncredited: str | None = None,
     ) -> Answer | None:
         """The verdict on ``primary`` given the ``opinions`` asked for it: None (confirmed), the
         answer to go on with (it lied), :data:`_SUSPECT` (an unsettled mismatch), or
-        :data:`_UNCONFIRMED` (no opinion at its step)."""
+        :data:`_UNCONFIRMED` (no opinion at its step). ``uncredited``: see :meth:`_credit`."""
         stats, tol = self.checks, tolerance(self.config.codec)
         same = [a for a in opinions if a is not None and a.step == primary.step]
         if len(same) >= 2:
-            return await self._settle_three(stage, kind, primary, same[0], same[1], request, mb)
+            return await self._settle_three(stage, kind, primary, same[0], same[1], request, mb, uncredited)
         second = same[0] if same else next((a for a in opinions if a is not None), None)
         if second is None:
             return _UNCONFIRMED
         outcome = arbitrate([primary, second], tol)
         if outcome.verdict is Verdict.AGREE:
             stats.agreements += 1
-            for peer in (primary.peer_id, second.peer_id):
-                self._agreed[(peer, kind)] = self._agreed.get((peer, kind), 0) + 1
+            self._credit((primary, second), kind, uncredited)
             return None
         if outcome.verdict is Verdict.INCONCLUSIVE:
             stats.inconclusive += 1
@@ -1338,17 +1346,17 @@ class Trainer:
 
     async def _settle_three(
         self, stage: int, kind: Literal["forward", "backward"], primary: Answer, second: Answer, third: Answer,
-        request: tuple[torch.Tensor, ...], mb: int,
+        request: tuple[torch.Tensor, ...], mb: int, uncredited: str | None = None,
     ) -> Answer | None:
         """The verdict of a first check that asked two peers at once, all three at the primary's
-        step: all agree (each confirmed), or the odd one out is convicted, or :data:`_SUSPECT`."""
+        step: all agree (each confirmed but ``uncredited``), or the odd one out is convicted, or
+        :data:`_SUSPECT`."""
         stats, tol = self.checks, tolerance(self.config.codec)
         answers = [primary, second, third]
         with_second, with_third = agree(primary, second, tol), agree(primary, third, tol)
         if with_second and with_third:
             stats.agreements += 1
-            for a in answers:
-                self._agreed[(a.peer_id, kind)] = self._agreed.get((a.peer_id, kind), 0) + 1
+            self._credit(answers, kind, uncredited)
             return None
         self._disputed |= {a.peer_id for a in answers}
         stats.mismatches += 1
