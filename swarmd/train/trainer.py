@@ -1252,9 +1252,10 @@ class Trainer:
         gradients inflate Adam's second moments for hundreds of steps). A backward's recheck is
         flagged ``verify`` (never accumulated), so what goes on is its fresh answer, never the
         unconfirmed one, and the peer's next backward is checked first again (:meth:`_credit`);
-        a forward's recheck looks like any forward to the peer, and the original answer goes on. Only when the rechecks cannot confirm either is the answer let through,
-        unless the peer is *disputed* (in a mismatch no conviction cleared): then it is
-        :data:`_SUSPECT` and the microbatch is redone (counted in ``redone``; the stage that added
+        a forward's recheck looks like any forward to the peer, and the original answer goes on.
+        Only when the rechecks cannot confirm either is the answer let through, unless the peer
+        is *disputed* (in a mismatch no conviction cleared): then it is :data:`_SUSPECT` and the
+        microbatch is redone (counted in ``redone``; the stage that added
         its gradient counts it twice). Honest swarms never redo, so their sample counts stay exact."""
         stats = self.checks
         samples = int(request[0].shape[0])
