@@ -36,6 +36,7 @@ from swarmd.train.verify import (
     VerifyStats,
     agree,
     arbitrate,
+    describe,
     tolerance,
 )
 from tests.liars import make_liar
@@ -113,6 +114,14 @@ def test_verify_stats_are_strict_json_with_the_traffic_fraction() -> None:
     out = stats.to_json()
     assert out["traffic_fraction"] == pytest.approx(7 / 200) and out["caught"] == ["p"]
     assert VerifyStats().to_json()["traffic_fraction"] == 0.0
+
+
+def test_the_plain_summary_line_says_what_the_checks_cost_and_caught() -> None:
+    line = describe(VerifyStats(calls=200, checks=4, mismatches=1, extra_requests=7, caught=("ab" * 20,)).to_json())
+    assert line == ("spot checks: 4 of 200 calls, 7 extra requests (+3.5% traffic), 1 mismatches, "
+                    "1 liar(s) caught: abababababab")
+    assert "no liar caught" in (describe(VerifyStats(calls=10, checks=1, extra_requests=1).to_json()) or "")
+    assert describe(VerifyStats(calls=10).to_json()) is None  # checked nothing: no line
 
 
 # ---- 1,000 honest checks: real executors, real codecs --------------------------------------------

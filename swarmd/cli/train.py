@@ -201,4 +201,9 @@ def main(argv: Sequence[str], prog: str = "swarmd train") -> int:
         print(f"trained {summary.steps} steps: loss {summary.first_loss:.4f} -> {summary.final_loss:.4f}, "
               f"validation {summary.val_loss:.4f}, {summary.samples_per_s:.1f} samples/s, "
               f"{summary.retries} retries, {summary.stale_redos} stale redos")
+        from swarmd.train.verify import describe as describe_checks  # torch is loaded by now
+
+        checks = describe_checks(summary.verify)
+        if checks is not None:
+            print(checks)
     return 0

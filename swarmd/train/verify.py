@@ -73,6 +73,7 @@ __all__ = [
     "VerifyStats",
     "agree",
     "arbitrate",
+    "describe",
     "excluded_by_stage",
     "forks",
     "stage_distrust",
@@ -231,6 +232,19 @@ class VerifyStats:
         out["caught"] = list(self.caught)
         out["traffic_fraction"] = round(self.fraction, 6)
         return out
+
+
+def describe(verify: dict[str, Any]) -> str | None:
+    """One line for the trainer's plain summary from its ``verify`` JSON (``VerifyStats.to_json``):
+    what the checks cost and caught; None when it checked nothing."""
+    checks = int(verify.get("checks", 0))
+    if not checks:
+        return None
+    caught = [str(p)[:12] for p in verify.get("caught", ())]
+    liars = f"{len(caught)} liar(s) caught: {', '.join(caught)}" if caught else "no liar caught"
+    traffic = 100 * float(verify.get("traffic_fraction", 0.0))
+    return (f"spot checks: {checks} of {verify.get('calls', 0)} calls, {verify.get('extra_requests', 0)} extra "
+            f"requests (+{traffic:.1f}% traffic), {verify.get('mismatches', 0)} mismatches, {liars}")
 
 
 class Standing(Protocol):
