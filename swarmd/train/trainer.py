@@ -1255,8 +1255,8 @@ class Trainer:
         a forward's recheck looks like any forward to the peer, and the original answer goes on.
         Only when the rechecks cannot confirm either is the answer let through, unless the peer
         is *disputed* (in a mismatch no conviction cleared): then it is :data:`_SUSPECT` and the
-        microbatch is redone (counted in ``redone``; the stage that added
-        its gradient counts it twice). Honest swarms never redo, so their sample counts stay exact."""
+        microbatch is redone (counted in ``redone``; the stage that added its gradient counts it
+        twice). Honest swarms never redo, so their sample counts stay exact."""
         stats = self.checks
         samples = int(request[0].shape[0])
         nbytes = sum(t.numel() * t.element_size() for t in request)
