@@ -27,7 +27,7 @@ from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.reports import MisbehaviourReport
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
-from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
+from swarmd.train.trainer import _SUSPECT, UNSETTLED_LIMIT, Trainer, TrainerConfig, TrainSummary
 from swarmd.train.verify import (
     CROSS_BUILD_SLACK,
     Answer,
@@ -235,6 +235,24 @@ async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() ->
         resend = _scripted(addrs, {gone: [], b: [(1, g1)], c: [(1, g1)]})  # one opinion: two peers usable
         assert await t._check(1, "backward", Answer(gone, 0, g0, 1.0), resend, request, 9, waited=True) is None
         assert t.checks.rechecks == 1 and t.checks.unconfirmed == 1 and not t.checks.caught
+
+
+async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_settle_it() -> None:
+    """A stage of two whose answers differ every time (stage-mates in different ``--precision``; or
+    one of two lies, which two peers cannot tell apart): each mismatch used to redo the microbatch,
+    for ever (a bf16 and an fp32 peer livelocked the swarm of tests/test_precision.py). Now
+    ``UNSETTLED_LIMIT`` of them are redone, then their answers go on and their first checks stop."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, addrs = _checking_trainer(client)
+        a, b, gone = addrs
+        t.routers[1].ban(gone, 60.0)  # two usable peers: no third opinion
+        resend = _scripted(addrs, {a: [], b: [(0, 1.01 * g)] * UNSETTLED_LIMIT, gone: []})
+        request = (torch.zeros(4, 8),)
+        verdicts = [await t._check(1, "backward", Answer(a, 0, g, 1.0), resend, request, k, waited=True)
+                    for k in range(UNSETTLED_LIMIT)]
+        assert verdicts[:-1] == [_SUSPECT] * (UNSETTLED_LIMIT - 1) and verdicts[-1] is None
+        assert {(a, "backward"), (b, "backward")} <= t._gave_up and not t.checks.caught
 
 
 # ---- liars in a real swarm ------------------------------------------------------------------------

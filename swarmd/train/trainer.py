@@ -137,6 +137,7 @@ REPORT_TIMEOUT_S = 5.0  # a misbehaviour report to one peer
 FIRST_CHECKS = 1  # a peer's answers of each kind checked always until this many were confirmed
 OPINION_ATTEMPTS = 4  # tries for a spot check's second (or third) opinion
 RECHECKS = 2  # a first check that met no opinion at its step asks the same peer again this often
+UNSETTLED_LIMIT = 3  # mismatches of a stage's only two peers redone before their answers go on (see _check)
 #: A sync trainer tops up a stage that holds the target batch yet has not stepped for this long (an
 #: honest stage starts its round within a poll period of holding it; see ``_wait_all_stepped``).
 STUCK_GRACE_S = 10.0
@@ -361,6 +362,9 @@ class Trainer:
         self._identity: Identity | None = None  # ephemeral: signs this trainer's reports
         self._agreed: dict[tuple[str, str], int] = {}  # (peer, kind) -> its answers a check confirmed
         self._disputed: set[str] = set()  # peers in a mismatch no conviction cleared (see _check)
+        # (peer, kind): mismatches with the only other peer of its stage, which no third peer could settle
+        self._unsettled: dict[tuple[str, str], int] = {}
+        self._gave_up: set[tuple[str, str]] = set()  # ... UNSETTLED_LIMIT of them: not first-checked any more
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -1205,7 +1209,7 @@ class Trainer:
         # a peer's first answers of each kind are always checked (with checks on): a liar from the start
         # is caught at its first answer, before it has done much harm
         first = self.config.verify_fraction > 0 and self._agreed.get((primary.peer_id, kind), 0) < FIRST_CHECKS
-        first = first and router.usable_count > 1
+        first = first and router.usable_count > 1 and (primary.peer_id, kind) not in self._gave_up
         if not first and not self._checker.should_check(comparable=True, other_peers=router.usable_count - 1):
             return None
         if not first and len(self._check_tasks) >= self.config.window:  # first checks are never skipped
@@ -1342,8 +1346,27 @@ class Trainer:
         nbytes = sum(t.numel() * t.element_size() for t in request)
         third = await self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id, second.peer_id})
         if third is None:
-            return _SUSPECT
+            return self._unsettled_pair(stage, kind, primary.peer_id, second.peer_id)
         return await self._convicted(stage, kind, [primary, second, third], request, mb)
+
+    def _unsettled_pair(self, stage: int, kind: Literal["forward", "backward"], a: str, b: str) -> Answer | None:
+        """A mismatch between ``a`` and ``b`` that no third peer settled: :data:`_SUSPECT` (redo),
+        unless they are the only usable peers of their stage and have disagreed so
+        :data:`UNSETTLED_LIMIT` times: then no redo can ever settle it (stage-mates in different
+        ``--precision`` differ by more than any codec's tolerance; or one of two lies, which two
+        peers cannot tell apart), and redoing each microbatch for ever would stall training.
+        Their answers then go on, and their first checks stop (random checks go on), said once."""
+        for peer in (a, b):
+            self._unsettled[(peer, kind)] = self._unsettled.get((peer, kind), 0) + 1
+        pair_only = self.routers[stage].usable_count <= 2
+        if not pair_only or min(self._unsettled[(a, kind)], self._unsettled[(b, kind)]) < UNSETTLED_LIMIT:
+            return _SUSPECT
+        if (a, kind) not in self._gave_up or (b, kind) not in self._gave_up:
+            log.warning("spot check: stage %d peers %s and %s answered %s %d times differently and the stage has "
+                        "no third peer to settle it (different --precision, or one of them lies); going on with "
+                        "their answers unconfirmed", stage, a[:12], b[:12], kind, UNSETTLED_LIMIT)
+        self._gave_up |= {(a, kind), (b, kind)}
+        return None
 
     async def _settle_three(
         self, stage: int, kind: Literal["forward", "backward"], primary: Answer, second: Answer, third: Answer,
