@@ -93,6 +93,15 @@ def test_backward_request_and_reply_round_trip() -> None:
     assert first.grad_inputs is None and first.loss is None
 
 
+def test_a_reply_says_which_precision_computed_it_and_fp32_replies_are_unchanged() -> None:
+    bf16 = BackwardReply.from_frame(wire(BackwardReply(stage=0, step=0, samples=2, accumulated=2,
+                                                       precision="bf16").encode()))
+    assert bf16.precision == "bf16"
+    assert ForwardReply.from_frame(wire(ForwardReply(0, 1, hidden(), precision="fp16").encode())).precision == "fp16"
+    frame = wire(ForwardReply(stage=0, step=1, outputs=hidden()).encode())
+    assert "precision" not in frame.meta and ForwardReply.from_frame(frame).precision == "fp32"
+
+
 def test_average_request_and_reply_round_trip() -> None:
     grads = torch.arange(10, dtype=torch.float32)
     req = AverageRequest(stage=1, peer_id="p" * 64, step=5, samples=3, grads=grads, codec="none")
@@ -247,6 +256,8 @@ def test_decoding_any_meta_raises_only_typed_errors(meta: dict[str, Any], kind: 
     (Frame("forward_result", {"stage": 0, "step": 0}, {"loss": hidden()}), ForwardReply.from_frame),
     (Frame("forward_result", {"stage": 0, "step": 0, "loss": "low"}, {"loss": hidden()}), ForwardReply.from_frame),
     (Frame("backward_result", {"stage": 0, "step": 0}, {}), BackwardReply.from_frame),
+    (Frame("backward_result", {"stage": 0, "step": 0, "samples": 1, "precision": "int4"}, {}), BackwardReply.from_frame),
+    (Frame("forward_result", {"stage": 0, "step": 0, "precision": 16}, {"outputs": hidden()}), ForwardReply.from_frame),
     (Frame("average_result", {"stage": 0, "step": 0, "status": "ok"}, {}), AverageReply.from_frame),
     (Frame("average_result", {"stage": 0, "step": 0, "status": "ok", "samples": -1}, {"grads": torch.zeros(3)}),
      AverageReply.from_frame),

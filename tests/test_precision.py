@@ -193,7 +193,8 @@ async def test_cuda_stage_tracks_the_cpu_fp32_stage(precision: str, closing: lis
 
 
 # In CI (7 s a kind): with spot checks on (the trainer's default), its two peers per stage differ by more than
-# any codec's tolerance, and each mismatch redid the microbatch for ever until the trainer gave up on the pair.
+# any codec's tolerance, and each mismatch redid the microbatch for ever until replies named their precision
+# (answers of different precisions are not compared: tests/test_spot_checks.py).
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 async def test_a_swarm_trains_with_stage_mates_in_different_precisions(precision: str) -> None:
     """Two peers per stage, one in ``precision`` and one in fp32: they average float32 gradients,

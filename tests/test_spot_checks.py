@@ -191,13 +191,16 @@ def _checking_trainer(client: DataPlaneClient) -> tuple[Trainer, dict[str, str]]
     return t, addrs
 
 
-def _scripted(addrs: dict[str, str], answers: dict[str, list[tuple[int, torch.Tensor]]]) -> Any:
-    """A ``resend`` that answers each peer's checked backward from its script, in order: (step, grad)."""
+def _scripted(addrs: dict[str, str], answers: dict[str, list[tuple[int, torch.Tensor]]],
+              precision: dict[str, str] | None = None) -> Any:
+    """A ``resend`` that answers each peer's checked backward from its script, in order: (step, grad),
+    computed in ``precision`` (per peer; fp32 by default)."""
     by_addr = {addr: answers[peer] for peer, addr in addrs.items()}
+    named = {addr: (precision or {}).get(peer, "fp32") for peer, addr in addrs.items()}
 
     async def resend(addr: str, timeout: float) -> BackwardReply:
         step, grad = by_addr[addr].pop(0)
-        return BackwardReply(1, step, 4, 0, grad, loss=1.0)
+        return BackwardReply(1, step, 4, 0, grad, loss=1.0, precision=named[addr])
 
     return resend
 
@@ -253,6 +256,29 @@ async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_sett
                     for k in range(UNSETTLED_LIMIT)]
         assert verdicts[:-1] == [_SUSPECT] * (UNSETTLED_LIMIT - 1) and verdicts[-1] is None
         assert {(a, "backward"), (b, "backward")} <= t._gave_up and not t.checks.caught
+
+
+async def test_answers_of_different_precisions_are_never_compared() -> None:
+    """bf16 and fp32 answers differ by more than any codec's tolerance: an honest bf16 peer among
+    fp32 stage-mates must not be convicted (it was: the odd one out), nor its microbatches redone.
+    Its answer goes on unconfirmed and its first checks stop; an fp32 peer is checked against the
+    fp32 mate, whatever the bf16 one answered."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, addrs = _checking_trainer(client)
+        half, b, c = addrs
+        resend = _scripted(addrs, {half: [], b: [(0, g)], c: [(0, g)]}, {half: "bf16"})
+        request = (torch.zeros(4, 8),)
+        primary = Answer(half, 0, 1.01 * g, 1.0, "bf16")
+        assert await t._check(1, "backward", primary, resend, request, 1, waited=True) is None
+        assert not t.checks.caught and t.checks.mismatches == 0 and t.checks.rechecks == 0
+        assert (half, "backward") in t._gave_up and t.checks.unconfirmed == 1
+
+        t, addrs = _checking_trainer(client)
+        full, mate, half = addrs
+        resend = _scripted(addrs, {full: [], mate: [(0, g)], half: [(0, 1.01 * g)]}, {half: "bf16"})
+        assert await t._check(1, "backward", Answer(full, 0, g, 1.0), resend, request, 2, waited=True) is None
+        assert not t.checks.caught and t.checks.agreements == 1 and t._agreed[(full, "backward")] == 1
 
 
 # ---- liars in a real swarm ------------------------------------------------------------------------

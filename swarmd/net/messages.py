@@ -247,11 +247,14 @@ class ForwardReply:
     step: int
     outputs: torch.Tensor
     loss: float | None = None
+    precision: str = "fp32"  # what computed it (``--precision``): spot checks compare like with like
 
     KIND = "forward_result"
 
     def encode(self, codec: str = "none") -> bytes:
         meta: dict[str, Any] = {"stage": self.stage, "step": self.step}
+        if self.precision != "fp32":
+            meta["precision"] = self.precision
         if self.loss is not None:
             meta["loss"] = self.loss
             return encode_frame(self.KIND, meta, {"loss": self.outputs}, codec)
@@ -266,7 +269,7 @@ class ForwardReply:
         if outputs is None:
             raise MalformedFrame(f"a forward reply {'with' if loss is not None else 'without'} a loss needs "
                                  f"a '{name}' tensor (it has {sorted(frame.tensors) or 'none'})")
-        return cls(stage=stage, step=step, outputs=outputs, loss=loss)
+        return cls(stage=stage, step=step, outputs=outputs, loss=loss, precision=_reply_precision(frame.meta))
 
 
 # ---- POST /v1/backward ------------------------------------------------------------------------
@@ -358,12 +361,15 @@ class BackwardReply:
     grad_inputs: torch.Tensor | None = None
     loss: float | None = None
     duplicate: bool = False
+    precision: str = "fp32"  # what computed it (``--precision``): spot checks compare like with like
 
     KIND = "backward_result"
 
     def encode(self, codec: str = "none") -> bytes:
         meta: dict[str, Any] = {"stage": self.stage, "step": self.step, "samples": self.samples,
                                 "accumulated": self.accumulated}
+        if self.precision != "fp32":
+            meta["precision"] = self.precision
         if self.loss is not None:
             meta["loss"] = self.loss
         if self.duplicate:
@@ -376,7 +382,20 @@ class BackwardReply:
         stage, step = _reply_fields(frame, cls.KIND)
         return cls(stage=stage, step=step, samples=_reply_int(frame.meta, "samples"),
                    accumulated=_reply_int(frame.meta, "accumulated", 0), grad_inputs=frame.tensors.get("grad_inputs"),
-                   loss=_reply_float(frame.meta, "loss"), duplicate=frame.meta.get("duplicate") is True)
+                   loss=_reply_float(frame.meta, "loss"), duplicate=frame.meta.get("duplicate") is True,
+                   precision=_reply_precision(frame.meta))
+
+
+#: The compute precisions a reply may name (``swarmd.pipeline.precision.PRECISIONS``).
+REPLY_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _reply_precision(meta: Mapping[str, Any]) -> str:
+    value = meta.get("precision", "fp32")
+    if value not in REPLY_PRECISIONS:
+        raise MalformedFrame(f"a reply's meta.precision must be one of {', '.join(REPLY_PRECISIONS)}, "
+                             f"got {value!r:.40}")
+    return str(value)
 
 
 # ---- POST /v1/average -------------------------------------------------------------------------

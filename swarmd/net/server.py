@@ -343,7 +343,8 @@ class DataPlane:
         result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb)
         self.served["forward"] += 1
         loss = float(result.outputs) if req.targets is not None else None
-        reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss)
+        reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss,
+                             precision=runtime.executor.precision)
         return await self._reply(reply.encode, req.codec)
 
     async def _backward(self, request: web.Request) -> web.Response:
@@ -358,7 +359,8 @@ class DataPlane:
                                    source=request.remote or "")
         self.served["backward"] += 1
         reply = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
-                              grad_inputs=result.grad_inputs, loss=result.loss, duplicate=result.duplicate)
+                              grad_inputs=result.grad_inputs, loss=result.loss, duplicate=result.duplicate,
+                              precision=ex.precision)
         return await self._reply(reply.encode, req.codec)
 
     async def _info(self, request: web.Request) -> web.Response:

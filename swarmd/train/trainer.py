@@ -176,6 +176,8 @@ def _front_step(progress: list[list[PeerProgress]]) -> int:
 _SUSPECT = Answer("", -1, None)
 #: ... and (inside a check only): no opinion at the answer's step, so it is neither confirmed nor refuted.
 _UNCONFIRMED = Answer("", -2, None)
+#: ... or: the only opinions at its step were computed in another precision (never compared).
+_INCOMPARABLE = Answer("", -3, None)
 
 
 def backward_deadline_ms(timeout_s: float) -> int:
@@ -1165,7 +1167,8 @@ class Trainer:
             return client.forward(addr, stage, inputs, codec=codec, model=spec.digest, mb=secrets.randbits(64),
                                   timeout_s=timeout)
 
-        honest = await self._maybe_check(stage, "forward", Answer(peer, reply.step, reply.outputs, reply.loss), resend,
+        honest = await self._maybe_check(stage, "forward", Answer(peer, reply.step, reply.outputs, reply.loss,
+                                                                       reply.precision), resend,
                                          (inputs,), secrets.randbits(64))
         if honest is None or honest.tensor is None:
             return reply
@@ -1189,7 +1192,8 @@ class Trainer:
                                    step=step, mb=mb, timeout_s=timeout, verify=True)
 
         tensors = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
-        honest = await self._maybe_check(stage, "backward", Answer(peer, reply.step, reply.grad_inputs, reply.loss),
+        honest = await self._maybe_check(stage, "backward", Answer(peer, reply.step, reply.grad_inputs, reply.loss,
+                                                                        reply.precision),
                                          resend, tensors, mb)
         if honest is None:
             return reply
@@ -1273,6 +1277,9 @@ class Trainer:
         opinions = await asyncio.gather(*(self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id}, taken)
                                           for _ in range(2 if both else 1)))
         verdict = await self._compare(stage, kind, primary, list(opinions), resend, request, mb)
+        if verdict is _INCOMPARABLE:
+            self._incomparable(stage, kind, primary)
+            return None
         for _ in range(RECHECKS if waited else 0):
             if verdict is not _UNCONFIRMED:
                 break
@@ -1284,10 +1291,25 @@ class Trainer:
                                           uncredited=primary.peer_id if kind == "backward" else None)
             if verdict is None and kind == "backward":
                 verdict = again[0]  # confirmed: its fresh gradients go on, not the unconfirmed ones
+        if verdict is _INCOMPARABLE:
+            self._incomparable(stage, kind, primary)
+            return None
         if verdict is _UNCONFIRMED:
             stats.unconfirmed += int(waited)
             return _SUSPECT if waited and primary.peer_id in self._disputed else None
         return verdict
+
+    def _incomparable(self, stage: int, kind: Literal["forward", "backward"], primary: Answer) -> None:
+        """The stage-mates that answered computed in another ``--precision`` than ``primary`` (bf16
+        against fp32 differ by more than any codec's tolerance): its answer goes on unconfirmed and
+        its first checks stop (random ones go on, and compare it with a peer of its precision when
+        one answers), said once per peer."""
+        self.checks.unconfirmed += 1
+        if (primary.peer_id, kind) not in self._gave_up:
+            log.warning("spot check: stage %d peer %s computes in %s and the stage-mates asked about its %s in "
+                        "another precision; its answers are not compared with theirs", stage,
+                        primary.peer_id[:12], primary.precision, kind)
+            self._gave_up.add((primary.peer_id, kind))
 
     async def _recheck(
         self, stage: int, kind: Literal["forward", "backward"], peer_id: str,
@@ -1323,7 +1345,9 @@ class Trainer:
         answer to go on with (it lied), :data:`_SUSPECT` (an unsettled mismatch), or
         :data:`_UNCONFIRMED` (no opinion at its step). ``uncredited``: see :meth:`_credit`."""
         stats, tol = self.checks, tolerance(self.config.codec)
-        same = [a for a in opinions if a is not None and a.step == primary.step]
+        same = [a for a in opinions if a is not None and a.step == primary.step and a.precision == primary.precision]
+        if not same and any(a is not None and a.step == primary.step for a in opinions):
+            return _INCOMPARABLE
         if len(same) >= 2:
             return await self._settle_three(stage, kind, primary, same[0], same[1], request, mb, uncredited)
         second = same[0] if same else next((a for a in opinions if a is not None), None)
@@ -1352,9 +1376,10 @@ class Trainer:
     def _unsettled_pair(self, stage: int, kind: Literal["forward", "backward"], a: str, b: str) -> Answer | None:
         """A mismatch between ``a`` and ``b`` that no third peer settled: :data:`_SUSPECT` (redo),
         unless they are the only usable peers of their stage and have disagreed so
-        :data:`UNSETTLED_LIMIT` times: then no redo can ever settle it (stage-mates in different
-        ``--precision`` differ by more than any codec's tolerance; or one of two lies, which two
-        peers cannot tell apart), and redoing each microbatch for ever would stall training.
+        :data:`UNSETTLED_LIMIT` times: then no redo can ever settle it (one of two lies, which two
+        peers cannot tell apart; or they differ beyond the tolerance for another reason, as
+        stage-mates in different ``--precision`` did before replies named it), and redoing each
+        microbatch for ever would stall training.
         Their answers then go on, and their first checks stop (random checks go on), said once."""
         for peer in (a, b):
             self._unsettled[(peer, kind)] = self._unsettled.get((peer, kind), 0) + 1
@@ -1363,8 +1388,8 @@ class Trainer:
             return _SUSPECT
         if (a, kind) not in self._gave_up or (b, kind) not in self._gave_up:
             log.warning("spot check: stage %d peers %s and %s answered %s %d times differently and the stage has "
-                        "no third peer to settle it (different --precision, or one of them lies); going on with "
-                        "their answers unconfirmed", stage, a[:12], b[:12], kind, UNSETTLED_LIMIT)
+                        "no third peer to settle it (one of them lies, or they differ beyond the tolerance); "
+                        "going on with their answers unconfirmed", stage, a[:12], b[:12], kind, UNSETTLED_LIMIT)
         self._gave_up |= {(a, kind), (b, kind)}
         return None
 
@@ -1463,8 +1488,8 @@ class Trainer:
                 raise
             router.report_success(peer_id, samples, time.monotonic() - started, kind)
             if isinstance(reply, ForwardReply):
-                return Answer(peer_id, reply.step, reply.outputs, reply.loss)
-            return Answer(peer_id, reply.step, reply.grad_inputs, reply.loss)
+                return Answer(peer_id, reply.step, reply.outputs, reply.loss, reply.precision)
+            return Answer(peer_id, reply.step, reply.grad_inputs, reply.loss, reply.precision)
         self.checks.failed += 1
         return None
 

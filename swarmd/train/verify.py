@@ -112,6 +112,7 @@ class Answer:
     step: int
     tensor: torch.Tensor | None
     loss: float | None = None
+    precision: str = "fp32"  # what computed it: answers of different precisions are never compared
 
 
 def agree(a: Answer, b: Answer, tol: float) -> bool:
@@ -158,14 +159,15 @@ class Outcome:
 def arbitrate(answers: Sequence[Answer], tol: float) -> Outcome:
     """The verdict of two answers (primary, second) or three (with the arbiter's).
 
-    Answers at different steps are inconclusive. Two that agree: AGREE; two that do not:
+    Answers at different steps, or computed in different precisions (bf16 against fp32 differ
+    by more than any codec's tolerance), are inconclusive. Two that agree: AGREE; two that do not:
     MISMATCH (ask a third). Of three: the one disagreeing with the two that agree is the LIAR;
     if no two agree, INCONCLUSIVE (no peer is blamed on a three-way split: it takes two to
     convict one).
     """
     if len(answers) not in (2, 3):
         raise ValueError("a check compares two answers, or three with an arbiter")
-    if len({a.step for a in answers}) > 1:
+    if len({a.step for a in answers}) > 1 or len({a.precision for a in answers}) > 1:
         return Outcome(Verdict.INCONCLUSIVE)
     if len(answers) == 2:
         return Outcome(Verdict.AGREE if agree(answers[0], answers[1], tol) else Verdict.MISMATCH)
