@@ -49,6 +49,7 @@ from swarmd.errors import MalformedFrame, RequestError, WrongStage
 from swarmd.finite import all_finite
 from swarmd.net.codecs import CODECS
 from swarmd.net.wire import Frame, WireLimits, encode_frame
+from swarmd.pipeline.precision import PRECISIONS
 
 __all__ = [
     "MAX_PROGRESS_WAIT_S",
@@ -386,14 +387,11 @@ class BackwardReply:
                    precision=_reply_precision(frame.meta))
 
 
-#: The compute precisions a reply may name (``swarmd.pipeline.precision.PRECISIONS``).
-REPLY_PRECISIONS = ("fp32", "bf16", "fp16")
-
-
 def _reply_precision(meta: Mapping[str, Any]) -> str:
+    """The compute precision a reply names: one of ``--precision``'s (fp32 when it names none)."""
     value = meta.get("precision", "fp32")
-    if value not in REPLY_PRECISIONS:
-        raise MalformedFrame(f"a reply's meta.precision must be one of {', '.join(REPLY_PRECISIONS)}, "
+    if value not in PRECISIONS:
+        raise MalformedFrame(f"a reply's meta.precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {value!r:.40}")
     return str(value)
 

@@ -1277,9 +1277,6 @@ class Trainer:
         opinions = await asyncio.gather(*(self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id}, taken)
                                           for _ in range(2 if both else 1)))
         verdict = await self._compare(stage, kind, primary, list(opinions), resend, request, mb)
-        if verdict is _INCOMPARABLE:
-            self._incomparable(stage, kind, primary)
-            return None
         for _ in range(RECHECKS if waited else 0):
             if verdict is not _UNCONFIRMED:
                 break
