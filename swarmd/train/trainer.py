@@ -1289,6 +1289,7 @@ class Trainer:
             if verdict is None and kind == "backward":
                 verdict = again[0]  # confirmed: its fresh gradients go on, not the unconfirmed ones
         if verdict is _INCOMPARABLE:
+            stats.unconfirmed += int(waited)
             self._incomparable(stage, kind, primary)
             return None
         if verdict is _UNCONFIRMED:
@@ -1301,7 +1302,6 @@ class Trainer:
         against fp32 differ by more than any codec's tolerance): its answer goes on unconfirmed and
         its first checks stop (random ones go on, and compare it with a peer of its precision when
         one answers), said once per peer."""
-        self.checks.unconfirmed += 1
         if (primary.peer_id, kind) not in self._gave_up:
             log.warning("spot check: stage %d peer %s computes in %s and the stage-mates asked about its %s in "
                         "another precision; its answers are not compared with theirs", stage,
