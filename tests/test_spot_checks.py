@@ -241,9 +241,10 @@ async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() ->
 
 
 async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_settle_it() -> None:
-    """A stage of two whose answers differ every time (stage-mates in different ``--precision``; or
-    one of two lies, which two peers cannot tell apart): each mismatch used to redo the microbatch,
-    for ever (a bf16 and an fp32 peer livelocked the swarm of tests/test_precision.py). Now
+    """A stage of two whose answers differ every time (one of two lies, which two peers cannot tell
+    apart; or they differ beyond the tolerance, as a bf16 and an fp32 peer did before replies named
+    their precision): each mismatch used to redo the microbatch, for ever (it livelocked the swarm
+    of tests/test_precision.py). Now
     ``UNSETTLED_LIMIT`` of them are redone, then their answers go on and their first checks stop."""
     g = torch.ones(4, 8)
     async with DataPlaneClient(timeout_s=2) as client:
