@@ -81,7 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +91,11 @@ import torch
 from swarmd.errors import ConfigError
 from swarmd.finite import strict_json_dumps
 from swarmd.local_swarm import DaemonProcess, DaemonStartError
+from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.optimizer import build_optimizer
-from swarmd.pipeline.partition import flop_costs, stage_costs
+from swarmd.pipeline.partition import flop_costs, stage_costs, tapered_sizes
+from swarmd.pipeline.schedule import StageCalls, sync_step
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec, load_spec
 from swarmd.train.data import BatchSampler, load_corpus
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
@@ -125,6 +127,7 @@ class Settings:
     taper: bool = True  # the trainer tapers a sync step's ends (swarmd.pipeline.partition.tapered_sizes)
     max_taper_depth: int = 2  # ... at most this finely (1: the halved ends only)
     partition: str = "equal"  # equal, balanced, or blocks per stage "3,1"
+    ceiling: bool = True  # also measure each stage's calls alone and model the best possible sync step
 
     @property
     def spec(self) -> ModelSpec:
@@ -147,6 +150,11 @@ class Settings:
     def microbatch_sizes(self) -> list[int]:
         """How the single run splits one global batch: as the trainer's sync mode does, untapered."""
         return split_batch(self.batch_size, self.microbatch_size)
+
+    def schedules(self) -> dict[int, list[int]]:
+        """The batch splits the swarm trainer may use in sync mode, by taper depth."""
+        depths = range(self.max_taper_depth + 1) if self.taper else range(1)
+        return {d: tapered_sizes(self.batch_size, self.microbatch_size, d) for d in depths}
 
 
 # ---- process accounting ---------------------------------------------------------------------
@@ -242,7 +250,8 @@ def single_run(s: Settings) -> dict[str, Any]:
 
 
 def run_single_child(s: Settings, timeout_s: float = 3600.0) -> dict[str, Any]:
-    """:func:`single_run` in a fresh interpreter (this script with ``--single-child``)."""
+    """:func:`single_run` in a fresh interpreter (this script with ``--single-child``), then
+    (in sync mode, unless ``--no-ceiling``) :func:`measure_calls` there, after the timed window."""
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--single-child", json.dumps(asdict(s))],
         stdout=subprocess.PIPE, text=True,
@@ -255,6 +264,115 @@ def run_single_child(s: Settings, timeout_s: float = 3600.0) -> dict[str, Any]:
         raise BenchError(f"the single-process run exited with code {proc.returncode}")
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
+
+
+# ---- the ceiling: each stage's calls alone, and the best sync step they allow -----------------
+
+CEILING_REPEATS = 5  # timed calls per stage, kind and microbatch size (after one untimed)
+
+
+def measure_calls(s: Settings) -> list[StageCalls]:
+    """What every call of a sync step costs one stage on one thread, with nothing else running:
+    the median worker-thread CPU of :data:`CEILING_REPEATS` calls per kind and microbatch size
+    (forward, and backward from the activation cache, on every stage but the last; the fused
+    call on the last) and of its update (take the gradients, apply the mean: the optimizer step
+    and the parameter digest), through the daemon's own :class:`StageExecutor` (its input
+    checks, activation cache and gradient accumulator; no transport, no averaging round)."""
+    return asyncio.run(_measure_calls(s))
+
+
+async def _measure_calls(s: Settings) -> list[StageCalls]:
+    spec = s.spec
+    sizes = sorted({n for sizes in s.schedules().values() for n in sizes})
+    gen = torch.Generator().manual_seed(SEED)
+    mbs = iter(range(1, 1 << 62))
+    stages = []
+    for k in range(spec.n_stages):
+        ex = StageExecutor(spec, k, "cpu", training=TrainingSpec(target_batch_size=s.batch_size), threads=1)
+        try:
+            stages.append(await _measure_stage(ex, sizes, gen, mbs))
+        finally:
+            await ex.close()
+    return stages
+
+
+async def _measure_stage(ex: StageExecutor, sizes: list[int], gen: torch.Generator, mbs: Iterator[int]) -> StageCalls:
+    spec, last = ex.spec, ex.module.is_last
+
+    async def timed(call: Awaitable[Any]) -> float:
+        before = ex.worker_cpu_s
+        await call
+        return ex.worker_cpu_s - before
+
+    async def one(n: int) -> dict[str, float]:
+        mb = next(mbs)
+        x = (torch.randint(0, spec.vocab_size, (n, spec.seq_len), generator=gen) if ex.module.is_first
+             else torch.randn(n, spec.seq_len, spec.d_model, generator=gen))
+        if last:
+            y = torch.randint(0, spec.vocab_size, (n, spec.seq_len), generator=gen)
+            return {"fused": await timed(ex.backward(x, None, y, mb=mb))}
+        cost = {"forward": await timed(ex.forward(x, None, mb=mb))}
+        grad = torch.randn(n, spec.seq_len, spec.d_model, generator=gen)
+        cost["backward"] = await timed(ex.backward(x, grad, None, step=ex.step, mb=mb))
+        return cost
+
+    async def update() -> float:
+        before = ex.worker_cpu_s
+        taken = await ex.take_contribution()
+        if taken.grads is None:
+            raise BenchError(f"stage {ex.stage} held no gradients to update with")
+        await ex.apply_average(taken.grads / taken.samples, taken.step)
+        return ex.worker_cpu_s - before
+
+    costs: dict[str, dict[int, float]] = {"forward": {}, "backward": {}, "fused": {}}
+    for n in sizes:
+        runs = [await one(n) for _ in range(CEILING_REPEATS + 1)][1:]
+        for kind in runs[0]:
+            costs[kind][n] = statistics.median(r[kind] for r in runs)
+    updates = []
+    for _ in range(CEILING_REPEATS + 1):
+        await one(sizes[0])
+        updates.append(await update())
+    return StageCalls(forward=costs["forward"], backward=costs["backward"], fused=costs["fused"],
+                      update=statistics.median(updates[1:]))
+
+
+def _stage_calls_json(calls: StageCalls) -> dict[str, Any]:
+    return {
+        **{kind: {str(n): round(c * 1e3, 3) for n, c in sorted(table.items())}
+           for kind, table in (("forward", calls.forward), ("backward", calls.backward), ("fused", calls.fused))
+           if table},
+        "update": round(calls.update * 1e3, 3),
+    }
+
+
+def _stage_calls_from_json(d: dict[str, Any]) -> StageCalls:
+    def table(kind: str) -> dict[int, float]:
+        return {int(n): ms / 1e3 for n, ms in d.get(kind, {}).items()}
+    return StageCalls(forward=table("forward"), backward=table("backward"), fused=table("fused"),
+                      update=d["update"] / 1e3)
+
+
+def ceiling_report(s: Settings, calls: list[StageCalls], single_sps: float, swarm_sps: float,
+                   ran: list[int]) -> dict[str, Any]:
+    """The modelled best sync step (:func:`swarmd.pipeline.schedule.sync_step`, no transport) for
+    every batch split the trainer may use, and as the main figures for the one it ran (``ran``,
+    from the timeline; else the finest), against the single run and the swarm."""
+    def model(depth: int, sizes: list[int]) -> dict[str, Any]:
+        # the trainer chains the microbatches under the finer taper (Trainer._run_sync)
+        sched = sync_step(sizes, calls, window=s.window, chained=depth >= 2, hop=0.0)
+        sps = s.batch_size / sched.step_s
+        return {"taper_depth": depth, "sizes": sizes, "step_ms": sched.step_s * 1e3, "samples_per_s": sps,
+                "ratio_to_single": sps / single_sps, "busy_ms": [b * 1e3 for b in sched.busy_s],
+                "idle_ms": [i * 1e3 for i in sched.idle_s]}
+    by_depth = {d: model(d, sizes) for d, sizes in s.schedules().items()}
+    main = next((m for m in by_depth.values() if m["sizes"] == ran), by_depth[max(by_depth)])
+    return {
+        **main,
+        "swarm_share_of_ceiling": swarm_sps / main["samples_per_s"],
+        "by_taper_depth": {str(d): m for d, m in by_depth.items()},
+        "call_cpu_ms": {f"stage{k}": _stage_calls_json(c) for k, c in enumerate(calls)},
+    }
 
 
 # ---- swarm: one daemon per stage, a trainer in this process -----------------------------------
@@ -522,6 +640,13 @@ def run(s: Settings, profile: bool, profile_daemons: bool = False) -> dict[str, 
             for d in daemons:
                 d.stop()
     single_losses, swarm_losses = single.pop("step_losses"), swarm.pop("step_losses")
+    call_costs = single.pop("call_costs", None)
+    ceiling = None
+    if call_costs is not None:
+        first = "fused" if s.stages == 1 else "forward"
+        ran = [row[2] for row in swarm["timeline_one_step"] if row[0] == 0 and row[1] == first]
+        ceiling = ceiling_report(s, [_stage_calls_from_json(c) for c in call_costs], single["samples_per_s"],
+                                 swarm["samples_per_s"], ran)
     daemon_cpu = sum(d["cpu_s"] or 0.0 for d in swarm["daemons"])
     cpu_per_sample = {  # CPU seconds (all threads) per trained sample, inside the timed windows
         "single": single["cpu_s"] / single["samples"],
@@ -536,6 +661,8 @@ def run(s: Settings, profile: bool, profile_daemons: bool = False) -> dict[str, 
         "single_samples_per_s": single["samples_per_s"],
         "swarm_samples_per_s": swarm["samples_per_s"],
         "ratio": swarm["samples_per_s"] / single["samples_per_s"],
+        # the best sync step the stages' own compute allows (no transport): see ceiling_report
+        "ceiling": ceiling,
         "step_losses_max_rel_diff": _max_rel_diff(swarm_losses, single_losses),
         "cpu_ms_per_sample": {k: v * 1e3 for k, v in cpu_per_sample.items()},
         "first_loss": single_losses[0],
@@ -574,6 +701,14 @@ def print_summary(r: dict[str, Any]) -> None:
         print(f"WARNING: other processes used up to {busy:.2f} cores during the timed steps; "
               "the numbers are skewed")
     print(f"ratio swarm/single: {r['ratio']:.2f}; step losses agree to {r['step_losses_max_rel_diff']:.1e} (relative)")
+    c = r.get("ceiling")
+    if c:
+        print(f"ceiling (each stage's calls alone on one thread, no transport, microbatches {c['sizes']}): "
+              f"{c['samples_per_s']:.1f} samples/s, step {c['step_ms']:.0f} ms, {c['ratio_to_single']:.2f} of single; "
+              f"the swarm reached {c['swarm_share_of_ceiling']:.2f} of it")
+        print("  stage idle in the modelled step: " + ", ".join(f"{i:.0f} ms" for i in c["idle_ms"])
+              + "; by taper depth: " + ", ".join(f"{d}: {m['ratio_to_single']:.2f}"
+                                                 for d, m in c["by_taper_depth"].items()))
     cpu = r["cpu_ms_per_sample"]
     print(f"CPU per sample: single {cpu['single']:.1f} ms, swarm {cpu['swarm_daemons']:.1f} ms in the daemons "
           f"+ {cpu['swarm_trainer']:.1f} ms in the trainer")
@@ -624,6 +759,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-taper-depth", type=int, choices=(1, 2), default=2,
                    help="the finest taper the trainer may use: 1 halves the ends only, 2 also ramps them in "
                    "quarters once it has measured that a small microbatch is worth its request (default: 2)")
+    p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                   help="in sync mode, also time each stage's calls alone on one thread (after the single run) "
+                   "and model the best sync step they allow: the report's 'ceiling' (default: --ceiling)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the single run, split evenly over the daemons (default: CPU count)")
     p.add_argument("--profile", action="store_true", help="run the trainer's timed steps under cProfile")
@@ -638,7 +776,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.single_child is not None:
-        print(strict_json_dumps(single_run(Settings(**json.loads(args.single_child)))))
+        child = Settings(**json.loads(args.single_child))
+        single = single_run(child)
+        if child.sync and child.ceiling and child.stages > 1:
+            single["call_costs"] = [_stage_calls_json(c) for c in measure_calls(child)]
+        print(strict_json_dumps(single))
         return 0
     for name in ("steps", "warmup", "batch_size", "microbatch_size", "window", "threads"):
         if getattr(args, name) < 1:
@@ -651,7 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         preset=args.preset, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                         microbatch_size=args.microbatch_size, window=args.window, codec=args.codec,
                         sync=args.sync, threads=args.threads, delay_updates=args.delay_updates,
-                        taper=args.taper, max_taper_depth=args.max_taper_depth)
+                        taper=args.taper, max_taper_depth=args.max_taper_depth, ceiling=args.ceiling)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C does
