@@ -88,6 +88,7 @@ from typing import Any
 
 import torch
 
+from swarmd.allocator import keep_freed_memory
 from swarmd.errors import ConfigError
 from swarmd.finite import strict_json_dumps
 from swarmd.local_swarm import DaemonProcess, DaemonStartError
@@ -206,6 +207,7 @@ def single_run(s: Settings) -> dict[str, Any]:
     The loop is ``reference_run`` of tests/test_training.py with the trainer's batch split;
     it runs in a child process of the benchmark so its memory and CPU are its own.
     """
+    keep_freed_memory()  # as every daemon does at start-up (swarmd.allocator): the same allocator for both runs
     torch.set_num_threads(s.threads)
     spec = s.spec
     training = TrainingSpec(target_batch_size=s.batch_size)  # what the founder publishes

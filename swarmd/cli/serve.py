@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmd import __version__
+from swarmd.allocator import keep_freed_memory
 from swarmd.cli import config_file
 from swarmd.cli.common import (
     EXIT_INTERRUPTED,
@@ -318,6 +319,7 @@ def main(argv: Sequence[str], prog: str = "swarmd", epilog: str | None = None) -
         config = config_from_args(args)
     except ConfigError as exc:
         fail_usage(str(exc), prog)
+    keep_freed_memory()  # before the stage's first tensors: see swarmd.allocator
     try:
         return asyncio.run(serve(config, args.ready_file))
     except ConfigError as exc:
