@@ -96,7 +96,7 @@ from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.optimizer import build_optimizer
 from swarmd.pipeline.partition import flop_costs, stage_costs, tapered_sizes
-from swarmd.pipeline.schedule import StageCalls, sync_step
+from swarmd.pipeline.schedule import StageCalls, sync_step, unimodal_splits
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec, load_spec
 from swarmd.train.data import BatchSampler, load_corpus
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
@@ -129,6 +129,7 @@ class Settings:
     max_taper_depth: int = 2  # ... at most this finely (1: the halved ends only)
     partition: str = "equal"  # equal, balanced, or blocks per stage "3,1"
     ceiling: bool = True  # also measure each stage's calls alone and model the best possible sync step
+    search: bool = False  # ... and search every rising-then-falling batch split for the best one
 
     @property
     def spec(self) -> ModelSpec:
@@ -156,6 +157,17 @@ class Settings:
         """The batch splits the swarm trainer may use in sync mode, by taper depth."""
         depths = range(self.max_taper_depth + 1) if self.taper else range(1)
         return {d: tapered_sizes(self.batch_size, self.microbatch_size, d) for d in depths}
+
+    @property
+    def search_max_parts(self) -> int:
+        """The most microbatches a searched split may have: twice the plain split's, and one."""
+        return 2 * -(-self.batch_size // self.microbatch_size) + 1
+
+    def measured_sizes(self) -> list[int]:
+        """The microbatch sizes whose calls the ceiling times."""
+        if self.search:
+            return list(range(1, min(self.microbatch_size, self.batch_size) + 1))
+        return sorted({n for sizes in self.schedules().values() for n in sizes})
 
 
 # ---- process accounting ---------------------------------------------------------------------
@@ -285,7 +297,7 @@ def measure_calls(s: Settings) -> list[StageCalls]:
 
 async def _measure_calls(s: Settings) -> list[StageCalls]:
     spec = s.spec
-    sizes = sorted({n for sizes in s.schedules().values() for n in sizes})
+    sizes = s.measured_sizes()
     gen = torch.Generator().manual_seed(SEED)
     mbs = iter(range(1, 1 << 62))
     stages = []
@@ -369,11 +381,32 @@ def ceiling_report(s: Settings, calls: list[StageCalls], single_sps: float, swar
                 "idle_ms": [i * 1e3 for i in sched.idle_s]}
     by_depth = {d: model(d, sizes) for d, sizes in s.schedules().items()}
     main = next((m for m in by_depth.values() if m["sizes"] == ran), by_depth[max(by_depth)])
-    return {
+    report = {
         **main,
         "swarm_share_of_ceiling": swarm_sps / main["samples_per_s"],
         "by_taper_depth": {str(d): m for d, m in by_depth.items()},
         "call_cpu_ms": {f"stage{k}": _stage_calls_json(c) for k, c in enumerate(calls)},
+    }
+    if s.search:
+        report["search"] = search_splits(s, calls, single_sps)
+    return report
+
+
+def search_splits(s: Settings, calls: list[StageCalls], single_sps: float, keep: int = 5) -> dict[str, Any]:
+    """Every rising-then-falling split of the batch (:func:`swarmd.pipeline.schedule.unimodal_splits`,
+    at most :attr:`Settings.search_max_parts` microbatches), chained and not, through the same
+    model: the best ``keep`` and how many were tried."""
+    scored = []
+    for sizes in unimodal_splits(s.batch_size, min(s.microbatch_size, s.batch_size), s.search_max_parts):
+        for chained in (True, False):
+            step = sync_step(sizes, calls, window=s.window, chained=chained, hop=0.0).step_s
+            scored.append((step, len(sizes), sizes, chained))
+    scored.sort()
+    return {
+        "splits_tried": len(scored) // 2,
+        "max_parts": s.search_max_parts,
+        "best": [{"sizes": list(sizes), "chained": chained, "step_ms": step * 1e3,
+                  "ratio_to_single": s.batch_size / step / single_sps} for step, _, sizes, chained in scored[:keep]],
     }
 
 
@@ -711,6 +744,10 @@ def print_summary(r: dict[str, Any]) -> None:
         print("  stage idle in the modelled step: " + ", ".join(f"{i:.0f} ms" for i in c["idle_ms"])
               + "; by taper depth: " + ", ".join(f"{d}: {m['ratio_to_single']:.2f}"
                                                  for d, m in c["by_taper_depth"].items()))
+        if "search" in c:
+            best = c["search"]["best"][0]
+            print(f"  best of {c['search']['splits_tried']} rising-then-falling splits: {best['sizes']} "
+                  f"({'chained' if best['chained'] else 'unchained'}), {best['ratio_to_single']:.2f} of single")
     cpu = r["cpu_ms_per_sample"]
     print(f"CPU per sample: single {cpu['single']:.1f} ms, swarm {cpu['swarm_daemons']:.1f} ms in the daemons "
           f"+ {cpu['swarm_trainer']:.1f} ms in the trainer")
@@ -764,6 +801,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                    help="in sync mode, also time each stage's calls alone on one thread (after the single run) "
                    "and model the best sync step they allow: the report's 'ceiling' (default: --ceiling)")
+    p.add_argument("--search", action="store_true",
+                   help="with --ceiling: also time every microbatch size up to --microbatch-size and model every "
+                   "rising-then-falling split of the batch, reporting the best (slower: ~30,000 splits)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the single run, split evenly over the daemons (default: CPU count)")
     p.add_argument("--profile", action="store_true", help="run the trainer's timed steps under cProfile")
@@ -795,7 +835,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         preset=args.preset, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                         microbatch_size=args.microbatch_size, window=args.window, codec=args.codec,
                         sync=args.sync, threads=args.threads, delay_updates=args.delay_updates,
-                        taper=args.taper, max_taper_depth=args.max_taper_depth, ceiling=args.ceiling)
+                        taper=args.taper, max_taper_depth=args.max_taper_depth, ceiling=args.ceiling,
+                        search=args.search)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C does

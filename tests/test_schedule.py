@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.pipeline.schedule import StageCalls, sync_step
+from swarmd.pipeline.schedule import StageCalls, sync_step, unimodal_splits
 
 
 def _flat(forward: float, backward: float, fused: float, update: float = 0.0, sizes: range = range(1, 9)) -> StageCalls:
@@ -96,5 +96,38 @@ def test_every_schedule_respects_the_pipeline(
     ends = sorted(at[(0, "backward" if last else "fused", mb)][1] for mb in range(len(sizes)))
     for i in range(window, len(sizes)):
         assert firsts[i] >= ends[i - window] + 2 * hop - 1e-9
+    # chained, a microbatch's first call waits for the one before it to be back
+    first = "forward" if last else "fused"
+    for mb in range(1, len(sizes) if chained else 1):
+        assert at[(0, first, mb)][0] >= at[(0, first, mb - 1)][1] + 2 * hop - 1e-9
     assert s.step_s >= max(s.busy_s) - 1e-9
     assert s.step_s == pytest.approx(max(c[4] for c in s.calls) + hop)
+
+
+def _unimodal_by_brute_force(batch: int, largest: int, max_parts: int) -> set[tuple[int, ...]]:
+    found: set[tuple[int, ...]] = set()
+
+    def compose(left: int, parts: tuple[int, ...]) -> None:
+        if left == 0:
+            peak = parts.index(max(parts))
+            if all(a <= b for a, b in zip(parts[:peak], parts[1 : peak + 1], strict=True)) and all(
+                a >= b for a, b in zip(parts[peak:], parts[peak + 1 :], strict=False)
+            ):
+                found.add(parts)
+            return
+        if len(parts) < max_parts:
+            for size in range(1, min(largest, left) + 1):
+                compose(left - size, (*parts, size))
+
+    compose(batch, ())
+    return found
+
+
+@pytest.mark.parametrize(("batch", "largest", "max_parts"), [(10, 4, 5), (12, 5, 6), (7, 7, 7), (16, 8, 5), (3, 1, 2)])
+def test_unimodal_splits_are_every_rising_then_falling_split_once(batch: int, largest: int, max_parts: int) -> None:
+    splits = list(unimodal_splits(batch, largest, max_parts))
+    assert len(splits) == len(set(splits))
+    assert set(splits) == _unimodal_by_brute_force(batch, largest, max_parts)
+    assert (2, 4, 6, 8, 6, 4, 2) in set(unimodal_splits(32, 8, 7))
+    with pytest.raises(ValueError):
+        list(unimodal_splits(0, 8, 4))

@@ -32,7 +32,7 @@ arrival order and then by microbatch.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -96,6 +96,28 @@ def sync_step(
             if missing:
                 raise ValueError(f"stage {k} has no {kind} cost for microbatches of {missing}")
     return _Replay(sizes, stages, window, chained, hop).run()
+
+
+def unimodal_splits(batch: int, largest: int, max_parts: int) -> Iterator[tuple[int, ...]]:
+    """Every split of ``batch`` samples into at most ``max_parts`` microbatches of 1 to ``largest``
+    samples whose sizes rise, then fall (``2 4 6 8 6 4 2``, ``8 8 8 8``, ``1 7 8 8 8``): the shapes a
+    sync step's batch split takes (a dip in the middle only adds a call), for searching the
+    best one with :func:`sync_step`. Each split once, in no promised order."""
+    if batch < 1 or largest < 1 or max_parts < 1:
+        raise ValueError("batch, largest and max_parts must each be at least 1")
+
+    def splits(left: int, last: int, falling: bool, parts: int) -> Iterator[tuple[int, ...]]:
+        if left == 0:
+            yield ()
+            return
+        cap = min(last if falling else largest, left)
+        if parts == 0 or left > cap * parts:  # cannot be filled with what is allowed from here
+            return
+        for size in range(1, cap + 1):  # a part below the one before it starts the falling side
+            for rest in splits(left - size, size, falling or size < last, parts - 1):
+                yield (size, *rest)
+
+    yield from splits(batch, 0, False, max_parts)
 
 
 class _Replay:
@@ -166,13 +188,12 @@ class _Replay:
         elif kind == "forward":
             if stage == 0 and self.led[mb] is None:
                 self.led[mb] = back
-                self.push(back, self._TRAINER, "", 0, mb)
+                self.push(back, self._TRAINER, "led", 0, mb)
             nxt = "fused" if stage + 1 == self.last else "forward"
             self.push(back + self.hop, self._ARRIVE, nxt, stage + 1, mb)
         else:  # a backward, or the last stage's fused call: the gradient goes one stage back
-            if stage == 0:
-                self.in_flight -= 1
-                self.push(back, self._TRAINER, "", 0, mb)
+            if stage == 0:  # the microbatch leaves the window once the trainer has the answer
+                self.push(back, self._TRAINER, "freed", 0, mb)
             else:
                 self.push(back + self.hop, self._ARRIVE, "backward", stage - 1, mb)
             if kind == "fused" and stage == 0 and self.led[mb] is None:  # one stage: no forward before it
@@ -193,6 +214,7 @@ class _Replay:
                 self.order += 1
                 self.start_next(stage, now)
             else:
+                self.in_flight -= int(kind == "freed")
                 self.send_more(now)
         step = max(self.updated_at) + self.hop
         return StepSchedule(step_s=step, busy_s=tuple(self.busy), calls=tuple(sorted(self.calls, key=lambda c: c[3])))
