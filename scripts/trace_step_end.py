@@ -13,7 +13,9 @@ last backward of the step to the first job of the next step: the wait before the
 checks, digest and quotient), the update (``apply``) and the wait until the next step's first
 job arrives (``to_next``: on stage 0 the trainer noticing the step and sending the next forward,
 on later stages also stage 0's own end of step and first forward). Medians over the steps are
-printed with the bench's own report.
+printed with the bench's own report, and per stage the median per step of its worker jobs' thread
+CPU, minor page faults and system time (``RUSAGE_THREAD``: a step that hands memory back to the
+kernel and maps it again shows here; see ``swarmd.allocator``).
 
     .venv/bin/python scripts/trace_step_end.py                 # small, sync, codec none, 20 steps
     .venv/bin/python scripts/trace_step_end.py --steps 10
@@ -33,16 +35,20 @@ from typing import Any
 from swarmd.finite import strict_json_dumps
 
 HOOK = r'''
-import functools, inspect, json, os, threading, time
+import functools, inspect, json, os, resource, threading, time
 
 _dir = os.environ.get("SWARMD_STEP_TRACE_DIR")
 if _dir:
     _out = open(os.path.join(_dir, f"trace-{os.getpid()}.jsonl"), "a", buffering=1)
     _lock = threading.Lock()
 
-    def _log(name, began, ended):
+    def _log(name, began, ended, usage=None):
         with _lock:
-            _out.write(json.dumps([name, began, ended]) + "\n")
+            _out.write(json.dumps([name, began, ended, *(usage or ())]) + "\n")
+
+    def _usage():
+        r = resource.getrusage(resource.RUSAGE_THREAD)
+        return time.thread_time(), r.ru_minflt, r.ru_stime
 
     def _wrap(cls, name):
         f = getattr(cls, name)
@@ -54,13 +60,14 @@ if _dir:
                     return await f(*args, **kw)
                 finally:
                     _log(label, t, time.monotonic())
-        else:
+        else:  # a job on its thread: also its thread CPU, minor page faults and system time
             def w(*args, **kw):
-                t = time.monotonic()
+                t, u = time.monotonic(), _usage()
                 try:
                     return f(*args, **kw)
                 finally:
-                    _log(label, t, time.monotonic())
+                    v = _usage()
+                    _log(label, t, time.monotonic(), [b - a for a, b in zip(u, v)])
         setattr(cls, name, functools.wraps(f)(w))
 
     import importlib.abc, sys
@@ -80,6 +87,20 @@ if _dir:
 '''
 
 JOBS = ("StageExecutor._forward_sync", "StageExecutor._backward_sync")
+WORK = (*JOBS, "StageExecutor._take_contribution_sync", "StageExecutor._apply_average_sync")
+
+
+def work_per_step(events: list[list[Any]], warmup: int) -> dict[str, float]:
+    """Medians per timed step of a daemon's worker jobs (steps cut at each round's take): the
+    jobs' thread CPU, minor page faults and system time, in ms and counts."""
+    takes = sorted(e[1] for e in events if e[0] == "StageExecutor._take_contribution_sync")[warmup:]
+    jobs = [e for e in events if e[0] in WORK and len(e) >= 6]
+    rows = []
+    for a, b in zip(takes, takes[1:]):
+        mine = [e for e in jobs if a <= e[1] < b]
+        rows.append({"thread_cpu_ms": sum(e[3] for e in mine) * 1e3, "minor_faults": sum(e[4] for e in mine),
+                     "system_ms": sum(e[5] for e in mine) * 1e3})
+    return {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]} if rows else {}
 
 
 def step_ends(events: list[list[Any]]) -> list[dict[str, float]]:
@@ -130,10 +151,12 @@ def main(argv: list[str]) -> int:
             pid = int(path.stem.split("-")[1])
             if pid not in by_pid:  # the single-process child, or the trainer: not traced
                 continue
-            rows = step_ends([json.loads(line) for line in path.read_text().splitlines() if line])[warmup:]
+            events = [json.loads(line) for line in path.read_text().splitlines() if line]
+            rows = step_ends(events)[warmup:]
             stages[str(by_pid[pid])] = {
                 "steps": len(rows),
                 "median_ms": {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {},
+                "worker_jobs_per_step": work_per_step(events, warmup),
             }
     print(strict_json_dumps({"bench": {k: report[k] for k in ("preset", "steps", "ratio", "single_samples_per_s",
                                                              "swarm_samples_per_s")},
