@@ -537,6 +537,7 @@ async def swarm_run(
     await asyncio.gather(*(asyncio.to_thread(d.wait_ready) for d in daemons[1:]))
 
     torch.set_num_threads(1)  # the trainer only samples, encodes and decodes
+    keep_freed_memory()  # as `swarmd train` does
     window = Window(warmup=s.warmup, last=s.warmup + s.steps, daemons=daemons,
                     profiler=cProfile.Profile() if profile else None)
     config = TrainerConfig(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarmd.allocator import keep_freed_memory
 from swarmd.cli import config_file
 from swarmd.cli.common import (
     EXIT_INTERRUPTED,
@@ -180,6 +181,7 @@ async def run_trainer(config: TrainerConfig, *, show_progress: bool = True,
 def main(argv: Sequence[str], prog: str = "swarmd train") -> int:
     args = config_file.parse_args(build_parser(prog), argv)
     setup_logging(args.log_level, args.log_format)
+    keep_freed_memory()  # it encodes and decodes a microbatch's activations per call (swarmd.allocator)
     try:
         config = config_from_args(args)
         summary = asyncio.run(run_trainer(config, show_progress=sys.stderr.isatty() or not args.json,
