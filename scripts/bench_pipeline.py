@@ -60,6 +60,14 @@ gives mean latencies of the trainer's calls per stage, and the daemons' own comp
     .venv/bin/python scripts/bench_pipeline.py --model tiny --profile
     .venv/bin/python scripts/bench_pipeline.py --model llama-small --partition 3,1 --json
 
+**The ceiling** (sync mode, on by default; ``--no-ceiling`` skips it): after the single run, in
+its child process, every call of a sync step is timed alone on one thread through the daemon's
+own ``StageExecutor`` (no transport, no averaging round), and the trainer's schedule is replayed
+over those costs (``swarmd.pipeline.schedule.sync_step``): the report's ``ceiling`` is the step
+that no transport, protocol or event-loop improvement could beat for that batch split, its
+``ratio_to_single``, and ``swarm_share_of_ceiling``. ``--search`` also models every
+rising-then-falling split of the batch and reports the best.
+
 ``--partition equal|balanced|N,N,...`` cuts the preset's blocks into stages: equal numbers,
 the cost model's balanced cut (``swarmd.pipeline.partition``), or the blocks per stage given;
 the report's ``partition`` and ``stage_flops`` show what ran.
