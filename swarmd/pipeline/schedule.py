@@ -57,7 +57,8 @@ class StepSchedule:
     ``step_s``: from the first request to the trainer hearing that every stage has updated.
     ``busy_s``: per stage, the seconds its worker computed (calls and update). ``idle_s``: per
     stage, ``step_s - busy_s``. ``calls``: every call as ``(stage, kind, microbatch, start, end)``
-    in start order (``kind`` is ``forward``, ``backward``, ``fused`` or ``update``).
+    in start order (``kind`` is ``forward``, ``backward``, ``fused`` or ``update``, whose microbatch
+    is -1).
     """
 
     step_s: float
