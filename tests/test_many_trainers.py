@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 
@@ -25,6 +26,7 @@ from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import ReserveRequest
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from swarmd.train import trainer as trainer_module
+from swarmd.train.swarm_client import SwarmClient
 from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
 from tests.test_averaging_faults import ok_rounds
 from tests.test_training import swarm
@@ -110,9 +112,30 @@ async def test_three_trainers_pace_through_reservations_and_every_step_is_exactl
     assert len(after) == 3 and all(t["finished"] for t in after)  # listed until they expire, as finished
     by_name = {t["name"]: t for t in after}  # the last report: what each trainer contributed, as it counted it
     assert [by_name[f"t{i}"]["samples"] for i in range(3)] == [s.samples for s in summaries], after
-    # samples_per_s spans the last 30 s of steps, so a final report just after a heartbeat does not say 0
+    # samples_per_s spans the last 30 s of steps (from the registration on), so a final report just after a
+    # heartbeat does not say 0, nor does that of a trainer whose samples all came before its first step ended
     print("/trainers after the run:", json.dumps(after))  # whole: pytest cuts a long assertion message
     assert all(by_name[f"t{i}"]["steps_seen"] >= 6 and by_name[f"t{i}"]["samples_per_s"] > 0 for i in range(3)), after
+
+
+async def test_a_trainer_whose_samples_all_came_in_its_first_step_reports_a_rate_above_zero() -> None:
+    """The pacing test above saw a trainer that drew its only 32 samples before its first step ended
+    report 0 samples/s: the rate's window began at the first step seen, so those samples never counted.
+    It begins at the registration now."""
+    async with swarm(SPEC, TRAINING, peers_per_stage=1) as daemons:
+        api = f"http://{daemons[0].api_addr[0]}:{daemons[0].api_addr[1]}"
+        async with aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
+            client = SwarmClient(api, http=http, data=data)
+            await client.register()
+            await asyncio.sleep(0.05)
+            client.observe_step(0, 5.0, TARGET)  # its first step seen: all its samples are already in
+            await asyncio.sleep(0.05)
+            assert 0 < client.samples_per_s() <= TARGET / 0.1
+            assert await client.heartbeat()
+            await client.aclose()
+            async with httpx.AsyncClient() as h:
+                listed = (await h.get(f"{api}/trainers")).json()
+            assert [t["samples"] for t in listed] == [TARGET] and listed[0]["samples_per_s"] > 0, listed
 
 
 async def test_a_trainer_killed_holding_reservations_stalls_the_swarm_no_longer_than_its_lease() -> None:

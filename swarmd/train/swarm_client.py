@@ -140,6 +140,8 @@ class SwarmClient:
             raise TrainerError(f"the daemon at {self.api} answered the registration with an unreadable body: "
                                f"{exc}") from exc
         self.registration = registration
+        if not self._seen:  # the rate's window starts here: samples counted by the first step seen count too
+            self._seen.append((time.monotonic(), self._samples))
         log.info("registered as trainer %s with swarm %r: model %s, %d stages, target batch %d",
                  registration.trainer_id, registration.swarm, registration.spec.name, registration.spec.n_stages,
                  registration.training.target_batch_size)
@@ -152,7 +154,7 @@ class SwarmClient:
             return v if v is not None and math.isfinite(v) else None
 
         self._samples = samples
-        self._seen.append((time.monotonic(), samples))  # the first one only starts the window
+        self._seen.append((time.monotonic(), samples))  # without a registration, the first one only starts the window
         self._prune(time.monotonic())
         self._retries, self._bans = retries, bans
         if spot_checks is not None:
