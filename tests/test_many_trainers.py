@@ -196,6 +196,29 @@ if _CTL:
 """
 
 
+async def settled(peers: list[DaemonProcess], timeout_s: float = 30.0) -> tuple[dict[DaemonProcess, Any],
+                                                                                dict[DaemonProcess, int]]:
+    """Every peer's status and dropped samples once no round is under way: a round still averaging
+    when the trainers finish has its samples out of the accumulator (``grad_samples`` leaves them out,
+    ``/v1/progress``'s ``samples`` holds them), so books read then were a round short. A peer counts as
+    settled when its progress, read before and after its status, agrees with it and shows no round."""
+    keys = ("step", "samples", "averaging", "dropped_samples")
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as http:
+        while True:
+            before = {d: (await http.get(f"{d.data}/v1/progress", timeout=10)).json() for d in peers}
+            statuses = {d: await d.status_async() for d in peers}
+            after = {d: (await http.get(f"{d.data}/v1/progress", timeout=10)).json() for d in peers}
+            if all(not after[d]["averaging"] and [before[d][k] for k in keys] == [after[d][k] for k in keys]
+                   and statuses[d]["step"] == after[d]["step"] and statuses[d]["grad_samples"] == after[d]["samples"]
+                   for d in peers):
+                return statuses, {d: int(after[d]["dropped_samples"]) for d in peers}
+            if time.monotonic() > deadline:
+                pytest.fail(f"the peers did not settle within {timeout_s:.0f}s: " + json.dumps(
+                    [{k: after[d][k] for k in keys} for d in peers]))
+            await asyncio.sleep(0.1)
+
+
 async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_path, monkeypatch) -> None:
     hook_dir = tmp_path / "hook"
     hook_dir.mkdir()
@@ -222,10 +245,7 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
     api = others[0].api  # a stage-1 peer: it outlives the kill
     trainers = [Trainer(trainer_config(api, f"k{i}", steps=7)) for i in range(3)]
     summaries = await asyncio.gather(*(t.run() for t in trainers))
-    statuses = {d: await d.status_async() for d in peers if d is not victim}
-    async with httpx.AsyncClient() as http:
-        dropped = {d: (await http.get(f"{d.data}/v1/progress", timeout=10)).json()["dropped_samples"]
-                   for d in statuses}
+    statuses, dropped = await settled([d for d in peers if d is not victim])
     fired = Path(f"{ctl}.fired")
     assert fired.exists() and victim.proc.wait(timeout=10) == -9, (
         "the victim never held two microbatches after step 2: " + repr([s.to_json() for s in summaries]))
@@ -242,13 +262,19 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
                         "last_dropped": [dropped[d] for d, st in statuses.items() if st["stage"] == 1],
                         "trainers": [(s.samples, s.leases, s.stale_redos, s.claims, s.claims_unanswered)
                                      for s in summaries]})
-    # printed whole (pytest cuts a long assertion message): each survivor's step, digest and recent rounds
+    # printed whole (pytest cuts a long assertion message): the book, each survivor's step, digest and recent
+    # rounds, and what each trainer counted
+    print("books:", books)
     print("stage-1 survivors:", json.dumps([
         {"peer": st["peer_id"][:8], "step": st["step"], "digest": (st["params_digest"] or "")[:12],
          "rounds_ok": st["averaging"]["rounds_ok"], "rounds_aborted": st["averaging"]["rounds_aborted"],
+         "held": st["grad_samples"], "served": st["served"], "exactly_once": st["exactly_once"],
          "recent": [(r["step"], r["samples"], r["status"], (r.get("leader") or "")[:8], r.get("used"))
                     for r in st["averaging"]["recent"]]}
         for st in statuses.values() if st["stage"] == 1], default=str))
+    print("trainers:", json.dumps([{k: s.to_json().get(k) for k in ("samples", "microbatches_completed", "duplicates",
+                                                                   "stale_redos", "retries", "claims", "verify")}
+                                   for s in summaries], default=str))
     # every step of the paced stage aggregated exactly the target batch, also the one the victim's death cut short
     assert rounds(kept) and all(r["samples"] == TARGET for r in rounds(kept)), books
     for status in statuses.values():
