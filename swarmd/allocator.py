@@ -8,11 +8,11 @@ the kernel zero-fills the same pages again, page fault by page fault. Measured o
 ``small`` (``scripts/bench_pipeline.py``, a per-job ``RUSAGE_THREAD`` trace): the last stage's
 largest call took 5,017 page faults and 30 ms of system time of its 137 ms, once per step.
 
-:func:`keep_freed_memory` raises both thresholds with ``mallopt(3)``, once, at start-up (``swarmd``
-and ``swarmd train`` call it before their first tensor): buffers
-up to 32 MiB come from the heap and freed memory stays for the next step. The cost is that a
-process keeps its peak heap (which a stage reaches again at every step anyway). Only glibc has
-``mallopt``; elsewhere (musl, macOS) this does nothing and says so.
+:func:`keep_freed_memory` raises both thresholds with ``mallopt(3)``, once, at start-up
+(``swarmd`` and ``swarmd train`` call it before their first tensor): buffers up to 32 MiB come
+from the heap and freed memory stays for the next step. The cost is that a process keeps its peak
+heap (which a stage reaches again at every step anyway). Only glibc has ``mallopt``; elsewhere
+(musl, macOS) this does nothing and says so in a debug line.
 """
 
 from __future__ import annotations

@@ -22,11 +22,12 @@ updates, and the next step's first forward must wait for that update).
   every stage has updated and the trainer has heard (one more hop).
 
 With the call costs measured on one thread in one process and ``hop = 0``, the result is the
-step no transport, protocol or scheduling change could beat for that batch split: the
+step no transport, protocol or event-loop change could beat for that batch split: the
 *ceiling* that ``scripts/bench_pipeline.py`` reports beside its measurement, so that a gap to
 single-process training can be split into what the pipeline's shape costs and what the swarm's
 machinery adds. A pure function of numbers (no torch, no clock): deterministic, ties broken by
-arrival order and then by microbatch.
+arrival order (at one instant: calls finishing, then calls arriving, then the trainer acting,
+each in the order they arose).
 """
 
 from __future__ import annotations
