@@ -129,11 +129,10 @@ class _Replay:
                  hop: float) -> None:
         self.sizes, self.stages, self.window, self.chained, self.hop = list(sizes), list(stages), window, chained, hop
         self.last = len(stages) - 1
-        self.events: list[tuple[float, int, int, str, int, int]] = []  # (time, order, what, kind, stage, mb)
+        self.events: list[tuple[float, int, int, str, int, int]] = []  # (time, what, order, kind, stage, mb)
         self.order = 0
         self.queues: list[list[tuple[float, int, str, int]]] = [[] for _ in stages]  # (arrived, order, kind, mb)
-        self.free_at = [0.0] * len(stages)
-        self.running = [False] * len(stages)
+        self.running = [False] * len(stages)  # a stage starts its next call when one ends or arrives while idle
         self.busy = [0.0] * len(stages)
         self.backwards_left = [len(sizes)] * len(stages)
         self.updated_at = [0.0] * len(stages)
@@ -174,12 +173,10 @@ class _Replay:
         if self.running[stage] or not queue:
             return
         _, _, kind, mb = heapq.heappop(queue)
-        began = max(now, self.free_at[stage])
-        ended = began + self.cost(stage, kind, mb)
+        ended = now + self.cost(stage, kind, mb)
         self.running[stage] = True
-        self.free_at[stage] = ended
-        self.busy[stage] += ended - began
-        self.calls.append((stage, kind, mb, began, ended))
+        self.busy[stage] += ended - now
+        self.calls.append((stage, kind, mb, now, ended))
         self.push(ended, self._DONE, kind, stage, mb)
 
     def done(self, now: float, kind: str, stage: int, mb: int) -> None:
