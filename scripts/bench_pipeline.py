@@ -686,9 +686,8 @@ def run(s: Settings, profile: bool, profile_daemons: bool = False) -> dict[str, 
     single_losses, swarm_losses = single.pop("step_losses"), swarm.pop("step_losses")
     call_costs = single.pop("call_costs", None)
     ceiling = None
-    if call_costs is not None:
-        first = "fused" if s.stages == 1 else "forward"
-        ran = [row[2] for row in swarm["timeline_one_step"] if row[0] == 0 and row[1] == first]
+    if call_costs is not None:  # measured with two stages or more: stage 0's forwards give the split that ran
+        ran = [row[2] for row in swarm["timeline_one_step"] if row[0] == 0 and row[1] == "forward"]
         ceiling = ceiling_report(s, [_stage_calls_from_json(c) for c in call_costs], single["samples_per_s"],
                                  swarm["samples_per_s"], ran)
     daemon_cpu = sum(d["cpu_s"] or 0.0 for d in swarm["daemons"])
