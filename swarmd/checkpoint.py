@@ -5,7 +5,7 @@ loses every peer would restart from fresh parameters, a swarm that is stopped wo
 everything (SWARM's reference code saves each stage with ``torch.save``; Prime Intellect's
 trainer and Psyche checkpoint to disk too). Every peer therefore writes its stage's state every
 ``--checkpoint-every`` steps and on graceful shutdown, and a restarted peer resumes from the
-newest valid one (``Daemon._resume_or_sync``).
+newest state of its stage that exists anywhere (``Daemon.obtain_state``).
 
 On disk, in ``STATE_DIR/checkpoints/``, one checkpoint is two files::
 
@@ -23,17 +23,18 @@ then the tensor file's size and hash (a truncated or corrupt file is refused wit
 naming it, and the next newest is used), then the parameters' digest.
 
 The decisions are pure functions over what was read: :func:`mismatch` (is this checkpoint of
-this swarm, model and training settings), :func:`prune` (which to delete to keep the last K
-per stage) and :func:`resume_decision` (resume, download from a live stage-mate, start fresh,
-or wait). :class:`Checkpointer` is the daemon's task that takes the snapshot on the stage's
-worker thread (between jobs, so between steps) and writes it on another thread, so serving
-and averaging never wait on the disk.
+this swarm, model and training settings) and :func:`prune` (which to delete to keep the last K
+per stage); which state a peer takes for its stage (its own checkpoint, a live stage-mate's,
+another peer's checkpoint, fresh) is ``swarmd.pipeline.resume``'s. A peer offers the newest
+checkpoint it holds of every stage to the swarm (:attr:`Checkpointer.held`).
+:class:`Checkpointer` is the daemon's task that takes the snapshot on the stage's worker
+thread (between jobs, so between steps) and writes it on another thread, so serving and
+averaging never wait on the disk.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import itertools
 import json
@@ -41,7 +42,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,7 +64,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "Checkpointer",
-    "Resume",
     "atomic_write",
     "checkpoint_dir",
     "find_checkpoints",
@@ -71,7 +71,6 @@ __all__ = [
     "newest_valid",
     "prune",
     "read_checkpoint",
-    "resume_decision",
     "write_checkpoint",
 ]
 
@@ -355,26 +354,6 @@ def prune(checkpoints: Iterable[CheckpointInfo], keep: int) -> list[CheckpointIn
     return sorted(doomed, key=lambda c: (c.stage, c.step))
 
 
-class Resume(enum.Enum):
-    """What a starting peer does about its stage's state."""
-
-    CHECKPOINT = "checkpoint"  # no live stage-mate is at or past its newest checkpoint: resume from it
-    DOWNLOAD = "download"  # a live stage-mate is at or past it (or it has none): download, as a joiner does
-    FRESH = "fresh"  # nothing anywhere has trained: the deterministic initial parameters
-    WAIT = "wait"  # the swarm has trained but this stage has neither a live peer nor a checkpoint here
-
-
-def resume_decision(checkpoint_step: int | None, live_steps: Sequence[int], *, swarm_trained: bool) -> Resume:
-    """The resume rule: a live stage-mate that is at or past the newest checkpoint wins (its state
-    is at least as new and the stage stays bit-identical), else the checkpoint; never fresh
-    parameters once the swarm has trained."""
-    if live_steps and (checkpoint_step is None or max(live_steps) >= checkpoint_step):
-        return Resume.DOWNLOAD
-    if checkpoint_step is not None:
-        return Resume.CHECKPOINT
-    return Resume.WAIT if swarm_trained else Resume.FRESH
-
-
 # ---- the daemon's task -------------------------------------------------------------------------
 
 
@@ -393,6 +372,10 @@ class Checkpointer:
         self.keep = keep
         self.newest: CheckpointInfo | None = None  # the newest written or resumed from, of the served stage
         self.resumed_from: CheckpointInfo | None = None
+        # stage -> step of the newest checkpoint held of it that ``accept`` takes: offered to the swarm
+        # (PeerRecord.held, GET /v1/checkpoint/{stage}), whatever stage this peer serves now
+        self.held: dict[int, int] = {}
+        self.accept: Callable[[CheckpointInfo], str | None] = lambda info: None
         self.writes = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -403,6 +386,31 @@ class Checkpointer:
     @property
     def enabled(self) -> bool:
         return self.every > 0
+
+    async def scan(self, accept: Callable[[CheckpointInfo], str | None] | None = None) -> dict[int, int]:
+        """Read the sidecars on disk (off the loop) and note the newest checkpoint of each stage that
+        ``accept`` (a :func:`mismatch` for this swarm, model and training settings) takes."""
+        if accept is not None:
+            self.accept = accept
+        found = await asyncio.to_thread(find_checkpoints, self.directory, on_refused=log.debug)
+        held: dict[int, int] = {}
+        for info in found:
+            if self.accept(info) is None and info.step > held.get(info.stage, -1):
+                held[info.stage] = info.step
+        self.held = held
+        return dict(held)
+
+    def mine(self, stage: int) -> list[CheckpointInfo]:
+        """This peer's checkpoints of ``stage`` that ``accept`` takes, newest first (sidecars only)."""
+        found = find_checkpoints(self.directory, on_refused=log.debug)
+        return [c for c in found if c.stage == stage and self.accept(c) is None]
+
+    async def load_newest(self, stage: int) -> tuple[CheckpointInfo, dict[str, torch.Tensor]] | None:
+        """The newest checkpoint of ``stage`` whose tensors verify (read and hashed off the loop), or None."""
+        def read() -> tuple[CheckpointInfo, dict[str, torch.Tensor]] | None:
+            return newest_valid(self.mine(stage), accept=self.accept)
+
+        return await asyncio.to_thread(read)
 
     def newest_step(self, stage: int | None) -> int | None:
         """The newest checkpoint step held for ``stage`` (for the peer record), None if none."""
@@ -430,6 +438,7 @@ class Checkpointer:
             self.last_write_s = time.perf_counter() - started
             self.writes += 1
             self.newest = info
+            self.held[info.stage] = max(info.step, self.held.get(info.stage, -1))
             self.last_error = None
             log.info("checkpoint of stage %d at step %d written to %s in %.2fs (%d bytes)",
                      info.stage, info.step, info.path.with_suffix(""), self.last_write_s, info.bytes)
@@ -453,7 +462,11 @@ class Checkpointer:
                     log.debug("could not delete old checkpoint %s: %s", path, exc)
 
     async def run(self, current: Callable[[], tuple[StageExecutor, TrainingSpec] | None]) -> None:
-        """The periodic task: a checkpoint each time the served stage reaches a multiple of ``every``."""
+        """The periodic task: a checkpoint each time the served stage passes a multiple of ``every``.
+
+        Due is the first multiple after this peer's newest checkpoint of the stage; a stage already
+        past it (it stepped while this loop waited on the stage it served before a move, or the peer
+        downloaded a trained stage it holds no checkpoint of) is written at once."""
         if not self.enabled:
             return
         while True:
@@ -462,9 +475,8 @@ class Checkpointer:
                 await asyncio.sleep(1.0)
                 continue
             executor, training = served
-            last = self.newest_step(executor.stage) or 0
-            target = (max(last, executor.step) // self.every + 1) * self.every
-            reached = await executor.wait_progress(5.0, step=target)  # also notices a migration's new stage
+            target = ((self.newest_step(executor.stage) or 0) // self.every + 1) * self.every
+            reached = executor.step >= target or await executor.wait_progress(5.0, step=target)  # also notices a move
             now = current()
             if reached and now is not None and now[0] is executor:
                 try:

@@ -7,10 +7,14 @@ half-started peer; hivemind #634 announced before its DHT was up):
    DHT, or join one through ``--join`` with bounded retries;
 2. learn the model: a founder publishes its spec as the swarm record; a joiner reads the swarm
    record (and refuses an explicit ``--model`` that disagrees);
-3. pick the stage (``--stage auto``: the one with the lowest total throughput);
+3. pick the stage (``--stage auto``: where the rebalancing policy needs a peer most, claimed in
+   the DHT and taken in turn with the newcomers that start at the same moment,
+   ``swarmd.pipeline.claims``) and announce it as ``joining`` at once;
 4. build the stage off the loop, start the data plane and the control plane;
-5. announce ``joining``; download the stage's state (parameters, optimizer state, step) from
-   a live stage-mate when there is one, trying the next on failure, and check its digest;
+5. announce ``joining`` with its addresses; take the stage's newest state wherever it is
+   (``swarmd.pipeline.resume``: a live stage-mate, this peer's own checkpoint, another peer's
+   checkpoint offered through the swarm), fresh parameters only while nothing has trained, and
+   wait, saying so loudly, while a trained stage's state is nowhere;
 6. announce ``serving``; set ``ready``; re-announce every announce period, take part in the
    stage's averaging rounds (``swarmd.pipeline.averaging``) and run the rebalancing loop
    (``swarmd.pipeline.migration``).
@@ -33,8 +37,9 @@ Shutdown (SIGTERM/SIGINT via the CLI, or ``request_stop``), in this order:
    answers new requests on open connections with 503, so clients go elsewhere at once;
 2. in-flight requests finish, bounded by ``net.drain_timeout_s``;
 3. the data plane closes, then the stage's worker thread finishes its queue and stops;
-4. the control plane stops, so ``/status`` shows ``draining`` until the very end; the DHT
-   node stops last.
+4. the peer withdraws its record (a ``stopped`` record replaces it, so every view drops it at
+   once); the control plane stops, so ``/status`` shows ``draining`` until the very end; the
+   DHT node stops last.
 """
 
 from __future__ import annotations
@@ -52,25 +57,17 @@ import aiohttp
 from swarmd import __version__
 from swarmd.api.app import create_app
 from swarmd.api.metrics import DaemonMetrics
-from swarmd.api.models import ModelInfo, PrecisionInfo, Status, TrainerReport
+from swarmd.api.models import ModelInfo, PrecisionInfo, StageHealthInfo, Status, TrainerReport
 from swarmd.api.server import EmbeddedUvicorn, bind_socket, embedded_server
 from swarmd.api.trainers import TrainerRegistry
-from swarmd.checkpoint import (
-    Checkpointer,
-    CheckpointInfo,
-    Resume,
-    find_checkpoints,
-    mismatch,
-    newest_valid,
-    resume_decision,
-)
+from swarmd.checkpoint import Checkpointer, CheckpointInfo, find_checkpoints, mismatch
 from swarmd.config import Config
 from swarmd.dht.identity import Identity
 from swarmd.dht.membership import Membership
 from swarmd.dht.node import DHTNode
-from swarmd.dht.records import PeerRecord, sign_record
+from swarmd.dht.records import MAX_HELD, PeerRecord, sign_record
 from swarmd.dht.sources import Grouping
-from swarmd.errors import ConfigError, SwarmdError
+from swarmd.errors import ConfigError, StageStateLost, SwarmdError
 from swarmd.net import codecs, reachability
 from swarmd.net.addresses import (
     Announced,
@@ -83,6 +80,7 @@ from swarmd.net.addresses import (
     loopback_mismatch,
     route_source,
 )
+from swarmd.net.checkpoint_offers import CheckpointOffers, checkpoint_path
 from swarmd.net.client import client_session
 from swarmd.net.handover import GradientsRequest, hand_over, handover_order
 from swarmd.net.proof import ProofService, Prover
@@ -91,10 +89,12 @@ from swarmd.net.server import DataPlane
 from swarmd.net.state_sync import adopt_state, choose_donors, proven_donors
 from swarmd.peer_state import PeerState
 from swarmd.pipeline.averaging import StageAverager
+from swarmd.pipeline.claims import CLAIM_WAIT_S, Claim, claims_of, settled_loads, take_turns
+from swarmd.pipeline.coverage import StageHealth, stage_health
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.migration import Migrator
-from swarmd.pipeline.rebalance import StageLoad, choose_stage
 from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
+from swarmd.pipeline.resume import Offer, Plan, Source, plan
 from swarmd.pipeline.runtime import StageRuntime
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
 from swarmd.state_dir import lock_state_dir
@@ -149,6 +149,11 @@ class Daemon:
         self.checkpoints = self._checkpointer()  # None without a --state-dir (swarmd.checkpoint)
         self.handover: dict[str, Any] = {"handed_out": 0, "dropped": 0, "to": None}  # on graceful leave
         self._stage: int | None = None  # chosen before the runtime is built
+        self._claimed_at: float | None = None  # when --stage auto claimed it (swarmd.pipeline.claims)
+        self.state_source: str | None = None  # where the served stage's state came from (swarmd.pipeline.resume)
+        self.coverage: list[StageHealth] = []  # every stage's health, refreshed every announce period
+        self._coverage_said: dict[int, str] = {}  # the health last logged per stage
+        self.offers = CheckpointOffers(self._offered_checkpoint)  # GET /v1/checkpoint/{stage}
         self._session: aiohttp.ClientSession | None = None
         self._mates_cache: tuple[float, dict[str, str], int] | None = None  # (when, mates, stage)
         self._sync_lock = asyncio.Lock()
@@ -215,6 +220,7 @@ class Daemon:
             await self._join_dht()
             await self._learn_address()
             self.spec, self.training = await self._resolve_swarm()
+            await self._scan_checkpoints()
             self._stage = await self._resolve_stage(self.spec)
             await asyncio.to_thread(codecs.warm_up)
             self.runtime = await self.build_runtime(self._stage)
@@ -224,6 +230,7 @@ class Daemon:
                                         relay=self.relay_server, peer_id=lambda: self.peer_id, reports=self.reports)
             self._probes.install(self.data_plane.app)
             self._proofs.install(self.data_plane.app)
+            self.offers.install(self.data_plane.app)
             self.data_plane.app.middlewares.insert(0, self.metrics.data_plane_middleware())  # outermost: sees all
             self.relay_server.install(self.data_plane.app)
             data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
@@ -233,12 +240,14 @@ class Daemon:
             log.info("control plane listening on http://%s (docs at /docs)", format_addr(self.api_addr))
             self.state = PeerState.JOINING
             await self.announce()
-            await self._resume_or_sync()
+            await self.obtain_state(self.runtime, wait=True)
+            await self._note_newest_checkpoint()
             await self.check_reachability()
             if self.reachability.status == "no":
                 self._start_relaying()
             self.state = PeerState.SERVING
             await self.announce()
+            await self.refresh_coverage()
             self.tasks.spawn(ANNOUNCE_TASK, self._announce_loop, restart=True)
             self.tasks.spawn(TRAINING_TASK, self._training_summary_loop, restart=True)
             self.start_averaging()
@@ -380,6 +389,7 @@ class Daemon:
             await self.runtime.close()
         if self._session is not None:
             await self._session.close()
+        await self._withdraw()
         await self._stop_api()
         await self.tasks.close()
         if self.dht is not None:
@@ -388,6 +398,17 @@ class Daemon:
             self._state_lock.close()
         self.state = PeerState.STOPPED
         log.info("stopped")
+
+    async def _withdraw(self) -> None:
+        """Replace this peer's record with a ``stopped`` one, so every view drops it now rather than
+        when the record expires (a crash still leaves it to expire)."""
+        if self.membership is None or self.identity is None or self.stage is None:
+            return
+        try:
+            await asyncio.wait_for(self.membership.announce(self._peer_record(state=PeerState.STOPPED)), 3.0)
+        except (SwarmdError, asyncio.TimeoutError) as exc:
+            log.warning("could not withdraw this peer's record (it expires within %.0fs): %s",
+                        self.config.dht.record_ttl_s, exc or "timed out")
 
     async def __aenter__(self) -> Daemon:
         await self.start()
@@ -439,24 +460,56 @@ class Daemon:
         return info.spec, TrainingSpec.from_dict(info.training)
 
     async def _resolve_stage(self, spec: ModelSpec) -> int:
+        """``--stage N``, or for ``--stage auto`` the stage this newcomer's claim gets in turn
+        (``swarmd.pipeline.claims``); either is announced as ``joining`` at once, so newcomers that
+        start a moment later count this peer where it will serve."""
         asked = self.config.pipeline.stage
         if asked is not None:
             if asked >= spec.n_stages:
                 raise ConfigError(
                     f"--stage {asked} is out of range: model {spec.name} has stages 0..{spec.n_stages - 1}"
                 )
+            self._stage = asked
+            await self._announce_quietly()
             return asked
         assert self.membership is not None  # _join_dht ran
-        stages = await self.membership.stage_peers(spec.n_stages)
-        loads = []
-        for stage, records in enumerate(stages):
-            live = [r for pid, r in records.items() if pid != self.peer_id and r.state != "draining"]
-            loads.append(StageLoad(stage, len(live), sum(r.throughput for r in live)))
-        held = await self._checkpointed_empty_stage(stages, spec)
-        stage = choose_stage(loads) if held is None else held
-        log.info("--stage auto chose stage %d (%s)", stage,
-                 ", ".join(f"stage {x.stage}: {x.peers} peers, {x.throughput:.0f} samples/s" for x in loads))
+        self._claimed_at = time.time()
+        self._stage = self._turn(await self.membership.all_peers(spec.n_stages), spec)
+        await self._announce_quietly()
+        await asyncio.sleep(CLAIM_WAIT_S * random.uniform(1.0, 1.5))  # for claims sent at the same moment
+        members = await self.membership.all_peers(spec.n_stages)
+        stage = self._turn(members, spec)
+        if stage != self._stage:
+            self._stage = stage
+            await self._announce_quietly()
+        log.info("--stage auto chose stage %d (%s)", stage, self._stage_summary(members, spec))
         return stage
+
+    def _turn(self, members: list[PeerRecord], spec: ModelSpec) -> int:
+        """This newcomer's stage when every claim in ``members`` takes its turn (pure, ``take_turns``)."""
+        assert self._claimed_at is not None and self.peer_id is not None
+        others = [r for r in members if r.peer_id != self.peer_id]
+        holds = frozenset(self.checkpoints.held) if self.checkpoints is not None else frozenset()
+        mine = Claim(self.peer_id, self._claimed_at, holds)
+        turns = take_turns(spec.n_stages, settled_loads(others), [*claims_of(others), mine],
+                           policy=self.config.rebalance.policy, now=time.time())
+        return turns[self.peer_id]
+
+    def _stage_summary(self, members: list[PeerRecord], spec: ModelSpec) -> str:
+        parts = []
+        for stage in range(spec.n_stages):
+            here = [r for r in members if r.stage == stage and r.peer_id != self.peer_id]
+            serving = sum(r.state == "serving" for r in here)
+            parts.append(f"stage {stage}: {serving} serving, {len(here) - serving} starting, "
+                         f"{sum(r.throughput for r in here):.0f} samples/s")
+        return ", ".join(parts)
+
+    async def _announce_quietly(self) -> None:
+        """Announce now; a DHT that refuses is a warning (the announce loop tries again)."""
+        try:
+            await self.announce()
+        except SwarmdError as exc:
+            log.warning("could not announce this peer's stage: %s", exc)
 
     def _check_static_address(self) -> None:
         """Before anything is bound: a loopback --announce or --host into a swarm beyond loopback."""
@@ -588,15 +641,16 @@ class Daemon:
         """The averager found this peer behind its stage: adopt a stage-mate's state at ``step``."""
         await self.sync_state(min_step=step, required=False)
 
-    async def sync_state(self, *, min_step: int, required: bool) -> bool:
-        """Adopt the state of a live stage-mate at step >= ``min_step`` (``swarmd.net.state_sync``).
+    async def sync_state(self, *, min_step: int, required: bool, runtime: StageRuntime | None = None) -> bool:
+        """Adopt the state of a live stage-mate at step >= ``min_step`` (``swarmd.net.state_sync``)
+        into ``runtime`` (default: the one served now).
 
         Once a swarm has stepped nobody may serve fresh parameters, so a joiner downloads
         whenever its stage has a serving peer; a peer that fell behind resyncs the same way.
         """
         assert self.dht is not None and self._session is not None and self.spec is not None
         async with self._sync_lock:
-            runtime = self.runtime
+            runtime = runtime or self.runtime
             assert runtime is not None  # built before any sync
             if runtime.executor.step >= min_step > 0:
                 return True  # another sync got there first
@@ -626,6 +680,141 @@ class Daemon:
                 # stage look empty, and the rebalancer would send a second peer to fill the gap)
                 self.migrator.last_throughput = result.donor.throughput
             return True
+
+    # ---- where a stage's state comes from (swarmd.pipeline.resume) --------------------------------
+
+    async def plan_state(self, stage: int, *, min_step: int = 0) -> Plan:
+        """Every source of ``stage``'s state the swarm shows now, newest first (``swarmd.pipeline.resume``)."""
+        assert self.membership is not None and self.spec is not None
+        members = [r for r in await self.membership.all_peers(self.spec.n_stages) if r.peer_id != self.peer_id]
+        excluded = self._excluded_peers()
+        live = [(r.peer_id, r.step) for r in members if r.stage == stage and r.usable and r.peer_id not in excluded]
+        offered = [(r.peer_id, step) for r in members
+                   if (step := r.held_step(stage)) is not None and r.data_addr and r.reachable != "no"
+                   and r.peer_id not in excluded]
+        held = self.checkpoints.held if self.checkpoints is not None else {}
+        trained = (any(step > 0 for step in held.values())
+                   or any(r.step > 0 or any(step > 0 for _, step in r.held) for r in members))
+        return plan(live=live, own=held.get(stage), offered=offered, swarm_trained=trained, min_step=min_step)
+
+    async def obtain_state(self, runtime: StageRuntime, *, wait: bool) -> Source:
+        """Put the newest state of ``runtime``'s stage that exists into it: a live stage-mate's, this
+        peer's own checkpoint, or another peer's offered one; fresh parameters only while nothing in the
+        swarm has trained. A stage whose state is nowhere raises :class:`StageStateLost`, or with
+        ``wait`` is reported loudly every announce period until a peer that holds it appears."""
+        stage = runtime.stage
+        warned = False
+        while True:
+            state_plan = await self.plan_state(stage)
+            source = await self._adopt_any(runtime, state_plan)
+            if source is None and state_plan.fallback is Source.FRESH:
+                source = Source.FRESH
+            if source is not None:
+                self.state_source = source.value
+                if warned:
+                    log.warning("stage %d's state is back: adopted it (%s) at step %d", stage, source.value,
+                                runtime.executor.step)
+                return source
+            message = self._lost_message(stage, state_plan)
+            if not wait:
+                raise StageStateLost(message)
+            if not warned:
+                log.error("%s", message)
+                warned = True
+            self.state_source = Source.LOST.value
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.config.dht.announce_period_s)
+            except asyncio.TimeoutError:
+                await self._announce_quietly()  # stay listed as joining, so nobody else is sent to this stage
+                continue
+            raise SwarmdError(f"stopped while waiting for a peer that holds the state of stage {stage}")
+
+    def _lost_message(self, stage: int, state_plan: Plan) -> str:
+        tried = "; every source failed" if state_plan.candidates else ""
+        return (f"stage {stage}'s state is lost for now: the swarm has trained, but no live peer serves stage {stage} "
+                f"and no peer offers a checkpoint of it{tried}. Serving it from step 0 would undo its training, so "
+                f"this peer waits; restart a peer that served stage {stage} with its --state-dir, or start a new "
+                f"swarm (another --swarm name) to train from scratch")
+
+    async def _adopt_any(self, runtime: StageRuntime, state_plan: Plan) -> Source | None:
+        """Try the plan's candidates in order; the source of the first state adopted, None if none was."""
+        tried_live = False
+        for offer in state_plan.candidates:
+            if offer.source is Source.LIVE:
+                if tried_live:
+                    continue
+                tried_live = True
+                if await self.sync_state(min_step=offer.step, required=False, runtime=runtime):
+                    return Source.LIVE
+            elif offer.source is Source.OWN:
+                if await self._load_own(runtime):
+                    return Source.OWN
+            elif await self._fetch_offered(runtime, offer):
+                return Source.OFFERED
+        return None
+
+    async def _load_own(self, runtime: StageRuntime) -> bool:
+        """Resume ``runtime`` from this peer's newest valid checkpoint of its stage."""
+        if self.checkpoints is None:
+            return False
+        loaded = await self.checkpoints.load_newest(runtime.stage)
+        if loaded is None:
+            return False
+        info, tensors = loaded
+        try:
+            await runtime.executor.load_state(info.state_meta, tensors)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("checkpoint %s does not fit stage %d (%s); not used", info.path, runtime.stage, exc)
+            return False
+        self.checkpoints.newest = self.checkpoints.resumed_from = info
+        log.info("resumed stage %d from checkpoint %s at step %d (params %s)", runtime.stage,
+                 info.path.with_suffix(""), info.step, info.params_digest[:12])
+        return True
+
+    async def _fetch_offered(self, runtime: StageRuntime, offer: Offer) -> bool:
+        """Download the checkpoint of ``runtime``'s stage that peer ``offer.peer_id`` offers, and adopt it."""
+        assert self.dht is not None and self._session is not None and self.spec is not None
+        assert self.membership is not None
+        members = {r.peer_id: r for r in await self.membership.all_peers(self.spec.n_stages)}
+        donor = members.get(offer.peer_id or "")
+        if donor is None or not donor.data_addr:
+            return False
+        result = await adopt_state(self._session, runtime.executor, [donor], model_digest=self.spec.digest,
+                                   on_received=self._state_received, path=checkpoint_path(runtime.stage))
+        self.state_downloads["downloads_ok" if result is not None else "downloads_failed"] += 1
+        if result is None:
+            return False
+        self.synced_from = donor.peer_id
+        log.info("stage %d resumed from the checkpoint of step %d that peer %s holds", runtime.stage,
+                 runtime.executor.step, donor.peer_id[:12])
+        return True
+
+    async def _offered_checkpoint(self, stage: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """``GET /v1/checkpoint/{stage}``: this peer's newest valid checkpoint of ``stage``, or None."""
+        if self.checkpoints is None or self.spec is None or not 0 <= stage < self.spec.n_stages:
+            return None
+        loaded = await self.checkpoints.load_newest(stage)
+        return None if loaded is None else (loaded[0].state_meta, loaded[1])
+
+    async def _scan_checkpoints(self) -> None:
+        """Which checkpoints of this swarm, model and training settings this peer holds (offered to the swarm)."""
+        if self.checkpoints is None or self.spec is None:
+            return
+        spec, training, swarm = self.spec, self.training, self.config.swarm
+        held = await self.checkpoints.scan(
+            lambda info: mismatch(info, swarm=swarm, model_digest=spec.digest, training_digest=training.digest))
+        if held:
+            log.info("holds checkpoints of %s", ", ".join(f"stage {s} (step {n})" for s, n in sorted(held.items())))
+
+    async def _note_newest_checkpoint(self) -> None:
+        """``/status`` -> checkpoint.newest: this peer's newest checkpoint of the stage it serves, even when
+        it took a stage-mate's newer state rather than resume from it."""
+        checkpoints, runtime = self.checkpoints, self.runtime
+        if checkpoints is None or runtime is None:
+            return
+        if checkpoints.newest is None or checkpoints.newest.stage != runtime.stage:
+            mine = await asyncio.to_thread(checkpoints.mine, runtime.stage)
+            checkpoints.newest = mine[0] if mine else None
 
     # ---- durability: checkpoints, resume, the hand-over on leave (swarmd.checkpoint) -----------
 
@@ -669,81 +858,6 @@ class Daemon:
             log.info("re-founding swarm %r with the model (%s) and training settings of checkpoint %s (step %d)",
                      self.config.swarm, spec.digest[:12], newest.path.with_suffix(""), newest.step)
         return spec, training
-
-    async def _checkpointed_empty_stage(self, stages: list[dict[str, PeerRecord]], spec: ModelSpec) -> int | None:
-        """``--stage auto`` on a state dir with checkpoints: the stage of the newest one whose stage has no
-        live peer, so that a stage that lost every peer comes back from it; None: choose as usual."""
-        for c in await self._own_checkpoints():
-            if c.model_digest != spec.digest or c.stage >= spec.n_stages:
-                continue
-            if not any(pid != self.peer_id and r.state != "draining" for pid, r in stages[c.stage].items()):
-                log.info("stage %d has no live peer and this peer holds its checkpoint of step %d: serving it",
-                         c.stage, c.step)
-                return c.stage
-        return None
-
-    async def _swarm_trained(self, own: list[CheckpointInfo]) -> bool:
-        """Whether anything in the swarm has stepped: a live peer's step or checkpoint, or one held here."""
-        assert self.membership is not None and self.spec is not None
-        if any(c.step > 0 and c.model_digest == self.spec.digest for c in own):
-            return True
-        try:
-            stages = await self.membership.stage_peers(self.spec.n_stages)
-        except SwarmdError:
-            return False
-        return any(r.step > 0 or (r.checkpoint or 0) > 0
-                   for records in stages for pid, r in records.items() if pid != self.peer_id)
-
-    async def _resume_or_sync(self) -> None:
-        """Resume from this peer's newest valid checkpoint of its stage unless a live stage-mate is at or past
-        it (then download, as every joiner does); never serve fresh parameters once the swarm has trained."""
-        assert self.dht is not None and self.spec is not None and self.runtime is not None
-        runtime, spec = self.runtime, self.spec
-        own = await self._own_checkpoints()
-        mine = [c for c in own if c.stage == runtime.stage]
-
-        def accept(info: CheckpointInfo) -> str | None:
-            return mismatch(info, swarm=self.config.swarm, model_digest=spec.digest,
-                            training_digest=self.training.digest)
-
-        loaded = await asyncio.to_thread(newest_valid, mine, accept=accept) if mine else None
-        records = await self.dht.get_stage_peers(self.config.swarm, runtime.stage)
-        live = [r.step for r in choose_donors(records, self_id=self.peer_id, min_step=0)]
-        decision = resume_decision(loaded[0].step if loaded else None, live,
-                                   swarm_trained=await self._swarm_trained(own))
-        if decision is Resume.DOWNLOAD and await self.sync_state(min_step=loaded[0].step if loaded else 0,
-                                                                  required=False):
-            return
-        if loaded is not None:
-            info, tensors = loaded
-            try:
-                await runtime.executor.load_state(info.state_meta, tensors)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("checkpoint %s does not fit stage %d (%s); not used", info.path, runtime.stage, exc)
-            else:
-                assert self.checkpoints is not None  # it was read from there
-                self.checkpoints.newest = self.checkpoints.resumed_from = info
-                log.info("resumed stage %d from checkpoint %s at step %d (params %s)", runtime.stage,
-                         info.path.with_suffix(""), info.step, info.params_digest[:12])
-                return
-        if decision is Resume.FRESH or not await self._swarm_trained(own):
-            return  # nothing has trained: the deterministic initial parameters are the stage's state
-        await self._wait_for_stage_state(runtime.stage)
-
-    async def _wait_for_stage_state(self, stage: int) -> None:
-        """The swarm has trained but stage ``stage`` has no live peer and no checkpoint here: wait (joining)
-        for a peer that holds its state rather than serve fresh parameters that would undo the training."""
-        log.warning("stage %d has no live peer and this peer holds no checkpoint of it, but the swarm has trained: "
-                    "waiting for a peer that holds its state (one restarted with its --state-dir) rather than "
-                    "serving fresh parameters", stage)
-        period = self.config.dht.announce_period_s
-        while not await self.sync_state(min_step=1, required=False):
-            try:
-                await asyncio.wait_for(self._stop.wait(), period)
-            except asyncio.TimeoutError:
-                await self.announce()  # stay listed as joining, so nobody else is sent to this stage
-                continue
-            raise SwarmdError(f"stopped while waiting for a peer that holds the state of stage {stage}")
 
     def _served(self) -> tuple[StageExecutor, TrainingSpec] | None:
         """What the checkpoint task writes: the stage served now (None while moving or stopping)."""
@@ -804,11 +918,14 @@ class Daemon:
 
     # ---- announcements -------------------------------------------------------------------------
 
-    def _peer_record(self) -> PeerRecord:
+    def _peer_record(self, state: PeerState | None = None) -> PeerRecord:
         assert self.identity is not None and self.stage is not None  # a stage is chosen before announcing
         ex = self.executor
         now = time.time()
         stage = self.stage
+        state = state or self.state
+        if state == PeerState.STARTING:
+            state = PeerState.JOINING  # a stage chosen, nothing built yet: a claim (swarmd.pipeline.claims)
         throughput = ex.throughput if ex else 0.0
         target = self.migrator.target
         if self.state == PeerState.MIGRATING and target is not None:
@@ -818,7 +935,7 @@ class Daemon:
         return PeerRecord(
             peer_id=self.identity.peer_id,
             stage=stage,
-            state=self.state.value,
+            state=state.value,
             data_addr=self.data_addr or "",
             api_addr=format_addr(self.api_addr) or "",
             throughput=throughput,
@@ -830,7 +947,17 @@ class Daemon:
             expiry=now + self.config.dht.record_ttl_s,
             reachable=self.reachability.status,
             checkpoint=self.checkpoints.newest_step(stage) if self.checkpoints is not None else None,
+            claimed_at=self._claimed_at if self.state == PeerState.STARTING else None,
+            held=self._held(),
         )
+
+    def _held(self) -> tuple[tuple[int, int], ...]:
+        """The checkpoints this peer offers to the swarm: the newest of each stage (the most recent stages
+        first when it holds more than a record carries)."""
+        if self.checkpoints is None:
+            return ()
+        newest = sorted(self.checkpoints.held.items(), key=lambda kv: -kv[1])[:MAX_HELD]
+        return tuple(sorted(newest))
 
     async def announce(self) -> None:
         """Publish this peer's record (state, stage, load, addresses) to the DHT now."""
@@ -849,6 +976,7 @@ class Daemon:
                 await self._relearn_address()
                 await self.announce()
                 await self.membership.publish_swarm(self.spec, self.training.to_dict())
+                await self.refresh_coverage()
                 if self.reachability.status == "unknown" and not self.tasks.running(REACHABILITY_TASK):
                     # e.g. a founder alone at first: ask once others are here. Not in this loop: probers that
                     # never answer (fake records at a tarpit, issue 18) would hold up the announcements
@@ -856,6 +984,27 @@ class Daemon:
                     self.tasks.spawn(REACHABILITY_TASK, self._recheck_reachability, restart=True)
             except SwarmdError as exc:
                 log.warning("could not refresh this peer's DHT records: %s", exc)
+
+    async def refresh_coverage(self) -> None:
+        """Sum up every stage's health from the swarm's records (``swarmd.pipeline.coverage``); a stage that
+        turns empty, thin or lost is a warning with what to do, one that recovers a line saying so."""
+        assert self.membership is not None and self.spec is not None
+        records = await self.membership.all_peers(self.spec.n_stages)
+        held = self.checkpoints.held if self.checkpoints is not None else None
+        healths = stage_health(self.spec.n_stages, records, now=time.time(), held_here=held)
+        before = {h.stage: h.health for h in self.coverage}
+        for h in healths:
+            # said once a health held for two refreshes in a row: records of peers starting at the same moment
+            # take an announce period to appear, and a founder restarted first is not a lost stage
+            said = self._coverage_said.get(h.stage, "ok")
+            if h.health == said or before.get(h.stage) != h.health:
+                continue
+            self._coverage_said[h.stage] = h.health
+            if h.health == "ok":
+                log.info("stage %d is covered again (%d peers serve it)", h.stage, h.serving)
+            elif h.health != "starting":
+                log.warning("stage %d is %s: %s", h.stage, h.health, h.hint)
+        self.coverage = healths
 
     async def _recheck_reachability(self) -> None:
         try:
@@ -970,6 +1119,8 @@ class Daemon:
         assert self.membership is not None and self.spec is not None and self.dht is not None
         stages = await self.membership.stage_peers(self.spec.n_stages)
         now = time.time()
+        held = self.checkpoints.held if self.checkpoints is not None else None
+        healths = stage_health(self.spec.n_stages, [r for rs in stages for r in rs.values()], now=now, held_here=held)
         return {
             "swarm": self.config.swarm,
             "model": {"name": self.spec.name, "digest": self.spec.digest, "spec": self.spec.to_dict()},
@@ -978,6 +1129,7 @@ class Daemon:
                 {
                     "stage": stage,
                     "throughput": sum(r.throughput for r in records.values()),
+                    "health": healths[stage].to_dict(),
                     "peers": [
                         {
                             "peer_id": r.peer_id,
@@ -1082,6 +1234,8 @@ class Daemon:
             gradient_handover={**self.handover, "handed_in": ex.handed_in_samples if ex else 0},
             untrusted=self._untrusted_status(),
             reports=self.reports.status(),
+            stages=[StageHealthInfo.model_validate(h.to_dict()) for h in self.coverage],
+            state_source=self.state_source,
             device=self.config.pipeline.device,
             version=__version__,
             uptime_s=round(time.monotonic() - self._started_at, 3),

@@ -245,6 +245,18 @@ class MigrationRefused(SwarmdError):
         self.http_status = status
 
 
+class NotHeld(SwarmdError):
+    """``GET /v1/checkpoint/{stage}`` for a stage this peer holds no usable checkpoint of."""
+
+    http_status = 404
+
+
+class StageStateLost(SwarmdError):
+    """The swarm has trained, and no live peer or checkpoint anywhere holds this stage's state."""
+
+    http_status = 409
+
+
 class StateTransferError(SwarmdError):
     """Client side: downloading a stage's state from ``url`` failed; try another neighbour.
 

@@ -1,9 +1,12 @@
 """The states a peer goes through, from start-up to stop.
 
 ``starting`` → ``joining`` (announced; downloading the stage's state) → ``serving`` ⇄
-``migrating`` (moving to another stage) → ``draining`` → ``stopped``. The four in
+``migrating`` (moving to another stage) → ``draining`` → ``stopped``. The five in
 :data:`ANNOUNCED` appear in DHT peer records, where a state travels as its index in that tuple
-(append only, so old and new peers read each other's records).
+(append only, so old and new peers read each other's records). ``stopped`` is a peer's last
+record, published when it stops gracefully: it replaces the peer's listing at once, and every
+view leaves it out (an older build cannot read the state and drops the record, which is the
+same thing), so a stopped peer vanishes at once instead of lingering until its record expires.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ class PeerState(str, Enum):
 
 
 #: The states a DHT peer record can carry, in wire order (the index is what travels).
-ANNOUNCED: tuple[PeerState, ...] = (PeerState.JOINING, PeerState.SERVING, PeerState.MIGRATING, PeerState.DRAINING)
+ANNOUNCED: tuple[PeerState, ...] = (PeerState.JOINING, PeerState.SERVING, PeerState.MIGRATING, PeerState.DRAINING,
+                                     PeerState.STOPPED)
+#: Records in these states are listed; a ``stopped`` record is a withdrawal and is never listed.
+LISTED: tuple[PeerState, ...] = ANNOUNCED[:4]
 #: A peer on its way into a stage: it will add capacity there once its download is done.
 PENDING: tuple[PeerState, ...] = (PeerState.JOINING, PeerState.MIGRATING)

@@ -147,13 +147,15 @@ class TrainingLog:
 
     def merge(self, records: Mapping[str, Record]) -> SwarmPoint | None:
         """One swarm point from every daemon's newest record (None when nobody published one);
-        not appended again while nothing changed, so an idle swarm does not fill the history."""
+        not appended again while no trainer's progress changed (daemons republish the same record
+        every announce period), so an idle swarm does not fill the history and a curve never shows
+        one loss twice as if it were two steps."""
         found = {pid: r for pid, r in records.items() if isinstance(r, TrainingRecord)}
         if not found:
             self.publishers = {}
             return None
-        unchanged = {pid: r.timestamp for pid, r in found.items()} == {
-            pid: r.timestamp for pid, r in self.publishers.items()}
+        unchanged = {pid: (r.step, r.samples) for pid, r in found.items()} == {
+            pid: (r.step, r.samples) for pid, r in self.publishers.items()}
         self.publishers = found
         if unchanged and self.swarm:
             return None

@@ -13,14 +13,12 @@ import torch
 from swarmd.checkpoint import (
     Checkpointer,
     CheckpointError,
-    Resume,
     checkpoint_dir,
     find_checkpoints,
     mismatch,
     newest_valid,
     prune,
     read_checkpoint,
-    resume_decision,
     write_checkpoint,
 )
 from swarmd.pipeline.executor import StageExecutor
@@ -135,19 +133,6 @@ def test_prune_keeps_the_newest_k_per_stage(tmp_path: Path) -> None:
     doomed = prune(every, keep=2)  # type: ignore[arg-type]
     assert [(c.stage, c.step) for c in doomed] == [(0, 10), (0, 20)]
     assert prune(every, keep=10) == []  # type: ignore[arg-type]
-
-
-def test_the_resume_rule() -> None:
-    # a live stage-mate at or past the checkpoint wins: the stage stays bit-identical
-    assert resume_decision(10, [10], swarm_trained=True) is Resume.DOWNLOAD
-    assert resume_decision(10, [12, 3], swarm_trained=True) is Resume.DOWNLOAD
-    assert resume_decision(None, [0], swarm_trained=False) is Resume.DOWNLOAD
-    # only peers behind it, or none: the checkpoint
-    assert resume_decision(10, [3], swarm_trained=True) is Resume.CHECKPOINT
-    assert resume_decision(10, [], swarm_trained=True) is Resume.CHECKPOINT
-    # nothing held, nobody live: fresh only while nothing in the swarm has trained
-    assert resume_decision(None, [], swarm_trained=False) is Resume.FRESH
-    assert resume_decision(None, [], swarm_trained=True) is Resume.WAIT
 
 
 async def test_an_unwritable_state_dir_warns_once_and_the_stage_serves_on(tmp_path: Path,

@@ -63,7 +63,10 @@ async def test_dashboard_shows_every_peer_and_the_loss_curve(tmp_path: Path) -> 
         curve = re.search(r'<path class="loss" d="M[^"]+" data-points="(\d+)"', after.stdout)
         assert curve is not None and int(curve.group(1)) == 3, after.stdout[-3000:]
         assert re.search(r'<path class="val" d="M[^"]+" data-points="1"', after.stdout)
-        assert "at step 2" in after.stdout
+        assert "at step 2" in after.stdout and "; reported " in after.stdout  # the loss says how old it is
+        # the founder left stage 0 with one peer: its column says so, with what to do; each stage's step says its age
+        assert re.search(r'data-stage="0" data-health="thin"', after.stdout), after.stdout[-3000:]
+        assert "one peer serves stage 0" in after.stdout and re.search(r"· step \d+ \(\d+ s ago\)", after.stdout)
         assert "stage 0 → 1: done (POST /migrate)" in after.stdout and "moves so far: 1 done" in after.stdout
         assert re.search(r'<td class="num">\d+\.\d\d s</td>', after.stdout)  # how long its rounds took
         assert "computing in fp32" in after.stdout

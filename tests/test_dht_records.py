@@ -159,6 +159,35 @@ def test_swarm_record_round_trip_and_size():
     assert len(raw) == 340
 
 
+def test_claims_and_held_checkpoints_round_trip_and_fit_the_bundle() -> None:
+    record = peer(claimed_at=NOW - 0.5, held=((0, 350), (1, 300), (3, 123450)))
+    raw = sign_record(ALICE, record)
+    opened = open_record(raw, now=NOW)
+    assert opened == record and opened.held_step(1) == 300 and opened.held_step(2) is None
+    assert len(raw) <= len(sign_record(ALICE, peer())) + 40  # a few bytes each: a bundle still holds ~24
+    # a record held as a list (as msgpack gives it back) is normalised to sorted pairs
+    assert peer(held=[[1, 5], [0, 7]]).held == ((0, 7), (1, 5))
+
+
+@pytest.mark.parametrize("held", [[[0, 1], [0, 2]], [[0]], [[-1, 3]], [[0, -3]], [["0", 3]], "x",
+                                  [[s, 1] for s in range(17)]])
+def test_bad_held_checkpoints_are_refused(held: Any) -> None:
+    with pytest.raises(MalformedRecord):
+        peer(held=held)
+    env = unpacked(sign_record(ALICE, peer()))
+    body = msgpack.unpackb(env["b"], raw=False)
+    body["o"] = held
+    env["b"] = msgpack.packb(body)
+    env["s"] = ALICE.sign(_signed_message(1, "p", env["b"]))
+    with pytest.raises(MalformedRecord):
+        open_record(msgpack.packb(env), now=NOW)
+
+
+def test_a_stopped_record_is_not_listed() -> None:
+    assert not peer(state="stopped").listed and not peer(state="stopped").usable
+    assert all(peer(state=s).listed for s in PEER_STATES if s != "stopped")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     stage=st.integers(0, 2**16 - 1),

@@ -154,8 +154,10 @@ async def test_metrics_training_summary_and_status_cli_on_a_live_swarm(tmp_path:
         assert shown.returncode == 0, shown.stderr
         for d in daemons:
             assert d.peer_id[:12] in shown.stdout
-        assert "stage 0: 2 serving of 2" in shown.stdout and "stage 1: 2 serving of 2" in shown.stdout
-        assert "at step 2" in shown.stdout and "the swarm: 1 trainer(s) via 1 daemon(s)" in shown.stdout
+        assert "stage 0: ok, 2 serving of 2, step 3 (reported" in shown.stdout
+        assert "stage 1: ok, 2 serving of 2, step 3 (reported" in shown.stdout
+        assert "loss " in shown.stdout and " -> " not in shown.stdout  # one point of the swarm's curve: no "a -> a"
+        assert "at step 2" in shown.stdout and "the swarm: 1 trainer(s) via 1 daemon(s); reported" in shown.stdout
         assert ", precision fp32" in shown.stdout.splitlines()[0]
         picture = json.loads(as_json.stdout)
         assert picture["status"]["peer_id"] == other.peer_id and len(picture["swarm"]["stages"]) == 2

@@ -26,6 +26,8 @@ from swarmd.pipeline.rebalance import (
     bottleneck,
     choose_stage,
     choose_stage_for,
+    coverage_moves,
+    empty_stages,
     stage_totals,
 )
 
@@ -396,7 +398,12 @@ def test_adaptive_raises_the_future_bottleneck_keeps_throughput_and_does_not_thr
     if not moves:
         return
     before, later = stage_totals(s), stage_totals(after(s, moves))
-    assert min(later.future) > min(before.future)
+    covered = coverage_moves(s)
+    if covered:  # coverage first: every empty stage that a stage of two or more could fill, filled
+        assert moves[:len(covered)] == covered and all(before.peers[m.dst] == 0 for m in covered)
+        assert empty_stages(after(s, moves)) == [] or not any(n >= 2 for n in later.serving)
+    else:
+        assert min(later.future) > min(before.future)
     assert min(later.capacity) >= min(before.capacity) - 1e-9
     # The same snapshot once the moves started: nothing more to do, in any event.
     for ev in ("period", "join", "leave"):
@@ -518,3 +525,35 @@ def test_simulator_cli_tunes_adaptive_only(tmp_path: Path, capsys: pytest.Captur
     assert (out["efficiency"], out["cooldown_s"]) == (2.0, 0.0)
     with pytest.raises(SystemExit):
         sim.main(["--trace", trace, "--policy", "swarm", "--efficiency", "2"])
+
+
+# ---- coverage: an empty stage is filled at once --------------------------------------------------
+
+
+def test_a_fresh_swarm_with_an_empty_stage_is_covered_on_any_event() -> None:
+    # three peers that measured nothing yet, all on stage 0 (they started at once): no throughput rule sees the gap
+    s = SwarmSnapshot(2, tuple(PeerLoad(p, 0, "serving", 0.0) for p in ("b", "a", "c")), now=NOW)
+    for event in ("period", "join", "leave"):
+        assert POLICIES["adaptive"].decide(s, event=event) == [Move("a", 0, 1)]
+    assert empty_stages(s) == [1]
+    # the paper's Algorithm 2 stays as it is: period only, measured throughput only
+    assert POLICIES["swarm"].decide(s, event="join") == []
+    assert POLICIES["none"].decide(s, event="leave") == []
+
+
+def test_coverage_takes_the_slowest_peer_of_the_fullest_stage_and_never_empties_a_stage() -> None:
+    peers = (PeerLoad("a", 0, "serving", 5.0), PeerLoad("b", 0, "serving", 1.0), PeerLoad("c", 0, "serving", 3.0),
+             PeerLoad("d", 1, "serving", 2.0), PeerLoad("e", 1, "serving", 2.0, ready_at=NOW))  # e: just arrived
+    moves = coverage_moves(SwarmSnapshot(4, peers, now=NOW))
+    # past the cool-down; from the stage with the most serving peers, then the most capacity (stage 0 twice)
+    assert moves == [Move("b", 0, 2), Move("c", 0, 3)]
+    lone = SwarmSnapshot(3, (PeerLoad("a", 0, "serving", 0.0), PeerLoad("b", 1, "joining", 0.0)), now=NOW)
+    assert coverage_moves(lone) == []  # no stage has two to give
+    assert POLICIES["adaptive"].decide(lone) == []
+
+
+def test_a_newcomer_prefers_a_stage_it_holds_only_among_equals() -> None:
+    s = SwarmSnapshot(3, (PeerLoad("a", 0, "serving", 1.0),), now=NOW)
+    assert choose_stage_for(s, 0.0, prefer={2}) == 2
+    assert choose_stage_for(s, 0.0, prefer={0}) == 1  # stage 0 has a peer: need wins over preference
+    assert choose_stage_for(s, 0.0, prefer={7}) == 1  # a stage that does not exist is ignored

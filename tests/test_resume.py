@@ -12,10 +12,12 @@ state dir: the stage comes back from its checkpoint, not from fresh parameters.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from swarmd.local_swarm import DaemonProcess, stop_all
@@ -111,3 +113,83 @@ async def test_a_swarm_stopped_and_restarted_resumes_exactly(tmp_path: Path) -> 
     expected, (first, got) = await asyncio.gather(uninterrupted(straight), interrupted(resumed))
     assert len(first) == 3 and first[-1] < first[0]
     assert got == pytest.approx(expected, rel=1e-6)
+
+
+async def test_no_stage_is_reset_while_its_state_exists_anywhere(tmp_path: Path) -> None:
+    """The issue's restart: a peer holding only checkpoints of stage 1, restarted on stage 0, is moved to the
+    empty stage 1 and must resume it from its own checkpoint, not serve fresh parameters; a fresh peer
+    serving stage 1 takes another peer's offered checkpoint; with no state anywhere, a move there is refused
+    and a joiner waits, saying the stage is lost, until a peer that holds it comes back."""
+    policy = ["--rebalance-policy", "none"]  # nothing moves by itself: each source is exercised on purpose
+    peers = await swarm_of_two(tmp_path, founder_args=[*FOUNDING, *policy], joiner_args=["--stage", "1", *policy])
+    extra: list[DaemonProcess] = []
+    try:
+        await train(peers[0].api, 3, seed=0)
+        trained = peers[1].status()
+        assert trained["stage"] == 1 and trained["step"] == 3
+        assert await asyncio.to_thread(stop_all, peers) == [0, 0]
+
+        # both come back on stage 0: the founder as before, peer1 (it holds only stage 1's checkpoint) by --stage 0
+        peers = await swarm_of_two(tmp_path, founder_args=["--stage", "0", *policy],
+                                   joiner_args=["--stage", "0", *policy])
+        founder, holder = peers
+        status = holder.status()
+        assert status["stage"] == 0 and status["step"] == 3 and status["state_source"] == "live"
+        for _ in range(100):  # the founder's view of stage 1 (refreshed every announce period): empty, not lost
+            stages = {s["stage"]: s for s in founder.status()["stages"]}
+            if stages[1]["health"] == "empty":
+                break
+            await asyncio.sleep(0.1)
+        assert stages[1]["health"] == "empty" and stages[1]["checkpoint"] == 3, stages
+        assert "no peer serves stage 1" in stages[1]["hint"]
+
+        # a fresh peer that serves stage 1 takes the checkpoint peer1 offers: step 3, the same parameters
+        fresh = start(tmp_path, "peer2", "--join", founder.info["dht_addr"], "--stage", "1", *policy)
+        extra.append(fresh)
+        await fresh.wait_ready_async()
+        got = fresh.status()
+        assert (got["step"], got["params_digest"], got["state_source"]) == (3, trained["params_digest"], "offered")
+        assert f"stage 1 resumed from the checkpoint of step 3 that peer {holder.info['peer_id'][:12]}" in fresh.log()
+
+        # it leaves (withdrawn at once); peer1 moves to the empty stage 1 by hand: its own checkpoint, not step 0
+        assert fresh.stop() == 0
+        async with httpx.AsyncClient(base_url=holder.api) as c:
+            r = await c.post("/migrate", json={"stage": 1})
+            assert r.status_code == 202, (r.text, json.dumps((await c.get("/swarm")).json()["stages"]))
+            for _ in range(300):
+                moved = holder.status()
+                if (moved["migration"] or {}).get("phase") in ("done", "failed"):
+                    break
+                await asyncio.sleep(0.1)
+        assert moved["migration"]["phase"] == "done", moved["migration"]
+        assert (moved["stage"], moved["step"], moved["params_digest"]) == (1, 3, trained["params_digest"])
+        assert moved["state_source"] in ("own", "offered")  # its own checkpoint (or peer2's copy of it)
+        await train(founder.api, 1, seed=1)  # and the pipeline trains on from step 3
+        for _ in range(300):  # its checkpoint of step 4 (--checkpoint-every 2) written
+            if ((holder.status()["checkpoint"] or {}).get("newest") or {}).get("step") == 4:
+                break
+            await asyncio.sleep(0.1)
+        h = holder.status()
+        assert h["checkpoint"]["newest"]["step"] == 4, (h["step"], h["checkpoint"], h["state_source"], holder.log()[-4000:])
+
+        # stage 1's only peer dies and takes its state with it (its checkpoints and peer2's are on no live peer):
+        # the stage is lost; a move there is refused, a joiner waits and says so; the holder's return ends it
+        holder.kill()
+        lost = start(tmp_path, "peer3", "--join", founder.info["dht_addr"], "--stage", "1", *policy)
+        extra.append(lost)
+        for _ in range(300):
+            if "stage 1's state is lost for now" in lost.log():
+                break
+            await asyncio.sleep(0.1)
+        assert "stage 1's state is lost for now" in lost.log() and "restart a peer that served stage 1" in lost.log()
+        async with httpx.AsyncClient(base_url=founder.api) as c:
+            r = await c.post("/migrate", json={"stage": 1, "force": True})
+        assert r.status_code == 409 and "stage 1's state is nowhere" in r.text, r.text
+        peers[1] = start(tmp_path, "peer1", "--join", founder.info["dht_addr"], *policy)  # --stage auto
+        await peers[1].wait_ready_async()
+        back = peers[1].status()
+        assert (back["stage"], back["step"], back["state_source"]) == (1, 4, "own"), (back, peers[1].log()[-3000:])
+        await lost.wait_ready_async()
+        assert lost.status()["step"] == 4 and "stage 1's state is back" in lost.log()
+    finally:
+        await asyncio.to_thread(stop_all, [*peers, *extra])

@@ -110,6 +110,22 @@ class StatusCollector(Collector):
         self._step_changed = _Changed(clock)
         self._digest_changed = _Changed(clock)
 
+    @staticmethod
+    def _coverage(stages: list[dict[str, Any]]) -> Iterator[Metric]:
+        """Every stage's health (``swarmd.pipeline.coverage``): alert on ``swarmd_stage_health{health!="ok"}``."""
+        health = GaugeMetricFamily("swarmd_stage_health", "1 for each stage's health as the swarm's records show it: "
+                                   "ok, thin (one peer), starting, empty (no peer), lost (no peer, no state)",
+                                   labels=["stage", "health"])
+        peers = GaugeMetricFamily("swarmd_stage_peers", "peers of each stage, serving or on their way (pending)",
+                                  labels=["stage", "state"])
+        for st in stages:
+            stage = str(st["stage"])
+            health.add_metric([stage, str(st["health"])], 1.0)
+            peers.add_metric([stage, "serving"], float(st["serving"]))
+            peers.add_metric([stage, "pending"], float(st["pending"]))
+        yield health
+        yield peers
+
     def collect(self) -> Iterator[Metric]:
         s = self._source.status()
         info = InfoMetricFamily("swarmd_peer", "who this peer is")
@@ -163,6 +179,7 @@ class StatusCollector(Collector):
                      "absent while unknown", {"yes": 1.0, "no": 0.0}.get(reach))
         yield from self._dht(self._source.dht_stats())
         yield from self._untrusted(s.get("untrusted") or {})
+        yield from self._coverage(s.get("stages") or [])
         yield from self._training(self._source.training_log)
         trainers = self._source.trainers
         yield _counter("swarmd_trainer_retries", "requests the trainers registered here retried on another peer, "

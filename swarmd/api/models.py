@@ -31,6 +31,22 @@ class PrecisionInfo(BaseModel):
                                   "the stage was built; None otherwise")
 
 
+class StageHealthInfo(BaseModel):
+    """One stage as the swarm's records show it (``swarmd.pipeline.coverage``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: int
+    health: str = Field(description="ok (two or more peers serve it) | thin (one) | starting (none yet, one on its "
+                        "way) | empty (none; its state exists) | lost (none, and no live peer holds its state)")
+    serving: int = Field(description="peers serving it")
+    pending: int = Field(description="peers joining or migrating into it")
+    step: int | None = Field(description="the newest step a serving peer of it reports")
+    step_age_s: float | None = Field(description="how old that report is, in seconds")
+    checkpoint: int | None = Field(description="the newest checkpoint of it a live peer offers")
+    hint: str = Field(description="what to do about it; empty when ok")
+
+
 class Status(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -150,6 +166,17 @@ class Status(BaseModel):
         "exclusions, refused (by reason: stale, duplicate, same_source, rate_limited, already_excluded), "
         "excluded (peer ids excluded now: two independent reports), excluded_now, accused (peers tracked)",
     )
+    stages: list[StageHealthInfo] = Field(
+        default_factory=list,
+        description="every stage's health as the swarm's records show it, refreshed every announce period: a "
+        "stage without a peer, or with one, is a warning with what to do (also in the log, /metrics and the "
+        "dashboard)",
+    )
+    state_source: str | None = Field(
+        default=None,
+        description="where the served stage's state came from: live (a stage-mate), own (this peer's checkpoint), "
+        "offered (another peer's checkpoint), fresh (nothing had trained), lost (waiting: nothing holds it)",
+    )
     device: str
     version: str
     uptime_s: float
@@ -172,6 +199,7 @@ class SwarmPeer(BaseModel):
 class SwarmStage(BaseModel):
     stage: int
     throughput: float = Field(description="summed throughput of the stage's peers, samples/s")
+    health: StageHealthInfo = Field(description="the stage's health, its newest step and how old that report is")
     peers: list[SwarmPeer]
     dropped: list[dict[str, Any]] = Field(
         default_factory=list,

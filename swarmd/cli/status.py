@@ -78,8 +78,10 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def loss_line(training: dict[str, Any] | None) -> str:
-    """One line: the swarm's loss (or this daemon's trainers' when the swarm has no summary yet)."""
+def loss_line(training: dict[str, Any] | None, now: float | None = None) -> str:
+    """One line: the swarm's loss (or this daemon's trainers' while the swarm's curve has fewer than two
+    points), and how old its newest point is."""
+    now = time.time() if now is None else now
     if not training:
         return "loss: this daemon keeps no training log"
     swarm = [p for p in training.get("swarm", []) if p.get("loss") is not None]
@@ -87,15 +89,26 @@ def loss_line(training: dict[str, Any] | None) -> str:
     points, where = (swarm, "the swarm") if swarm else (local, "trainers registered here")
     if not points:
         return "loss: no trainer has reported yet"
+    if len(swarm) < 2 and local:  # the swarm's curve gains a point an announce period: a short run has one
+        points, where = local, "trainers registered here"
     first, last = points[0], points[-1]
-    vals = [p["val_loss"] for p in (training.get("swarm") or training.get("local") or []) if p.get("val_loss")]
-    line = f"loss {first['loss']:.4f} -> {last['loss']:.4f} at step {last['step']}"
+    history = training.get("swarm") if points is swarm else training.get("local")
+    vals = [p["val_loss"] for p in (history or []) if p.get("val_loss")]
+    line = (f"loss {last['loss']:.4f} at step {last['step']}" if len(points) == 1 or first is last
+            else f"loss {first['loss']:.4f} -> {last['loss']:.4f} at step {last['step']}")
     if vals:
         line += f", validation {vals[-1]:.4f}"
     line += f", {_num(last.get('samples_per_s'))} samples/s ({where}"
-    if swarm:
+    if points is swarm:
         line += f": {last.get('trainers', 0)} trainer(s) via {last.get('publishers', 0)} daemon(s)"
+    if isinstance(last.get("t"), (int, float)):
+        line += f"; reported {_ago(now - last['t'])}"
     return line + ")"
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
 
 
 def _precision(info: dict[str, Any] | None) -> str:
@@ -115,12 +128,19 @@ def render(picture: dict[str, Any]) -> str:
              + _precision(s.get("precision"))]
     if swarm is None:
         lines.append("(no stage map: the daemon is not serving yet)")
+        lines.extend(f"  ! stage {h['stage']} is {h['health']}: {h['hint']}" for h in s.get("stages") or []
+                     if h.get("health") != "ok")
     else:
         for stage in swarm["stages"]:
             peers = stage["peers"]
             serving = sum(p["state"] == "serving" for p in peers)
-            lines.append(f"stage {stage['stage']}: {serving} serving of {len(peers)}, "
-                         f"{_num(stage['throughput'])} samples/s" + ("  << thin" if serving == 0 else ""))
+            health = stage.get("health") or {}
+            step = "" if health.get("step") is None else (
+                f", step {health['step']} (reported {_ago(health['step_age_s'] or 0.0)})")
+            lines.append(f"stage {stage['stage']}: {health.get('health', '-')}, {serving} serving of {len(peers)}"
+                         f"{step}, {_num(stage['throughput'])} samples/s")
+            if health.get("hint"):
+                lines.append(f"  ! {health['hint']}")
             rows = [["PEER", "STATE", "SAMPLES/S", "QUEUE", "STEP", "REACHABLE", "SEEN", "DATA ADDRESS"]]
             for p in peers:
                 me = "*" if p["peer_id"] == s.get("peer_id") else ""

@@ -9,7 +9,8 @@ on top of :class:`~swarmd.dht.node.DHTNode`:
   serving peer republishes its own signed copy, so the swarm outlives its founder; a joiner
   takes the spec most peers publish (ties: the oldest), and a mismatch is the joiner's error.
 - *peer records* live under their stage's bucket keys; a reader merges all stages and keeps one
-  record per peer (the newest), so a peer that just moved stage is listed once, where it is now.
+  record per peer (the newest), so a peer that just moved stage is listed once, where it is now;
+  a peer that stopped gracefully published a ``stopped`` record last, and is not listed at all.
 - *untrusted peers* (issue 18): a signed record proves only that someone minted a key, so the
   daemon's views leave out the peers it holds evidence against (``evidence``: peer id -> reason,
   e.g. a signed data-plane challenge that failed again and again: a fake at a tarpit or a
@@ -186,8 +187,10 @@ class Membership:
     async def stage_peers(self, n_stages: int) -> list[dict[str, PeerRecord]]:
         """Live peer records of every stage, read in parallel, one record per peer, without the
         peers this daemon holds evidence against (:attr:`dropped`, with the reasons)."""
-        found = await asyncio.gather(*(self.node.get_stage_peers(self.swarm, s) for s in range(n_stages)))
-        stages = latest_per_peer(list(found))
+        found = await asyncio.gather(*(self.node.get_stage_peers(self.swarm, s, withdrawn=True)
+                                       for s in range(n_stages)))
+        stages = latest_per_peer(list(found))  # a withdrawal hides the peer's older records of other stages
+        stages = [{pid: r for pid, r in records.items() if r.listed} for records in stages]
         if self.evidence is None:
             return stages
         kept, self.dropped = drop_untrusted(stages, self.evidence(), self_id=self.identity.peer_id)

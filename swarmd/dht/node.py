@@ -525,11 +525,16 @@ class DHTNode:
         k closest nodes, one per subkey (the newest). Invalid records are dropped and counted."""
         return await self._run(self._get_merged([digest(key)]))
 
-    async def get_stage_peers(self, swarm: str, stage: int) -> dict[str, PeerRecord]:
-        """The live PeerRecords of one stage: every bucket read in parallel, merged, by peer id."""
+    async def get_stage_peers(self, swarm: str, stage: int, *, withdrawn: bool = False) -> dict[str, PeerRecord]:
+        """The live PeerRecords of one stage: every bucket read in parallel, merged, by peer id.
+
+        A peer's ``stopped`` record (its withdrawal on a graceful stop) replaces its listing and is
+        left out, unless ``withdrawn``: a reader merging several stages needs it to hide the
+        peer's older record of another stage (``swarmd.dht.membership.latest_per_peer``)."""
         keys = [digest(stage_key(swarm, stage, b)) for b in range(self.bucket_count)]
         records = await self._run(self._get_merged(keys))
-        return {s: r for s, r in records.items() if isinstance(r, PeerRecord) and r.stage == stage}
+        return {s: r for s, r in records.items()
+                if isinstance(r, PeerRecord) and r.stage == stage and (withdrawn or r.listed)}
 
     async def _get_merged(self, dkeys: list[bytes]) -> dict[str, Record]:
         """Every replica's bundle of each key, merged per subkey (newest wins) over the records that

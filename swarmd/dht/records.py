@@ -26,7 +26,10 @@ Body keys: PeerRecord ``i`` peer_id (20 raw bytes), ``g`` stage, ``s`` state (it
 ``PEER_STATES``), ``d`` data_addr, ``a`` api_addr, ``h`` throughput, ``q`` queue, ``n`` step,
 ``p`` params_digest (raw bytes or nil), ``v`` version, ``t`` timestamp, ``e`` expiry, ``r``
 reachable (index in ``REACHABILITY``; absent, from older builds, means unknown), ``k`` the
-newest checkpoint step the peer holds of its stage (absent: none, or an older build).
+newest checkpoint step the peer holds of its stage (absent: none, or an older build), ``c``
+claimed_at (when a newcomer chose its stage, see ``swarmd.pipeline.stage_choice``; absent: the
+stage was not chosen by claim), ``o`` held (the newest checkpoint of every stage the peer holds,
+as ``[stage, step]`` pairs, at most :data:`MAX_HELD`; absent: none).
 SwarmRecord ``w`` swarm, ``m`` spec, ``r`` training, ``f`` founder (20 raw bytes), ``t``
 timestamp, ``e`` expiry. Hex fields travel as raw bytes (half the size) and come back as
 lowercase hex.
@@ -100,6 +103,7 @@ MAX_DIGEST_CHARS = 128
 MAX_MAP_ENTRIES = 64
 MAX_MAP_KEY_CHARS = 64
 MAX_SCALAR_STR_CHARS = 256
+MAX_HELD = 16  # stages whose checkpoints one peer record may offer
 
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
@@ -174,6 +178,21 @@ def _state_of(code: object) -> str:
     return PEER_STATES[code]
 
 
+def _check_held(value: object) -> tuple[tuple[int, int], ...]:
+    """``held``: at most MAX_HELD distinct stages, each with one step, as a tuple of pairs sorted by stage."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_HELD:
+        raise _bad("held", value, f"a list of at most {MAX_HELD} [stage, step] pairs")
+    out: dict[int, int] = {}
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _bad("held", pair, "a [stage, step] pair")
+        stage = _check_int("held stage", pair[0], 0, 2**16 - 1)
+        if stage in out:
+            raise _bad("held", value, "distinct stages")
+        out[stage] = _check_int("held step", pair[1], 0, 2**63 - 1)
+    return tuple(sorted(out.items()))
+
+
 def _check_times(timestamp: object, expiry: object) -> tuple[float, float]:
     ts = _check_float("timestamp", timestamp)
     exp = _check_float("expiry", expiry)
@@ -213,11 +232,18 @@ class PeerRecord:
     reachable: str = "unknown"
     # the newest checkpoint step this peer holds of its stage (swarmd.checkpoint); None: none
     checkpoint: int | None = None
+    # when this peer claimed its stage as a newcomer (unix time; swarmd.pipeline.stage_choice); None: not by claim
+    claimed_at: float | None = None
+    # (stage, step) of the newest checkpoint it holds of each stage, any it ever served: offered to the swarm
+    held: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _check_peer_id("peer_id", self.peer_id)
         if self.checkpoint is not None:
             _check_int("checkpoint", self.checkpoint, 0, 2**63 - 1)
+        if self.claimed_at is not None:
+            object.__setattr__(self, "claimed_at", _check_float("claimed_at", self.claimed_at))
+        object.__setattr__(self, "held", _check_held(self.held))
         if self.reachable not in REACHABILITY:
             raise _bad("reachable", self.reachable, f"one of {', '.join(REACHABILITY)}")
         _check_int("stage", self.stage, 0, 2**16 - 1)
@@ -259,12 +285,26 @@ class PeerRecord:
             "e": self.expiry,
             "r": REACHABILITY.index(self.reachable),
             **({} if self.checkpoint is None else {"k": self.checkpoint}),
+            **({} if self.claimed_at is None else {"c": self.claimed_at}),
+            **({"o": [list(pair) for pair in self.held]} if self.held else {}),
         }
 
     @property
     def usable(self) -> bool:
         """Serving, and not known to be out of reach: what trainers and stage-mates may dial."""
         return self.state == "serving" and self.reachable != "no"
+
+    @property
+    def listed(self) -> bool:
+        """In any view at all: every state but ``stopped`` (a graceful stop's withdrawal)."""
+        return self.state != "stopped"
+
+    def held_step(self, stage: int) -> int | None:
+        """The step of the checkpoint of ``stage`` this peer offers, if any."""
+        for s, step in self.held:
+            if s == stage:
+                return step
+        return None
 
     @classmethod
     def _from_body(cls, body: Mapping[str, Any]) -> PeerRecord:
@@ -285,6 +325,8 @@ class PeerRecord:
             expiry=body.get("e"),  # type: ignore[arg-type]
             reachable=_reachability_of(reach),
             checkpoint=body.get("k"),  # absent (older builds, or none held): None
+            claimed_at=body.get("c"),  # absent: the stage was given, or an older build
+            held=body.get("o", ()),  # checked in __post_init__
         )
 
 

@@ -110,19 +110,22 @@ async def adopt_state(
     *,
     model_digest: str,
     on_received: Callable[[int], None] | None = None,
+    path: str = "/v1/state",
 ) -> SyncResult | None:
     """Download the stage's state from the first donor that serves a good one and adopt it.
 
     Returns None when every donor failed (each failure logged with the donor and why); the
     executor then holds what it held before. ``on_received(n)``: every ``n`` bytes read from any
-    donor (``download_state``), for the daemon's counters.
+    donor (``download_state``), for the daemon's counters. ``path``: ``/v1/state`` (a live
+    stage-mate's state) or a ``/v1/checkpoint/{stage}`` (a peer's checkpoint of the stage,
+    ``swarmd.net.checkpoint_offers``): the same stream, checked the same way.
     """
     stage = executor.stage
     tried = 0
     for donor in donors:
         tried += 1
         base, relay = dial_target(donor.data_addr)
-        url = f"{base}/v1/state"
+        url = f"{base}{path}"
 
         def expected(meta: dict[str, Any], url: str = url) -> None:
             if meta.get("stage") != stage or meta.get("model") != model_digest:
@@ -142,7 +145,7 @@ async def adopt_state(
             if isinstance(exc, StateTransferError) and exc.status == 0 and ("Connect" in exc.message
                                                                              or "within" in exc.message):
                 hint = " (could not connect: a firewall or NAT in the way, or a wrong --announce on that peer?)"
-            log.warning("state download from %s at %s failed: %s%s; trying the next stage-mate",
+            log.warning("state download from %s at %s failed: %s%s; trying the next one",
                         donor.peer_id[:12], donor.data_addr, exc, hint)
             continue
         seconds = time.monotonic() - started

@@ -11,13 +11,18 @@ A move, one phase after the other (``MigrationPhase``, shown in ``/status`` as `
 2. ``draining``: state ``migrating`` is announced *on the destination stage* (a mover is
    capacity on its way there, not on the stage it leaves); the peer leaves its stage's rounds
    and the data plane pauses (new requests 503, in-flight ones finish);
-3. ``building``: the destination stage's runtime is built off the loop and swapped in with one
-   assignment (``Daemon.runtime``); the gradients accumulated for the old stage are dropped with
-   it (counted in ``dropped_samples``);
-4. ``downloading``: the destination stage's state is adopted from a stage-mate
-   (``swarmd.net.state_sync``); then ``serving`` is announced and the peer takes part in rounds;
-5. ``done``, or ``failed`` (the peer keeps serving whatever stage it holds) or ``cancelled``
-   (shutdown).
+3. ``building``: the destination stage's runtime is built off the loop;
+4. ``downloading``: the destination's newest state is put into it, wherever it is
+   (``swarmd.pipeline.resume``: a live stage-mate, this peer's own checkpoint of it, another
+   peer's offered checkpoint); only then is it swapped in with one assignment
+   (``Daemon.runtime``), and the gradients accumulated for the old stage are dropped with the
+   old one (counted in ``dropped_samples``); ``serving`` is announced and the peer takes part in
+   rounds;
+5. ``done``, or ``failed`` (the peer keeps serving the stage it had: a move never leaves it with
+   fresh parameters) or ``cancelled`` (shutdown).
+
+A move to a stage whose state is nowhere (a trained swarm, no live peer, no checkpoint offered)
+is refused before it starts: serving it would restart that stage from step 0.
 
 Every peer runs the same pure policy on (nearly) the same snapshot and moves only when a move
 names it, so two peers never race for one move; a peer that moved waits ``cooldown_s`` before
@@ -36,9 +41,11 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from swarmd.dht.sources import RateLimiter
 from swarmd.errors import MigrationRefused, SwarmdError
 from swarmd.peer_state import PeerState
-from swarmd.pipeline.rebalance import PeerLoad, SwarmSnapshot, get_policy
+from swarmd.pipeline.rebalance import PeerLoad, SwarmSnapshot, empty_stages, get_policy
+from swarmd.pipeline.resume import Plan, Source
 
 if TYPE_CHECKING:
     from swarmd.config import Config
@@ -109,7 +116,9 @@ class MigrationHost(Protocol):
 
     async def build_runtime(self, stage: int) -> StageRuntime: ...
 
-    async def sync_state(self, *, min_step: int, required: bool) -> bool: ...
+    async def plan_state(self, stage: int, *, min_step: int = 0) -> Plan: ...
+
+    async def obtain_state(self, runtime: StageRuntime, *, wait: bool) -> Source: ...
 
     def spawn(self, name: str, factory: Any, *, restart: bool = False) -> asyncio.Task[None]: ...
 
@@ -130,6 +139,7 @@ class Migrator:
         self.last_throughput = 0.0  # measured on the stage the host left, announced until re-measured
         # moves by how they ended (done, failed, cancelled) and requests refused: ``swarmd_migrations_total``
         self.results: Counter[str] = Counter()
+        self._refusals = RateLimiter(60.0)  # one log line a minute per reason a wanted move could not happen
 
     @property
     def target(self) -> int | None:
@@ -164,6 +174,10 @@ class Migrator:
         if not force and await self.stage_peer_count(src) == 0:
             raise MigrationRefused(f"this peer is the last one serving stage {src}; moving would empty it "
                                    "(send force: true to move anyway)")
+        if not (await host.plan_state(stage)).available:
+            raise MigrationRefused(f"stage {stage}'s state is nowhere: the swarm has trained, and no live peer serves "
+                                   f"stage {stage} and no peer offers a checkpoint of it; serving it would restart it "
+                                   "from step 0. Restart a peer that served it with its --state-dir")
         if self.moving or host.state != PeerState.SERVING:  # changed while the DHT was read
             raise MigrationRefused(f"this peer is {host.state}; it can move only while serving")
         self.status = MigrationStatus(src=src, to=stage, reason=reason)
@@ -184,13 +198,17 @@ class Migrator:
             await host.pause_serving()
             status.phase = MigrationPhase.BUILDING
             new = await host.build_runtime(dst)
+            status.phase = MigrationPhase.DOWNLOADING
+            try:  # the destination's newest state, wherever it is; the old stage is kept until it is in
+                source = await host.obtain_state(new, wait=False)
+            except BaseException:
+                await new.close()
+                raise
             status.dropped_samples = old.executor.grad_samples  # accumulated for the old stage: lost with it
             self.last_throughput = old.executor.throughput
             host.runtime = new  # the one assignment that moves this peer (the data plane asks for it)
             await old.close()
-            status.phase = MigrationPhase.DOWNLOADING
-            await host.announce()
-            await host.sync_state(min_step=0, required=False)
+            log.info("stage %d's state came from %s (step %d)", dst, source.value, new.executor.step)
             host.state = PeerState.SERVING
             self.moving = False
             await host.announce()
@@ -243,18 +261,23 @@ class Migrator:
             now = time.monotonic()
             if now - last_period >= cfg.period_s:
                 event, last_period = "period", now
-            if event is None or now - self.moved_at < cfg.cooldown_s:
-                continue
             snapshot = SwarmSnapshot(
                 n_stages=host.spec.n_stages,
                 peers=tuple(PeerLoad(r.peer_id, r.stage, r.state, r.throughput, r.queue) for r in records),
                 now=time.time(),
             )
+            uncovered = empty_stages(snapshot)
+            if uncovered:  # a stage without a peer stops the pipeline: decide now, cool-down or not
+                event = event or "leave"
+            elif event is None or now - self.moved_at < cfg.cooldown_s:
+                continue
             download_s = host.last_sync_s if host.last_sync_s is not None else 60.0
             moves = [m for m in policy.decide(snapshot, event=event, download_s=download_s)
                      if m.peer_id == host.peer_id]
             if moves:
+                why = f"cover empty stage {moves[0].dst}" if moves[0].dst in uncovered else event
                 try:
-                    await self.request(moves[0].dst, reason=f"rebalance: {policy.name} on {event}")
+                    await self.request(moves[0].dst, reason=f"rebalance: {policy.name} on {why}")
                 except SwarmdError as exc:
-                    log.info("rebalancing wanted this peer on stage %d but: %s", moves[0].dst, exc)
+                    if self._refusals.allow(str(exc)):
+                        log.info("rebalancing wanted this peer on stage %d but: %s", moves[0].dst, exc)

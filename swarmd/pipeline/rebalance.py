@@ -55,20 +55,25 @@ Definitions and how the paper's wording was read here (the simulator uses the sa
   capacity (so throughput never drops while movers download; a mover serves nothing for
   ``download_s`` seconds).
 - No policy ever takes the last serving peer out of a stage.
+- ``adaptive`` covers first (:func:`coverage_moves`): a stage with no peer at all takes one from
+  the stage with the most serving peers at once, on any event and past any cool-down, whatever
+  the throughputs say (a fresh swarm has measured nothing, and an empty stage stops the whole
+  pipeline). ``swarm`` stays the paper's Algorithm 2, which fills a gap only at its period and
+  only with measured throughput.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-from swarmd.peer_state import ANNOUNCED, PENDING
+from swarmd.peer_state import LISTED, PENDING
 
-STATES = ANNOUNCED
+STATES = LISTED
 PENDING_STATES = PENDING
 DEFAULT_POLICY = "adaptive"
 DEFAULT_DOWNLOAD_S = 60.0
@@ -225,6 +230,11 @@ class Policy(Protocol):
         """The stage a newcomer expected to serve ``throughput`` samples/s should join."""
         ...
 
+    def stage_keys(self, snapshot: SwarmSnapshot) -> list[tuple[float, int]]:
+        """Per stage, how badly it needs a newcomer (smaller: more): ``choose_stage`` takes the
+        smallest, ties to the lowest index."""
+        ...
+
 
 def _check_args(snapshot: SwarmSnapshot, event: str, download_s: float) -> None:
     if event not in EVENTS:
@@ -251,8 +261,12 @@ class NoRebalancing:
 
     def choose_stage(self, snapshot: SwarmSnapshot, throughput: float) -> int:
         """Least measured capacity, then fewest peers, then lowest index (:func:`choose_stage`)."""
+        keys = self.stage_keys(snapshot)
+        return min(range(snapshot.n_stages), key=lambda s: (keys[s], s))
+
+    def stage_keys(self, snapshot: SwarmSnapshot) -> list[tuple[float, int]]:
         t = stage_totals(snapshot, estimate_unmeasured=False)
-        return min(range(snapshot.n_stages), key=lambda s: (t.capacity[s], t.peers[s], s))
+        return [(t.capacity[s], t.peers[s]) for s in range(snapshot.n_stages)]
 
 
 @dataclass(frozen=True)
@@ -290,6 +304,9 @@ class SwarmRebalancing:
 
     def choose_stage(self, snapshot: SwarmSnapshot, throughput: float) -> int:
         return NoRebalancing().choose_stage(snapshot, throughput)
+
+    def stage_keys(self, snapshot: SwarmSnapshot) -> list[tuple[float, int]]:
+        return NoRebalancing().stage_keys(snapshot)
 
 
 @dataclass(frozen=True)
@@ -332,6 +349,9 @@ class AdaptiveRebalancing:
         n = snapshot.n_stages
         if n < 2:
             return []
+        cover = coverage_moves(snapshot)
+        if cover:  # then plan on from where the coverage moves leave the swarm
+            return cover + self.decide(moving(snapshot, cover, download_s), event=event, download_s=download_s)
         t = stage_totals(snapshot)
         cap = list(t.capacity)
         fut = list(t.future)
@@ -401,8 +421,12 @@ class AdaptiveRebalancing:
         Adding to the stage of least future capacity is the only single placement that can
         raise the future bottleneck, whatever the newcomer's speed.
         """
+        keys = self.stage_keys(snapshot)
+        return min(range(snapshot.n_stages), key=lambda s: (keys[s], s))
+
+    def stage_keys(self, snapshot: SwarmSnapshot) -> list[tuple[float, int]]:
         t = stage_totals(snapshot)
-        return min(range(snapshot.n_stages), key=lambda s: (t.future[s], t.peers[s], s))
+        return [(t.future[s], t.peers[s]) for s in range(snapshot.n_stages)]
 
 
 POLICIES: Mapping[str, Policy] = MappingProxyType(
@@ -417,13 +441,75 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown rebalancing policy {name!r}, expected one of {sorted(POLICIES)}") from None
 
 
-def choose_stage_for(snapshot: SwarmSnapshot, throughput: float, policy: str = DEFAULT_POLICY) -> int:
+def choose_stage_for(snapshot: SwarmSnapshot, throughput: float, policy: str = DEFAULT_POLICY, *,
+                     prefer: Collection[int] = ()) -> int:
     """The stage a newcomer should join: the one that needs it most, as ``policy`` measures it.
 
     ``none`` and ``swarm`` look at measured capacity (serving peers only), ``adaptive`` also
     counts the peers still downloading into a stage. ``throughput`` is the newcomer's expected
-    samples/s (0 if it has not measured itself yet).
+    samples/s (0 if it has not measured itself yet). ``prefer``: stages the newcomer would rather
+    serve when they need it as much as the best (e.g. those it holds checkpoints of, so a stage
+    comes back from its own disk); ties among them go to the lowest index.
     """
     if not (math.isfinite(throughput) and throughput >= 0):
         raise ValueError(f"throughput must be finite and >= 0, got {throughput}")
-    return get_policy(policy).choose_stage(snapshot, throughput)
+    chosen = get_policy(policy)
+    keys = chosen.stage_keys(snapshot)
+    best = min(keys)
+    for s in sorted(prefer):
+        if 0 <= s < snapshot.n_stages and keys[s] == best:
+            return s
+    return chosen.choose_stage(snapshot, throughput)
+
+
+def coverage_moves(snapshot: SwarmSnapshot) -> list[Move]:
+    """Moves that give every stage at least one peer: a pipeline with an empty stage trains nothing.
+
+    Throughput rules cannot see that gap in a swarm that has measured nothing yet (a fresh swarm,
+    or peers that have not served a batch): every capacity is 0 and no move raises a minimum. So
+    before any throughput rule, each empty stage (no serving or pending peer), lowest index first,
+    takes one serving peer from the stage with the most serving peers (at least two: no stage is
+    ever emptied to fill another; ties: more future capacity, then the lowest index), the slowest
+    of them (it gives up the least), ties by ``peer_id``. Cool-downs do not apply: the gap costs
+    more than a move. Once the mover is on its way the stage is no longer empty, so a decision on
+    the snapshot the moves produce is empty.
+    """
+    t = stage_totals(snapshot)
+    n = snapshot.n_stages
+    serving = list(t.serving)
+    movable: list[list[tuple[float, str]]] = [[] for _ in range(n)]
+    for p in snapshot.peers:
+        if p.state == "serving":
+            movable[p.stage].append((p.throughput, p.peer_id))
+    for lst in movable:
+        lst.sort()
+    moves: list[Move] = []
+    for b in range(n):
+        if t.peers[b] > 0:
+            continue
+        sources = [a for a in range(n) if serving[a] >= 2 and movable[a]]
+        if not sources:
+            break
+        a = min(sources, key=lambda x: (-serving[x], -t.future[x], x))
+        _, pid = movable[a].pop(0)
+        serving[a] -= 1
+        moves.append(Move(pid, a, b))
+    return moves
+
+
+def moving(snapshot: SwarmSnapshot, moves: Sequence[Move], download_s: float = DEFAULT_DOWNLOAD_S) -> SwarmSnapshot:
+    """The snapshot once ``moves`` started: each mover migrating into its destination, ready after
+    its download."""
+    by_id = {m.peer_id: m for m in moves}
+    peers = tuple(
+        PeerLoad(p.peer_id, by_id[p.peer_id].dst, "migrating", p.throughput, p.queue, snapshot.now + download_s)
+        if p.peer_id in by_id else p
+        for p in snapshot.peers
+    )
+    return SwarmSnapshot(snapshot.n_stages, peers, snapshot.now)
+
+
+def empty_stages(snapshot: SwarmSnapshot) -> list[int]:
+    """Stages no serving or pending peer covers."""
+    t = stage_totals(snapshot)
+    return [s for s in range(snapshot.n_stages) if t.peers[s] == 0]

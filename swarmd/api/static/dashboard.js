@@ -72,13 +72,15 @@ function drawStages(swarm, status) {
     return;
   }
   root.dataset.loaded = "1";
-  const total = swarm.stages.reduce((sum, s) => sum + s.peers.length, 0);
-  const mean = swarm.stages.length ? total / swarm.stages.length : 0;
   const columns = swarm.stages.map((stage) => {
+    // the stage's health and newest step, from its peers' own reports, with how old that report is
+    const health = stage.health || { health: "ok", hint: "", step: null, step_age_s: null };
     const serving = stage.peers.filter((p) => p.state === "serving").length;
-    const thin = serving === 0 || serving < mean / 2;
-    const column = el("article", { class: "stage" + (thin ? " thin" : ""), "data-stage": stage.stage, "aria-label": `stage ${stage.stage}` });
-    column.append(el("h3", {}, `Stage ${stage.stage}`, el("span", { class: "muted" }, ` · ${serving} serving · ${fmt(stage.throughput)} samples/s${thin ? " · thin" : ""}`)));
+    const trouble = health.health !== "ok";
+    const step = health.step === null ? "" : ` · step ${health.step} (${ago(health.step_age_s)})`;
+    const column = el("article", { class: "stage" + (trouble ? " thin" : ""), "data-stage": stage.stage, "data-health": health.health, "aria-label": `stage ${stage.stage}` });
+    column.append(el("h3", {}, `Stage ${stage.stage}`, el("span", { class: "muted" }, ` · ${health.health}${step} · ${serving} serving · ${fmt(stage.throughput)} samples/s`)));
+    if (trouble) column.append(el("p", { class: "warning", role: "status" }, health.hint));
     if (!stage.peers.length) column.append(el("p", { class: "muted" }, "no live peer"));
     for (const peer of stage.peers) {
       const self = status && peer.peer_id === status.peer_id;
@@ -165,9 +167,13 @@ function drawTraining(training) {
   const first = s.loss.length ? s.loss[0] : null;
   const val = s.val.length ? s.val[s.val.length - 1] : null;
   const pubs = (training && training.publishers) || [];
+  const rows = (training && (s.source === "swarm" ? training.swarm : training.local)) || [];
+  const newest = rows.length ? rows[rows.length - 1].t : null;
+  const age = newest === null ? "" : `; reported ${ago(Math.max(0, Date.now() / 1000 - newest))}`;
   summary.textContent = last
-    ? `loss ${fmt(first[1], 3)} → ${fmt(last[1], 3)} at step ${last[0]}` + (val ? `, validation ${fmt(val[1], 3)}` : "") +
-      ` (${s.source === "swarm" ? `the swarm: ${pubs.length} daemon(s) with trainers` : "trainers registered with this daemon"})`
+    ? (s.loss.length > 1 ? `loss ${fmt(first[1], 3)} → ${fmt(last[1], 3)} at step ${last[0]}` : `loss ${fmt(last[1], 3)} at step ${last[0]}`) +
+      (val ? `, validation ${fmt(val[1], 3)}` : "") +
+      ` (${s.source === "swarm" ? `the swarm: ${pubs.length} daemon(s) with trainers` : "trainers registered with this daemon"}${age})`
     : "no trainer has reported yet";
   summary.className = last ? "" : "muted";
   const chart = document.getElementById("loss-chart");
@@ -213,7 +219,7 @@ async function refresh() {
   if (status) {
     document.getElementById("swarm-name").textContent = `swarm ${status.swarm}`;
     document.getElementById("summary").textContent = `This peer ${String(status.peer_id || "").slice(0, 12)} is ${status.state} on stage ` +
-      `${status.stage} of ${status.n_stages}, step ${status.step}, ${fmt(status.throughput)} samples/s, model ${status.model ? status.model.name : "-"}` +
+      `${status.stage} of ${status.n_stages} (its own step ${status.step}), ${fmt(status.throughput)} samples/s, model ${status.model ? status.model.name : "-"}` +
       `${precisionText(status.precision)}.`;
   } else if (needsToken) {
     document.getElementById("summary").textContent =
