@@ -59,6 +59,7 @@ from swarmd.api.app import create_app
 from swarmd.api.metrics import DaemonMetrics
 from swarmd.api.models import ModelInfo, PrecisionInfo, StageHealthInfo, Status, TrainerReport
 from swarmd.api.server import EmbeddedUvicorn, bind_socket, embedded_server
+from swarmd.api.trainer_ranks import RankBook
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.checkpoint import Checkpointer, CheckpointInfo, find_checkpoints, mismatch
 from swarmd.config import Config
@@ -1037,6 +1038,9 @@ class Daemon:
         training log its heartbeats feed (``swarmd.training_summary``)."""
         self.training_log = TrainingLog(live_s=self.config.dht.record_ttl_s)
         self.trainers = TrainerRegistry(on_report=self._on_trainer_report)
+        # trainers' data-shard ranks, unique across the swarm (swarmd.api.trainer_ranks)
+        self.ranks = RankBook(self.trainers, dht=lambda: self.dht, identity=lambda: self.identity,
+                              swarm=self.config.swarm, ttl_s=self.config.dht.record_ttl_s)
         self.metrics = DaemonMetrics(self)
         # state downloads from stage-mates (swarmd.net.state_sync): /status -> state_transfer
         self.state_downloads: dict[str, Any] = {"downloaded_bytes": 0, "downloads_ok": 0, "downloads_failed": 0,
@@ -1068,6 +1072,7 @@ class Daemon:
             await asyncio.sleep(period * random_jitter())
             try:
                 await self.publish_training_summary()
+                await self.ranks.publish()
             except SwarmdError as exc:
                 log.warning("could not publish or read the swarm's training summary: %s", exc)
 
@@ -1078,7 +1083,7 @@ class Daemon:
         self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
         app = create_app(self, self.trainers, api_token=self.config.api.token, metrics=self.metrics,
-                         training=self.training_log)
+                         training=self.training_log, ranks=self.ranks)
         server = self._api_server = embedded_server(app, request_timeout_s=self.config.api.request_timeout_s)
 
         async def serve() -> None:

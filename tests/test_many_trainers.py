@@ -298,3 +298,23 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
     issued = sum(s.microbatches_issued for s in summaries)
     redos = sum(s.stale_redos for s in summaries)
     assert redos <= 0.1 * issued, (redos, issued, kept["reservations"], [s.to_json() for s in summaries])
+
+
+async def test_trainers_registered_at_different_daemons_get_ranks_unique_across_the_swarm() -> None:
+    # each daemon used to hand out its own ranks: two trainers at two daemons were both rank 0 and drew the
+    # same data. Registered at the same moment at four daemons, eight trainers get eight different ranks.
+    async with swarm(SPEC, TRAINING) as daemons:
+        apis = [f"http://{d.api_addr[0]}:{d.api_addr[1]}" for d in daemons]
+        async with httpx.AsyncClient(timeout=30) as http:
+            replies = await asyncio.gather(*(http.post(f"{api}/trainers", json={"name": f"t{i}"})
+                                             for i in range(2) for api in apis))
+            assert all(r.status_code == 201 for r in replies), [r.text for r in replies]
+            ranks = sorted(r.json()["rank"] for r in replies)
+            assert ranks == list(range(8)), ranks
+            listed = [t for api in apis for t in (await http.get(f"{api}/trainers")).json()]
+            assert sorted(t["rank"] for t in listed) == ranks  # /trainers shows them
+            # a trainer that finished frees its rank for the swarm's next one, whichever daemon it registers at
+            done = replies[0].json()
+            assert (await http.delete(f"{apis[0]}/trainers/{done['trainer_id']}")).status_code == 204
+            again = await http.post(f"{apis[3]}/trainers", json={"name": "late"})
+            assert again.status_code == 201 and again.json()["rank"] == done["rank"]

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -170,7 +168,7 @@ async def test_no_stage_is_reset_while_its_state_exists_anywhere(tmp_path: Path)
                 break
             await asyncio.sleep(0.1)
         h = holder.status()
-        assert h["checkpoint"]["newest"]["step"] == 4, (h["step"], h["checkpoint"], h["state_source"], holder.log()[-4000:])
+        assert h["checkpoint"]["newest"]["step"] == 4, (h["step"], h["checkpoint"], holder.log()[-4000:])
 
         # stage 1's only peer dies and takes its state with it (its checkpoints and peer2's are on no live peer):
         # the stage is lost; a move there is refused, a joiner waits and says so; the holder's return ends it

@@ -51,6 +51,7 @@ from swarmd.api.models import (
     TrainerWelcome,
     TrainingView,
 )
+from swarmd.api.trainer_ranks import RankBook
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.errors import SwarmdError
 from swarmd.training_summary import TrainingLog
@@ -93,9 +94,11 @@ def _is_loopback(host: str | None) -> bool:
 
 
 def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_token: str | None = None, *,
-               metrics: DaemonMetrics | None = None, training: TrainingLog | None = None) -> FastAPI:
+               metrics: DaemonMetrics | None = None, training: TrainingLog | None = None,
+               ranks: RankBook | None = None) -> FastAPI:
     """The control plane of ``daemon``; ``metrics`` (``GET /metrics``) and ``training`` (``GET
-    /training``, the dashboard's curves) are the daemon's own, and answer 404 when not given."""
+    /training``, the dashboard's curves) are the daemon's own, and answer 404 when not given;
+    ``ranks`` makes trainers' ranks unique across the swarm (without it, among this daemon's)."""
     registry = trainers or TrainerRegistry()
     app = FastAPI(
         title="swarmd control plane",
@@ -209,6 +212,8 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
         if reg is None:
             return JSONResponse({"error": "TooManyTrainers", "message": "the registry is full; retry later"},
                                 status_code=503)
+        if ranks is not None:
+            await ranks.assign(reg)
         return {"trainer_id": reg.trainer_id, "ttl_s": registry.ttl_s, "rank": reg.rank, **daemon.welcome()}
 
     @app.get("/trainers", response_model=list[TrainerInfo], summary="Trainers registered here, with last-seen times",
@@ -223,6 +228,11 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
         if not registry.finish(trainer_id):
             return JSONResponse({"error": "UnknownTrainer", "message": "unknown or expired trainer id"},
                                 status_code=404)
+        if ranks is not None:
+            try:  # its rank is free for the swarm's next trainer now, not an announce period later
+                await ranks.publish()
+            except SwarmdError:
+                pass  # the next period's publication frees it
         return Response(status_code=204)
 
     @app.post("/trainers/{trainer_id}/heartbeat", status_code=204, response_model=None, dependencies=guarded,

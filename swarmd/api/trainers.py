@@ -11,13 +11,14 @@ grew by into counters that outlive registrations (``/metrics``), and hands the r
 ``swarmd.train.verify``) are the trainers' cost of verifying peers' work; a heartbeat without
 them (an older trainer) changes none of their counts.
 
-Each registration gets a *rank*, the smallest no live trainer holds: the trainer draws its
-training windows from that shard of the data (``swarmd.train.data.shard``), so trainers of one
-daemon draw different data. A ``--sync`` trainer makes the swarm compute exactly what
-single-process training on its batches computes; another trainer's samples would join its
-steps, so a sync trainer is refused while any other trainer is registered, and any trainer
-while a sync one is (:meth:`TrainerRegistry.conflict`). Both are per daemon: trainers that
-register with different daemons are not checked against each other.
+Each registration gets a *rank*, the smallest no live trainer of the swarm holds (claimed in
+the DHT, ``swarmd.api.trainer_ranks``): the trainer draws its training windows from that shard
+of the data (``swarmd.train.data.shard``), so trainers of one swarm draw different data. A
+``--sync`` trainer makes the swarm compute exactly what single-process training on its batches
+computes; another trainer's samples would join its steps, so a sync trainer is refused while
+any other trainer is registered, and any trainer while a sync one is
+(:meth:`TrainerRegistry.conflict`). That check is per daemon: trainers that register with
+different daemons are not checked against each other.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Registration:
     samples: int | None = None
     samples_per_s: float | None = None
     rank: int = 0
+    rank_claimed_at: float = 0.0  # unix time its rank was claimed (swarmd.api.trainer_ranks: earlier claims win)
     sync: bool = False
     steps_seen: int = 0
     finished: bool = False  # it said it finished (DELETE /trainers/{id}): listed until it expires
@@ -113,9 +115,22 @@ class TrainerRegistry:
             return None
         taken = {r.rank for r in self._trainers.values() if not r.finished}
         rank = next(i for i in range(len(taken) + 1) if i not in taken)
-        reg = Registration(secrets.token_hex(8), name, time.time(), self._clock(), rank=rank, sync=sync)
+        now = time.time()
+        reg = Registration(secrets.token_hex(8), name, now, self._clock(), rank=rank, rank_claimed_at=now, sync=sync)
         self._trainers[reg.trainer_id] = reg
         return reg
+
+    def ranks(self, *, exclude: str | None = None) -> dict[int, float]:
+        """The ranks the live, unfinished trainers hold (rank -> claimed_at), but ``exclude``'s."""
+        self._expire()
+        return {r.rank: r.rank_claimed_at for r in self._trainers.values()
+                if not r.finished and r.trainer_id != exclude}
+
+    def set_rank(self, trainer_id: str, rank: int, claimed_at: float) -> None:
+        """A rank chosen across the swarm (``swarmd.api.trainer_ranks``)."""
+        reg = self._trainers.get(trainer_id)
+        if reg is not None:
+            reg.rank, reg.rank_claimed_at = rank, claimed_at
 
     def finish(self, trainer_id: str) -> bool:
         """A trainer that finished: still listed (``finished``) until it expires, but it holds no

@@ -8,6 +8,8 @@ typed :class:`~swarmd.errors.RecordError`):
   its subkey in the DHT is ``peer_id``;
 - :class:`SwarmRecord`: a swarm's model spec and training settings, signed by its founder; its
   subkey is ``founder``.
+- :class:`RanksRecord` (``t`` ``"k"``): the data-shard ranks the trainers of one daemon hold, so
+  that ranks are unique across the swarm (``swarmd.api.trainer_ranks``); its subkey is ``peer_id``.
 - :class:`TrainingRecord` (``t`` ``"l"``): what one daemon's trainers reported lately (step,
   loss, validation loss, samples/s; ``swarmd.training_summary``); its subkey is ``peer_id``.
 
@@ -80,6 +82,7 @@ __all__ = [
     "Record",
     "RecordCache",
     "SwarmRecord",
+    "RanksRecord",
     "TrainingRecord",
     "bundle_entry_size",
     "bundle_header_size",
@@ -438,11 +441,63 @@ class TrainingRecord:
         )
 
 
-Record = PeerRecord | SwarmRecord | TrainingRecord
-RECORD_TYPES: dict[str, type[PeerRecord] | type[SwarmRecord] | type[TrainingRecord]] = {
+MAX_RANKS = 64  # trainers' ranks one daemon's RanksRecord may claim
+
+
+@dataclass(frozen=True, slots=True)
+class RanksRecord:
+    """The data-shard ranks the trainers registered with one daemon hold (``swarmd.api.trainer_ranks``):
+    read by every daemon, so ranks stay unique across the swarm, not per daemon."""
+
+    TYPE: ClassVar[str] = "k"
+
+    peer_id: str  # the publishing daemon (the signer)
+    ranks: tuple[tuple[int, float], ...]  # (rank, unix time it was claimed), sorted by rank
+    timestamp: float
+    expiry: float
+
+    def __post_init__(self) -> None:
+        _check_peer_id("peer_id", self.peer_id)
+        if not isinstance(self.ranks, (list, tuple)) or len(self.ranks) > MAX_RANKS:
+            raise _bad("ranks", self.ranks, f"a list of at most {MAX_RANKS} [rank, claimed_at] pairs")
+        out: dict[int, float] = {}
+        for pair in self.ranks:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise _bad("ranks", pair, "a [rank, claimed_at] pair")
+            rank = _check_int("rank", pair[0], 0, 2**31 - 1)
+            if rank in out:
+                raise _bad("ranks", self.ranks, "distinct ranks")
+            out[rank] = _check_float("claimed_at", pair[1])
+        object.__setattr__(self, "ranks", tuple(sorted(out.items())))
+        ts, exp = _check_times(self.timestamp, self.expiry)
+        object.__setattr__(self, "timestamp", ts)
+        object.__setattr__(self, "expiry", exp)
+
+    @property
+    def subkey(self) -> str:
+        """The record's slot under the swarm's ranks key: one per daemon."""
+        return self.peer_id
+
+    def _body(self) -> dict[str, Any]:
+        return {"i": bytes.fromhex(self.peer_id), "k": [list(p) for p in self.ranks], "t": self.timestamp,
+                "e": self.expiry}
+
+    @classmethod
+    def _from_body(cls, body: Mapping[str, Any]) -> RanksRecord:
+        return cls(
+            peer_id=_hex_bytes("peer_id", body.get("i"), PEER_ID_BYTES),
+            ranks=body.get("k"),  # type: ignore[arg-type]  # checked in __post_init__
+            timestamp=body.get("t"),  # type: ignore[arg-type]
+            expiry=body.get("e"),  # type: ignore[arg-type]
+        )
+
+
+Record = PeerRecord | SwarmRecord | TrainingRecord | RanksRecord
+RECORD_TYPES: dict[str, type[PeerRecord] | type[SwarmRecord] | type[TrainingRecord] | type[RanksRecord]] = {
     PeerRecord.TYPE: PeerRecord,
     SwarmRecord.TYPE: SwarmRecord,
     TrainingRecord.TYPE: TrainingRecord,
+    RanksRecord.TYPE: RanksRecord,
 }
 
 
