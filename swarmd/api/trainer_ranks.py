@@ -73,7 +73,6 @@ class RankBook:
         self.settle_s = settle_s
         self.reassigned = 0  # claims that lost to another daemon's and moved
         self._published = False
-        self._lock = asyncio.Lock()
 
     async def others(self) -> list[RanksRecord]:
         """Every other daemon's live ranks record."""
@@ -101,21 +100,22 @@ class RankBook:
         identity = self._identity()
         if identity is None:
             return registration.rank
-        async with self._lock:  # one claim at a time from this daemon
-            try:
-                for _ in range(ATTEMPTS):
-                    others = await self.others()
-                    taken = {rank for record in others for rank, _ in record.ranks}
-                    taken |= {rank for rank in self.registry.ranks(exclude=registration.trainer_id)}
-                    self.registry.set_rank(registration.trainer_id, free_rank(taken), time.time())
-                    await self.publish()
-                    await asyncio.sleep(self.settle_s)
-                    mine = {registration.rank: registration.rank_claimed_at}
-                    if not lost(mine, identity.peer_id, await self.others()):
-                        return registration.rank
-                    self.reassigned += 1
-                    log.info("rank %d was claimed first by another daemon's trainer: choosing again", registration.rank)
-            except SwarmdError as exc:
-                log.warning("could not check trainer ranks across the swarm (%s): rank %d is unique among this "
-                            "daemon's trainers only", exc, registration.rank)
+        try:
+            for _ in range(ATTEMPTS):
+                others = await self.others()
+                taken = {rank for record in others for rank, _ in record.ranks}
+                # this daemon's other trainers' ranks as they are now: no await between reading and setting, so
+                # registrations here at the same moment never take one rank
+                taken |= set(self.registry.ranks(exclude=registration.trainer_id))
+                self.registry.set_rank(registration.trainer_id, free_rank(taken), time.time())
+                await self.publish()
+                await asyncio.sleep(self.settle_s)
+                mine = {registration.rank: registration.rank_claimed_at}
+                if not lost(mine, identity.peer_id, await self.others()):
+                    return registration.rank
+                self.reassigned += 1
+                log.info("rank %d was claimed first by another daemon's trainer: choosing again", registration.rank)
+        except SwarmdError as exc:
+            log.warning("could not check trainer ranks across the swarm (%s): rank %d is unique among this "
+                        "daemon's trainers only", exc, registration.rank)
         return registration.rank
