@@ -3,8 +3,9 @@
 Start-up, in this order (readiness is an explicit event, set last, so nothing acts on a
 half-started peer; hivemind #634 announced before its DHT was up):
 
-1. load (or create) the peer's key from ``--state-dir`` and start the DHT node: found a new
-   DHT, or join one through ``--join`` with bounded retries;
+1. bind every port (``swarmd.net.ports``: a taken one fails at once, naming its flag) and
+   resolve the ``--join`` hosts; load (or create) the peer's key from ``--state-dir`` and start
+   the DHT node: found a new DHT, or join one through ``--join`` with bounded retries;
 2. learn the model: a founder publishes its spec as the swarm record; a joiner reads the swarm
    record (and refuses an explicit ``--model`` that disagrees);
 3. pick the stage (``--stage auto``: the one with the lowest total throughput);
@@ -53,7 +54,7 @@ from swarmd import __version__
 from swarmd.api.app import create_app
 from swarmd.api.metrics import DaemonMetrics
 from swarmd.api.models import ModelInfo, PrecisionInfo, Status, TrainerReport
-from swarmd.api.server import EmbeddedUvicorn, bind_socket, embedded_server
+from swarmd.api.server import EmbeddedUvicorn, embedded_server
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.checkpoint import (
     Checkpointer,
@@ -74,6 +75,7 @@ from swarmd.errors import ConfigError, SwarmdError
 from swarmd.net import codecs, reachability
 from swarmd.net.addresses import (
     Announced,
+    check_join_hosts,
     choose_host,
     default_route_source,
     family_of,
@@ -85,6 +87,7 @@ from swarmd.net.addresses import (
 )
 from swarmd.net.client import client_session
 from swarmd.net.handover import GradientsRequest, hand_over, handover_order
+from swarmd.net.ports import Listeners, bind_listeners
 from swarmd.net.proof import ProofService, Prover
 from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
@@ -154,6 +157,7 @@ class Daemon:
         self._sync_lock = asyncio.Lock()
         self._api_server: EmbeddedUvicorn | None = None
         self._api_socket: socket.socket | None = None
+        self._listeners: Listeners | None = None  # every port, bound first (_bind_first), then handed on
         self._state_lock: IO[str] | None = None
         self._stop = asyncio.Event()
         self._stopping = False
@@ -210,6 +214,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
+        listeners = await self._bind_first()  # before anything starts, so a failure has nothing to shut down
         try:
             self._check_static_address()
             await self._join_dht()
@@ -226,7 +231,7 @@ class Daemon:
             self._proofs.install(self.data_plane.app)
             self.data_plane.app.middlewares.insert(0, self.metrics.data_plane_middleware())  # outermost: sees all
             self.relay_server.install(self.data_plane.app)
-            data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
+            data_addr = await self.data_plane.start(sock=listeners.data)
             log.info("data plane listening on http://%s, announced as %s (%s)", format_addr(data_addr),
                      self.data_addr, self.announced.how if self.announced else "bound")
             await self._start_api()
@@ -386,6 +391,8 @@ class Daemon:
             await self.dht.stop()
         if self._state_lock is not None:
             self._state_lock.close()
+        if self._listeners is not None:  # those not handed on yet, when start-up failed half-way
+            self._listeners.close()
         self.state = PeerState.STOPPED
         log.info("stopped")
 
@@ -398,7 +405,22 @@ class Daemon:
 
     # ---- joining -------------------------------------------------------------------------------
 
+    async def _bind_first(self) -> Listeners:
+        """Every port bound and every ``--join`` host resolved before anything starts: a taken port,
+        a host that is not this machine's or a misspelt join host fails in one sentence, at once."""
+        cfg = self.config
+        self._listeners = bind_listeners((cfg.net.host, cfg.net.port), (cfg.api.host, cfg.api.port),
+                                         (cfg.dht.host, cfg.dht.port))
+        try:
+            for problem in await check_join_hosts(cfg.dht.join):
+                log.warning("%s; joining through the other --join addresses", problem)
+        except BaseException:
+            self._listeners.close()
+            raise
+        return self._listeners
+
     async def _join_dht(self) -> None:
+        assert self._listeners is not None  # bound first, in start()
         dht = self.config.dht
         if dht.state_dir is not None:
             self._state_lock = lock_state_dir(dht.state_dir)
@@ -412,7 +434,7 @@ class Daemon:
         if key is not None:
             log.info("private swarm: DHT datagrams and data-plane requests are authenticated with the swarm key "
                      "from %s (key id %s)", key.source or "the config", key.key_id)
-        await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s)
+        await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s, sock=self._listeners.dht)
         log.info("%s; DHT node on udp://%s", "joined the swarm's DHT" if dht.join else "founded a new DHT",
                  format_addr(self.dht.address))
         self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s,
@@ -925,7 +947,8 @@ class Daemon:
     # ---- the control plane ---------------------------------------------------------------------
 
     async def _start_api(self) -> None:
-        sock = bind_socket(self.config.api.host, self.config.api.port)
+        assert self._listeners is not None  # bound first, in start()
+        sock = self._listeners.api
         self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
         app = create_app(self, self.trainers, api_token=self.config.api.token, metrics=self.metrics,

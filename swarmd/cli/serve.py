@@ -38,7 +38,7 @@ from swarmd.cli.common import (
     seconds,
     setup_logging,
 )
-from swarmd.config import DEFAULT_API_PORT  # the config tree is torch-free: --help stays fast
+from swarmd.config import DEFAULT_API_PORT, DEFAULT_BOOTSTRAP_TIMEOUT_S  # torch-free: --help stays fast
 from swarmd.errors import ConfigError, SwarmdError
 
 if TYPE_CHECKING:
@@ -67,11 +67,16 @@ def default_state_dir() -> Path:
     return Path(base) / "swarmd"
 
 
-def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(prog: str = "swarmd", overview: str | None = None) -> argparse.ArgumentParser:
+    """The flags of ``swarmd [serve]``; ``overview``, for a bare ``swarmd --help``, replaces the
+    description with swarmd's commands (``swarmd.cli.overview``)."""
     p = Parser(
         prog=prog,
-        description="Serve one pipeline stage of a model in a SWARM-parallel training swarm.",
-        epilog=epilog or f"Example: {prog} --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status.",
+        usage=f"{prog} [COMMAND] [FLAGS]" if overview else f"{prog} [FLAGS]",
+        description=overview or "Serve one pipeline stage of a model in a SWARM-parallel training swarm.",
+        epilog=None if overview else
+        f"Example: {prog} --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"swarmd {__version__}")
     config_file.add_config_option(p)
@@ -133,8 +138,10 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
     p.add_argument("--dht-port", type=port, default=0, help="DHT (UDP) port; 0 picks a free one (default: 0)")
     p.add_argument("--announce-period", type=seconds, default=10.0, metavar="SECONDS",
                    help="how often this peer refreshes its DHT record; records expire after 3 periods (default: 10)")
-    p.add_argument("--bootstrap-timeout", type=seconds, default=30.0, metavar="SECONDS",
-                   help="give up joining when no --join address answers within this (default: 30)")
+    p.add_argument("--bootstrap-timeout", type=seconds, default=DEFAULT_BOOTSTRAP_TIMEOUT_S, metavar="SECONDS",
+                   help="give up joining when no --join address answers within this, retrying meanwhile (a "
+                   f"peer started at the same moment may open its port a little later) (default: "
+                   f"{DEFAULT_BOOTSTRAP_TIMEOUT_S:g})")
     p.add_argument("--dht-source-quota", type=positive_int, default=8, metavar="N",
                    help="how many new records one source (see --dht-source-grouping) may place under one DHT key "
                         "this node stores: a flood of fake peers from one place cannot crowd out real ones "
@@ -312,8 +319,8 @@ def write_ready_file(path: Path, status: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: Sequence[str], prog: str = "swarmd", epilog: str | None = None) -> int:
-    args = config_file.parse_args(build_parser(prog, epilog), argv)
+def main(argv: Sequence[str], prog: str = "swarmd", overview: str | None = None) -> int:
+    args = config_file.parse_args(build_parser(prog, overview), argv)
     setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
