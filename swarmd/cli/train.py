@@ -37,6 +37,7 @@ from swarmd.errors import ConfigError, SwarmdError
 from swarmd.finite import strict_json_dumps
 
 if TYPE_CHECKING:
+    from swarmd.train.events import TrainerListener
     from swarmd.train.trainer import TrainerConfig, TrainSummary
 
 
@@ -146,10 +147,11 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
 CSV_COLUMNS = ("step", "elapsed_s", "loss", "samples_per_s", "val_loss")
 
 
-async def run_trainer(config: TrainerConfig, *, show_progress: bool = True,
-                      log_csv: Path | None = None) -> TrainSummary:
+async def run_trainer(config: TrainerConfig, *, show_progress: bool = True, log_csv: Path | None = None,
+                      events: TrainerListener | None = None) -> TrainSummary:
     """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage) on stderr, and with
-    ``log_csv`` one row per step (:data:`CSV_COLUMNS`; an undefined loss is an empty cell)."""
+    ``log_csv`` one row per step (:data:`CSV_COLUMNS`; an undefined loss is an empty cell);
+    ``events`` hears the trainer's typed events (``swarmd.train.events``: the demo narrates them)."""
     from tqdm import tqdm
 
     from swarmd.train.trainer import Trainer
@@ -181,7 +183,7 @@ async def run_trainer(config: TrainerConfig, *, show_progress: bool = True,
         bar.update(step - bar.n)
 
     try:
-        return await Trainer(config, on_step=on_step).run()
+        return await Trainer(config, on_step=on_step, events=events).run()
     finally:
         if bar is not None:
             bar.close()
