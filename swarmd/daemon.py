@@ -3,9 +3,9 @@
 Start-up, in this order (readiness is an explicit event, set last, so nothing acts on a
 half-started peer; hivemind #634 announced before its DHT was up):
 
-1. bind every port (``swarmd.net.ports``: a taken one fails at once, naming its flag) and
-   resolve the ``--join`` hosts; load (or create) the peer's key from ``--state-dir`` and start
-   the DHT node: found a new DHT, or join one through ``--join`` with bounded retries;
+1. bind every port (``swarmd.net.ports``: a taken one fails at once, naming its flag; the CLI
+   binds them even before importing torch); load (or create) the peer's key from ``--state-dir``
+   and start the DHT node: found a new DHT, or join one through ``--join`` with bounded retries;
 2. learn the model: a founder publishes its spec as the swarm record; a joiner reads the swarm
    record (and refuses an explicit ``--model`` that disagrees);
 3. pick the stage (``--stage auto``: the one with the lowest total throughput);
@@ -75,7 +75,6 @@ from swarmd.errors import ConfigError, SwarmdError
 from swarmd.net import codecs, reachability
 from swarmd.net.addresses import (
     Announced,
-    check_join_hosts,
     choose_host,
     default_route_source,
     family_of,
@@ -116,7 +115,7 @@ REACHABILITY_TASK = "reachability"
 class Daemon:
     """A swarmd peer serving one stage. Use ``async with Daemon(cfg) as d`` or ``await d.run()``."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, listeners: Listeners | None = None) -> None:
         self.config = config
         self.state = PeerState.STARTING
         self.ready = asyncio.Event()
@@ -157,7 +156,7 @@ class Daemon:
         self._sync_lock = asyncio.Lock()
         self._api_server: EmbeddedUvicorn | None = None
         self._api_socket: socket.socket | None = None
-        self._listeners: Listeners | None = None  # every port, bound first (_bind_first), then handed on
+        self._listeners = listeners  # every port, bound first (by the CLI, or _bind_first), then handed on
         self._state_lock: IO[str] | None = None
         self._stop = asyncio.Event()
         self._stopping = False
@@ -214,7 +213,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
-        listeners = await self._bind_first()  # before anything starts, so a failure has nothing to shut down
+        listeners = self._bind_first()  # before anything starts, so a failure has nothing to shut down
         try:
             self._check_static_address()
             await self._join_dht()
@@ -405,18 +404,13 @@ class Daemon:
 
     # ---- joining -------------------------------------------------------------------------------
 
-    async def _bind_first(self) -> Listeners:
-        """Every port bound and every ``--join`` host resolved before anything starts: a taken port,
-        a host that is not this machine's or a misspelt join host fails in one sentence, at once."""
-        cfg = self.config
-        self._listeners = bind_listeners((cfg.net.host, cfg.net.port), (cfg.api.host, cfg.api.port),
-                                         (cfg.dht.host, cfg.dht.port))
-        try:
-            for problem in await check_join_hosts(cfg.dht.join):
-                log.warning("%s; joining through the other --join addresses", problem)
-        except BaseException:
-            self._listeners.close()
-            raise
+    def _bind_first(self) -> Listeners:
+        """Every port bound before anything starts (unless the CLI bound them already, before it
+        imported torch): a taken port or a host that is not this machine's fails in one sentence."""
+        if self._listeners is None:
+            cfg = self.config
+            self._listeners = bind_listeners((cfg.net.host, cfg.net.port), (cfg.api.host, cfg.api.port),
+                                             (cfg.dht.host, cfg.dht.port))
         return self._listeners
 
     async def _join_dht(self) -> None:

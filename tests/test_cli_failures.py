@@ -1,11 +1,15 @@
 """A user's mistakes, as the real ``swarmd`` process answers them: one sentence, at once, the right exit code.
 
 Each case runs the installed command as a subprocess, as a user types it, and checks the exit
-code (2: fix the command; 1: the environment, e.g. a port someone else holds), that stderr holds
-exactly one error sentence naming what is wrong (no warnings, no progress bar around it), and
-that the process has ended within :data:`WITHIN_S`. That bound is the promise of issue 26 to a
-user ("failures in one sentence, within 10 s"), not a speed measurement: before it, a taken
-``--api-port`` failed after founding a DHT and an unanswered ``--join`` after 34 s.
+code (2: fix the command; 1: the environment, e.g. a port someone else holds) and that stderr holds
+exactly one error sentence naming what is wrong (no warnings, no progress bar around it). Issue 26
+promises such a failure within 10 s of typing the command; before it, a taken ``--api-port``
+failed after founding a DHT and an unanswered ``--join`` after 34 s. What makes each one fast is
+checked by what the process did, not by a stopwatch that a loaded machine would fail: a daemon's
+ports and join hosts are checked before it imports torch (those cases end well within
+:data:`WITHIN_S`), a trainer's files before it dials anything, and an unanswered join ends at the
+DHT's own deadline, read from the daemon's log. On an idle 2-core machine they take 0.3 s (ports,
+hosts), 2.5 s (a trainer's files) and 7.7 s (an unanswered join).
 
 A command that must fail before calling any daemon is pointed at a bare listening socket: a
 connection in its backlog afterwards means that the command dialled out first.
@@ -13,6 +17,7 @@ connection in its backlog afterwards means that the command dialled out first.
 
 from __future__ import annotations
 
+import json
 import re
 import select
 import socket
@@ -25,20 +30,22 @@ import pytest
 from swarmd.cli.common import api_url
 from tests.conftest import swarmd_command
 
-WITHIN_S = 10.0  # issue 26: every failure below is said within 10 s of typing the command
+WITHIN_S = 10.0  # issue 26: a failure is said within 10 s of typing the command
+HANG_S = 60.0  # a command that has not ended by then hangs, however loaded the machine
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (WARNING|ERROR|CRITICAL) ")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def fails(*args: str, code: int, cwd: Path = REPO) -> str:
+def fails(*args: str, code: int, within_s: float = HANG_S) -> str:
     """Run ``swarmd ARGS``; check the exit code and that stderr has one error sentence and no
-    warning; that sentence."""
-    out = subprocess.run([*swarmd_command(), *args], capture_output=True, text=True, timeout=WITHIN_S, cwd=cwd)
+    warning (text or JSON log lines); that sentence."""
+    out = subprocess.run([*swarmd_command(), *args], capture_output=True, text=True, timeout=within_s, cwd=REPO)
     assert out.returncode == code, out.stderr
     lines = out.stderr.strip().splitlines()
-    errors = [line for line in lines if ": error: " in line]
+    errors = [line for line in lines if ": error: " in line and not line.startswith("{")]
     assert len(errors) == 1 and errors[0] == lines[-1], out.stderr
     assert not [line for line in lines if LOG_LINE.match(line)], out.stderr
+    assert not [line for line in lines if line.startswith("{") and json.loads(line)["level"] != "INFO"], out.stderr
     assert "%|" not in out.stderr, out.stderr  # no progress bar drawn before the failure
     return errors[0]
 
@@ -68,7 +75,8 @@ def test_a_taken_port_is_named_before_anything_starts(flag: str, kind: socket.So
             taken.listen()
         port = taken.getsockname()[1]
         ports = {"--api-port": "0", "--port": "0", "--dht-port": "0", flag: str(port)}
-        line = fails(*(x for item in ports.items() for x in item), "--state-dir", str(tmp_path / "s"), code=1)
+        line = fails(*(x for item in ports.items() for x in item), "--state-dir", str(tmp_path / "s"), code=1,
+                     within_s=WITHIN_S)
     assert line.startswith(f"swarmd: error: {flag} {port} on 127.0.0.1 is already in use"), line
     assert f"give another {flag}" in line
     assert not (tmp_path / "s").exists()  # not even the state directory was touched
@@ -78,22 +86,35 @@ def test_one_port_for_two_planes_is_a_usage_error(tmp_path: Path) -> None:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = str(free.getsockname()[1])
-    line = fails("--port", port, "--api-port", port, "--state-dir", str(tmp_path), code=2)
+    line = fails("--port", port, "--api-port", port, "--state-dir", str(tmp_path), code=2, within_s=WITHIN_S)
     assert f"--port and --api-port are both {port}" in line
 
 
 def test_a_host_of_another_machine_is_named(tmp_path: Path) -> None:
-    line = fails("--api-port", "0", "--host", "192.0.2.1", "--state-dir", str(tmp_path), code=2)  # TEST-NET-1
+    line = fails("--api-port", "0", "--host", "192.0.2.1", "--state-dir", str(tmp_path), code=2,  # TEST-NET-1
+                 within_s=WITHIN_S)
     assert "--host 192.0.2.1 is not an address of this machine" in line
 
 
 def test_an_unanswered_join_fails_in_one_line_naming_the_address(tmp_path: Path) -> None:
-    line = fails("--join", "127.0.0.1:1", "--api-port", "0", "--state-dir", str(tmp_path), code=1)
-    assert line.startswith("swarmd: error: no DHT bootstrap address answered") and "127.0.0.1:1" in line
+    log = tmp_path / "daemon.log"
+    with log.open("w") as stderr:  # the JSON log lines with their timestamps, and the error
+        code = subprocess.run([*swarmd_command(), "--join", "127.0.0.1:1", "--api-port", "0", "--log-format", "json",
+                               "--state-dir", str(tmp_path / "s")], stderr=stderr, timeout=HANG_S).returncode
+    assert code == 1
+    lines = log.read_text().strip().splitlines()
+    error = lines[-1]
+    assert error.startswith("swarmd: error: no DHT bootstrap address answered within 5 s") and "127.0.0.1:1" in error
+    records = [json.loads(line) for line in lines[:-1]]
+    assert {r["level"] for r in records} == {"INFO"}, lines  # no warning per retry: the one sentence says it all
+    began = next(r["ts"] for r in records if r["msg"].startswith("joining the DHT through 127.0.0.1:1"))
+    gave_up = next(r["ts"] for r in records if r["msg"].startswith("DHT node") and r["msg"].endswith("stopped"))
+    assert gave_up - began < 5.0 + 1.0  # the default --bootstrap-timeout, and one ping's timeout of slack
 
 
 def test_an_unresolvable_join_host_is_said_as_such(tmp_path: Path) -> None:
-    line = fails("--join", "nonexistent.invalid:31337", "--api-port", "0", "--state-dir", str(tmp_path), code=2)
+    line = fails("--join", "nonexistent.invalid:31337", "--api-port", "0", "--state-dir", str(tmp_path), code=2,
+                 within_s=WITHIN_S)
     assert "cannot resolve nonexistent.invalid" in line and "loopback" not in line
 
 
@@ -132,7 +153,7 @@ def test_export_keeps_an_existing_file_unless_forced(tmp_path: Path, silent_daem
     sock, addr = silent_daemon
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"an older model")
-    line = fails("export", "--api", addr, "--out", str(out), code=2)
+    line = fails("export", "--api", addr, "--out", str(out), code=2, within_s=WITHIN_S)
     assert f"--out {out} exists; give --force" in line
     assert out.read_bytes() == b"an older model" and not dialled(sock)
     empty = tmp_path / "state"

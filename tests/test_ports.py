@@ -69,9 +69,11 @@ def test_a_privileged_port_is_explained() -> None:
 
 
 async def test_join_hosts_resolve_first_and_one_bad_name_is_only_a_warning() -> None:
-    assert await check_join_hosts([]) == []
-    assert await check_join_hosts([("127.0.0.1", 31337), ("::1", 31337), ("localhost", 31337)]) == []
+    assert await check_join_hosts([]) == ([], [])
+    fine = [("127.0.0.1", 31337), ("::1", 31337), ("localhost", 31337)]
+    assert await check_join_hosts(fine) == (fine, [])
     with pytest.raises(ConfigError, match=r"--join nonexistent.invalid:31337: cannot resolve nonexistent.invalid"):
         await check_join_hosts([("nonexistent.invalid", 31337)])
-    problems = await check_join_hosts([("nonexistent.invalid", 31337), ("127.0.0.1", 31337)])
+    usable, problems = await check_join_hosts([("nonexistent.invalid", 31337), ("127.0.0.1", 31337)])
+    assert usable == [("127.0.0.1", 31337)]
     assert len(problems) == 1 and "cannot resolve nonexistent.invalid" in problems[0]

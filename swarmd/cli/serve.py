@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,7 +40,9 @@ from swarmd.cli.common import (
     setup_logging,
 )
 from swarmd.config import DEFAULT_API_PORT, DEFAULT_BOOTSTRAP_TIMEOUT_S  # torch-free: --help stays fast
-from swarmd.errors import ConfigError, SwarmdError
+from swarmd.errors import ConfigError, PortUnavailable, SwarmdError
+from swarmd.net.addresses import check_join_hosts
+from swarmd.net.ports import Listeners, bind_listeners  # sockets only: binding comes before the heavy imports
 
 if TYPE_CHECKING:
     from swarmd.config import Config
@@ -288,11 +291,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     )
 
 
-async def serve(config: Config, ready_file: Path | None) -> int:
-    """Run a daemon until SIGTERM/SIGINT; write ``ready_file`` once it serves. Its exit code."""
+async def serve(config: Config, ready_file: Path | None, listeners: Listeners | None = None) -> int:
+    """Run a daemon until SIGTERM/SIGINT; write ``ready_file`` once it serves. Its exit code.
+    ``listeners``: its ports, bound already (:func:`main` binds them before importing torch)."""
     from swarmd.daemon import Daemon
 
-    daemon = Daemon(config)
+    daemon = Daemon(config, listeners=listeners)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)
@@ -322,13 +326,25 @@ def write_ready_file(path: Path, status: Mapping[str, Any]) -> None:
 def main(argv: Sequence[str], prog: str = "swarmd", overview: str | None = None) -> int:
     args = config_file.parse_args(build_parser(prog, overview), argv)
     setup_logging(args.log_level, args.log_format)
+    try:  # first of all, and before torch is imported: a taken port fails in a blink, naming its flag
+        listeners = bind_listeners((args.host, args.port), (args.api_host, args.api_port),
+                                   (args.dht_host, args.dht_port))
+    except ConfigError as exc:
+        fail_usage(str(exc), prog)
+    except PortUnavailable as exc:
+        print(f"swarmd: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     try:
+        args.join, problems = asyncio.run(check_join_hosts(args.join))  # a misspelt host: "cannot resolve", exit 2
+        for problem in problems:
+            logging.getLogger(__name__).warning("%s; joining through the other --join addresses", problem)
         config = config_from_args(args)
     except ConfigError as exc:
+        listeners.close()
         fail_usage(str(exc), prog)
     keep_freed_memory()  # before the stage's first tensors: see swarmd.allocator
     try:
-        return asyncio.run(serve(config, args.ready_file))
+        return asyncio.run(serve(config, args.ready_file, listeners))
     except ConfigError as exc:
         fail_usage(str(exc), prog)
     except SwarmdError as exc:  # e.g. no bootstrap peer answered

@@ -206,10 +206,13 @@ def loopback_mismatch(announced: str, join: Sequence[tuple[str, int]]) -> str | 
 RESOLVE_TIMEOUT_S = 5.0
 
 
-async def check_join_hosts(join: Sequence[tuple[str, int]], timeout_s: float = RESOLVE_TIMEOUT_S) -> list[str]:
+async def check_join_hosts(
+    join: Sequence[tuple[str, int]], timeout_s: float = RESOLVE_TIMEOUT_S
+) -> tuple[list[tuple[str, int]], list[str]]:
     """Resolve every ``--join`` host before anything starts: ConfigError (the CLI exits 2) with one
-    sentence when none resolves, e.g. a typo; otherwise the sentences for those that did not (the
-    caller warns and joins through the others: one name down must not keep a peer out)."""
+    sentence when none resolves, e.g. a typo; otherwise the addresses that resolved and a sentence
+    for each that did not (the caller warns and joins through the others: one name down must not
+    keep a peer out)."""
     loop = asyncio.get_running_loop()
 
     async def why_not(host: str, port: int) -> str | None:
@@ -232,4 +235,4 @@ async def check_join_hosts(join: Sequence[tuple[str, int]], timeout_s: float = R
     failed = [f"--join {format_addr(addr)}: {why}" for addr, why in zip(join, reasons, strict=True) if why]
     if join and len(failed) == len(join):
         raise ConfigError("; ".join(failed) + ": check the name, or give the peer's IP address")
-    return failed
+    return [addr for addr, why in zip(join, reasons, strict=True) if not why], failed

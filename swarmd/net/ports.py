@@ -3,9 +3,11 @@
 A taken port used to fail a daemon seconds late, after it had founded a DHT and built its stage,
 with "Address already in use" and no word of which port (issue 26). :func:`bind_listeners` binds
 all three at once, first: the data plane's and the control plane's TCP sockets (listening at once,
-so that no other process can bind them in between) and the DHT's UDP socket. The daemon then hands
-these very sockets on to the data plane, the control plane and the DHT node, so there is no window
-between a check and the real bind for another process to take a port. A failure is one sentence
+so that no other process can bind them in between) and the DHT's UDP socket. ``swarmd [serve]``
+calls it before it even imports torch (this module needs only the standard library), so a taken
+port fails in a fraction of a second; the daemon then hands these very sockets on to the data
+plane, the control plane and the DHT node, so there is no window between a check and the real bind
+for another process to take a port. A failure is one sentence
 naming the flag and the address: :class:`~swarmd.errors.PortUnavailable` (the CLI exits 1) when the
 port is taken or forbidden, :class:`~swarmd.errors.ConfigError` (exit 2) when the host is no
 address of this machine or cannot be resolved, or when two flags name one port.
