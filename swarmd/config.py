@@ -14,6 +14,7 @@ from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.swarm_key import SwarmKey
 
 DEFAULT_API_PORT = 8080
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,10 @@ class DHTConfig:
     port: int = 0  # 0: the OS picks a free port; shown in /status as dht_addr
     join: tuple[tuple[str, int], ...] = ()  # bootstrap peers; empty: found a new swarm
     announce_period_s: float = 10.0  # records are refreshed this often and expire after 3 periods
-    bootstrap_timeout_s: float = 30.0  # give up joining (and finding the swarm's record) after this
+    # give up joining (and finding the swarm's record) after this: a --join address nobody answers at
+    # fails within seconds, while a peer started at the same moment as this one still has time to open
+    # its port (swarmd.dht.node retries with backoff until then)
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
     state_dir: Path | None = None  # where the peer's key lives; None: a fresh key for this run only
     max_per_source: int = 8  # new records one source group may place under one DHT key (swarmd.dht.sources)
     source_grouping: str = "auto"  # what one source group is: auto | prefix | address | endpoint

@@ -3,8 +3,9 @@
 Start-up, in this order (readiness is an explicit event, set last, so nothing acts on a
 half-started peer; hivemind #634 announced before its DHT was up):
 
-1. load (or create) the peer's key from ``--state-dir`` and start the DHT node: found a new
-   DHT, or join one through ``--join`` with bounded retries;
+1. bind every port (``swarmd.net.ports``: a taken one fails at once, naming its flag; the CLI
+   binds them even before importing torch); load (or create) the peer's key from ``--state-dir``
+   and start the DHT node: found a new DHT, or join one through ``--join`` with bounded retries;
 2. learn the model: a founder publishes its spec as the swarm record; a joiner reads the swarm
    record (and refuses an explicit ``--model`` that disagrees);
 3. pick the stage (``--stage auto``: where the rebalancing policy needs a peer most, claimed in
@@ -58,7 +59,7 @@ from swarmd import __version__
 from swarmd.api.app import create_app
 from swarmd.api.metrics import DaemonMetrics
 from swarmd.api.models import ModelInfo, PrecisionInfo, StageHealthInfo, Status, TrainerReport
-from swarmd.api.server import EmbeddedUvicorn, bind_socket, embedded_server
+from swarmd.api.server import EmbeddedUvicorn, embedded_server
 from swarmd.api.trainer_ranks import RankBook
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.checkpoint import Checkpointer, CheckpointInfo, find_checkpoints, mismatch
@@ -84,6 +85,7 @@ from swarmd.net.addresses import (
 from swarmd.net.checkpoint_offers import CheckpointOffers, checkpoint_path
 from swarmd.net.client import client_session
 from swarmd.net.handover import GradientsRequest, hand_over, handover_order
+from swarmd.net.ports import Listeners, bind_listeners
 from swarmd.net.proof import ProofService, Prover
 from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
@@ -109,12 +111,13 @@ RELAY_TASK = "relay"
 CHECKPOINT_TASK = "checkpoint"
 TRAINING_TASK = "training-summary"
 REACHABILITY_TASK = "reachability"
+SWARM_RECORD_WAIT_S = 30.0  # how long a joiner whose DHT answered waits for the swarm's record (a founder starting)
 
 
 class Daemon:
     """A swarmd peer serving one stage. Use ``async with Daemon(cfg) as d`` or ``await d.run()``."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, listeners: Listeners | None = None) -> None:
         self.config = config
         self.state = PeerState.STARTING
         self.ready = asyncio.Event()
@@ -160,6 +163,7 @@ class Daemon:
         self._sync_lock = asyncio.Lock()
         self._api_server: EmbeddedUvicorn | None = None
         self._api_socket: socket.socket | None = None
+        self._listeners = listeners  # every port, bound first (by the CLI, or _bind_first), then handed on
         self._state_lock: IO[str] | None = None
         self._stop = asyncio.Event()
         self._stopping = False
@@ -216,6 +220,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
+        listeners = self._bind_first()  # before anything starts, so a failure has nothing to shut down
         try:
             self._check_static_address()
             await self._join_dht()
@@ -234,7 +239,7 @@ class Daemon:
             self.offers.install(self.data_plane.app)
             self.data_plane.app.middlewares.insert(0, self.metrics.data_plane_middleware())  # outermost: sees all
             self.relay_server.install(self.data_plane.app)
-            data_addr = await self.data_plane.start(cfg.net.host, cfg.net.port)
+            data_addr = await self.data_plane.start(sock=listeners.data)
             log.info("data plane listening on http://%s, announced as %s (%s)", format_addr(data_addr),
                      self.data_addr, self.announced.how if self.announced else "bound")
             await self._start_api()
@@ -397,6 +402,8 @@ class Daemon:
             await self.dht.stop()
         if self._state_lock is not None:
             self._state_lock.close()
+        if self._listeners is not None:  # those not handed on yet, when start-up failed half-way
+            self._listeners.close()
         self.state = PeerState.STOPPED
         log.info("stopped")
 
@@ -420,7 +427,17 @@ class Daemon:
 
     # ---- joining -------------------------------------------------------------------------------
 
+    def _bind_first(self) -> Listeners:
+        """Every port bound before anything starts (unless the CLI bound them already, before it
+        imported torch): a taken port or a host that is not this machine's fails in one sentence."""
+        if self._listeners is None:
+            cfg = self.config
+            self._listeners = bind_listeners((cfg.net.host, cfg.net.port), (cfg.api.host, cfg.api.port),
+                                             (cfg.dht.host, cfg.dht.port))
+        return self._listeners
+
     async def _join_dht(self) -> None:
+        assert self._listeners is not None  # bound first, in start()
         dht = self.config.dht
         if dht.state_dir is not None:
             self._state_lock = lock_state_dir(dht.state_dir)
@@ -434,7 +451,7 @@ class Daemon:
         if key is not None:
             log.info("private swarm: DHT datagrams and data-plane requests are authenticated with the swarm key "
                      "from %s (key id %s)", key.source or "the config", key.key_id)
-        await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s)
+        await self.dht.start(dht.join, deadline_s=dht.bootstrap_timeout_s, sock=self._listeners.dht)
         log.info("%s; DHT node on udp://%s", "joined the swarm's DHT" if dht.join else "founded a new DHT",
                  format_addr(self.dht.address))
         self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s,
@@ -448,7 +465,10 @@ class Daemon:
             spec, self.training = await self._founding_settings(asked)
             await self.membership.publish_swarm(spec, self.training.to_dict())
             return spec, self.training
-        info = await self.membership.wait_for_swarm(self.config.dht.bootstrap_timeout_s)
+        # the DHT answered, so a founder is there; one started at the same moment publishes its model once it
+        # has read its own checkpoints: wait for it longer than for an answer (one line says so)
+        info = await self.membership.wait_for_swarm(max(SWARM_RECORD_WAIT_S, self.config.dht.bootstrap_timeout_s),
+                                                    say_after_s=self.config.dht.bootstrap_timeout_s)
         if asked is not None and asked.digest != info.spec.digest:
             raise ConfigError(
                 f"--model {asked.name} ({asked.digest[:12]}) is not the model of swarm {self.config.swarm!r}, "
@@ -1079,7 +1099,8 @@ class Daemon:
     # ---- the control plane ---------------------------------------------------------------------
 
     async def _start_api(self) -> None:
-        sock = bind_socket(self.config.api.host, self.config.api.port)
+        assert self._listeners is not None  # bound first, in start()
+        sock = self._listeners.api
         self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
         app = create_app(self, self.trainers, api_token=self.config.api.token, metrics=self.metrics,

@@ -4,6 +4,8 @@
 
     SwarmdError
      ├── ConfigError          bad user configuration (CLI flag, model file); the CLI exits 2
+     ├── PortUnavailable      a port the daemon must listen on is taken or forbidden; the CLI
+     │                        exits 1 with the flag and address (``swarmd.net.ports``)
      ├── WireError            a frame that cannot be decoded                         (HTTP 400)
      │    ├── MalformedFrame     not msgpack, truncated, wrong field types/lengths   (HTTP 400)
      │    ├── UnsupportedVersion a wire version this build cannot read              (HTTP 400)
@@ -71,6 +73,13 @@ class ConfigError(SwarmdError):
     """The user asked for something impossible; the CLI prints it and exits 2."""
 
     http_status = 400
+
+
+class PortUnavailable(SwarmdError):
+    """A port given to the daemon is taken (or below 1024 without privileges); the message names
+    the flag and the address. Not a ConfigError: the same command works once the port is free."""
+
+    http_status = 503
 
 
 class WireError(SwarmdError):

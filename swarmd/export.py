@@ -210,8 +210,13 @@ def load_model(path: Path, device: str = "cpu") -> FullModel:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, SafetensorError) as exc:
-        raise ExportError(f"cannot read the model file {path}: {exc}") from exc
+    except FileNotFoundError as exc:
+        raise ExportError(f"the model file {path} does not exist; write one with 'swarmd export'") from exc
+    except OSError as exc:
+        raise ExportError(f"cannot read the model file {path}: {exc.strerror or exc}") from exc
+    except SafetensorError as exc:  # its own words ("header too large") say nothing to a user
+        raise ExportError(f"{path} is not a swarmd model file (made by 'swarmd export'): it is not a safetensors "
+                          "file") from exc
     if meta.get("format") != MODEL_FORMAT:
         raise ExportError(f"{path} is not a swarmd model file (made by 'swarmd export')")
     try:

@@ -35,6 +35,18 @@ def test_help_explains_every_flag() -> None:
         assert flag in out.stdout, flag
 
 
+def test_help_lists_the_commands_first_one_line_each() -> None:
+    from swarmd.cli import COMMANDS
+
+    out = run_cli("--help").stdout.splitlines()
+    assert out[0] == "usage: swarmd [COMMAND] [FLAGS]"
+    flags_from = out.index("options:")
+    for name, command in COMMANDS.items():
+        shown = "[serve]" if name == "serve" else name
+        line = next(i for i, text in enumerate(out) if text.startswith(f"  swarmd {shown} "))
+        assert line < flags_from and out[line].endswith(f" {command.summary}"), out[line]
+
+
 @pytest.mark.parametrize(
     ("args", "phrase"),
     [
@@ -125,16 +137,6 @@ def test_sigterm_during_a_long_request_completes_it_then_exits_0(spawn) -> None:
         assert torch.equal(decode_frame(payload).tensors["outputs"], build_stage(TINY, 0)(x))
     assert d.proc.wait(30) == 0
     d.close()
-
-
-def test_port_in_use_exits_1_with_a_sentence(tmp_path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = run_cli("--api-port", str(port), "--port", "0", "--state-dir", str(tmp_path))
-    assert out.returncode == 1
-    assert "swarmd: error: cannot start" in out.stderr and "port" in out.stderr
 
 
 def test_ready_file_is_json_with_the_bound_addresses(spawn) -> None:

@@ -108,11 +108,13 @@ def test_data_prepare_and_info(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert exit_.value.code == 2 and "strictly between 0 and 1" in capsys.readouterr().err
 
 
-def test_train_flags_map_onto_the_trainer_config() -> None:
+def test_train_flags_map_onto_the_trainer_config(tmp_path: Path) -> None:
     parse = train_cli.build_parser().parse_args
-    config = train_cli.config_from_args(parse(["--data", "d", "--tokenizer", "t.json", "--text-field", "body",
+    tok, data = str(small_bpe(tmp_path)), tmp_path / "corpus"
+    data.mkdir()  # the files must exist: they are checked before the trainer calls a daemon
+    config = train_cli.config_from_args(parse(["--data", str(data), "--tokenizer", tok, "--text-field", "body",
                                                "--data-shards", "4", "--shard", "3", "--lease-s", "12"]))
-    assert (config.data, config.tokenizer, config.text_field) == ("d", "t.json", "body")
+    assert (config.data, config.tokenizer, config.text_field) == (str(data), tok, "body")
     assert (config.data_shards, config.shard, config.lease_s) == (4, 3, 12.0)
     defaults = train_cli.config_from_args(parse([]))
     assert (defaults.tokenizer, defaults.text_field, defaults.data_shards, defaults.shard) == (None, "text", 16, None)

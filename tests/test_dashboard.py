@@ -3,7 +3,8 @@
 The page must show every peer of the swarm and, once a trainer has run, a loss curve; after the peer
 moved between stages, that move, and how long its averaging rounds took. A screenshot
 is saved as a test artifact (``$SWARMD_TEST_ARTIFACTS/dashboard.png``, else the test's tmp dir).
-Skips with the reason where no chromium is installed (``scripts/_venv.sh`` installs it as root).
+Skips with the reason where no chromium is installed (``scripts/test`` installs it as root, through
+``scripts/_test_packages.sh``).
 """
 
 from __future__ import annotations

@@ -77,5 +77,7 @@ def test_a_file_that_is_not_an_export_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="not a swarmd model file"):
         load_model(tmp_path / "other.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"\0" * 64)
-    with pytest.raises(ExportError, match="cannot read"):
+    with pytest.raises(ExportError, match="junk.safetensors is not a swarmd model file .*: it is not a safetensors"):
         load_model(tmp_path / "junk.safetensors")
+    with pytest.raises(ExportError, match="the model file .*missing.safetensors does not exist"):
+        load_model(tmp_path / "missing.safetensors")

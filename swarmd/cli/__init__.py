@@ -41,10 +41,17 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def commands_epilog() -> str:
-    lines = "; ".join(f"'swarmd {name} --help' ({c.summary})" for name, c in COMMANDS.items() if name != "serve")
-    return (f"Example: swarmd --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status. "
-            f"Commands: swarmd [serve] (this help); {lines}.")
+def overview() -> str:
+    """What ``swarmd --help`` opens with: what swarmd is and every command on a line of its own, before
+    the flags of the default command (a newcomer looks for the commands first, not for 40 flags)."""
+    names = {name: "[serve]" if name == DEFAULT_COMMAND else name for name in COMMANDS}
+    width = max(map(len, names.values()))
+    lines = "\n".join(f"  swarmd {names[name]:<{width}}  {c.summary}" for name, c in COMMANDS.items())
+    return ("Train one model on many unreliable machines with SWARM parallelism: each peer serves one stage\n"
+            "of the model, trainers send their data through one peer per stage.\n\n"
+            f"commands ('swarmd COMMAND --help' shows a command's flags):\n{lines}\n\n"
+            "First look: swarmd demo. By hand: swarmd --stage 0 --model tiny --api-port 8080, then\n"
+            "curl 127.0.0.1:8080/status. The flags below are those of swarmd [serve], the default command.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = argv[1:] if name is not None else argv
     module = importlib.import_module(COMMANDS[name or DEFAULT_COMMAND].module)
     if (name or DEFAULT_COMMAND) == DEFAULT_COMMAND:
-        code: int = module.main(rest, prog="swarmd serve" if name else "swarmd", epilog=commands_epilog())
+        code: int = module.main(rest, prog="swarmd serve" if name else "swarmd", overview=None if name else overview())
     else:
         code = module.main(rest, prog=f"swarmd {name}")
     return code

@@ -71,6 +71,26 @@ def host_port(text: str) -> tuple[str, int]:
     return host, value
 
 
+def api_url(text: str) -> str:
+    """A daemon's control plane: ``http(s)://HOST:PORT``, or ``HOST:PORT`` alone (http then), as a user
+    types it after reading the daemon's log; no trailing slash, so that paths can be appended."""
+    from urllib.parse import urlsplit
+
+    url = text.strip()
+    if "://" not in url:
+        url = f"http://{url}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL (e.g. http://127.0.0.1:8080)") from None
+    if parts.scheme not in ("http", "https"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the control plane speaks http or https, not {parts.scheme}")
+    if not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} has no host (e.g. http://127.0.0.1:8080)")
+    return url.rstrip("/")
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)

@@ -8,6 +8,10 @@ a replacement that joins through the DHT and downloads its stage's state from a 
 ends with a summary: the loss, what the kill cost, every peer's parameter digest (the peers
 of a stage must agree), and a short sample of text from the trained model, assembled from the
 swarm as ``swarmd export`` does. Ctrl-C, SIGTERM or any failure stops every child process.
+
+It tells what happens in a newcomer's words (peer numbers, not ids; "sent again to peer 1", not
+the trainer's protocol terms): the trainer's own log goes to ``--out``/trainer.log, and the demo
+narrates from the trainer's typed events (``swarmd.train.events``) and its summary instead.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 import tempfile
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmd.cli.common import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, Parser, load_swarm_key
-from swarmd.errors import ConfigError
+from swarmd.errors import ConfigError, SwarmdError
 from swarmd.finite import strict_json_dumps
 from swarmd.local_swarm import DaemonProcess, DaemonStartError, stop_all
 
@@ -81,15 +86,19 @@ def main(argv: Sequence[str], prog: str = "swarmd demo") -> int:
         except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
-        except DaemonStartError as exc:
+        except (DaemonStartError, SwarmdError) as exc:  # a peer that did not start; a trainer that gave up
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return EXIT_RUNTIME
         finally:
             codes = stop_all(peers)
             if peers:
-                why = (f"; {-signal.SIGKILL}: SIGKILLed, the peer killed halfway or one that did not drain in time"
-                       if -signal.SIGKILL in codes else "")
-                print(f"stopped {len(peers)} peer processes (exit codes {codes}{why})", file=sys.stderr)
+                clean = sum(code == 0 for code in codes)
+                killed = sum(code == -signal.SIGKILL for code in codes)
+                other = len(codes) - clean - killed
+                print(f"stopped the {len(peers)} peers: {clean} shut down cleanly"
+                      + (f", {killed} had been killed (the one killed halfway, or one that did not stop in time)"
+                         if killed else "")
+                      + (f", {other} exited with an error (exit codes {codes})" if other else ""), file=sys.stderr)
 
 
 def _demo_spec(model: str, stages: int | None) -> Any:
@@ -113,6 +122,49 @@ def _say(text: str) -> None:
     tqdm.write(text, file=sys.stderr)  # above the trainer's progress bar, not through it
 
 
+def _number(peers: list[DaemonProcess], peer_id: str | None) -> str:
+    """``peer 3`` for the demo's peer with that id (its start order), the id's head for another."""
+    for i, p in enumerate(peers):
+        if p.info.get("peer_id") == peer_id:
+            return f"peer {i}"
+    return f"peer {str(peer_id)[:12]}"
+
+
+class Narrator:
+    """The trainer's events after the kill, told in plain words (a listener of ``swarmd.train.events``):
+    the first call to the victim's stage that needed another try is the trainer routing around the
+    dead peer, and the first step taken afterwards is the swarm going on without it."""
+
+    def __init__(self, peers: list[DaemonProcess]) -> None:
+        self.peers = peers
+        self.victim: DaemonProcess | None = None
+        self.killed_at = 0.0  # time.perf_counter(), as the events' times
+        self.killed_step = 0  # the swarm's step when it died: later steps were taken without it
+        self.rerouted = False
+        self.stepped = False
+
+    def killed(self, victim: DaemonProcess, step: int) -> None:
+        self.victim, self.killed_at, self.killed_step = victim, time.perf_counter(), step
+
+    def __call__(self, event: Any) -> None:
+        from swarmd.train.events import CallDone, StepDone
+
+        victim = self.victim
+        if victim is None:
+            return
+        stage, name = victim.info["stage"], _number(self.peers, victim.info["peer_id"])
+        if isinstance(event, CallDone) and not self.rerouted and event.attempts > 1 and event.stage == stage:
+            self.rerouted = True
+            _say(f">>> the trainer's requests to {name} went unanswered; it sent them again to "
+                 f"{_number(self.peers, event.peer_id)}, another peer of stage {stage}")
+        elif isinstance(event, StepDone) and not self.stepped and event.step >= self.killed_step:
+            self.stepped = True
+            mates = [_number(self.peers, p.info["peer_id"]) for p in self.peers
+                     if p is not victim and p.info.get("stage") == stage and p.running()]
+            _say(f">>> {event.at - self.killed_at:.0f} s after {name} died, the swarm took its next step without it"
+                 + (f"; stage {stage} runs on {' and '.join(mates)} until a new peer is ready" if mates else ""))
+
+
 def _peer(peers: list[DaemonProcess], workdir: Path, args: Sequence[str]) -> DaemonProcess:
     """Start peer number ``len(peers)`` (its files: peerN.json, peerN.log, peerN/) and keep it in ``peers``."""
     peer = DaemonProcess([*args, "--log-level", "INFO"], workdir, name=f"peer{len(peers)}")
@@ -124,6 +176,10 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
     from swarmd.cli.train import run_trainer
     from swarmd.train.trainer import TrainerConfig
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    trainer_log = args.out / "trainer.log"  # the trainer's own warnings; the demo says what happened itself
+    logging.basicConfig(filename=trainer_log, filemode="w", level=logging.INFO,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     common = ["--swarm", "demo", "--announce-period", "2"]
     if args.swarm_key is not None:
         common += ["--swarm-key", args.swarm_key.source]
@@ -139,13 +195,14 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
                                      *(["--delay-updates"] if args.delay_updates else [])])
     await founder.wait_ready_async()
     join = [*common, "--join", founder.info["dht_addr"]]
-    _say(f"  peer 0 founded swarm 'demo' (DHT udp://{founder.info['dht_addr']}) on stage 0")
+    _say(f"  peer 0 founded the swarm and serves stage 0; others find it at {founder.info['dht_addr']} (its DHT)")
     for i in range(1, args.stages * args.peers):
         _peer(peers, workdir, [*join, "--stage", str(i % args.stages)])
     await asyncio.gather(*(p.wait_ready_async() for p in peers[1:]))
     for p in peers[1:]:
-        _say(f"  peer {p.name.removeprefix('peer')} joined with --join {founder.info['dht_addr']} "
-             f"on stage {p.info['stage']}")
+        _say(f"  peer {p.name.removeprefix('peer')} joined through --join {founder.info['dht_addr']} and serves "
+             f"stage {p.info['stage']}")
+    first_stage = {p.info["peer_id"]: p.info["stage"] for p in peers}
 
     config = TrainerConfig(api=founder.api, steps=args.steps, codec=args.codec,
                            microbatch_size=8, window=8, val_every=max(1, args.steps // 6), sync=not args.asynchronous,
@@ -153,6 +210,7 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
     kill_at = None if args.no_kill or args.peers < 2 else args.steps // 2
     victim = peers[-1] if kill_at is not None else None
     killed_at_step: list[int] = []
+    narrator = Narrator(peers)
 
     async def watch_for_halfway() -> None:
         if victim is None or kill_at is None:
@@ -163,14 +221,17 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
             if step >= kill_at:
                 break
         victim.kill()
+        narrator.killed(victim, step)
         killed_at_step.append(step)
-        _say(f"\n>>> step {step}: SIGKILL peer {victim.name.removeprefix('peer')} (stage {victim.info['stage']}); "
-             "training goes on through its stage-mates")
-        new = _peer(peers, workdir, [*join, "--stage", str(victim.info["stage"])])
+        name = _number(peers, victim.info["peer_id"])
+        _say(f"\n>>> step {step}: {name} (stage {victim.info['stage']}) is killed without warning (SIGKILL), as when "
+             "a volunteer's machine dies; a new peer is started, to serve the stage that needs it most")
+        new = _peer(peers, workdir, [*join, "--stage", "auto"])  # where the swarm is short by then
         await new.wait_ready_async()
         st = await new.status_async()
-        _say(f">>> replacement peer {new.name.removeprefix('peer')} joined stage {st['stage']} over the DHT "
-             f"and downloaded its state (step {st['step']}) from peer {str(st['synced_from'])[:12]}\n")
+        _say(f">>> {_number(peers, st['peer_id'])} joined stage {st['stage']} through the DHT, copied the stage's "
+             f"parameters as of step {st['step']} from {_number(peers, st['synced_from'])}, and serves from "
+             "there\n")
 
     _say(f"\ntraining the {args.spec.name} model ({args.spec.arch}, {args.spec.n_layers} blocks in stages of "
          f"{list(args.spec.blocks_per_stage)}) on the Python standard library's sources "
@@ -180,8 +241,7 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
     watcher = asyncio.create_task(watch_for_halfway())
     started = time.monotonic()
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        summary = await run_trainer(config, log_csv=args.out / "training.csv")
+        summary = await run_trainer(config, log_csv=args.out / "training.csv", events=narrator)
     finally:
         if not watcher.done():
             watcher.cancel()
@@ -197,17 +257,21 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
         by_stage.setdefault(st["stage"], set()).add(st["params_digest"])
     identical = all(len(d) == 1 for d in by_stage.values())
     _say("")
-    _say(f"trained {summary.steps} steps in {elapsed:.0f}s: loss {summary.first_loss:.3f} -> {summary.final_loss:.3f}, "
-         f"validation loss {summary.val_loss:.3f}")
-    _say(f"microbatches issued {summary.microbatches_issued}, completed {summary.microbatches_completed}, "
-         f"retries {summary.retries}, stale redos {summary.stale_redos}, top-ups {summary.topup_microbatches}, "
-         f"{summary.samples_per_s:.0f} samples/s")
-    for st in sorted(statuses, key=lambda s: (s["stage"], s["peer_id"])):
-        _say(f"  stage {st['stage']} peer {st['peer_id'][:12]}: step {st['step']}, params {st['params_digest'][:16]}"
-             + (f" (state downloaded from {st['synced_from'][:12]})" if st["synced_from"] else ""))
-    _say("the peers of every stage hold identical parameters" if identical
+    _say(f"trained {summary.steps} steps in {elapsed:.0f}s: the loss fell from {summary.first_loss:.3f} to "
+         f"{summary.final_loss:.3f} (on held-out text: {summary.val_loss:.3f}), {summary.samples_per_s:.0f} samples/s")
+    for line in _what_the_churn_cost(summary):
+        _say(line)
+    for st in sorted(statuses, key=lambda s: (s["stage"], _number(peers, s["peer_id"]))):
+        moved = first_stage.get(st["peer_id"])
+        _say(f"  {_number(peers, st['peer_id'])}, stage {st['stage']}: step {st['step']}, parameters "
+             f"{st['params_digest'][:16]}"
+             + (f" (moved here from stage {moved} by the swarm's rebalancing)" if moved not in (None, st["stage"])
+                else "")
+             + (f" (last copied its stage's state from {_number(peers, st['synced_from'])})"
+                if st["synced_from"] and moved in (None, st["stage"]) else ""))
+    _say("the peers of every stage hold identical parameters, as they must" if identical
          else "WARNING: peers of a stage disagree on their parameters")
-    _say(_plot(args.out / "training.csv"))
+    _say(_plot(args.out / "training.csv") + f"; the trainer's log: {trainer_log}")
     sample = await _sample(founder.api, args.swarm_key)
     if sample is not None:
         _say(f"\na sample of what the swarm learned (swarmd export, then swarmd generate --prompt 'def '):\n{sample}")
@@ -215,6 +279,23 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
         print(strict_json_dumps({**summary.to_json(), "killed_at_step": killed_at_step[0] if killed_at_step else None,
                                  "identical_params": identical, "peers": len(alive)}))
     return 0 if identical else 1
+
+
+def _what_the_churn_cost(summary: Any) -> list[str]:
+    """The trainer's counters (``TrainSummary``) as sentences; zero counters say nothing."""
+    done, sent = summary.microbatches_completed, summary.microbatches_issued
+    lines = [f"the trainer sent {sent} batches of samples through the pipeline and "
+             + ("every one came back, none lost" if done == sent else f"{done} of them came back")]
+    if summary.retries:
+        lines.append(f"  {summary.retries} request(s) failed on a dead or busy peer and were sent to another peer of "
+                     "the same stage")
+    if summary.topup_microbatches:
+        lines.append(f"  {summary.topup_microbatches} extra batch(es) replaced the work the killed peer took with it, "
+                     "so that every step still averaged a full batch")
+    if summary.stale_redos:
+        lines.append(f"  {summary.stale_redos} batch(es) were computed again because their stage had taken a step "
+                     "meanwhile (a gradient is only ever applied to the parameters it was computed with)")
+    return lines
 
 
 def _plot(csv_path: Path) -> str:

@@ -15,18 +15,28 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from swarmd.cli.common import EXIT_RUNTIME, Parser, add_log_level, fail_usage, load_swarm_key, read_token, setup_logging
+from swarmd.cli.common import (
+    EXIT_RUNTIME,
+    Parser,
+    add_log_level,
+    api_url,
+    fail_usage,
+    load_swarm_key,
+    read_token,
+    setup_logging,
+)
 from swarmd.errors import ConfigError, SwarmdError
 
 
 def build_parser(prog: str = "swarmd export") -> argparse.ArgumentParser:
     p = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--api", metavar="URL", help="control plane of any daemon of the swarm, e.g. "
-                        "http://127.0.0.1:8080")
+    source.add_argument("--api", type=api_url, metavar="URL", help="control plane of any daemon of the swarm, "
+                        "e.g. http://127.0.0.1:8080 (or 127.0.0.1:8080)")
     source.add_argument("--from", dest="dirs", nargs="+", type=Path, metavar="DIR",
                         help="state directories (or their checkpoints/ folders) holding checkpoints of every stage")
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="the safetensors file to write")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
     p.add_argument("--api-token-file", type=Path, default=None, metavar="FILE",
                    help="the control plane's bearer token, when it has one")
@@ -35,9 +45,25 @@ def build_parser(prog: str = "swarmd export") -> argparse.ArgumentParser:
     return p
 
 
+def check_inputs(args: argparse.Namespace, prog: str) -> None:
+    """Everything local, before the swarm is asked for anything: an existing --out is kept unless
+    --force (an export is minutes of downloads, and the file it would replace may be the only copy
+    of an older model), and every --from folder exists. Exit 2 with one sentence otherwise."""
+    out: Path = args.out
+    if out.is_dir():
+        fail_usage(f"--out {out} is a folder; give the file to write, e.g. {out / 'model.safetensors'}", prog)
+    if out.exists() and not args.force:
+        fail_usage(f"--out {out} exists; give --force to overwrite it, or another --out", prog)
+    for folder in args.dirs or ():
+        if not folder.is_dir():
+            fail_usage(f"--from {folder} is not a folder; give the --state-dir of each peer (or its checkpoints/)",
+                       prog)
+
+
 def main(argv: Sequence[str], prog: str = "swarmd export") -> int:
     args = build_parser(prog).parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    check_inputs(args, prog)
     from tqdm import tqdm
 
     from swarmd.export import ExportError, from_checkpoints, from_swarm, stage_summary, write_model

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from swarmd.cli.common import (
-    EXIT_RUNTIME,
     EXIT_USAGE,
     Parser,
     add_log_level,
@@ -56,9 +55,9 @@ def main(argv: Sequence[str], prog: str = "swarmd generate") -> int:
 
     try:
         model = load_model(args.model, device=args.device)
-    except ExportError as exc:
+    except ExportError as exc:  # the file given is missing or not an export: the user's to fix
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
+        return EXIT_USAGE
     try:
         tokenizer = load_tokenizer(args.tokenizer)
         if tokenizer.digest != model.spec.tokenizer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -38,8 +39,10 @@ from swarmd.cli.common import (
     seconds,
     setup_logging,
 )
-from swarmd.config import DEFAULT_API_PORT  # the config tree is torch-free: --help stays fast
-from swarmd.errors import ConfigError, SwarmdError
+from swarmd.config import DEFAULT_API_PORT, DEFAULT_BOOTSTRAP_TIMEOUT_S  # torch-free: --help stays fast
+from swarmd.errors import ConfigError, PortUnavailable, SwarmdError
+from swarmd.net.addresses import check_join_hosts
+from swarmd.net.ports import Listeners, bind_listeners  # sockets only: binding comes before the heavy imports
 
 if TYPE_CHECKING:
     from swarmd.config import Config
@@ -67,11 +70,16 @@ def default_state_dir() -> Path:
     return Path(base) / "swarmd"
 
 
-def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(prog: str = "swarmd", overview: str | None = None) -> argparse.ArgumentParser:
+    """The flags of ``swarmd [serve]``; ``overview``, for a bare ``swarmd --help``, replaces the
+    description with swarmd's commands (``swarmd.cli.overview``)."""
     p = Parser(
         prog=prog,
-        description="Serve one pipeline stage of a model in a SWARM-parallel training swarm.",
-        epilog=epilog or f"Example: {prog} --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status.",
+        usage=f"{prog} [COMMAND] [FLAGS]" if overview else f"{prog} [FLAGS]",
+        description=overview or "Serve one pipeline stage of a model in a SWARM-parallel training swarm.",
+        epilog=None if overview else
+        f"Example: {prog} --stage 0 --model tiny --api-port 8080, then curl 127.0.0.1:8080/status.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"swarmd {__version__}")
     config_file.add_config_option(p)
@@ -133,8 +141,10 @@ def build_parser(prog: str = "swarmd", epilog: str | None = None) -> argparse.Ar
     p.add_argument("--dht-port", type=port, default=0, help="DHT (UDP) port; 0 picks a free one (default: 0)")
     p.add_argument("--announce-period", type=seconds, default=10.0, metavar="SECONDS",
                    help="how often this peer refreshes its DHT record; records expire after 3 periods (default: 10)")
-    p.add_argument("--bootstrap-timeout", type=seconds, default=30.0, metavar="SECONDS",
-                   help="give up joining when no --join address answers within this (default: 30)")
+    p.add_argument("--bootstrap-timeout", type=seconds, default=DEFAULT_BOOTSTRAP_TIMEOUT_S, metavar="SECONDS",
+                   help="give up joining when no --join address answers within this, retrying meanwhile (a "
+                   f"peer started at the same moment may open its port a little later) (default: "
+                   f"{DEFAULT_BOOTSTRAP_TIMEOUT_S:g})")
     p.add_argument("--dht-source-quota", type=positive_int, default=8, metavar="N",
                    help="how many new records one source (see --dht-source-grouping) may place under one DHT key "
                         "this node stores: a flood of fake peers from one place cannot crowd out real ones "
@@ -281,11 +291,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     )
 
 
-async def serve(config: Config, ready_file: Path | None) -> int:
-    """Run a daemon until SIGTERM/SIGINT; write ``ready_file`` once it serves. Its exit code."""
+async def serve(config: Config, ready_file: Path | None, listeners: Listeners | None = None) -> int:
+    """Run a daemon until SIGTERM/SIGINT; write ``ready_file`` once it serves. Its exit code.
+    ``listeners``: its ports, bound already (:func:`main` binds them before importing torch)."""
     from swarmd.daemon import Daemon
 
-    daemon = Daemon(config)
+    daemon = Daemon(config, listeners=listeners)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)
@@ -312,16 +323,28 @@ def write_ready_file(path: Path, status: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: Sequence[str], prog: str = "swarmd", epilog: str | None = None) -> int:
-    args = config_file.parse_args(build_parser(prog, epilog), argv)
+def main(argv: Sequence[str], prog: str = "swarmd", overview: str | None = None) -> int:
+    args = config_file.parse_args(build_parser(prog, overview), argv)
     setup_logging(args.log_level, args.log_format)
+    try:  # first of all, and before torch is imported: a taken port fails in a blink, naming its flag
+        listeners = bind_listeners((args.host, args.port), (args.api_host, args.api_port),
+                                   (args.dht_host, args.dht_port))
+    except ConfigError as exc:
+        fail_usage(str(exc), prog)
+    except PortUnavailable as exc:
+        print(f"swarmd: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     try:
+        args.join, problems = asyncio.run(check_join_hosts(args.join))  # a misspelt host: "cannot resolve", exit 2
+        for problem in problems:
+            logging.getLogger(__name__).warning("%s; joining through the other --join addresses", problem)
         config = config_from_args(args)
     except ConfigError as exc:
+        listeners.close()
         fail_usage(str(exc), prog)
     keep_freed_memory()  # before the stage's first tensors: see swarmd.allocator
     try:
-        return asyncio.run(serve(config, args.ready_file))
+        return asyncio.run(serve(config, args.ready_file, listeners))
     except ConfigError as exc:
         fail_usage(str(exc), prog)
     except SwarmdError as exc:  # e.g. no bootstrap peer answered

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from swarmd.cli.common import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, Parser, read_token, seconds
+from swarmd.cli.common import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, Parser, api_url, read_token, seconds
 from swarmd.errors import ConfigError
 from swarmd.finite import strict_json_dumps
 
@@ -30,8 +30,9 @@ TIMEOUT_S = 5.0
 def build_parser(prog: str = "swarmd status") -> argparse.ArgumentParser:
     p = Parser(prog=prog, description="Show a swarm as one daemon sees it: its stages, peers and loss.",
                epilog=f"Example: {prog} --api http://127.0.0.1:8080 --watch")
-    p.add_argument("--api", default="http://127.0.0.1:8080", metavar="URL",
-                   help="control plane of any daemon of the swarm (default: http://127.0.0.1:8080)")
+    p.add_argument("--api", type=api_url, default="http://127.0.0.1:8080", metavar="URL",
+                   help="control plane of any daemon of the swarm, http://HOST:PORT or HOST:PORT "
+                   "(default: http://127.0.0.1:8080)")
     p.add_argument("--api-token-file", default=None, metavar="FILE",
                    help="a file holding the daemon's control-plane token, if its read-only endpoints need one")
     p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")

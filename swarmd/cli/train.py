@@ -25,6 +25,7 @@ from swarmd.cli.common import (
     Parser,
     add_log_level,
     add_text_source,
+    api_url,
     load_swarm_key,
     non_negative_int,
     positive_int,
@@ -36,6 +37,7 @@ from swarmd.errors import ConfigError, SwarmdError
 from swarmd.finite import strict_json_dumps
 
 if TYPE_CHECKING:
+    from swarmd.train.events import TrainerListener
     from swarmd.train.trainer import TrainerConfig, TrainSummary
 
 
@@ -46,8 +48,9 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
         epilog=f"Example: {prog} --api http://127.0.0.1:8080 --steps 50",
     )
     config_file.add_config_option(p)
-    p.add_argument("--api", default="http://127.0.0.1:8080", metavar="URL",
-                   help="control plane of any daemon of the swarm (default: http://127.0.0.1:8080)")
+    p.add_argument("--api", type=api_url, default="http://127.0.0.1:8080", metavar="URL",
+                   help="control plane of any daemon of the swarm, http://HOST:PORT or HOST:PORT "
+                   "(default: http://127.0.0.1:8080)")
     p.add_argument("--api-token-file", default=None, metavar="FILE",
                    help="a file holding the daemon's control-plane token, if it has one")
     p.add_argument("--swarm-key", default=None, metavar="FILE",
@@ -103,7 +106,10 @@ def _fraction(text: str) -> float:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
-    """Map parsed flags onto the trainer's config; ConfigError for an unusable token or key file."""
+    """Map parsed flags onto the trainer's config; ConfigError for an unusable token, key, data or
+    tokenizer file, or a --log-csv that cannot be written: every local input is checked here, before
+    the trainer calls any daemon."""
+    from swarmd.train.data import check_source
     from swarmd.train.trainer import TrainerConfig
 
     if args.shard is not None and args.shard >= args.data_shards:
@@ -111,6 +117,9 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
                           f"0..{args.data_shards - 1}")
     if args.shard is not None and args.sync:
         raise ConfigError("--shard has no effect with --sync: a --sync trainer trains alone, on all of the data")
+    check_source(args.data, tokenizer=args.tokenizer)
+    if args.log_csv is not None and not Path(args.log_csv).expanduser().parent.is_dir():
+        raise ConfigError(f"cannot write --log-csv {args.log_csv}: its folder does not exist")
     return TrainerConfig(
         api=args.api,
         api_token=read_token(Path(args.api_token_file)) if args.api_token_file else None,
@@ -138,15 +147,16 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
 CSV_COLUMNS = ("step", "elapsed_s", "loss", "samples_per_s", "val_loss")
 
 
-async def run_trainer(config: TrainerConfig, *, show_progress: bool = True,
-                      log_csv: Path | None = None) -> TrainSummary:
+async def run_trainer(config: TrainerConfig, *, show_progress: bool = True, log_csv: Path | None = None,
+                      events: TrainerListener | None = None) -> TrainSummary:
     """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage) on stderr, and with
-    ``log_csv`` one row per step (:data:`CSV_COLUMNS`; an undefined loss is an empty cell)."""
+    ``log_csv`` one row per step (:data:`CSV_COLUMNS`; an undefined loss is an empty cell);
+    ``events`` hears the trainer's typed events (``swarmd.train.events``: the demo narrates them)."""
     from tqdm import tqdm
 
     from swarmd.train.trainer import Trainer
 
-    bar = tqdm(total=config.steps, unit="step", disable=not show_progress, file=sys.stderr, dynamic_ncols=True)
+    bar: tqdm[Any] | None = None  # drawn at the first step: a run that fails before it leaves one sentence
     started = time.monotonic()
     csv_file = log_csv.open("w", newline="") if log_csv is not None else None
     rows = csv.writer(csv_file) if csv_file is not None else None
@@ -157,13 +167,15 @@ async def run_trainer(config: TrainerConfig, *, show_progress: bool = True,
         return "" if value is None or not math.isfinite(value) else f"{value:.6g}"
 
     def on_step(step: int, loss: float, info: dict[str, Any]) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=config.steps, unit="step", disable=not show_progress, file=sys.stderr, dynamic_ncols=True)
+        elapsed_s = time.monotonic() - started
         if rows is not None and csv_file is not None:
-            elapsed_s = time.monotonic() - started
             rows.writerow([step, f"{elapsed_s:.3f}", cell(loss),
                            cell(info["samples"] / elapsed_s if elapsed_s else None), cell(info["val_loss"])])
             csv_file.flush()  # a run that dies still leaves its curve
-        elapsed = bar.format_dict.get("elapsed") or 0.0
-        rate = info["samples"] / elapsed if elapsed else 0.0
+        rate = info["samples"] / elapsed_s if elapsed_s else 0.0
         postfix = {"loss": f"{loss:.3f}", "samples/s": f"{rate:.0f}", "peers": "/".join(map(str, info["peers"]))}
         if info["val_loss"] is not None:
             postfix["val"] = f"{info['val_loss']:.3f}"
@@ -171,9 +183,10 @@ async def run_trainer(config: TrainerConfig, *, show_progress: bool = True,
         bar.update(step - bar.n)
 
     try:
-        return await Trainer(config, on_step=on_step).run()
+        return await Trainer(config, on_step=on_step, events=events).run()
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if csv_file is not None:
             csv_file.close()
 

@@ -167,13 +167,21 @@ class Membership:
     async def read_swarm(self) -> SwarmInfo | None:
         return pick_swarm(await self.node.get(swarm_key(self.swarm)), self.swarm)
 
-    async def wait_for_swarm(self, timeout_s: float, poll_s: float = 0.5) -> SwarmInfo:
-        """The swarm's record, retrying while a just-started founder has not published it yet."""
-        deadline = time.monotonic() + timeout_s
+    async def wait_for_swarm(self, timeout_s: float, poll_s: float = 0.5, *,
+                             say_after_s: float | None = None) -> SwarmInfo:
+        """The swarm's record, retrying while a just-started founder has not published it yet (saying so once,
+        after ``say_after_s``)."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        say_at = None if say_after_s is None else start + say_after_s
         while True:
             info = await self.read_swarm()
             if info is not None:
                 return info
+            if say_at is not None and time.monotonic() >= say_at:
+                say_at = None
+                log.info("joined the DHT, but swarm %r has published no model yet: waiting up to %.0fs more for its "
+                         "founder (still starting?)", self.swarm, deadline - time.monotonic())
             if time.monotonic() >= deadline:
                 raise BootstrapError(
                     f"joined the DHT but found no swarm named {self.swarm!r} within {timeout_s:.0f}s; "

@@ -224,15 +224,18 @@ class DHTNode:
         deadline_s: float = 30.0,
         backoff_s: float = 0.5,
         max_backoff_s: float = 5.0,
+        sock: socket.socket | None = None,
     ) -> None:
-        """Bind the UDP socket, then found a DHT (no ``bootstrap``) or join one.
+        """Bind the UDP socket (or take ``sock``, bound beforehand: ``swarmd.net.ports``), then
+        found a DHT (no ``bootstrap``) or join one.
 
         Joining pings every bootstrap address at once, retrying with exponential backoff
-        (``backoff_s`` doubling up to ``max_backoff_s``) and logging one line per failed round
-        that names each address and why it failed; it raises :class:`BootstrapError` once
-        ``deadline_s`` has passed with no answer (after at most one more ``rpc_timeout``). One
-        answering address is enough: the node then looks itself up (section 2.3) to fill its
-        routing table.
+        (``backoff_s`` doubling up to ``max_backoff_s``: a peer started at the same moment may
+        open its port a few seconds after this one's first ping) and logging one DEBUG line per
+        failed round that names each address and why it failed; it raises :class:`BootstrapError`
+        once ``deadline_s`` has passed with no answer (after at most one more ``rpc_timeout``),
+        one sentence that names every address. One answering address is enough: the node then
+        looks itself up (section 2.3) to fill its routing table.
         """
         if self._state != "new":
             raise DHTError(f"a DHTNode starts once (this one is {self._state})")
@@ -248,7 +251,10 @@ class DHTNode:
             source_grouping=self.source_grouping,
         )
         try:
-            await loop.create_datagram_endpoint(lambda: protocol, local_addr=(self.host, self.port))
+            if sock is not None:
+                await loop.create_datagram_endpoint(lambda: protocol, sock=sock)
+            else:
+                await loop.create_datagram_endpoint(lambda: protocol, local_addr=(self.host, self.port))
         except OSError as exc:
             self._state = "stopped"
             self._stopped.set()
@@ -343,6 +349,8 @@ class DHTNode:
         deadline = loop.time() + deadline_s
         delay = backoff_s
         attempt = 0
+        reported = ""  # the failures of the last round that waited a whole rpc_timeout (the last one may not)
+        log.info("joining the DHT through %s (for up to %g s)", ", ".join(_fmt(a) for a in addrs), deadline_s)
         while True:
             attempt += 1
             timeout = min(self.rpc_timeout, max(deadline - loop.time(), 0.05))
@@ -351,6 +359,8 @@ class DHTNode:
             failures = "; ".join(
                 f"{_fmt(a)}: {why}" for a, (node, why) in zip(addrs, outcomes, strict=True) if node is None
             )
+            if timeout >= self.rpc_timeout or not reported:
+                reported = failures
             if contacts:
                 if failures:
                     log.warning("DHT bootstrap: some addresses failed (%s); joining through the others", failures)
@@ -365,11 +375,12 @@ class DHTNode:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise BootstrapError(
-                    f"no DHT bootstrap address answered within {deadline_s:g} s ({attempt} attempts): {failures}"
+                    f"no DHT bootstrap address answered within {deadline_s:g} s ({attempt} attempts): {reported}; "
+                    "check that a swarmd runs there with that --dht-port, open to UDP from this machine"
                     + self._key_hint()
                 )
             wait = min(delay, remaining)
-            log.warning("DHT bootstrap attempt %d failed (%s); retrying in %.1f s", attempt, failures, wait)
+            log.debug("DHT bootstrap attempt %d failed (%s); retrying in %.1f s", attempt, failures, wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, max_backoff_s)
 

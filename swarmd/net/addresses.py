@@ -21,11 +21,14 @@ sentence). IPv6 hosts are written in brackets: ``[2001:db8::1]:7000``.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import socket
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from swarmd.errors import ConfigError
 
 #: How the announced host was chosen (shown in ``/status``).
 HOW = ("flag", "bound", "observed", "route", "loopback")
@@ -196,3 +199,40 @@ def loopback_mismatch(announced: str, join: Sequence[tuple[str, int]]) -> str | 
     return (f"this peer would announce the loopback address {announced} to a swarm joined through "
             f"{outside[0]}, which is not on this machine's loopback: bind --host/--dht-host to an address "
             "the others can reach (or 0.0.0.0), or give --announce HOST")
+
+
+#: How long resolving the ``--join`` hosts may take: a resolver that does not answer would
+#: otherwise hold start-up for the system's own timeout (often 20 s or more).
+RESOLVE_TIMEOUT_S = 5.0
+
+
+async def check_join_hosts(
+    join: Sequence[tuple[str, int]], timeout_s: float = RESOLVE_TIMEOUT_S
+) -> tuple[list[tuple[str, int]], list[str]]:
+    """Resolve every ``--join`` host before anything starts: ConfigError (the CLI exits 2) with one
+    sentence when none resolves, e.g. a typo; otherwise the addresses that resolved and a sentence
+    for each that did not (the caller warns and joins through the others: one name down must not
+    keep a peer out)."""
+    loop = asyncio.get_running_loop()
+
+    async def why_not(host: str, port: int) -> str | None:
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+            return None  # an IP literal needs no resolver
+        except ValueError:
+            pass
+        try:
+            await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM), timeout_s)
+        except socket.gaierror as exc:
+            return f"cannot resolve {host} ({exc.strerror})"
+        except asyncio.TimeoutError:
+            return f"cannot resolve {host} (no answer from the name resolver within {timeout_s:g} s)"
+        except UnicodeError:  # a label longer than 63 characters, an empty label
+            return f"cannot resolve {host} (not a valid host name)"
+        return None
+
+    reasons = await asyncio.gather(*(why_not(host, port) for host, port in join))
+    failed = [f"--join {format_addr(addr)}: {why}" for addr, why in zip(join, reasons, strict=True) if why]
+    if join and len(failed) == len(join):
+        raise ConfigError("; ".join(failed) + ": check the name, or give the peer's IP address")
+    return [addr for addr, why in zip(join, reasons, strict=True) if not why], failed

@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -174,7 +175,7 @@ class DataPlane:
         self._idle.set()
         self._codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="swarmd-codec")
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._site: web.BaseSite | None = None
         self.address: tuple[str, int] | None = None
         self.app = web.Application(client_max_size=limits.max_frame_bytes, middlewares=[self._middleware])
         self.app.router.add_post("/v1/forward", self._forward)
@@ -191,15 +192,17 @@ class DataPlane:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Listen on ``host:port`` (0 picks a free port) and return the bound address."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *,
+                    sock: socket.socket | None = None) -> tuple[str, int]:
+        """Listen on ``host:port`` (0 picks a free port), or on ``sock`` when one is given (bound
+        beforehand: ``swarmd.net.ports``), and return the bound address."""
         # keepalive_timeout also bounds a request's headers: aiohttp closes a connection that has
         # not sent a whole request within it (of connecting, or of its last answer). Its default
         # (3630 s) let a slowloris client that never finishes its headers hold a connection an hour.
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=5.0,
                                      keepalive_timeout=self.read_timeout_s)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port)
+        self._site = web.SockSite(self._runner, sock) if sock is not None else web.TCPSite(self._runner, host, port)
         await self._site.start()
         sockets = self._site._server.sockets  # type: ignore[union-attr]
         bound = sockets[0].getsockname()

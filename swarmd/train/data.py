@@ -193,6 +193,30 @@ def _unique(names: Iterator[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def check_source(path: str | Path | None, *, tokenizer: str | Path | None = None) -> None:
+    """What can be known of ``--data`` and ``--tokenizer`` without the swarm's model, in one
+    ConfigError sentence: the tokenizer file loads, the data exists and is a file or a folder, and a
+    prepared folder's index reads. A trainer checks this before it calls any daemon, so that a typo
+    fails at once rather than after registering (the model-dependent checks come in load_corpus)."""
+    load_tokenizer(tokenizer)
+    if path is None:
+        return
+    root = Path(path).expanduser()
+    if root.is_dir() and (root / INDEX_NAME).exists():
+        from swarmd.train.shards import read_index
+
+        read_index(root)
+        return
+    _check_exists(root, f"training data {str(root)!r}")
+
+
+def _check_exists(root: Path, what: str) -> None:
+    if not root.exists():
+        raise ConfigError(f"{what} does not exist; pass a text file, a .jsonl file or a folder of them")
+    if not (root.is_dir() or root.is_file()):
+        raise ConfigError(f"{what} is neither a regular file nor a folder")
+
+
 def source_files(path: str | Path | None, seed: int) -> tuple[list[Path], str, str | None]:
     """The files a corpus reads, in their ``random.Random(seed)`` order; how to name the source in
     messages; and, when the user named one file, that name (its problems are errors, not skips)."""
@@ -204,14 +228,11 @@ def source_files(path: str | Path | None, seed: int) -> tuple[list[Path], str, s
     else:
         root = Path(path).expanduser()
         what = f"training data {str(root)!r}"
-        if not root.exists():
-            raise ConfigError(f"{what} does not exist; pass a text file, a .jsonl file or a folder of them")
+        _check_exists(root, what)
         if root.is_dir():
             files = sorted(_walk(root))
-        elif root.is_file():
-            files, lone = [root], what
         else:
-            raise ConfigError(f"{what} is neither a regular file nor a folder")
+            files, lone = [root], what
     random.Random(seed).shuffle(files)
     return files, what, lone
 
