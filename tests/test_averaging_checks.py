@@ -545,7 +545,7 @@ async def test_real_daemons_refuse_a_lying_leader_and_a_joiner_never_downloads_f
         lie_as_leader(liar.averager, "scaled")
 
         async def everyone_sees_the_fake() -> bool:
-            return all([fake.peer_id in await d._stage_mates(max_age_s=0.0) for d in real])
+            return all([fake.peer_id in await d.stage_mates(max_age_s=0.0) for d in real])
 
         await wait_for(everyone_sees_the_fake, 20, "the fake record is listed")
         rng = random.Random(3)

@@ -46,7 +46,7 @@ async def test_a_leaving_peer_hands_its_gradients_to_a_stage_mate() -> None:
         assert mate.executor.grad_samples == 0
 
         await leaver.shutdown()  # SIGTERM's path: drain, hand over, stop
-        assert leaver.handover["handed_out"] == 5 and leaver.handover["to"] == mate.peer_id
+        assert leaver.stage_state.handover["handed_out"] == 5 and leaver.stage_state.handover["to"] == mate.peer_id
         status = mate.status()
         assert status["grad_samples"] == 5 and status["gradient_handover"]["handed_in"] == 5
         taken = await mate.executor.take_contribution()

@@ -391,7 +391,7 @@ async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daem
                                                answers={accused: "11" * 32, other: "22" * 32}, at=time.time())
             result = await client.report(d.data_addr, ReportRequest(*report.encode()))
         assert result.accepted and result.excluded
-        assert accused in (await client.progress(d.data_addr)).excluded and accused in d._ledger_excluded()
+        assert accused in (await client.progress(d.data_addr)).excluded and accused in set(d.reports.excluded())
         with pytest.raises(PeerError) as refused:
             await client.report(d.data_addr, ReportRequest(report.encode()[0], bytes(64)))
         assert refused.value.status == 422 and "signature" in refused.value.message
