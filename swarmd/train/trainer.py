@@ -83,6 +83,7 @@ from swarmd.net.messages import (
     ReserveReply,
     ReserveRequest,
 )
+from swarmd.pipeline import failures
 from swarmd.pipeline.failures import Action, classify
 from swarmd.pipeline.partition import taper_depth, tapered_sizes
 from swarmd.pipeline.reports import MisbehaviourReport, digest_tensor_bytes
@@ -808,7 +809,7 @@ class Trainer:
         if answer.step is not None:
             router.report_alive(answer.peer_id)
         elif answer.error is not None and answer.error.status in (0, 200) and not router.stats(answer.peer_id).proven:
-            router.report_failure(answer.peer_id, timeout="Timeout" in answer.error.error)
+            router.report_failure(answer.peer_id, timeout=failures.timed_out(answer.error))
 
     def _adopt_exclusions(self, polled: list[list[PeerProgress]]) -> None:
         """Stop routing to the peers a majority of the answering peers excluded (issue #17), to the
@@ -1103,7 +1104,7 @@ class Trainer:
             except PeerError as exc:
                 action = classify(exc)
                 if action is Action.BAN:
-                    timed_out = exc.status == 0 and "Timeout" in exc.error
+                    timed_out = failures.timed_out(exc)
                     self._last_failures.setdefault(stage, {})[addr] = exc
                     self.summary.retries += 1
                     self.summary.bans += 1
@@ -1145,7 +1146,7 @@ class Trainer:
                 left = started + limit - time.monotonic()
                 if left <= 0:
                     raise PeerError(0, "TimeoutError", f"no answer within {limit:.1f}s, the stage's typical latency "
-                                    "(a peer on probation)")
+                                    "(a peer on probation)") from TimeoutError(f"no answer within {limit:.1f}s")
                 done, _ = await asyncio.wait({task}, timeout=min(left, 0.25))
                 if done:
                     return task.result()
@@ -1469,7 +1470,7 @@ class Trainer:
             except PeerError as exc:
                 action = classify(exc)
                 if action is Action.BAN:
-                    router.report_failure(peer_id, timeout="Timeout" in exc.error)
+                    router.report_failure(peer_id, timeout=failures.timed_out(exc))
                     exclude.add(peer_id)
                     continue
                 router.release(peer_id)
