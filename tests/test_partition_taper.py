@@ -12,6 +12,7 @@ from swarmd.pipeline.partition import RAMP_MIN_CALL_S, taper_depth, tapered_size
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.data import BatchSampler
 from swarmd.train.trainer import Trainer, TrainerConfig, split_batch
+from tests.test_routing import listed
 
 
 @pytest.mark.parametrize(("batch", "micro", "sizes"), [
@@ -79,7 +80,7 @@ def test_a_sync_trainer_tapers_by_what_it_measured() -> None:
                                   max_taper_depth=most))
         t.routers = [StageRouter(k) for k in range(stages)]
         for k, router in enumerate(t.routers):
-            router.update_peers({f"peer{k}": f"127.0.0.1:{4000 + k}"})
+            router.update_peers(listed({f"peer{k}": f"127.0.0.1:{4000 + k}"}, stage=k))
         return t
 
     fresh = trainer()

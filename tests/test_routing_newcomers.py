@@ -20,6 +20,7 @@ from swarmd.net.messages import ProgressReply
 from swarmd.pipeline.routing import NewcomerPolls, StageRouter
 from swarmd.train import swarm_client
 from swarmd.train.swarm_client import PeerProgress, SwarmClient
+from tests.test_routing import listed
 
 
 class Clock:
@@ -40,7 +41,7 @@ def router(clock: Clock, **kwargs: object) -> StageRouter:
 def test_an_unproven_peer_that_never_answered_a_poll_is_not_called_while_a_proven_one_is_usable() -> None:
     clock = Clock()
     r = router(clock)
-    r.update_peers({"a": "addr-a", "tarpit": "addr-t"})
+    r.update_peers(listed({"a": "addr-a", "tarpit": "addr-t"}))
     r.report_success("a", 4, 0.1, "forward")
     picks = [r.choose() for _ in range(20)]
     assert all(p == ("a", "addr-a") for p in picks)
@@ -53,7 +54,7 @@ def test_an_unproven_peer_that_never_answered_a_poll_is_not_called_while_a_prove
 def test_a_failure_takes_aliveness_away_until_the_peer_answers_a_poll_again() -> None:
     clock = Clock()
     r = router(clock)
-    r.update_peers({"a": "addr-a", "b": "addr-b"})
+    r.update_peers(listed({"a": "addr-a", "b": "addr-b"}))
     r.report_success("a", 4, 0.1)
     r.report_alive("b")
     assert r.stats("b").alive
@@ -61,7 +62,7 @@ def test_a_failure_takes_aliveness_away_until_the_peer_answers_a_poll_again() ->
     clock.now += 10_000.0  # the ban is long over
     assert not r.stats("b").alive
     assert {r.choose() for _ in range(10)} == {("a", "addr-a")}
-    assert r.snapshot()[1]["alive"] is False
+    assert r.snapshot()[1].alive is False
 
 
 def test_with_nobody_proven_or_alive_unproven_peers_are_still_tried() -> None:
@@ -69,7 +70,7 @@ def test_with_nobody_proven_or_alive_unproven_peers_are_still_tried() -> None:
     (one probation call each) holds, so a swarm of newcomers is usable at all."""
     clock = Clock()
     r = router(clock)
-    r.update_peers({"a": "addr-a", "b": "addr-b"})
+    r.update_peers(listed({"a": "addr-a", "b": "addr-b"}))
     assert r.choose() == ("a", "addr-a")
     r.begin("a")
     assert r.choose() == ("b", "addr-b")
@@ -81,7 +82,7 @@ def test_with_nobody_proven_or_alive_unproven_peers_are_still_tried() -> None:
 
 def test_without_require_alive_the_router_behaves_as_before() -> None:
     r = StageRouter(0, clock=Clock(), rng=random.Random(0))
-    r.update_peers({"a": "addr-a", "b": "addr-b"})
+    r.update_peers(listed({"a": "addr-a", "b": "addr-b"}))
     r.report_success("a", 4, 0.1)
     assert ("b", "addr-b") in {r.choose() for _ in range(4)}
 

@@ -40,6 +40,7 @@ from swarmd.train.verify import (
     tolerance,
 )
 from tests.liars import make_liar
+from tests.test_routing import listed
 from tests.test_training import config
 
 CODECS = ("none", "fp16", "bf16", "8bit")
@@ -186,7 +187,7 @@ def _checking_trainer(client: DataPlaneClient) -> tuple[Trainer, dict[str, str]]
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
     addrs = {name * 20: f"127.0.0.1:{port}" for name, port in zip(("ab", "bc", "cd"), ports, strict=True)}
-    t.routers[1].update_peers(addrs)
+    t.routers[1].update_peers(listed(addrs, stage=1))
     t._client = client
     return t, addrs
 
@@ -376,7 +377,7 @@ async def test_liars_in_a_2x3_swarm_are_caught_reported_and_excluded_while_train
         assert summary.steps == 1 and summary.verify["checks"] == 0
         assert [dict(liar.data_plane.served) for liar in (liar0, liar1) if liar.data_plane] == served
         for router in late.routers:
-            assert liars & {p["id"] for p in router.snapshot()} <= router.excluded
+            assert liars & {p.peer_id for p in router.snapshot()} <= router.excluded
 
 
 async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daemon) -> None:

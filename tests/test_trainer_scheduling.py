@@ -15,6 +15,7 @@ from swarmd.pipeline.routing import StageRouter
 from swarmd.train.data import BatchSampler
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
 from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary, split_batch
+from tests.test_routing import listed
 from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
 
 
@@ -77,7 +78,7 @@ async def test_a_sync_step_starts_with_its_first_microbatch_alone(monkeypatch) -
     # measured latencies worth a quarter ramp (1 2 3 4 3 2 1 here): each waits for the one before's forward
     events.clear()
     for k, router in enumerate(trainer.routers):
-        router.update_peers({f"peer{k}": f"127.0.0.1:{4000 + k}"})
+        router.update_peers(listed({f"peer{k}": f"127.0.0.1:{4000 + k}"}, stage=k))
         router.report_success(f"peer{k}", 4, 4 * 0.03, "backward")
     await trainer._run_sync(BatchSampler(data, TINY.seq_len, seed=0), [])
     one_step = [event for size in (1, 2, 3, 4, 3, 2, 1) for event in (("start", size, True), ("first forward back",))]

@@ -105,7 +105,6 @@ class SwarmClient:
         self._headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
         self._view_lock = asyncio.Lock()
         self._view_at = 0.0
-        self.unreachable: dict[int, list[str]] = {}  # stage -> data addrs nobody could dial
         self._steps: list[dict[str, object]] = []  # steps finished since the last heartbeat got through
         self._samples = 0
         self._retries = self._bans = 0  # cumulative, reported with heartbeats (/metrics sums them)
@@ -246,10 +245,10 @@ class SwarmClient:
 
     # ---- the stage map ---------------------------------------------------------------------
 
-    async def stage_map(self, *, force: bool = False) -> dict[int, dict[str, str]] | None:
-        """The serving, not unreachable peers (``peer_id -> data_addr``) of each stage the daemon's ``/swarm``
-        lists; None when it was read less than ``refresh_s`` ago (unless ``force``) or could not
-        be read (logged: the trainer keeps its last view)."""
+    async def stage_map(self, *, force: bool = False) -> SwarmView | None:
+        """The daemon's ``/swarm``: every stage's listed peers (``swarmd.train.swarm_view.peer_views``
+        reads them); None when it was read less than ``refresh_s`` ago (unless ``force``) or could
+        not be read (logged: the trainer keeps its last view)."""
         async with self._view_lock:
             if not force and time.monotonic() - self._view_at < self.refresh_s:
                 return None
@@ -258,18 +257,12 @@ class SwarmClient:
                 async with self._http.get(f"{self.api}/swarm", headers=self._headers) as r:
                     if r.status != 200:
                         raise TrainerError(f"GET /swarm answered {r.status}")
-                    view = SwarmView.model_validate(await r.json(content_type=None))
+                    return SwarmView.model_validate(await r.json(content_type=None))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, ValidationError, TrainerError) as exc:
                 log.warning("could not refresh the stage map: %s", exc)
                 return None
             finally:
                 self._view_at = time.monotonic()
-        # a peer the swarm could not dial (``reachable: no``, swarmd.net.reachability) would only cost timeouts
-        self.unreachable = {stage.stage: [p.data_addr for p in stage.peers if p.reachable == "no"]
-                            for stage in view.stages}
-        return {stage.stage: {p.peer_id: p.data_addr for p in stage.peers
-                              if p.state == "serving" and p.reachable != "no"}
-                for stage in view.stages}
 
     # ---- progress --------------------------------------------------------------------------
 

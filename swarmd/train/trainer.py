@@ -94,6 +94,7 @@ from swarmd.swarm_key import SwarmKey
 from swarmd.train.data import BatchSampler, load_corpus, val_batches
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerListener
 from swarmd.train.swarm_client import PeerProgress, Registration, SwarmClient, TrainerError
+from swarmd.train.swarm_view import peer_views
 from swarmd.train.verify import (
     LIAR_BAN_S,
     Answer,
@@ -351,6 +352,7 @@ class Trainer:
         self.training: TrainingSpec | None = None
         self.routers: list[StageRouter] = []
         self._last_failures: dict[int, dict[str, PeerError]] = {}  # stage -> addr -> its last failure
+        self._unreachable: dict[int, list[str]] = {}  # stage -> listed data addrs nobody could dial
         self.trainer_id: str | None = None
         self._swarm: SwarmClient | None = None
         self._client: DataPlaneClient | None = None
@@ -460,10 +462,12 @@ class Trainer:
 
     async def _refresh_view(self, force: bool = False) -> None:
         """Re-read the stage map from the daemon's /swarm (at most every ``refresh_s``)."""
-        view = await self._require_swarm().stage_map(force=force)
-        if view is None:
+        body = await self._require_swarm().stage_map(force=force)
+        if body is None:
             return
-        for stage, peers in view.items():
+        for stage, peers in peer_views(body).items():
+            # a peer the swarm could not dial (``reachable: no``, swarmd.net.reachability) would only cost timeouts
+            self._unreachable[stage] = [p.addr for p in peers if p.reachable == "no"]
             if 0 <= stage < len(self.routers):
                 self.routers[stage].update_peers(peers)
 
@@ -572,11 +576,11 @@ class Trainer:
         poll: a trainer that turned to another book would lease samples the stage's book never
         learns of."""
         usable = [p for p in self.routers[0].snapshot()
-                  if (not p["banned_for_s"] or p["id"] in answered) and not p["excluded"] and p["id"] not in behind
+                  if (not p.banned or p.peer_id in answered) and not p.excluded and p.peer_id not in behind
                   ] if self.routers else []
         # then among peers that answered a progress poll (a tarpit never does: issue #18)
-        for peer in [p for p in usable if p["proven"]] or [p for p in usable if p["alive"]] or usable:
-            return peer["id"], peer["addr"]
+        for peer in [p for p in usable if p.proven] or [p for p in usable if p.alive] or usable:
+            return peer.peer_id, peer.addr
         return None
 
     async def _reserve(
@@ -588,7 +592,7 @@ class Trainer:
         if not self._paced_by_book():
             return None
         # an excluded peer's samples are never averaged in (swarmd.pipeline.averaging): not the stage's
-        excluded = {p["id"] for p in self.routers[0].snapshot() if p["excluded"]} if self.routers else set()
+        excluded = {p.peer_id for p in self.routers[0].snapshot() if p.excluded} if self.routers else set()
         seen = [p for p in progress[0] if p.step is not None and p.peer_id not in excluded] if progress else []
         front = max((p.step for p in seen if p.step is not None), default=None)
         now = time.monotonic()
@@ -788,9 +792,9 @@ class Trainer:
         stages: list[list[tuple[str, str]]] = []
         probation: set[str] = set()
         for router in self.routers:
-            peers = [p for p in router.snapshot() if not p["excluded"] and (p["proven"] or not p["banned_for_s"])]
-            stages.append([(p["id"], p["addr"]) for p in peers])
-            probation |= {p["id"] for p in peers if not p["proven"]}
+            peers = [p for p in router.snapshot() if not p.excluded and (p.proven or not p.banned)]
+            stages.append([(p.peer_id, p.addr) for p in peers])
+            probation |= {p.peer_id for p in peers if not p.proven}
         polled = await self._require_swarm().progress(stages, wait_step=wait_step, wait_s=PROGRESS_WAIT_S,
                                                       probation=probation, on_late=self._heard)
         for stage, answers in enumerate(polled):
@@ -1081,8 +1085,7 @@ class Trainer:
                 elif now - waiting_since > self.config.stage_wait_timeout_s:
                     raise TrainerError(
                         f"stage {stage} has had no usable peer for {self.config.stage_wait_timeout_s:.0f}s; giving up"
-                        + unreachable_hint(self._last_failures.get(stage, {}),
-                                           self._swarm.unreachable.get(stage, []) if self._swarm else [])
+                        + unreachable_hint(self._last_failures.get(stage, {}), self._unreachable.get(stage, []))
                     )
                 tried.clear()
                 unban = router.next_unban_in()
@@ -1514,8 +1517,8 @@ class Trainer:
                                            request_digest=request_digest, answers=answer_digests, at=time.time())
         body, signature = report.encode()
         client = self._require_client()
-        peers = {p["id"]: p["addr"] for router in self.routers for p in router.snapshot()
-                 if p["id"] != liar and not p["banned_for_s"] and not p["excluded"]}
+        peers = {p.peer_id: p.addr for router in self.routers for p in router.snapshot()
+                 if p.peer_id != liar and p.routable}
 
         async def send(addr: str) -> bool:
             try:
