@@ -564,11 +564,13 @@ def test_a_calls_own_floor_overrides_the_routers() -> None:
 
 
 def test_a_backwards_deadline_leaves_slack_before_its_timeout() -> None:
-    from swarmd.train.trainer import BACKWARD_SLACK_S, BACKWARD_TIMEOUT_FLOOR_S, backward_deadline_ms
+    from swarmd.train.timing import Timing
 
-    assert backward_deadline_ms(60.0) == 45_000  # a quarter of a long timeout for the way back
-    assert backward_deadline_ms(BACKWARD_TIMEOUT_FLOOR_S) == int(1000 * (BACKWARD_TIMEOUT_FLOOR_S - BACKWARD_SLACK_S))
-    assert backward_deadline_ms(1.0) == 0  # never negative: the peer then adds nothing, the trainer retries
+    timing = Timing()
+    floor = timing.backward_timeout_floor_s
+    assert timing.backward_deadline_ms(60.0) == 45_000  # a quarter of a long timeout for the way back
+    assert timing.backward_deadline_ms(floor) == int(1000 * (floor - timing.backward_slack_s))
+    assert timing.backward_deadline_ms(1.0) == 0  # never negative: the peer then adds nothing, the trainer retries
 
 
 @pytest.mark.parametrize(

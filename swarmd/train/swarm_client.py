@@ -12,7 +12,7 @@ stand (``GET /v1/progress``, through :class:`~swarmd.net.client.DataPlaneClient`
 DHT's view can be an announce period old. The bodies are parsed with the control plane's own
 models (``swarmd.api.models``), so client and server share one schema.
 
-This is I/O only; what the trainer does with the answers lives in ``swarmd.train.trainer``.
+This is I/O only; what the trainer does with the answers lives in ``swarmd.train.swarm_view``.
 """
 
 from __future__ import annotations
