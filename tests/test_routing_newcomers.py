@@ -17,9 +17,11 @@ from aiohttp import web
 
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import ProgressReply
+from swarmd.pipeline.failures import timed_out
 from swarmd.pipeline.routing import NewcomerPolls, StageRouter
 from swarmd.train import swarm_client
 from swarmd.train.swarm_client import PeerProgress, SwarmClient
+from swarmd.train.timing import Timing
 from tests.test_routing import listed
 
 
@@ -169,12 +171,11 @@ class Peers:
                 await runner.cleanup()
 
 
-async def test_a_tarpit_newcomer_is_left_out_of_the_poll_and_reported_when_its_poll_ends(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(swarm_client, "PROBATION_PROGRESS_TIMEOUT_S", 0.5)
+async def test_a_tarpit_newcomer_is_left_out_of_the_poll_and_reported_when_its_poll_ends() -> None:
     late: list[tuple[int, PeerProgress]] = []
     async with Peers() as peers, aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
-        client = SwarmClient("http://127.0.0.1:1", http=http, data=data)
+        client = SwarmClient("http://127.0.0.1:1", http=http, data=data,
+                             timing=Timing(probation_progress_timeout_s=0.5))
         stages = [[("honest", peers.honest), ("pit", peers.tarpit)]]
         polled = await client.progress(stages, probation={"honest", "pit"},
                                        on_late=lambda k, a: late.append((k, a)))
@@ -188,7 +189,7 @@ async def test_a_tarpit_newcomer_is_left_out_of_the_poll_and_reported_when_its_p
                 break
             await asyncio.sleep(0.02)
         assert [(k, a.peer_id, a.step) for k, a in late] == [(0, "pit", None)]
-        assert late[0][1].error is not None and "Timeout" in late[0][1].error.error
+        assert late[0][1].error is not None and timed_out(late[0][1].error)
         await client.aclose()
 
 
@@ -204,13 +205,12 @@ async def test_aclose_cancels_newcomers_polls_still_out() -> None:
         assert not client._late  # noqa: SLF001 - nothing left running
 
 
-async def test_the_reported_rate_spans_a_window_not_the_time_since_the_last_heartbeat(monkeypatch) -> None:
+async def test_the_reported_rate_spans_a_window_not_the_time_since_the_last_heartbeat() -> None:
     """A final report right after a heartbeat used to say 0 samples/s; a stalled trainer's rate
     falls to 0 once it has seen no step for the window."""
     clock = [100.0]
-    monkeypatch.setattr(swarm_client.time, "monotonic", lambda: clock[0])
     async with aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
-        client = SwarmClient("http://127.0.0.1:1", http=http, data=data)
+        client = SwarmClient("http://127.0.0.1:1", http=http, data=data, clock=lambda: clock[0])
         assert client.samples_per_s() == 0.0
         for step in range(1, 11):  # 32 samples a second for 10 s
             clock[0] += 1.0

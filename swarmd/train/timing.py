@@ -48,9 +48,16 @@ class Timing:
     #: How often a short wait (a probation slot to free up, a stage to take its round) looks again.
     tick_s: float = 0.01
 
-    # ---- progress polls (swarmd.train.swarm_view) --------------------------------------------------
+    # ---- progress polls and the control plane (swarmd.train.swarm_view, swarm_client) --------------
     #: How long one ``/v1/progress`` long-poll may wait for a step.
     progress_wait_s: float = 0.5
+    #: How long one progress poll of a peer may take (a long-poll: on top of its wait) ...
+    progress_timeout_s: float = 5.0
+    #: ... of a peer that has never answered this trainer (on probation: a tarpit must not hold up
+    #: every poll of the trainer's loop for ``progress_timeout_s``).
+    probation_progress_timeout_s: float = 3.0
+    #: How long the last report (and the goodbye) to the daemon may take when the trainer finishes.
+    flush_timeout_s: float = 5.0
 
     # ---- asynchronous pacing (swarmd.train.pacing) -------------------------------------------------
     #: How long a leased microbatch waits for a stage still at the previous step (finishing its round)

@@ -105,7 +105,7 @@ class Trainer:
         async with client_session(cfg.swarm_key, timeout=aiohttp.ClientTimeout(total=30)) as http, \
                 DataPlaneClient(timeout_s=cfg.request_timeout_s, swarm_key=cfg.swarm_key) as client:
             swarm = self._swarm = SwarmClient(cfg.api, http=http, data=client, name=cfg.name, api_token=cfg.api_token,
-                                              refresh_s=cfg.refresh_s, sync=cfg.sync)
+                                              refresh_s=cfg.refresh_s, sync=cfg.sync, timing=cfg.timing)
             registration = await swarm.register()
             spec, training = registration.spec, registration.training
             self.spec, self.training, self.trainer_id = spec, training, registration.trainer_id
