@@ -76,7 +76,8 @@ def classify(error: PeerError) -> Action:
 
 def timed_out(error: PeerError) -> bool:
     """Whether ``error`` is this client giving up waiting for an answer (status 0: the peer said
-    nothing), told by its cause: aiohttp's and asyncio's timeouts are all ``TimeoutError`` subclasses, and
-    a trainer that cuts a call short raises its PeerError from one too. A peer's own refusal (a 408
-    whose body did not arrive at the peer in time, say) is not this client's timeout."""
+    nothing), told by its cause: aiohttp's and asyncio's timeouts are all ``TimeoutError``
+    subclasses, and a trainer that cuts a call short raises its PeerError from one too. A peer's
+    own refusal (a 408 whose body did not arrive at the peer in time, say) is not this client's
+    timeout."""
     return error.status == 0 and isinstance(error.__cause__, TimeoutError)

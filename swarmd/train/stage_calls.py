@@ -11,10 +11,10 @@ validation forward and a spot check's second opinion all use it (petals' client 
 
 What differs between callers is said, not coded twice:
 
-* :class:`Patience`: how hard a call tries. A microbatch's call (``Patience.until_answered``) must be answered: it
-  waits for a usable peer (up to ``stage_wait_timeout_s``) and retries until one answers. A spot
-  check's opinion is an extra: a few tries, and it ends when there is nobody to ask or the peer
-  moved on (its answer would be from another step).
+* :class:`Patience`: how hard a call tries. A microbatch's call (:meth:`Patience.until_answered`)
+  must be answered: it waits for a usable peer (up to ``stage_wait_timeout_s``) and retries until
+  one answers. A spot check's opinion is an extra: a few tries, and it ends when there is nobody to
+  ask or the peer moved on (its answer would be from another step).
 * :class:`CallTally`: who pays. A microbatch's calls count in the trainer's summary (retries, bans,
   timeouts, probation calls) and each ban is logged; a check's count as its extra traffic.
 
@@ -118,8 +118,6 @@ class Patience:
     def until_answered(cls, timing: Timing) -> Patience:
         """A microbatch's (or a validation's) call: it must be answered, so it waits and retries."""
         return cls(tries=None, waits=True, busy_pause_s=timing.busy_retry_s)
-
-
 
 
 @dataclass(frozen=True)
