@@ -15,6 +15,7 @@ wires the parts together and runs one of two modes; each part is a file named af
 ``sync_steps``                  ``--sync`` mode: one tapered global batch per step, then the wait
 ``summary``                     the step ledger and the summary ``--json`` prints
 ``config`` / ``timing``         what the trainer is told, and every wait with its reason
+``data`` / ``corpus``           the corpus (``shards``: pre-tokenized) and its sampling
 ==============================  ===============================================================
 
 Faults: a peer that fails or times out is banned with exponential backoff and the call retried on
