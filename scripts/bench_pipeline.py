@@ -381,7 +381,7 @@ def ceiling_report(s: Settings, calls: list[StageCalls], single_sps: float, swar
     every batch split the trainer may use, and as the main figures for the one it ran (``ran``,
     from the timeline; else the finest), against the single run and the swarm."""
     def model(depth: int, sizes: list[int]) -> dict[str, Any]:
-        # the trainer chains the microbatches under the finer taper (Trainer._run_sync)
+        # the trainer chains the microbatches under the finer taper (swarmd.train.sync_steps.SyncSteps.send_batch)
         sched = sync_step(sizes, calls, window=s.window, chained=depth >= 2, hop=0.0)
         sps = s.batch_size / sched.step_s
         return {"taper_depth": depth, "sizes": sizes, "step_ms": sched.step_s * 1e3, "samples_per_s": sps,

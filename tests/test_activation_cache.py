@@ -21,6 +21,7 @@ from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from tests.conftest import TINY, running_daemon
+from tests.test_routing import listed
 
 # three stages of two blocks: stage 0 takes token ids, stage 1 hidden states (a middle stage)
 SPEC = replace(PRESETS["tiny"], name="cache", n_stages=3, layers_per_stage=2)
@@ -306,7 +307,7 @@ async def test_the_data_plane_carries_the_microbatch_id() -> None:
 def test_the_router_prefers_the_forwards_peer_while_usable() -> None:
     now = [0.0]
     router = StageRouter(0, clock=lambda: now[0])
-    router.update_peers({"a": "A", "b": "B"})
+    router.update_peers(listed({"a": "A", "b": "B"}))
     assert router.choose_preferred("b") == ("b", "B")
     assert router.choose_preferred("b", exclude={"b"}) == ("a", "A")  # it failed this call: elsewhere
     router.report_failure("b")

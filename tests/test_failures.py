@@ -87,3 +87,46 @@ def test_the_class_wins_over_the_status() -> None:
 @given(status=st.integers(0, 999), name=st.text(max_size=20))
 def test_every_peer_error_gets_an_action(status: int, name: str) -> None:
     assert isinstance(classify(remote_error(status, name, "")), Action)
+
+
+async def test_a_timeout_is_told_by_the_cause_s_type_not_by_a_name() -> None:
+    """``timed_out``: this client gave up waiting (status 0, raised from a TimeoutError: asyncio's,
+    aiohttp's, or the trainer's own cut of a probation call), not any error whose name says so."""
+    import asyncio
+
+    import aiohttp
+
+    from swarmd.net.client import DataPlaneClient
+    from swarmd.pipeline.failures import timed_out
+
+    def raised_from(cause: BaseException, status: int = 0, name: str = "X") -> PeerError:
+        try:
+            raise PeerError(status, name, "m") from cause
+        except PeerError as exc:
+            return exc
+
+    assert timed_out(raised_from(asyncio.TimeoutError()))
+    assert timed_out(raised_from(aiohttp.ServerTimeoutError()))
+    assert timed_out(raised_from(aiohttp.ConnectionTimeoutError()))
+    assert not timed_out(raised_from(aiohttp.ClientConnectionError()))  # refused, reset: not a timeout
+    assert not timed_out(PeerError(0, "TimeoutError", "a name alone says nothing"))
+    assert not timed_out(remote_error(408, "RequestTimeout", "the peer's own refusal"))
+    assert not timed_out(raised_from(asyncio.TimeoutError(), status=503))  # an answer came
+    # a real one: a listener that accepts and never answers, and a client that waits 0.2 s
+    release = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with DataPlaneClient(timeout_s=0.2) as client:
+            with pytest.raises(PeerError) as held:
+                await client.progress(f"127.0.0.1:{port}")
+        assert held.value.status == 0 and timed_out(held.value)
+    finally:
+        release.set()
+        server.close()
+        await server.wait_closed()

@@ -22,8 +22,10 @@ import torch
 from swarmd.daemon import Daemon
 from swarmd.net.client import DataPlaneClient
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
-from swarmd.train import trainer as trainer_module
+from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import PeerProgress
+from swarmd.train.sync_steps import SyncSteps
+from swarmd.train.timing import Timing
 from swarmd.train.trainer import Trainer, TrainerConfig
 from swarmd.train.verify import excluded_by_stage, forks, stage_distrust
 from tests.liars import lie_as_leader, poison_contributions
@@ -60,24 +62,27 @@ def test_whose_word_counts_forks_accusations_and_majorities() -> None:
 
 
 class _ScriptedStages:
-    """The sync step wait's inputs and outputs, without a swarm: ``_poll_progress`` answers what
-    ``answer(topups)`` says (stage 0: one peer, already stepped; stage 1: the peers given), and
-    ``_microbatch`` only counts (the wait's decisions are what is tested here; the swarm test below
-    runs them for real)."""
+    """The sync step wait's inputs and outputs, without a swarm: its polls answer what ``stage1(topups)``
+    says (stage 0: one peer, already stepped; stage 1: the peers given), and its microbatches only
+    count (the wait's decisions are what is tested here; the swarm test below runs them for real)."""
 
-    def __init__(self, trainer: Trainer, stage1: Callable[[int], list[PeerProgress]]) -> None:
+    def __init__(self, stage1: Callable[[int], list[PeerProgress]]) -> None:
         self.topups = 0
         self.stage1 = stage1
-        trainer._poll_progress = self.poll  # type: ignore[method-assign]
-        trainer._microbatch = self.microbatch  # type: ignore[method-assign]
+        self.routers: list[object] = []
+
+    async def refresh(self, force: bool = False) -> None:
+        return None
+
+    async def swarm_step(self) -> int:
+        return 0
 
     async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
         await asyncio.sleep(0.01)
         return [[PeerProgress("s0", 1, 0, params_digest="d0")], self.stage1(self.topups)]
 
-    async def microbatch(self, x: torch.Tensor, y: torch.Tensor, **_: object) -> tuple[float, int, int]:
+    async def run(self, x: torch.Tensor, y: torch.Tensor, **_: object) -> None:
         self.topups += 1
-        return 0.0, 0, int(x.shape[0])
 
 
 class _Sampler:
@@ -85,40 +90,46 @@ class _Sampler:
         return torch.zeros(n, 4, dtype=torch.long), torch.zeros(n, 4, dtype=torch.long)
 
 
-def _waiting_trainer() -> Trainer:
-    trainer = Trainer(TrainerConfig(api="http://127.0.0.1:9", sync=True, microbatch_size=4, stage_wait_timeout_s=20))
-    trainer.training = TrainingSpec(target_batch_size=12)
-    return trainer
+def _waiting(stages: _ScriptedStages) -> tuple[SyncSteps, TrainSummary]:
+    """A sync trainer's steps with short graces, waiting on the scripted ``stages``."""
+    summary = TrainSummary()
+    config = TrainerConfig(api="http://127.0.0.1:9", sync=True, microbatch_size=4, stage_wait_timeout_s=20,
+                           timing=Timing(stuck_grace_s=0.2, lag_grace_s=0.2))
+
+    async def nothing(*args: object) -> None:
+        return None
+
+    steps = SyncSteps(config, TrainingSpec(target_batch_size=12), view=stages, microbatches=stages,
+                      summary=summary, on_step=nothing)
+    return steps, summary
 
 
 async def test_the_sync_wait_tops_up_a_stuck_stage_and_stops_waiting_for_a_peer_left_behind(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Three decisions of ``Trainer._wait_all_stepped`` on scripted progress answers (short graces)."""
-    monkeypatch.setattr(trainer_module, "STUCK_GRACE_S", 0.2)
-    monkeypatch.setattr(trainer_module, "LAG_GRACE_S", 0.2)
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Three decisions of ``SyncSteps.wait_all_stepped`` on scripted progress answers (short graces)."""
     # a liar claims 4 samples it never contributes, nobody excludes it: the stage holds the target and does
     # not step; after the grace one microbatch, and the round goes through
-    trainer = _waiting_trainer()
-    stuck = _ScriptedStages(trainer, lambda topups: [PeerProgress(p, 1 if topups else 0, 4, params_digest="d")
-                                                     for p in ("a", "b", "z")])
-    await asyncio.wait_for(trainer._wait_all_stepped(1, _Sampler()), 10)  # type: ignore[arg-type]
-    assert stuck.topups == 1 and trainer.summary.topup_microbatches == 1
+    stuck = _ScriptedStages(lambda topups: [PeerProgress(p, 1 if topups else 0, 4, params_digest="d")
+                                            for p in ("a", "b", "z")])
+    steps, summary = _waiting(stuck)
+    await asyncio.wait_for(steps.wait_all_stepped(1, _Sampler()), 10)
+    assert stuck.topups == 1 and summary.topup_microbatches == 1
     assert "has not stepped for 0s (a peer holds samples it does not contribute?)" in caplog.text
     # its leader refused the liar ("a" excludes "z"): its 4 samples do not count, 4 are topped up at once
-    trainer = _waiting_trainer()
-    short = _ScriptedStages(trainer, lambda topups: [PeerProgress("a", 1 if topups else 0, 4, excluded=("z",),
-                                                                  params_digest="d"),
-                                                     PeerProgress("b", 1 if topups else 0, 4, params_digest="d"),
-                                                     PeerProgress("z", 0, 4, params_digest="d")])
+    short = _ScriptedStages(lambda topups: [PeerProgress("a", 1 if topups else 0, 4, excluded=("z",),
+                                                         params_digest="d"),
+                                            PeerProgress("b", 1 if topups else 0, 4, params_digest="d"),
+                                            PeerProgress("z", 0, 4, params_digest="d")])
+    steps, _ = _waiting(short)
     began = time.monotonic()
-    await asyncio.wait_for(trainer._wait_all_stepped(1, _Sampler()), 10)  # type: ignore[arg-type]
+    await asyncio.wait_for(steps.wait_all_stepped(1, _Sampler()), 10)
     assert short.topups == 1 and time.monotonic() - began < 1.0  # no 1 s grace: nothing left to wait for
     # a peer that claims an old step forever while the rest of its stage stepped: not waited for past the grace
-    trainer = _waiting_trainer()
-    behind = _ScriptedStages(trainer, lambda topups: [PeerProgress("a", 1, 0, params_digest="d"),
-                                                      PeerProgress("b", 1, 0, params_digest="d"),
-                                                      PeerProgress("z", 0, 0, params_digest="d")])
-    await asyncio.wait_for(trainer._wait_all_stepped(1, _Sampler()), 10)  # type: ignore[arg-type]
+    behind = _ScriptedStages(lambda topups: [PeerProgress("a", 1, 0, params_digest="d"),
+                                             PeerProgress("b", 1, 0, params_digest="d"),
+                                             PeerProgress("z", 0, 0, params_digest="d")])
+    steps, _ = _waiting(behind)
+    await asyncio.wait_for(steps.wait_all_stepped(1, _Sampler()), 10)
     assert behind.topups == 0 and "not waiting any longer for z, left behind by most of its stage" in caplog.text
 
 

@@ -11,7 +11,9 @@ from swarmd.errors import ConfigError
 from swarmd.pipeline.partition import RAMP_MIN_CALL_S, taper_depth, tapered_sizes
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.data import BatchSampler
-from swarmd.train.trainer import Trainer, TrainerConfig, split_batch
+from swarmd.train.sync_steps import taper_depth_for
+from swarmd.train.trainer import TrainerConfig, split_batch
+from tests.test_routing import listed
 
 
 @pytest.mark.parametrize(("batch", "micro", "sizes"), [
@@ -74,26 +76,26 @@ def test_the_finer_taper_is_used_only_where_a_small_microbatch_is_worth_its_requ
 
 
 def test_a_sync_trainer_tapers_by_what_it_measured() -> None:
-    def trainer(taper: bool = True, stages: int = 2, most: int = 2) -> Trainer:
-        t = Trainer(TrainerConfig(api="http://unused", sync=True, microbatch_size=8, taper=taper,
-                                  max_taper_depth=most))
-        t.routers = [StageRouter(k) for k in range(stages)]
-        for k, router in enumerate(t.routers):
-            router.update_peers({f"peer{k}": f"127.0.0.1:{4000 + k}"})
-        return t
+    def routers(stages: int = 2) -> list[StageRouter]:
+        out = [StageRouter(k) for k in range(stages)]
+        for k, router in enumerate(out):
+            router.update_peers(listed({f"peer{k}": f"127.0.0.1:{4000 + k}"}, stage=k))
+        return out
 
-    fresh = trainer()
-    assert fresh._taper_depth() == 1  # no latency yet: the halved taper
-    for most, depth in ((2, 2), (1, 1)):
-        measured = trainer(most=most)
-        measured.routers[0].report_success("peer0", 8, 8 * 0.007, "forward")
-        measured.routers[0].report_success("peer0", 8, 8 * 0.013, "backward")
-        measured.routers[1].report_success("peer1", 8, 8 * 0.021, "backward")
-        assert measured._taper_depth() == depth
-    quick = trainer()
-    quick.routers[1].report_success("peer1", 8, 8 * 0.0008, "backward")
-    assert quick._taper_depth() == 1
-    assert trainer(taper=False)._taper_depth() == 0
-    assert trainer(stages=1)._taper_depth() == 0  # one stage: no pipeline to fill
+    def depth(of: list[StageRouter], taper: bool = True, most: int = 2) -> int:
+        return taper_depth_for(of, taper=taper, most=most, microbatch_size=8)
+
+    assert depth(routers()) == 1  # no latency yet: the halved taper
+    for most, expected in ((2, 2), (1, 1)):
+        measured = routers()
+        measured[0].report_success("peer0", 8, 8 * 0.007, "forward")
+        measured[0].report_success("peer0", 8, 8 * 0.013, "backward")
+        measured[1].report_success("peer1", 8, 8 * 0.021, "backward")
+        assert depth(measured, most=most) == expected
+    quick = routers()
+    quick[1].report_success("peer1", 8, 8 * 0.0008, "backward")
+    assert depth(quick) == 1
+    assert depth(routers(), taper=False) == 0
+    assert depth(routers(1)) == 0  # one stage: no pipeline to fill
     with pytest.raises(ConfigError, match="max_taper_depth"):
         TrainerConfig(api="http://unused", max_taper_depth=3)

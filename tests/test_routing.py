@@ -12,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.pipeline.routing import JITTER, StageRouter
+from swarmd.peer_state import PeerState
+from swarmd.pipeline.routing import JITTER, PeerView, RoutedPeer, StageRouter
+
+
+def listed(peers: dict[str, str], stage: int = 0) -> list[PeerView]:
+    """The swarm's view of a stage that lists ``peers`` (``peer_id -> data_addr``), all serving."""
+    return [PeerView(peer_id, stage, addr) for peer_id, addr in peers.items()]
 
 
 class FakeClock:
@@ -31,7 +37,7 @@ class FakeClock:
 def make_router(peers: dict[str, str] | None = None, **kwargs: object) -> tuple[StageRouter, FakeClock]:
     clock = FakeClock()
     router = StageRouter(0, clock=clock, rng=random.Random(0), **kwargs)  # type: ignore[arg-type]
-    router.update_peers(peers if peers is not None else {"a": "addr-a", "b": "addr-b"})
+    router.update_peers(listed(peers if peers is not None else {"a": "addr-a", "b": "addr-b"}))
     return router, clock
 
 
@@ -83,19 +89,19 @@ def test_new_peer_is_tried_at_once_then_rotates_at_top_weight() -> None:
     router.report_success("a", 30, 1.0)
     router.report_success("b", 10, 1.0)
     picks(router, 7)
-    router.update_peers({"a": "addr-a", "b": "addr-b", "c": "addr-c"})
+    router.update_peers(listed({"a": "addr-a", "b": "addr-b", "c": "addr-c"}))
     assert router.choose() == ("c", "addr-c")  # probed by the very next choice
     # until measured, c rotates with the fastest peer's weight (30 of 70 in a round)
     counts = Counter(picks(router, 70))
     assert abs(counts["c"] - 30) <= 2
-    assert router.snapshot()[2]["weight"] == pytest.approx(30.0)
+    assert router.snapshot()[2].weight == pytest.approx(30.0)
 
 
 def test_explore_weight_overrides_newcomer_weight() -> None:
     router, _ = make_router(explore_weight=10.0)
     router.report_success("a", 30, 1.0)
-    router.update_peers({"a": "addr-a", "b": "addr-b"})
-    assert [s["weight"] for s in router.snapshot()] == [pytest.approx(30.0), pytest.approx(10.0)]
+    router.update_peers(listed({"a": "addr-a", "b": "addr-b"}))
+    assert [s.weight for s in router.snapshot()] == [pytest.approx(30.0), pytest.approx(10.0)]
     counts = Counter(picks(router, 400))
     assert abs(counts["b"] - 100) <= 2
 
@@ -103,7 +109,7 @@ def test_explore_weight_overrides_newcomer_weight() -> None:
 def test_several_newcomers_are_each_probed_once_in_id_order() -> None:
     router, _ = make_router({"a": "1"})
     router.report_success("a", 100, 1.0)
-    router.update_peers({"a": "1", "z": "4", "y": "3", "x": "2"})
+    router.update_peers(listed({"a": "1", "z": "4", "y": "3", "x": "2"}))
     assert picks(router, 3) == ["x", "y", "z"]
 
 
@@ -171,7 +177,7 @@ def test_backoff_doubles_per_consecutive_failure_up_to_cap_and_success_resets() 
 def test_ban_jitter_is_deterministic_given_rng() -> None:
     def bans(seed: int) -> list[float]:
         router = StageRouter(0, clock=FakeClock(), rng=random.Random(seed))
-        router.update_peers({"a": "1"})
+        router.update_peers(listed({"a": "1"}))
         return [router.report_failure("a") for _ in range(5)]
 
     assert bans(1) == bans(1)
@@ -236,23 +242,38 @@ def test_update_peers_forgets_vanished_adds_new_keeps_known_stats() -> None:
     router.report_success("a", 42, 1.0)
     ban = router.report_failure("b")
     assert 30.0 * (1 - JITTER) <= ban <= 30.0 * (1 + JITTER)  # never answered: a probation ban
-    router.update_peers({"a": "1-new", "b": "2", "c": "3"})
+    router.update_peers(listed({"a": "1-new", "b": "2", "c": "3"}))
     assert router.stats("a").throughput == pytest.approx(42.0)
     assert router.stats("a").addr == "1-new"
-    assert router.snapshot()[1]["banned_for_s"] == pytest.approx(ban)
-    router.update_peers({"a": "1-new", "c": "3"})
+    assert router.snapshot()[1].banned_for_s == pytest.approx(ban)
+    router.update_peers(listed({"a": "1-new", "c": "3"}))
     assert "b" not in router and len(router) == 2
-    assert [s["id"] for s in router.snapshot()] == ["a", "c"]
+    assert [s.peer_id for s in router.snapshot()] == ["a", "c"]
     assert router.choose() == ("c", "3")  # newcomer probed
     assert router.choose() == ("a", "1-new")
     # a vanished peer that comes back while its ban runs gets its record back (backoff kept) ...
-    router.update_peers({"a": "1-new", "b": "2", "c": "3"})
+    router.update_peers(listed({"a": "1-new", "b": "2", "c": "3"}))
     assert router.stats("b").failures == 1 and router.usable_count == 2
     # ... and one that comes back after its ban ended starts afresh: no stats, no ban
-    router.update_peers({"a": "1-new", "c": "3"})
+    router.update_peers(listed({"a": "1-new", "c": "3"}))
     clock.advance(ban + 1.0)
-    router.update_peers({"a": "1-new", "b": "2", "c": "3"})
+    router.update_peers(listed({"a": "1-new", "b": "2", "c": "3"}))
     assert router.stats("b").failures == 0 and router.usable_count == 3
+
+
+def test_only_usable_peers_of_its_own_stage_are_routed_to() -> None:
+    """The router takes the swarm's view typed: a peer that is not serving (joining, migrating,
+    draining) or that no member could dial is listed but never called (``PeerView.usable``, the rule
+    ``PeerRecord.usable`` holds for the DHT's own records); a peer of another stage is a bug."""
+    assert PeerView("a", 0, "A").usable and PeerView("a", 0, "A", reachable="yes").usable
+    router, _ = make_router({})
+    router.update_peers([PeerView("a", 0, "A"), PeerView("b", 0, "B", PeerState.DRAINING),
+                         PeerView("c", 0, "C", PeerState.JOINING), PeerView("d", 0, "D", reachable="no"),
+                         PeerView("e", 0, "E", PeerState.MIGRATING, reachable="yes")])
+    assert [p.peer_id for p in router.snapshot()] == ["a"]
+    assert {router.choose() for _ in range(5)} == {("a", "A")}
+    with pytest.raises(ValueError, match="of stage 1"):
+        router.update_peers([PeerView("x", 1, "X")])
 
 
 def test_reports_about_unknown_peers_are_ignored() -> None:
@@ -295,8 +316,8 @@ def test_in_flight_accounting_and_cap() -> None:
     router.release("a")
     router.release("a")  # never below zero
     assert router.stats("a").in_flight == 0
-    snap = {s["id"]: s for s in router.snapshot()}
-    assert snap["a"]["in_flight"] == 0 and snap["a"]["failures"] == 1
+    snap = {s.peer_id: s for s in router.snapshot()}
+    assert snap["a"].in_flight == 0 and snap["a"].failures == 1
 
 
 def test_snapshot_fields() -> None:
@@ -304,27 +325,28 @@ def test_snapshot_fields() -> None:
     router.report_success("a", 20, 2.0)
     router.report_failure("b")
     snap = router.snapshot()
-    assert [s["id"] for s in snap] == ["a", "b"]
+    assert [s.peer_id for s in snap] == ["a", "b"]
     a, b = snap
-    assert a == {
-        "id": "a",
-        "addr": "addr-a",
-        "throughput": pytest.approx(10.0),
-        "measured": True,
-        "proven": True,
-        "alive": False,
-        "weight": pytest.approx(10.0),
-        "in_flight": 0,
-        "banned_for_s": 0.0,
-        "excluded": False,
-        "successes": 1,
-        "failures": 0,
-        "timeouts": 0,
-        "consecutive_failures": 0,
-    }
-    assert b["banned_for_s"] > 0 and not b["measured"] and b["weight"] == pytest.approx(10.0)
+    assert a == RoutedPeer(
+        peer_id="a",
+        addr="addr-a",
+        throughput=pytest.approx(10.0),
+        measured=True,
+        proven=True,
+        alive=False,
+        weight=pytest.approx(10.0),
+        in_flight=0,
+        banned_for_s=0.0,
+        excluded=False,
+        successes=1,
+        failures=0,
+        timeouts=0,
+        consecutive_failures=0,
+    )
+    assert a.routable and not a.banned
+    assert b.banned_for_s > 0 and b.banned and not b.routable and not b.measured and b.weight == pytest.approx(10.0)
     clock.advance(100.0)
-    assert router.snapshot()[1]["banned_for_s"] == 0.0 and not router.snapshot()[1]["proven"]
+    assert router.snapshot()[1].banned_for_s == 0.0 and not router.snapshot()[1].proven
 
 
 @pytest.mark.parametrize(
@@ -379,16 +401,16 @@ def test_choose_never_returns_banned_excluded_saturated_or_unknown_peers(
         kind = op[0]
         if kind == "choose":
             exclude = op[1]
-            before = {s["id"]: s for s in router.snapshot()}
+            before = {s.peer_id: s for s in router.snapshot()}
             choice = router.choose(exclude)
-            live = [s for s in before.values() if s["banned_for_s"] == 0.0]
-            probation_open = not any(s["proven"] for s in live) or sum(
-                s["in_flight"] for s in before.values() if not s["proven"]) < router.probation_slots
+            live = [s for s in before.values() if s.banned_for_s == 0.0]
+            probation_open = not any(s.proven for s in live) or sum(
+                s.in_flight for s in before.values() if not s.proven) < router.probation_slots
             usable = [
                 pid
                 for pid, s in before.items()
-                if s["banned_for_s"] == 0.0 and pid not in exclude and (cap is None or s["in_flight"] < cap)
-                and (s["proven"] or (probation_open and s["in_flight"] == 0))
+                if s.banned_for_s == 0.0 and pid not in exclude and (cap is None or s.in_flight < cap)
+                and (s.proven or (probation_open and s.in_flight == 0))
             ]
             if choice is None:
                 assert not usable
@@ -409,12 +431,12 @@ def test_choose_never_returns_banned_excluded_saturated_or_unknown_peers(
             clock.advance(op[1])
         elif kind == "view":
             view = dict(op[1])
-            router.update_peers(view)
-            assert sorted(s["id"] for s in router.snapshot()) == sorted(view)
+            router.update_peers(listed(view))
+            assert sorted(s.peer_id for s in router.snapshot()) == sorted(view)
         else:
             router.begin(op[1])
-        assert router.usable_count == sum(1 for s in router.snapshot() if s["banned_for_s"] == 0.0)
-        assert all(s["weight"] > 0.0 for s in router.snapshot())
+        assert router.usable_count == sum(1 for s in router.snapshot() if s.banned_for_s == 0.0)
+        assert all(s.weight > 0.0 for s in router.snapshot())
 
 
 @settings(max_examples=100, deadline=None)
@@ -542,11 +564,13 @@ def test_a_calls_own_floor_overrides_the_routers() -> None:
 
 
 def test_a_backwards_deadline_leaves_slack_before_its_timeout() -> None:
-    from swarmd.train.trainer import BACKWARD_SLACK_S, BACKWARD_TIMEOUT_FLOOR_S, backward_deadline_ms
+    from swarmd.train.timing import Timing
 
-    assert backward_deadline_ms(60.0) == 45_000  # a quarter of a long timeout for the way back
-    assert backward_deadline_ms(BACKWARD_TIMEOUT_FLOOR_S) == int(1000 * (BACKWARD_TIMEOUT_FLOOR_S - BACKWARD_SLACK_S))
-    assert backward_deadline_ms(1.0) == 0  # never negative: the peer then adds nothing, the trainer retries
+    timing = Timing()
+    floor = timing.backward_timeout_floor_s
+    assert timing.backward_deadline_ms(60.0) == 45_000  # a quarter of a long timeout for the way back
+    assert timing.backward_deadline_ms(floor) == int(1000 * (floor - timing.backward_slack_s))
+    assert timing.backward_deadline_ms(1.0) == 0  # never negative: the peer then adds nothing, the trainer retries
 
 
 @pytest.mark.parametrize(
@@ -575,7 +599,7 @@ def test_probation_budget_is_never_exceeded_while_a_proven_peer_is_usable(
 ) -> None:
     clock = FakeClock()
     router = StageRouter(0, clock=clock, rng=random.Random(0), probation_slots=slots)
-    router.update_peers({p: p for p in ["p", "t0", "t1", "t2", "t3"]})
+    router.update_peers(listed({p: p for p in ["p", "t0", "t1", "t2", "t3"]}))
     router.report_success("p", 10, 1.0)
     for op, peer in ops:
         if op == "choose":
@@ -589,6 +613,6 @@ def test_probation_budget_is_never_exceeded_while_a_proven_peer_is_usable(
         elif op == "advance":
             clock.advance(40.0)
         snap = router.snapshot()
-        if any(s["proven"] and not s["banned_for_s"] for s in snap):
-            assert sum(s["in_flight"] for s in snap if not s["proven"]) <= slots
-        assert all(s["in_flight"] <= 1 for s in snap if not s["proven"])
+        if any(s.proven and not s.banned_for_s for s in snap):
+            assert sum(s.in_flight for s in snap if not s.proven) <= slots
+        assert all(s.in_flight <= 1 for s in snap if not s.proven)

@@ -17,9 +17,12 @@ from aiohttp import web
 
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import ProgressReply
+from swarmd.pipeline.failures import timed_out
 from swarmd.pipeline.routing import NewcomerPolls, StageRouter
 from swarmd.train import swarm_client
 from swarmd.train.swarm_client import PeerProgress, SwarmClient
+from swarmd.train.timing import Timing
+from tests.test_routing import listed
 
 
 class Clock:
@@ -40,7 +43,7 @@ def router(clock: Clock, **kwargs: object) -> StageRouter:
 def test_an_unproven_peer_that_never_answered_a_poll_is_not_called_while_a_proven_one_is_usable() -> None:
     clock = Clock()
     r = router(clock)
-    r.update_peers({"a": "addr-a", "tarpit": "addr-t"})
+    r.update_peers(listed({"a": "addr-a", "tarpit": "addr-t"}))
     r.report_success("a", 4, 0.1, "forward")
     picks = [r.choose() for _ in range(20)]
     assert all(p == ("a", "addr-a") for p in picks)
@@ -53,7 +56,7 @@ def test_an_unproven_peer_that_never_answered_a_poll_is_not_called_while_a_prove
 def test_a_failure_takes_aliveness_away_until_the_peer_answers_a_poll_again() -> None:
     clock = Clock()
     r = router(clock)
-    r.update_peers({"a": "addr-a", "b": "addr-b"})
+    r.update_peers(listed({"a": "addr-a", "b": "addr-b"}))
     r.report_success("a", 4, 0.1)
     r.report_alive("b")
     assert r.stats("b").alive
@@ -61,7 +64,7 @@ def test_a_failure_takes_aliveness_away_until_the_peer_answers_a_poll_again() ->
     clock.now += 10_000.0  # the ban is long over
     assert not r.stats("b").alive
     assert {r.choose() for _ in range(10)} == {("a", "addr-a")}
-    assert r.snapshot()[1]["alive"] is False
+    assert r.snapshot()[1].alive is False
 
 
 def test_with_nobody_proven_or_alive_unproven_peers_are_still_tried() -> None:
@@ -69,7 +72,7 @@ def test_with_nobody_proven_or_alive_unproven_peers_are_still_tried() -> None:
     (one probation call each) holds, so a swarm of newcomers is usable at all."""
     clock = Clock()
     r = router(clock)
-    r.update_peers({"a": "addr-a", "b": "addr-b"})
+    r.update_peers(listed({"a": "addr-a", "b": "addr-b"}))
     assert r.choose() == ("a", "addr-a")
     r.begin("a")
     assert r.choose() == ("b", "addr-b")
@@ -81,7 +84,7 @@ def test_with_nobody_proven_or_alive_unproven_peers_are_still_tried() -> None:
 
 def test_without_require_alive_the_router_behaves_as_before() -> None:
     r = StageRouter(0, clock=Clock(), rng=random.Random(0))
-    r.update_peers({"a": "addr-a", "b": "addr-b"})
+    r.update_peers(listed({"a": "addr-a", "b": "addr-b"}))
     r.report_success("a", 4, 0.1)
     assert ("b", "addr-b") in {r.choose() for _ in range(4)}
 
@@ -168,12 +171,11 @@ class Peers:
                 await runner.cleanup()
 
 
-async def test_a_tarpit_newcomer_is_left_out_of_the_poll_and_reported_when_its_poll_ends(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(swarm_client, "PROBATION_PROGRESS_TIMEOUT_S", 0.5)
+async def test_a_tarpit_newcomer_is_left_out_of_the_poll_and_reported_when_its_poll_ends() -> None:
     late: list[tuple[int, PeerProgress]] = []
     async with Peers() as peers, aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
-        client = SwarmClient("http://127.0.0.1:1", http=http, data=data)
+        client = SwarmClient("http://127.0.0.1:1", http=http, data=data,
+                             timing=Timing(probation_progress_timeout_s=0.5))
         stages = [[("honest", peers.honest), ("pit", peers.tarpit)]]
         polled = await client.progress(stages, probation={"honest", "pit"},
                                        on_late=lambda k, a: late.append((k, a)))
@@ -187,7 +189,7 @@ async def test_a_tarpit_newcomer_is_left_out_of_the_poll_and_reported_when_its_p
                 break
             await asyncio.sleep(0.02)
         assert [(k, a.peer_id, a.step) for k, a in late] == [(0, "pit", None)]
-        assert late[0][1].error is not None and "Timeout" in late[0][1].error.error
+        assert late[0][1].error is not None and timed_out(late[0][1].error)
         await client.aclose()
 
 
@@ -203,13 +205,12 @@ async def test_aclose_cancels_newcomers_polls_still_out() -> None:
         assert not client._late  # noqa: SLF001 - nothing left running
 
 
-async def test_the_reported_rate_spans_a_window_not_the_time_since_the_last_heartbeat(monkeypatch) -> None:
+async def test_the_reported_rate_spans_a_window_not_the_time_since_the_last_heartbeat() -> None:
     """A final report right after a heartbeat used to say 0 samples/s; a stalled trainer's rate
     falls to 0 once it has seen no step for the window."""
     clock = [100.0]
-    monkeypatch.setattr(swarm_client.time, "monotonic", lambda: clock[0])
     async with aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
-        client = SwarmClient("http://127.0.0.1:1", http=http, data=data)
+        client = SwarmClient("http://127.0.0.1:1", http=http, data=data, clock=lambda: clock[0])
         assert client.samples_per_s() == 0.0
         for step in range(1, 11):  # 32 samples a second for 10 s
             clock[0] += 1.0

@@ -27,9 +27,12 @@ from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.reports import MisbehaviourReport
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
-from swarmd.train.trainer import _SUSPECT, UNSETTLED_LIMIT, Trainer, TrainerConfig, TrainSummary
+from swarmd.train.spot_checks import Finding, Ruling, SpotChecks
+from swarmd.train.stage_calls import StageCalls
+from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
 from swarmd.train.verify import (
     CROSS_BUILD_SLACK,
+    UNSETTLED_LIMIT,
     Answer,
     SpotChecker,
     Verdict,
@@ -40,6 +43,8 @@ from swarmd.train.verify import (
     tolerance,
 )
 from tests.liars import make_liar
+from tests.test_routing import listed
+from tests.test_stage_calls import FixedStages
 from tests.test_training import config
 
 CODECS = ("none", "fp16", "bf16", "8bit")
@@ -175,20 +180,24 @@ def _requantized(t: torch.Tensor, codec: str) -> torch.Tensor:
 
 # ---- a first check that meets another step: the same peer is asked again -------------------------
 
-def _checking_trainer(client: DataPlaneClient) -> tuple[Trainer, dict[str, str]]:
-    """A trainer whose stage-1 router lists three peers (``liar``, ``b``, ``c``) at closed loopback
-    ports: reports to them fail at once, which ``_convict`` takes as not accepted."""
-    t = Trainer(TrainerConfig(api="http://unused", verify_fraction=0.02, codec="none"))
-    t.routers = [StageRouter(0), StageRouter(1)]
+def _checking_trainer(client: DataPlaneClient) -> tuple[SpotChecks, dict[str, str]]:
+    """A trainer's spot checks whose stage-1 router lists three peers (``liar``, ``b``, ``c``) at closed
+    loopback ports: reports to them fail at once, which ``_convict`` takes as not accepted."""
+    routers = [StageRouter(0), StageRouter(1)]
     ports = []
     for _ in range(3):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
     addrs = {name * 20: f"127.0.0.1:{port}" for name, port in zip(("ab", "bc", "cd"), ports, strict=True)}
-    t.routers[1].update_peers(addrs)
-    t._client = client
-    return t, addrs
+    routers[1].update_peers(listed(addrs, stage=1))
+    config = TrainerConfig(api="http://unused", verify_fraction=0.02, codec="none")
+    calls = StageCalls(FixedStages(routers), client, model="unused", codec=config.codec, summary=TrainSummary(),
+                       timing=config.timing, request_timeout_s=config.request_timeout_s,
+                       stage_wait_timeout_s=config.stage_wait_timeout_s)
+    checks = SpotChecks(calls, client, stats=VerifyStats(), codec=config.codec, fraction=config.verify_fraction,
+                        window=config.window, timing=config.timing)
+    return checks, addrs
 
 
 def _scripted(addrs: dict[str, str], answers: dict[str, list[tuple[int, torch.Tensor]]],
@@ -219,25 +228,28 @@ async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() ->
         liar, b, c = addrs
         resend = _scripted(addrs, {liar: [(1, -3 * g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
         request = (torch.zeros(4, 8),)
-        verdict = await t._check(1, "backward", Answer(liar, 0, -3 * g0, 1.0), resend, request, 7, waited=True)
-        assert verdict is not None and torch.equal(verdict.tensor, g1)  # the honest mates' gradient, not the lie
-        assert t.checks.caught == (liar,) and t.checks.rechecks == 1 and t.checks.unconfirmed == 0
+        ruling = await t.check(1, "backward", Answer(liar, 0, -3 * g0, 1.0), resend, request, 7, waited=True)
+        assert ruling.finding is Finding.OVERRULED
+        assert ruling.use is not None and torch.equal(ruling.use.tensor, g1)  # the honest mates' gradient, not the lie
+        assert t.stats.caught == (liar,) and t.stats.rechecks == 1 and t.stats.unconfirmed == 0
 
         t, addrs = _checking_trainer(client)
         honest, b, c = addrs
         resend = _scripted(addrs, {honest: [(1, g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
-        verdict = await t._check(1, "backward", Answer(honest, 0, g0, 1.0), resend, request, 8, waited=True)
-        assert verdict is not None and verdict.peer_id == honest and verdict.step == 1  # its confirmed fresh answer
-        assert not t.checks.caught and t.checks.agreements == 1 and t.checks.unconfirmed == 0
+        ruling = await t.check(1, "backward", Answer(honest, 0, g0, 1.0), resend, request, 8, waited=True)
+        assert ruling.finding is Finding.CONFIRMED
+        assert ruling.use is not None and ruling.use.peer_id == honest and ruling.use.step == 1  # its fresh answer
+        assert not t.stats.caught and t.stats.agreements == 1 and t.stats.unconfirmed == 0
         # a flagged recheck proves nothing of its unflagged answers: its next one is checked first again
-        assert (honest, "backward") not in t._agreed and t._agreed[(b, "backward")] == 1
+        assert t.ledger.confirmed(honest, "backward") == 0 and t.ledger.confirmed(b, "backward") == 1
 
         t, addrs = _checking_trainer(client)
         gone, b, c = addrs
-        t.routers[1].ban(gone, 60.0)  # cannot be asked again
+        t.calls.stages.routers[1].ban(gone, 60.0)  # cannot be asked again
         resend = _scripted(addrs, {gone: [], b: [(1, g1)], c: [(1, g1)]})  # one opinion: two peers usable
-        assert await t._check(1, "backward", Answer(gone, 0, g0, 1.0), resend, request, 9, waited=True) is None
-        assert t.checks.rechecks == 1 and t.checks.unconfirmed == 1 and not t.checks.caught
+        ruling = await t.check(1, "backward", Answer(gone, 0, g0, 1.0), resend, request, 9, waited=True)
+        assert ruling == Ruling(Finding.UNCONFIRMED)  # let through: its own answer goes on
+        assert t.stats.rechecks == 1 and t.stats.unconfirmed == 1 and not t.stats.caught
 
 
 async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_settle_it() -> None:
@@ -250,13 +262,14 @@ async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_sett
     async with DataPlaneClient(timeout_s=2) as client:
         t, addrs = _checking_trainer(client)
         a, b, gone = addrs
-        t.routers[1].ban(gone, 60.0)  # two usable peers: no third opinion
+        t.calls.stages.routers[1].ban(gone, 60.0)  # two usable peers: no third opinion
         resend = _scripted(addrs, {a: [], b: [(0, 1.01 * g)] * UNSETTLED_LIMIT, gone: []})
         request = (torch.zeros(4, 8),)
-        verdicts = [await t._check(1, "backward", Answer(a, 0, g, 1.0), resend, request, k, waited=True)
-                    for k in range(UNSETTLED_LIMIT)]
-        assert verdicts[:-1] == [_SUSPECT] * (UNSETTLED_LIMIT - 1) and verdicts[-1] is None
-        assert {(a, "backward"), (b, "backward")} <= t._gave_up and not t.checks.caught
+        rulings = [await t.check(1, "backward", Answer(a, 0, g, 1.0), resend, request, k, waited=True)
+                   for k in range(UNSETTLED_LIMIT)]
+        assert rulings[:-1] == [Ruling(Finding.UNSETTLED)] * (UNSETTLED_LIMIT - 1) and all(r.redo for r in rulings[:-1])
+        assert rulings[-1] == Ruling(Finding.LET_THROUGH) and not rulings[-1].redo  # their answers go on
+        assert t.ledger.gave_up(a, "backward") and t.ledger.gave_up(b, "backward") and not t.stats.caught
 
 
 async def test_answers_of_different_precisions_are_never_compared() -> None:
@@ -271,15 +284,16 @@ async def test_answers_of_different_precisions_are_never_compared() -> None:
         resend = _scripted(addrs, {half: [], b: [(0, g)], c: [(0, g)]}, {half: "bf16"})
         request = (torch.zeros(4, 8),)
         primary = Answer(half, 0, 1.01 * g, 1.0, "bf16")
-        assert await t._check(1, "backward", primary, resend, request, 1, waited=True) is None
-        assert not t.checks.caught and t.checks.mismatches == 0 and t.checks.rechecks == 0
-        assert (half, "backward") in t._gave_up and t.checks.unconfirmed == 1
+        assert await t.check(1, "backward", primary, resend, request, 1, waited=True) == Ruling(Finding.INCOMPARABLE)
+        assert not t.stats.caught and t.stats.mismatches == 0 and t.stats.rechecks == 0
+        assert t.ledger.gave_up(half, "backward") and t.stats.unconfirmed == 1
 
         t, addrs = _checking_trainer(client)
         full, mate, half = addrs
         resend = _scripted(addrs, {full: [], mate: [(0, g)], half: [(0, 1.01 * g)]}, {half: "bf16"})
-        assert await t._check(1, "backward", Answer(full, 0, g, 1.0), resend, request, 2, waited=True) is None
-        assert not t.checks.caught and t.checks.agreements == 1 and t._agreed[(full, "backward")] == 1
+        ruling = await t.check(1, "backward", Answer(full, 0, g, 1.0), resend, request, 2, waited=True)
+        assert ruling == Ruling(Finding.CONFIRMED)
+        assert not t.stats.caught and t.stats.agreements == 1 and t.ledger.confirmed(full, "backward") == 1
 
 
 # ---- liars in a real swarm ------------------------------------------------------------------------
@@ -376,7 +390,7 @@ async def test_liars_in_a_2x3_swarm_are_caught_reported_and_excluded_while_train
         assert summary.steps == 1 and summary.verify["checks"] == 0
         assert [dict(liar.data_plane.served) for liar in (liar0, liar1) if liar.data_plane] == served
         for router in late.routers:
-            assert liars & {p["id"] for p in router.snapshot()} <= router.excluded
+            assert liars & {p.peer_id for p in router.snapshot()} <= router.excluded
 
 
 async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daemon) -> None:
@@ -453,7 +467,7 @@ async def test_each_kind_of_liar_is_caught_and_excluded_and_the_loss_ends_within
         lie: str) -> None:
     """Every trainer step done, the liar caught and excluded by every honest peer after a bounded
     number of answers (``_train_with``'s assertions), and the held-out loss within 5 % of an honest
-    run's (a gradient liar's unconfirmed answers once cost 6-9 %: ``Trainer._check``)."""
+    run's (a gradient liar's unconfirmed answers once cost 6-9 %: ``SpotChecks.check``)."""
     if not _HONEST_LOSS:
         honest, caught, _ = await _train_with(None)
         assert not caught  # no false alarm on the honest swarm

@@ -216,7 +216,7 @@ async def test_tarpits_listed_as_serving_peers_cost_one_probation_attempt_each()
             assert not plain_stats.proven and not plain_stats.alive and plain_stats.picks == 0
             assert plain_stats.failures == 0 or plain_stats.banned_for(time.monotonic()) > 20.0
             # the smart tarpit's forward was given up by the stage's latency, not by the HTTP timeout
-            assert "typical latency" in trainer._last_failures[0][smart.addr].message  # noqa: SLF001
+            assert trainer.calls is not None and "typical latency" in trainer.calls.failures[0][smart.addr].message
             # what the smart tarpit's attempt could cost: a few typical requests, not the configured timeout
             assert router.timeout_for(next(p for p, t in fakes.items() if t is smart), 4, "forward") < CEILING_S / 4
             assert router.stats(honest.peer_id).proven and router.stats(honest.peer_id).failures == 0

@@ -14,7 +14,10 @@ import torch
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.data import BatchSampler
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
+from swarmd.train.swarm_client import PeerProgress
+from swarmd.train.sync_steps import SyncSteps
 from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary, split_batch
+from tests.test_routing import listed
 from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
 
 
@@ -42,44 +45,53 @@ def test_a_tapered_split_draws_the_same_samples() -> None:
     assert torch.equal(plain, tapered)
 
 
-async def test_a_sync_step_starts_with_its_first_microbatch_alone(monkeypatch) -> None:
-    trainer = Trainer(TrainerConfig(api="http://unused", steps=2, sync=True, microbatch_size=4, window=4, val_every=0))
-    trainer.spec, trainer.training = TINY, TRAINING
-    trainer.routers = [StageRouter(k) for k in range(TINY.n_stages)]
+class _Quiet:
+    """The stages as a sync step sees them, without a swarm: at step 0, every step taken at once."""
+
+    def __init__(self) -> None:
+        self.routers = [StageRouter(k) for k in range(TINY.n_stages)]
+
+    async def refresh(self, force: bool = False) -> None:
+        return None
+
+    async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
+        return [[] for _ in self.routers]  # nobody to wait for
+
+    async def swarm_step(self) -> int:
+        return 0
+
+
+async def test_a_sync_step_starts_with_its_first_microbatch_alone() -> None:
     events: list[tuple] = []
 
-    async def microbatch(x: torch.Tensor, y: torch.Tensor, *, on_forward=None) -> tuple[float, int, int]:
-        events.append(("start", x.shape[0], on_forward is not None))
-        await asyncio.sleep(0.01)
-        if on_forward is not None:
-            events.append(("first forward back",))
-            on_forward()
-        await asyncio.sleep(0.01)
-        return 1.0, 0, x.shape[0]
+    class Microbatches:
+        async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward=None) -> None:
+            events.append(("start", x.shape[0], on_forward is not None))
+            await asyncio.sleep(0.01)
+            if on_forward is not None:
+                events.append(("first forward back",))
+                on_forward()
+            await asyncio.sleep(0.01)
 
     async def nothing(*args: object) -> None:
         return None
 
-    async def step_zero() -> int:
-        return 0
-
-    monkeypatch.setattr(trainer, "_microbatch", microbatch)
-    monkeypatch.setattr(trainer, "_swarm_step", step_zero)
-    monkeypatch.setattr(trainer, "_wait_all_stepped", nothing)
-    monkeypatch.setattr(trainer, "_finish_step", nothing)
-    monkeypatch.setattr(trainer, "_refresh_view", nothing)
+    view = _Quiet()
+    config = TrainerConfig(api="http://unused", steps=2, sync=True, microbatch_size=4, window=4, val_every=0)
+    steps = SyncSteps(config, TRAINING, view=view, microbatches=Microbatches(), summary=TrainSummary(),
+                      on_step=nothing)
     data = torch.randint(0, 256, (10_000,), generator=torch.Generator().manual_seed(0))
-    await trainer._run_sync(BatchSampler(data, TINY.seq_len, seed=0), [])
+    await steps.run(BatchSampler(data, TINY.seq_len, seed=0))
     assert len(events) == 2 * 10  # nothing measured: the halved taper (2 4 4 4 2), the first one leading
     for step in (events[:10], events[10:]):
         assert step[:2] == [("start", 2, True), ("first forward back",)]
         assert sorted(e[1] for e in step[2:] if e[0] == "start") == [2, 4, 4, 4]
     # measured latencies worth a quarter ramp (1 2 3 4 3 2 1 here): each waits for the one before's forward
     events.clear()
-    for k, router in enumerate(trainer.routers):
-        router.update_peers({f"peer{k}": f"127.0.0.1:{4000 + k}"})
+    for k, router in enumerate(view.routers):
+        router.update_peers(listed({f"peer{k}": f"127.0.0.1:{4000 + k}"}, stage=k))
         router.report_success(f"peer{k}", 4, 4 * 0.03, "backward")
-    await trainer._run_sync(BatchSampler(data, TINY.seq_len, seed=0), [])
+    await steps.run(BatchSampler(data, TINY.seq_len, seed=0))
     one_step = [event for size in (1, 2, 3, 4, 3, 2, 1) for event in (("start", size, True), ("first forward back",))]
     assert events == one_step * 2
 
@@ -129,7 +141,7 @@ async def test_a_step_without_samples_has_no_loss_in_events_and_json() -> None:
     steps: list[tuple[int, float]] = []
     trainer = Trainer(TrainerConfig(api="http://unused", val_every=0), events=events.append,
                       on_step=lambda done, loss, info: steps.append((done, loss)))
-    await trainer._finish_step(0, 1, [])
+    await trainer._finish_step(0, 1)
     assert [type(e) for e in events] == [StepDone]
     done = events[0]
     assert isinstance(done, StepDone) and done.done == 1 and done.step == 0 and done.loss is None

@@ -23,6 +23,9 @@ action                     when
 ``FATAL``                  any other refusal (400, 401, 409, 413, 415, 422, ...): the request
                            itself is wrong, and resending it anywhere would fail the same way
 =========================  ===================================================================
+
+Whether a ``BAN`` was this client's own timeout (:func:`timed_out`: the peer held the call and never
+answered, a tarpit's signature) is told by the type of the error's cause, never by its name.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from swarmd.errors import (
     WrongStage,
 )
 
-__all__ = ["Action", "classify"]
+__all__ = ["Action", "classify", "timed_out"]
 
 
 class Action(enum.Enum):
@@ -69,3 +72,12 @@ def classify(error: PeerError) -> Action:
     if error.status in (0, 200, 408) or error.status >= 500:
         return Action.BAN
     return Action.FATAL
+
+
+def timed_out(error: PeerError) -> bool:
+    """Whether ``error`` is this client giving up waiting for an answer (status 0: the peer said
+    nothing), told by its cause: aiohttp's and asyncio's timeouts are all ``TimeoutError``
+    subclasses, and a trainer that cuts a call short raises its PeerError from one too. A peer's
+    own refusal (a 408 whose body did not arrive at the peer in time, say) is not this client's
+    timeout."""
+    return error.status == 0 and isinstance(error.__cause__, TimeoutError)

@@ -12,6 +12,10 @@ same stage.
 async trainer shell calls :meth:`StageRouter.choose`, performs the call, and reports the
 outcome; when no peer is usable it sleeps :meth:`StageRouter.next_unban_in` seconds. Time and
 randomness come from the injected ``clock`` and ``rng``, so tests drive it deterministically.
+It is typed at both ends: it takes the swarm's view of its stage as one :class:`PeerView` per
+listed peer (a DHT peer record as ``GET /swarm`` shows it; only :attr:`PeerView.usable` peers are
+routed to), and :meth:`StageRouter.snapshot` answers one :class:`RoutedPeer` per known peer, so the
+trainer's decisions read fields, never string keys.
 
 Design choices:
 
@@ -75,13 +79,23 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal
 
+from swarmd.peer_state import PeerState
 from swarmd.pipeline.throughput import ThroughputEMA
 
-__all__ = ["JITTER", "LatencyEMA", "NewcomerPolls", "PeerStats", "StageRouter"]
+__all__ = [
+    "JITTER",
+    "LatencyEMA",
+    "NewcomerPolls",
+    "PeerStats",
+    "PeerView",
+    "Reachability",
+    "RoutedPeer",
+    "StageRouter",
+]
 
 #: Relative jitter applied to every ban length (+-10%).
 JITTER = 0.1
@@ -91,6 +105,56 @@ _MAX_BACKOFF_EXPONENT = 64
 
 # Relative to the round's total weight: counters closer than this count as tied.
 _TIE_TOLERANCE = 1e-9
+
+
+#: Whether the swarm's members could dial a peer's data address (``swarmd.net.reachability``).
+Reachability = Literal["unknown", "yes", "no"]
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One peer as the swarm's view lists it: its DHT record (``swarmd.dht.records.PeerRecord``) as a
+    daemon's ``GET /swarm`` shows it, reduced to what a router needs before it ever calls the peer."""
+
+    peer_id: str
+    stage: int
+    addr: str  # where its data plane listens (the record's ``data_addr``)
+    state: PeerState = PeerState.SERVING
+    reachable: Reachability = "unknown"
+
+    @property
+    def usable(self) -> bool:
+        """Serving, and not known to be out of reach: what a trainer may dial (``PeerRecord.usable``)."""
+        return self.state is PeerState.SERVING and self.reachable != "no"
+
+
+@dataclass(frozen=True)
+class RoutedPeer:
+    """One peer as a router stands with it at one moment (:meth:`StageRouter.snapshot`)."""
+
+    peer_id: str
+    addr: str
+    throughput: float  # samples/s, as this trainer measured it
+    measured: bool
+    proven: bool  # it has answered a call correctly: off probation
+    alive: bool  # it answered a progress poll since its last failure
+    weight: float  # its round-robin weight
+    in_flight: int
+    banned_for_s: float  # 0.0 when not banned
+    excluded: bool  # excluded by the swarm, its stage or as a fork: never chosen
+    successes: int
+    failures: int
+    timeouts: int
+    consecutive_failures: int
+
+    @property
+    def banned(self) -> bool:
+        return self.banned_for_s > 0.0
+
+    @property
+    def routable(self) -> bool:
+        """Neither banned nor excluded: the router may choose it (in-flight caps aside)."""
+        return not self.banned and not self.excluded
 
 
 class LatencyEMA:
@@ -267,14 +331,21 @@ class StageRouter:
 
     # ---- membership ----------------------------------------------------------------------
 
-    def update_peers(self, peers: Mapping[str, str]) -> None:
-        """Adopt the swarm's current view of this stage: ``peer_id -> data_addr``.
+    def update_peers(self, view: Iterable[PeerView]) -> None:
+        """Adopt the swarm's current view of this stage: its :attr:`PeerView.usable` peers are routed to.
 
         Vanished peers are forgotten, except that one banned right now is remembered until its
         ban ends (a fake record that comes and goes keeps its backoff); known peers keep their
         measurements and bans even if their address changed; new peers are added in sorted
-        order, so the result does not depend on the view's order.
+        order, so the result does not depend on the view's order. A view of another stage is a
+        caller's bug: ValueError.
         """
+        peers: dict[str, str] = {}
+        for p in view:
+            if p.stage != self.stage:
+                raise ValueError(f"stage {self.stage}'s router was given peer {p.peer_id[:12]} of stage {p.stage}")
+            if p.usable:
+                peers[p.peer_id] = p.addr
         now = self._clock()
         for peer_id in [p for p in self._gone if self._gone[p].banned_for(now) == 0.0]:
             del self._gone[peer_id]
@@ -527,26 +598,26 @@ class StageRouter:
         now = self._clock()
         return sum(1 for p in self._peers.values() if p.banned_for(now) == 0.0 and p.peer_id not in self._excluded)
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """One plain dict per peer, sorted by id, for progress displays and tests."""
+    def snapshot(self) -> list[RoutedPeer]:
+        """Every known peer as this router stands with it now, sorted by id."""
         now = self._clock()
         weights = self._weights()
         return [
-            {
-                "id": p.peer_id,
-                "addr": p.addr,
-                "throughput": p.throughput,
-                "measured": p.measured,
-                "proven": p.proven,
-                "alive": p.alive,
-                "weight": weights[p.peer_id],
-                "in_flight": p.in_flight,
-                "banned_for_s": p.banned_for(now),
-                "excluded": p.peer_id in self._excluded,
-                "successes": p.successes,
-                "failures": p.failures,
-                "timeouts": p.timeouts,
-                "consecutive_failures": p.consecutive_failures,
-            }
+            RoutedPeer(
+                peer_id=p.peer_id,
+                addr=p.addr,
+                throughput=p.throughput,
+                measured=p.measured,
+                proven=p.proven,
+                alive=p.alive,
+                weight=weights[p.peer_id],
+                in_flight=p.in_flight,
+                banned_for_s=p.banned_for(now),
+                excluded=p.peer_id in self._excluded,
+                successes=p.successes,
+                failures=p.failures,
+                timeouts=p.timeouts,
+                consecutive_failures=p.consecutive_failures,
+            )
             for p in sorted(self._peers.values(), key=lambda p: p.peer_id)
         ]

@@ -2,7 +2,7 @@
 
 A corpus larger than RAM cannot be tokenized at every trainer start nor held in memory, so it is
 tokenized once (nanoGPT's ``prepare.py`` recipe): ``prepare`` reads the sources piece by piece
-(``swarmd.train.data.read_pieces``), tokenizes them in batches on the ``tokenizers`` thread pool
+(``swarmd.train.corpus.read_pieces``), tokenizes them in batches on the ``tokenizers`` thread pool
 and writes the ids through ``numpy.memmap`` into ``.bin`` shards of unsigned integers (uint16 for
 vocabularies up to 65,536, uint32 above; uint8 for byte-level), plus ``index.json``::
 
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from swarmd.errors import ConfigError
-from swarmd.train.data import INDEX_NAME, Corpus, Piece, read_pieces, source_files
+from swarmd.train.corpus import INDEX_NAME, Corpus, Piece, read_pieces, source_files
 from swarmd.train.tokenizer import BYTE_LEVEL, MAX_VOCAB, Tokenizer, describe
 
 __all__ = ["FORMAT", "PrepareResult", "ShardFile", "ShardStream", "open_prepared", "prepare", "read_index"]
@@ -66,8 +66,9 @@ class ShardFile:
 class ShardStream:
     """Token ids across ``.bin`` shards, as a 1-D view ``[start, stop)`` of their concatenation.
 
-    Quacks like the 1-D tensors ``swarmd.train.data`` samples from (``numel``, ``dim``,
-    ``shape``, slicing with step 1); :meth:`windows` reads only the windows asked for.
+    A :class:`~swarmd.train.corpus.TokenStream`: it quacks like the 1-D tensors ``swarmd.train.data``
+    samples from (``numel``, ``dim``, ``shape``, slicing with step 1); :meth:`windows` reads only
+    the windows asked for.
     """
 
     def __init__(self, files: Sequence[ShardFile], dtype: np.dtype, start: int = 0, stop: int | None = None) -> None:
@@ -220,7 +221,7 @@ def _stream(folder: Path, index: dict[str, Any], split: str) -> ShardStream:
 
 
 def open_prepared(folder: Path, *, seq_len: int, tokenizer: Tokenizer | None = None) -> Corpus:
-    """A prepared folder as a :class:`~swarmd.train.data.Corpus` of memmapped streams.
+    """A prepared folder as a :class:`~swarmd.train.corpus.Corpus` of memmapped streams.
 
     ``tokenizer`` (the user's ``--tokenizer``, if any) must be the one the data was prepared with.
     """

@@ -12,7 +12,7 @@ stand (``GET /v1/progress``, through :class:`~swarmd.net.client.DataPlaneClient`
 DHT's view can be an announce period old. The bodies are parsed with the control plane's own
 models (``swarmd.api.models``), so client and server share one schema.
 
-This is I/O only; what the trainer does with the answers lives in ``swarmd.train.trainer``.
+This is I/O only; what the trainer does with the answers lives in ``swarmd.train.swarm_view``.
 """
 
 from __future__ import annotations
@@ -34,19 +34,11 @@ from swarmd.errors import PeerError, SwarmdError
 from swarmd.net.client import DataPlaneClient
 from swarmd.pipeline.routing import NewcomerPolls
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+from swarmd.train.timing import Timing
 
 __all__ = ["PeerProgress", "Registration", "SwarmClient", "TrainerError"]
 
 log = logging.getLogger(__name__)
-
-#: How long one /v1/progress poll of a peer may take (a long-poll: on top of its wait).
-PROGRESS_TIMEOUT_S = 5.0
-#: ... of a peer that has never answered this trainer (on probation: a tarpit must not hold up
-#: every poll of the trainer's loop for PROGRESS_TIMEOUT_S).
-PROBATION_PROGRESS_TIMEOUT_S = 3.0
-#: How long the last report may take when the trainer finishes.
-FLUSH_TIMEOUT_S = 5.0
-
 
 RATE_WINDOW_S = 30.0  # the span of the samples/s a trainer reports with its heartbeats
 
@@ -92,20 +84,24 @@ class SwarmClient:
         api_token: str | None = None,
         refresh_s: float = 2.0,
         sync: bool = False,
+        timing: Timing | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``sync``: registers a ``--sync`` trainer, which the daemon refuses while another one
-        trains through it (see ``POST /trainers``)."""
+        trains through it (see ``POST /trainers``). ``timing``: its polls' and reports' timeouts;
+        ``clock``: what the reported rate and the stage map's age are measured by."""
         self.api = api.rstrip("/")
         self.name = name
         self.sync = sync
         self.refresh_s = refresh_s
+        self.timing = timing if timing is not None else Timing()
+        self._clock = clock
         self.registration: Registration | None = None
         self._http = http
         self._data = data
         self._headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
         self._view_lock = asyncio.Lock()
         self._view_at = 0.0
-        self.unreachable: dict[int, list[str]] = {}  # stage -> data addrs nobody could dial
         self._steps: list[dict[str, object]] = []  # steps finished since the last heartbeat got through
         self._samples = 0
         self._retries = self._bans = 0  # cumulative, reported with heartbeats (/metrics sums them)
@@ -141,7 +137,7 @@ class SwarmClient:
                                f"{exc}") from exc
         self.registration = registration
         if not self._seen:  # the rate's window starts here: samples counted by the first step seen count too
-            self._seen.append((time.monotonic(), self._samples))
+            self._seen.append((self._clock(), self._samples))
         log.info("registered as trainer %s with swarm %r: model %s, %d stages, target batch %d",
                  registration.trainer_id, registration.swarm, registration.spec.name, registration.spec.n_stages,
                  registration.training.target_batch_size)
@@ -154,8 +150,8 @@ class SwarmClient:
             return v if v is not None and math.isfinite(v) else None
 
         self._samples = samples
-        self._seen.append((time.monotonic(), samples))  # without a registration, the first one only starts the window
-        self._prune(time.monotonic())
+        self._seen.append((self._clock(), samples))  # without a registration, the first one only starts the window
+        self._prune(self._clock())
         self._retries, self._bans = retries, bans
         if spot_checks is not None:
             self._spot_checks = dict(spot_checks)
@@ -166,7 +162,7 @@ class SwarmClient:
         """This trainer's samples per second over the last :data:`RATE_WINDOW_S` (0 once it has
         seen no step for that long): a rate that neither says 0 right after a heartbeat nor
         stays high while the trainer is stalled."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         self._prune(now)
         if not self._seen or now <= self._seen[0][0]:
             return 0.0
@@ -211,7 +207,7 @@ class SwarmClient:
         elif not self._steps:
             return
         try:
-            await asyncio.wait_for(self.heartbeat(), FLUSH_TIMEOUT_S)
+            await asyncio.wait_for(self.heartbeat(), self.timing.flush_timeout_s)
         except asyncio.TimeoutError:
             log.warning("the last training report to %s timed out", self.api)
 
@@ -227,7 +223,7 @@ class SwarmClient:
                 pass
 
         try:
-            await asyncio.wait_for(delete(), FLUSH_TIMEOUT_S)
+            await asyncio.wait_for(delete(), self.timing.flush_timeout_s)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("ending the registration at %s failed: %s", url, exc)
 
@@ -246,30 +242,24 @@ class SwarmClient:
 
     # ---- the stage map ---------------------------------------------------------------------
 
-    async def stage_map(self, *, force: bool = False) -> dict[int, dict[str, str]] | None:
-        """The serving, not unreachable peers (``peer_id -> data_addr``) of each stage the daemon's ``/swarm``
-        lists; None when it was read less than ``refresh_s`` ago (unless ``force``) or could not
-        be read (logged: the trainer keeps its last view)."""
+    async def stage_map(self, *, force: bool = False) -> SwarmView | None:
+        """The daemon's ``/swarm``: every stage's listed peers (``swarmd.train.swarm_view.peer_views``
+        reads them); None when it was read less than ``refresh_s`` ago (unless ``force``) or could
+        not be read (logged: the trainer keeps its last view)."""
         async with self._view_lock:
-            if not force and time.monotonic() - self._view_at < self.refresh_s:
+            if not force and self._clock() - self._view_at < self.refresh_s:
                 return None
             try:
                 # off loopback the control plane's read-only endpoints need the token too
                 async with self._http.get(f"{self.api}/swarm", headers=self._headers) as r:
                     if r.status != 200:
                         raise TrainerError(f"GET /swarm answered {r.status}")
-                    view = SwarmView.model_validate(await r.json(content_type=None))
+                    return SwarmView.model_validate(await r.json(content_type=None))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, ValidationError, TrainerError) as exc:
                 log.warning("could not refresh the stage map: %s", exc)
                 return None
             finally:
-                self._view_at = time.monotonic()
-        # a peer the swarm could not dial (``reachable: no``, swarmd.net.reachability) would only cost timeouts
-        self.unreachable = {stage.stage: [p.data_addr for p in stage.peers if p.reachable == "no"]
-                            for stage in view.stages}
-        return {stage.stage: {p.peer_id: p.data_addr for p in stage.peers
-                              if p.state == "serving" and p.reachable != "no"}
-                for stage in view.stages}
+                self._view_at = self._clock()
 
     # ---- progress --------------------------------------------------------------------------
 
@@ -280,7 +270,7 @@ class SwarmClient:
         """Every listed peer's progress (``stages[k]``: ``(peer_id, data_addr)`` pairs), per stage,
         all polled at once. With ``wait_step``, a long-poll: each peer answers once it reaches
         that step, or after ``wait_s``. Peers in ``probation`` (never answered the trainer's
-        calls) get :data:`PROBATION_PROGRESS_TIMEOUT_S` instead of :data:`PROGRESS_TIMEOUT_S`.
+        calls) get ``Timing.probation_progress_timeout_s`` instead of ``Timing.progress_timeout_s``.
 
         Peers that never answered a poll of this client (newcomers, or fakes: issue #18) do not
         hold the poll up (:class:`~swarmd.pipeline.routing.NewcomerPolls`): once the others are
@@ -293,7 +283,8 @@ class SwarmClient:
         waits = wait_step is not None
 
         async def one(peer_id: str, addr: str) -> PeerProgress:
-            limit = PROBATION_PROGRESS_TIMEOUT_S if peer_id in probation else PROGRESS_TIMEOUT_S
+            limit = (self.timing.probation_progress_timeout_s if peer_id in probation
+                     else self.timing.progress_timeout_s)
             try:
                 reply = await self._data.progress(addr, wait_step=wait_step, wait_s=wait_s if waits else None,
                                                   timeout_s=limit + (wait_s if waits else 0.0))

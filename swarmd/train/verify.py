@@ -16,8 +16,9 @@ a peer that lies from the start is caught at its first answer and that answer is
 
 This module is the pure part: which calls to check (:class:`SpotChecker`, injected rng), how two
 answers compare (:func:`tolerance`, :func:`agree`), what a check's answers mean
-(:func:`arbitrate`), and the counters a trainer reports (:class:`VerifyStats`). The trainer
-(``swarmd.train.trainer``) does the I/O.
+(:func:`arbitrate`), what a trainer's checks concluded of each peer so far (:class:`CheckLedger`),
+and the counters a trainer reports (:class:`VerifyStats`). ``swarmd.train.spot_checks`` does the
+I/O.
 
 The comparison. An answer is the reply's tensor (a forward's outputs, a backward's input
 gradients) plus, on the last stage, its loss, and the step it was computed at. Answers at
@@ -47,7 +48,8 @@ of a peer that a stage-mate excludes or whose digest a strict majority of its st
 does not hold: the stage looks short and is topped up, as after a peer died. That direction is
 safe: a liar naming honest peers costs extra samples, never a stall. Routing is stricter, since
 a liar could name every honest peer: a trainer stops routing to a peer only when most of its
-stage's answering peers exclude it (:func:`excluded_by_stage`), or when it holds a minority digest.
+stage's answering peers exclude it (:func:`excluded_by_stage`), or when it holds a minority digest,
+or when most of the whole swarm's answering peers list it (:func:`excluded_by_majority`).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import enum
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -66,14 +68,18 @@ from swarmd.net.codecs import EIGHT_BIT_REL_ERROR
 
 __all__ = [
     "CROSS_BUILD_SLACK",
+    "FIRST_CHECKS",
     "LIAR_BAN_S",
+    "UNSETTLED_LIMIT",
     "Answer",
+    "CheckLedger",
     "SpotChecker",
     "Verdict",
     "VerifyStats",
     "agree",
     "arbitrate",
     "describe",
+    "excluded_by_majority",
     "excluded_by_stage",
     "forks",
     "stage_distrust",
@@ -86,6 +92,13 @@ CROSS_BUILD_SLACK = 1e-4
 LIAR_BAN_S = 3600.0
 #: Relative tolerance of two losses (float32 on both sides; exact on the same build).
 LOSS_TOLERANCE = 1e-4
+#: A peer's answers of each kind are checked always until this many were confirmed: a liar from the
+#: start is caught at its first answer, before it has done much harm.
+FIRST_CHECKS = 1
+#: Mismatches of a stage's only two peers that are redone before their answers go on unconfirmed
+#: (:meth:`CheckLedger.unsettled`): one of two lies, which two peers cannot tell apart, and redoing
+#: every microbatch for ever would stall training.
+UNSETTLED_LIMIT = 3
 
 _CODEC_ERROR = {
     "none": 0.0,
@@ -249,6 +262,69 @@ def describe(verify: dict[str, Any]) -> str | None:
             f"requests (+{traffic:.1f}% traffic), {verify.get('mismatches', 0)} mismatches, {liars}")
 
 
+class CheckLedger:
+    """What one trainer's spot checks concluded about each peer so far, per kind of answer
+    (``forward``, ``backward``): whose answers were confirmed, who is disputed, which pairs of a
+    stage's only two peers keep disagreeing, and whose first answers are not checked any more."""
+
+    def __init__(self, *, first_checks: int = FIRST_CHECKS, unsettled_limit: int = UNSETTLED_LIMIT) -> None:
+        self.first_checks = first_checks
+        self.unsettled_limit = unsettled_limit
+        self._confirmed: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> its answers a check confirmed
+        self._disputed: set[str] = set()  # peers in a mismatch no conviction cleared
+        self._unsettled: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> mismatches nobody could settle
+        self._gave_up: set[tuple[str, str]] = set()  # (peer, kind): not first-checked any more
+
+    def confirmed(self, peer_id: str, kind: str) -> int:
+        """How many of ``peer_id``'s answers of ``kind`` a check confirmed."""
+        return self._confirmed[(peer_id, kind)]
+
+    def wants_first_check(self, peer_id: str, kind: str) -> bool:
+        """Whether ``peer_id``'s next answer of ``kind`` is checked whatever the draw: it has fewer
+        than ``first_checks`` confirmed, and its first checks were not given up."""
+        return self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
+
+    def credit(self, answers: Sequence[Answer], kind: str, uncredited: str | None = None) -> None:
+        """Count a confirmed answer for each of ``answers``' peers but ``uncredited`` (an answer to a
+        request flagged ``verify`` proves nothing of what the peer answers to an unflagged one)."""
+        for a in answers:
+            if a.peer_id != uncredited:
+                self._confirmed[(a.peer_id, kind)] += 1
+
+    def dispute(self, peers: Iterable[str]) -> None:
+        """``peers`` were in a mismatch: until a conviction clears them, an answer of theirs that no
+        check can confirm is not let through."""
+        self._disputed.update(peers)
+
+    def clear(self, peers: Iterable[str]) -> None:
+        """``peers`` agreed on the truth against a convicted liar: no longer disputed."""
+        self._disputed.difference_update(peers)
+
+    def disputed(self, peer_id: str) -> bool:
+        return peer_id in self._disputed
+
+    def unsettled(self, a: str, b: str, kind: str, *, pair_only: bool) -> bool:
+        """Count a mismatch of ``a`` and ``b`` that no third peer settled; True when their first
+        checks are given up from now on: they are their stage's only usable peers (``pair_only``) and
+        both reached ``unsettled_limit`` such mismatches."""
+        self._unsettled[(a, kind)] += 1
+        self._unsettled[(b, kind)] += 1
+        if not pair_only or min(self._unsettled[(a, kind)], self._unsettled[(b, kind)]) < self.unsettled_limit:
+            return False
+        self._gave_up |= {(a, kind), (b, kind)}
+        return True
+
+    def give_up(self, peer_id: str, kind: str) -> bool:
+        """Stop first-checking ``peer_id``'s answers of ``kind``; False when that was so already."""
+        if (peer_id, kind) in self._gave_up:
+            return False
+        self._gave_up.add((peer_id, kind))
+        return True
+
+    def gave_up(self, peer_id: str, kind: str) -> bool:
+        return (peer_id, kind) in self._gave_up
+
+
 class Standing(Protocol):
     """What a trainer's progress poll learnt of one peer (``swarmd.train.swarm_client.PeerProgress``)."""
 
@@ -301,3 +377,16 @@ def excluded_by_stage(stage: Sequence[Standing]) -> frozenset[str]:
     counts = Counter(e for p in answers for e in set(p.excluded) if e != p.peer_id)
     need = max(2, len(answers) // 2 + 1)
     return frozenset(pid for pid, n in counts.items() if n >= need)
+
+
+def excluded_by_majority(answers: Sequence[Standing]) -> frozenset[str]:
+    """The peers listed as excluded by more than half of ``answers`` (and by at least two), all
+    stages together.
+
+    Each daemon keeps its own ledger of signed misbehaviour reports
+    (``swarmd.pipeline.reports``), and a lying daemon could list honest peers: believing any one
+    answer would let it cut them off. A majority of the peers that answered must agree.
+    """
+    counts = Counter(peer_id for answer in answers for peer_id in set(answer.excluded))
+    need = max(2, len(answers) // 2 + 1)
+    return frozenset(p for p, n in counts.items() if n >= need)

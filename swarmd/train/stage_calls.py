@@ -1,0 +1,431 @@
+"""Calls to a stage: the one machine every caller goes through (route, timeout, send, classify, ban, retry).
+
+SWARM's trainers send each microbatch through one peer per stage, picked by stochastic wiring
+(paper, section 3.2), and survive slow, leaving or broken peers by routing around them. Every call
+to a stage does the same: the stage's router (``swarmd.pipeline.routing``) picks a peer and says how
+long to wait for it; the request goes out; a refusal is classified by its type
+(``swarmd.pipeline.failures``) into a ban with backoff and a retry elsewhere, a pause, a redo or a
+give-up. :meth:`StageCalls.call` is that machine, once; a microbatch's forward and backward, a
+validation forward and a spot check's second opinion all use it (petals' client cuts the same way:
+``sequence_manager`` decides, ``remote_forward_backward`` sends, one retry loop around them).
+
+What differs between callers is said, not coded twice:
+
+* :class:`Patience`: how hard a call tries. A microbatch's call (:meth:`Patience.until_answered`)
+  must be answered: it waits for a usable peer (up to ``stage_wait_timeout_s``) and retries until
+  one answers. A spot check's opinion is an extra: a few tries, and it ends when there is nobody to
+  ask or the peer moved on (its answer would be from another step).
+* :class:`CallTally`: who pays. A microbatch's calls count in the trainer's summary (retries, bans,
+  timeouts, probation calls) and each ban is logged; a check's count as its extra traffic.
+
+How a call ends, by type: the reply (:class:`Served`); :class:`StepMoved` (``StaleStep``: the stage
+stepped since this microbatch's forward, whose gradient would mix two steps: a :class:`Redo`); or
+:class:`CallEnded` (a :class:`~swarmd.train.swarm_client.TrainerError` saying why: refused, nobody
+to ask, moved on).
+
+Timeouts follow what the stage's peers take (``StageRouter.timeout_for``); a peer never seen
+answering is on probation, and a forward to it (no side effect) is cut short once overdue by what
+the stage takes *now* (issue #18: a tarpit costs about one typical call). A backward is exactly
+once (``swarmd.pipeline.step_protocol``): its peer adds the gradient only within its deadline, and
+an attempt whose answer was lost is settled by asking that peer (``POST /v1/claim``) before the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, Protocol, TypeVar
+
+import torch
+
+from swarmd.errors import PeerError
+from swarmd.net.client import DataPlaneClient
+from swarmd.net.messages import BackwardReply, ClaimRequest, ForwardReply
+from swarmd.pipeline.failures import Action, classify, timed_out
+from swarmd.pipeline.routing import StageRouter
+from swarmd.pipeline.step_protocol import BackwardAttempts
+from swarmd.train.events import CallDone, TrainerEvent
+from swarmd.train.summary import TrainSummary
+from swarmd.train.swarm_client import TrainerError
+from swarmd.train.timing import Timing
+
+__all__ = [
+    "CallEnded",
+    "CallTally",
+    "Ended",
+    "Patience",
+    "Redo",
+    "Send",
+    "Served",
+    "StageCalls",
+    "Stages",
+    "StepMoved",
+    "unreachable_hint",
+]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+Kind = Literal["forward", "backward"]
+#: Sends one request to the peer at ``addr``, waiting at most ``timeout_s``.
+Send = Callable[[str, float], Awaitable[R]]
+
+
+class Redo(Exception):
+    """The microbatch must be redone from its first stage, under a new id."""
+
+
+class StepMoved(Redo):
+    """A stage refused a backward as ``StaleStep``: it stepped since this microbatch's forward, and
+    the gradient would mix two steps. Redone whole, it is never lost nor counted in the wrong step."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(f"stage {stage} stepped since the microbatch's forward")
+        self.stage = stage
+
+
+class Ended(enum.Enum):
+    """Why a call ended without an answer."""
+
+    REFUSED = "refused"  # the request itself is wrong: resending it anywhere would fail the same way
+    NOBODY = "nobody"  # no usable peer to ask (for a waiting call: for stage_wait_timeout_s), or tries spent
+    MOVED_ON = "moved_on"  # the peer is leaving, behind or on another stage (a call that does not retry elsewhere)
+
+
+class CallEnded(TrainerError):
+    """A call to a stage ended without an answer; ``why`` says how."""
+
+    def __init__(self, why: Ended, message: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Patience:
+    """How hard one call tries before it ends unanswered."""
+
+    tries: int | None  # requests sent at most (None: until a peer answers)
+    #: No usable peer now, or the peer moved on: wait for one / try another (True), or end the call.
+    waits: bool
+    busy_pause_s: float  # a peer busy averaging is asked again after this
+
+    @classmethod
+    def until_answered(cls, timing: Timing) -> Patience:
+        """A microbatch's (or a validation's) call: it must be answered, so it waits and retries."""
+        return cls(tries=None, waits=True, busy_pause_s=timing.busy_retry_s)
+
+
+@dataclass(frozen=True)
+class Served(Generic[R]):
+    """A call's answer: the reply, the peer that sent it, and how many requests it took."""
+
+    reply: R
+    peer_id: str
+    attempts: int
+
+
+class CallTally(Protocol):
+    """Who pays for a call's requests (see the module docstring)."""
+
+    def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None: ...
+
+    def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
+               timeout_s: float) -> None: ...
+
+
+class Stages(Protocol):
+    """The routers a call picks peers from (``swarmd.train.swarm_view.SwarmView``)."""
+
+    @property
+    def routers(self) -> Sequence[StageRouter]: ...
+
+    async def refresh(self, force: bool = False) -> None: ...
+
+    def unreachable(self, stage: int) -> Sequence[str]: ...
+
+
+class _WorkTally:
+    """A microbatch's calls: counted in the trainer's summary, each ban said in the log."""
+
+    def __init__(self, summary: TrainSummary) -> None:
+        self.summary = summary
+
+    def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None:
+        self.summary.probation_calls += int(on_probation)
+
+    def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
+               timeout_s: float) -> None:
+        s = self.summary
+        s.retries += 1
+        s.bans += 1
+        s.timeouts += int(timed_out)
+        log.warning("stage %d peer %s failed (%s%s); banned for %.1fs, retrying elsewhere", stage, peer_id[:12],
+                    error, f", no answer within {timeout_s:.1f}s" if timed_out else "", ban_s)
+
+
+def unreachable_hint(failures: dict[str, PeerError], unreachable: Sequence[str] = ()) -> str:
+    """The end of a give-up sentence: the addresses that failed and why, or that no member of the
+    swarm could dial, with the likely cause (a firewall, a NAT, a wrong ``--announce``)."""
+    cause = "a firewall or NAT in the way, or a wrong --announce on that peer?"
+    parts = []
+    if unreachable:
+        parts.append(f"{len(unreachable)} peer(s) listed at {', '.join(unreachable[:3])} could not be dialled by "
+                     f"other members (reachable: no; {cause})")
+    if failures:
+        shown = "; ".join(f"{addr}: {exc.message or exc.error}" for addr, exc in list(failures.items())[-3:])
+        hint = f" ({cause})" if all(exc.status == 0 for exc in failures.values()) else ""
+        parts.append(f"its peers failed: {shown}{hint}")
+    return (". " + "; ".join(parts)) if parts else ""
+
+
+class StageCalls:
+    """Every call this trainer makes to a stage: the machine (:meth:`call`) and the kinds of call
+    (:meth:`forward`, :meth:`backward`, and the same requests again for a spot check)."""
+
+    def __init__(
+        self, stages: Stages, client: DataPlaneClient, *, model: str, codec: str, summary: TrainSummary,
+        timing: Timing, request_timeout_s: float, stage_wait_timeout_s: float,
+        emit: Callable[[TrainerEvent], None] | None = None,
+    ) -> None:
+        self.stages = stages
+        self.client = client
+        self.model = model  # the model spec's digest: every request names it
+        self.codec = codec
+        self.summary = summary
+        self.timing = timing
+        self.request_timeout_s = request_timeout_s
+        self.stage_wait_timeout_s = stage_wait_timeout_s
+        self.failures: dict[int, dict[str, PeerError]] = {}  # stage -> addr -> the last error that banned it
+        self._emit = emit
+        self._work = _WorkTally(summary)
+        self._patient = Patience.until_answered(timing)
+
+    # ---- the machine -----------------------------------------------------------------------------
+
+    async def call(
+        self, stage: int, kind: Kind, samples: int, send: Send[R], *, patience: Patience | None = None,
+        tally: CallTally | None = None, prefer: str | None = None, only: str | None = None,
+        exclude: Collection[str] = (), taken: set[str] | None = None,
+    ) -> Served[R]:
+        """One request to some peer of ``stage``, made by ``send(addr, timeout_s)`` within the router's
+        timeout for that peer; retried, banned and waited for as ``patience`` says (by default: until
+        answered), paid by ``tally`` (by default: the trainer's summary).
+
+        Whom to ask: ``prefer`` first when it is usable (a backward's: the peer that ran the forward,
+        whose activation cache holds the microbatch), ``only`` that peer and nobody else (a spot check
+        asking the same peer again), never one in ``exclude``. ``taken`` is shared by calls made at
+        once that must each ask another peer: each call's current peer is in it from before its
+        first await.
+        """
+        router = self.stages.routers[stage]
+        patience = self._patient if patience is None else patience
+        tally = self._work if tally is None else tally
+        exclude = frozenset(exclude)
+        tried: set[str] = set()  # failed in this call (cleared when a waiting call goes round again)
+        mine: str | None = None  # this call's claim in ``taken``
+        waiting_since: float | None = None
+        sent = 0
+        while patience.tries is None or sent < patience.tries:
+            avoid = exclude | tried
+            if only is not None:
+                choice = router.choose_only(only) if only not in avoid else None
+            else:
+                choice = router.choose_preferred(prefer, exclude=avoid | ((taken or set()) - {mine}))
+            if choice is None:
+                if not patience.waits:
+                    break
+                waiting_since = await self._wait_for_peer(stage, router, tried, avoid, waiting_since)
+                continue
+            peer_id, addr = choice
+            if taken is not None:
+                if mine is not None:
+                    taken.discard(mine)
+                taken.add(peer_id)
+            mine = peer_id
+            on_probation = not router.stats(peer_id).proven
+            timeout = router.timeout_for(peer_id, samples, kind, floor_s=self.timing.timeout_floor(
+                kind, self.request_timeout_s))
+            router.begin(peer_id)
+            sent += 1
+            tally.sent(peer_id, samples, on_probation=on_probation)
+            started = time.monotonic()
+            try:
+                if on_probation and kind == "forward":  # no side effect: may be cut short (issue #18)
+                    reply = await self._watched(router, peer_id, samples, kind, send(addr, timeout), started)
+                else:
+                    reply = await send(addr, timeout)
+            except PeerError as exc:
+                action = classify(exc)
+                if action is Action.BAN:
+                    late = timed_out(exc)
+                    self.failures.setdefault(stage, {})[addr] = exc
+                    ban = router.report_failure(peer_id, timeout=late)
+                    tally.banned(stage, peer_id, exc, timed_out=late, ban_s=ban, timeout_s=timeout)
+                    tried.add(peer_id)
+                    continue
+                router.release(peer_id)
+                if action is Action.REDO:
+                    raise StepMoved(stage) from exc
+                if action is Action.RETRY_SOON:  # e.g. Busy averaging: this peer is fine, shortly
+                    await asyncio.sleep(patience.busy_pause_s)
+                    continue
+                if action is Action.RETRY_ELSEWHERE:  # leaving, behind, or not this stage any more
+                    if not patience.waits:
+                        raise CallEnded(Ended.MOVED_ON, f"stage {stage} peer {peer_id[:12]} moved on: {exc}") from exc
+                    tried.add(peer_id)
+                    continue
+                raise CallEnded(Ended.REFUSED, f"stage {stage} peer {peer_id[:12]} refused a request: {exc}") from exc
+            except BaseException:
+                router.release(peer_id)
+                raise
+            router.report_success(peer_id, samples, time.monotonic() - started, kind)
+            return Served(reply, peer_id, sent)
+        raise CallEnded(Ended.NOBODY, f"stage {stage}: no peer to ask (after {sent} request(s))")
+
+    async def _wait_for_peer(self, stage: int, router: StageRouter, tried: set[str], avoid: Collection[str],
+                             waiting_since: float | None) -> float | None:
+        """Nobody to choose for a call that waits: pause for the right reason, and say since when
+        the stage has had no usable peer at all (None while it has some); give up after
+        ``stage_wait_timeout_s`` of that."""
+        if router.waiting_on_caps(exclude=avoid):
+            await asyncio.sleep(self.timing.tick_s)  # peers on probation are busy: a call ending frees a slot
+            return waiting_since
+        if tried and router.usable_count:
+            tried.clear()  # every usable peer was tried once in this call: go round again
+            await asyncio.sleep(self.timing.round_again_s)
+            return waiting_since
+        now = time.monotonic()  # no usable peer at all: none listed, or all banned
+        if waiting_since is None:
+            waiting_since = now
+            log.warning("no usable peer for stage %d right now; waiting for one (up to %.0fs)",
+                        stage, self.stage_wait_timeout_s)
+        elif now - waiting_since > self.stage_wait_timeout_s:
+            raise CallEnded(Ended.NOBODY,
+                            f"stage {stage} has had no usable peer for {self.stage_wait_timeout_s:.0f}s; giving up"
+                            + unreachable_hint(self.failures.get(stage, {}), self.stages.unreachable(stage)))
+        tried.clear()
+        unban = router.next_unban_in()
+        await asyncio.sleep(min(unban if unban is not None else self.timing.no_peer_poll_s, self.timing.no_peer_poll_s))
+        await self.stages.refresh()
+        return waiting_since
+
+    async def _watched(self, router: StageRouter, peer_id: str, samples: int, kind: Kind, call: Awaitable[R],
+                       started: float) -> R:
+        """A forward to a peer on probation, given up once it is overdue by the timeout the stage's
+        latency gives *now*: a trainer's first calls go out before any estimate exists (the ceiling
+        then holds), and a peer that answers polls but holds calls must cost about one typical call
+        once its stage-mates have answered, not the ceiling (issue #18)."""
+        task = asyncio.ensure_future(call)
+        floor = self.timing.timeout_floor(kind, self.request_timeout_s)
+        try:
+            while True:
+                limit = router.timeout_for(peer_id, samples, kind, floor_s=floor)
+                left = started + limit - time.monotonic()
+                if left <= 0:
+                    overdue = TimeoutError(f"no answer within {limit:.1f}s")
+                    raise PeerError(0, "TimeoutError", f"no answer within {limit:.1f}s, the stage's typical latency "
+                                    "(a peer on probation)") from overdue
+                done, _ = await asyncio.wait({task}, timeout=min(left, self.timing.watch_s))
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    # ---- the kinds of call -----------------------------------------------------------------------
+
+    async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
+                      mb: int | None = None) -> Served[ForwardReply]:
+        """A forward through ``stage`` (with ``targets`` on the last stage: its loss too)."""
+        client, codec, model = self.client, self.codec, self.model
+        return await self._observed(stage, "forward", inputs.shape[0], lambda addr, timeout: client.forward(
+            addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout))
+
+    async def backward(
+        self, stage: int, inputs: torch.Tensor, *, grad_outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None, step: int | None = None, mb: int | None = None,
+        prefer: str | None = None,
+    ) -> Served[BackwardReply]:
+        """A backward through ``stage`` (with ``targets`` on the last stage: the fused forward and
+        backward), counted exactly once by the stage (``swarmd.pipeline.step_protocol``): the peer
+        adds the gradient only within its deadline (past it, this trainer gave up and retries
+        elsewhere), and an attempt whose answer was lost is settled by asking its peer before the
+        next attempt, which only computes if it counted."""
+        client, codec, model, timing = self.client, self.codec, self.model, self.timing
+        attempts = BackwardAttempts(mb)
+
+        async def send(addr: str, timeout: float) -> BackwardReply:
+            await self._settle_lost(stage, attempts)
+            attempt = attempts.next_attempt()
+            try:
+                return await client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=model,
+                                             step=step, mb=mb, attempt=attempt, verify=attempts.compute_only,
+                                             deadline_ms=timing.backward_deadline_ms(timeout), timeout_s=timeout)
+            except PeerError as exc:
+                attempts.failed(addr, exc)
+                raise
+
+        return await self._observed(stage, "backward", inputs.shape[0], send, prefer=prefer)
+
+    def forward_again(self, stage: int, inputs: torch.Tensor) -> Send[ForwardReply | BackwardReply]:
+        """A checked forward, sent again: under a fresh microbatch id each time, so to the peer
+        it looks like any other forward."""
+        client, codec, model = self.client, self.codec, self.model
+
+        def send(addr: str, timeout: float) -> Awaitable[ForwardReply | BackwardReply]:
+            return client.forward(addr, stage, inputs, codec=codec, model=model, mb=secrets.randbits(64),
+                                  timeout_s=timeout)
+
+        return send
+
+    def backward_again(self, stage: int, inputs: torch.Tensor, grad_outputs: torch.Tensor | None,
+                       targets: torch.Tensor | None, step: int | None, mb: int) -> Send[ForwardReply | BackwardReply]:
+        """A checked backward, sent again flagged ``verify``: computed and answered, never
+        accumulated (the microbatch's gradient counts once)."""
+        client, codec, model = self.client, self.codec, self.model
+
+        def send(addr: str, timeout: float) -> Awaitable[ForwardReply | BackwardReply]:
+            return client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=model,
+                                   step=step, mb=mb, timeout_s=timeout, verify=True)
+
+        return send
+
+    async def _observed(self, stage: int, kind: Kind, samples: int, send: Send[R], *,
+                       prefer: str | None = None) -> Served[R]:
+        """A microbatch's call, told to the observers (``CallDone``: from the first request to the
+        answer, retries and waits for a usable peer included)."""
+        began = time.perf_counter()
+        served = await self.call(stage, kind, samples, send, prefer=prefer)
+        if self._emit is not None:
+            self._emit(CallDone(stage=stage, kind=kind, samples=samples, peer_id=served.peer_id,
+                                attempts=served.attempts, started=began, ended=time.perf_counter()))
+        return served
+
+    async def _settle_lost(self, stage: int, attempts: BackwardAttempts) -> None:
+        """Ask each peer whose attempt at this backward failed without an answer whether it counted
+        the microbatch (``POST /v1/claim``): if one did, the next attempts only compute; if not, it
+        has fenced the lost attempt off. A peer that cannot be asked is noted, and the retry counts."""
+        mb = attempts.mb
+        if mb is None:
+            return
+        s = self.summary
+        for addr, fence in attempts.to_settle():
+            s.claims += 1
+            try:
+                reply = await self.client.claim(addr, ClaimRequest(stage=stage, mb=mb, attempt=fence),
+                                                timeout_s=self.timing.claim_timeout_s)
+            except PeerError as exc:
+                s.claims_unanswered += 1
+                attempts.settled(addr, None)
+                log.warning("stage %d: a backward's answer from %s was lost and that peer cannot say whether it "
+                            "counted it (%s); retrying it as a new count (a repeat is detected at averaging)",
+                            stage, addr, exc)
+                continue
+            s.claims_counted += int(reply.counted)
+            attempts.settled(addr, reply.counted)

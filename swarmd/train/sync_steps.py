@@ -1,0 +1,263 @@
+"""Synchronous training (``--sync``): one global batch per step, then wait until every peer stepped.
+
+A sync trainer sends exactly one global batch per step and waits until every peer of every stage
+has stepped (a long-poll of ``/v1/progress``), which makes a swarm compute exactly what
+single-process training computes (the equivalence test). The batch is tapered at both ends (the
+first and last microbatches halved, or a ramp in quarters once the stages' measured latencies say a
+small microbatch is worth its request: ``swarmd.pipeline.partition.tapered_sizes``, depth from
+:func:`taper_depth_for`) and each microbatch starts once the one before has its first forward back,
+which shortens the pipeline's fill and drain at every step (``swarmd.pipeline.schedule`` models it).
+
+The wait (:meth:`SyncSteps.wait_all_stepped`, its decisions pure in :func:`assess`): a stage whose
+peers hold fewer than the target batch and are not averaging lost gradients with a dead peer, and
+is topped up with fresh microbatches after a short grace. Liars (issue #17): a peer a stage-mate
+excludes, or a fork (``verify.stage_distrust``), counts neither for its stage's samples nor as
+lagging: a poisoned contributor's samples are refused by the round, and a refused leader stepped
+alone on its own lie, so the honest peers are topped up as for a dead peer. A stage that holds the
+target yet does not step (a peer reports samples it never contributes) gets one more microbatch
+per grace, and a peer most of its stage left behind is not waited for past a grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from swarmd.errors import ConfigError
+from swarmd.pipeline.partition import taper_depth, tapered_sizes
+from swarmd.pipeline.routing import StageRouter
+from swarmd.pipeline.spec import TrainingSpec
+from swarmd.train.config import TrainerConfig
+from swarmd.train.events import StepWait, TrainerEvent
+from swarmd.train.summary import TrainSummary
+from swarmd.train.swarm_client import PeerProgress, TrainerError
+from swarmd.train.verify import stage_distrust
+
+__all__ = ["LeftBehind", "Standing", "SyncSteps", "assess", "split_batch", "taper_depth_for"]
+
+log = logging.getLogger(__name__)
+
+
+def split_batch(batch: int, microbatch: int, *, taper: bool = False) -> list[int]:
+    """Microbatch sizes for one global batch: ``microbatch`` each, the remainder last; with
+    ``taper``, the first and the last halved (``32, 8`` gives ``4 8 8 8 4``; ``36, 8`` gives
+    ``4 8 8 8 4 4``). :func:`swarmd.pipeline.partition.tapered_sizes` at depth 0 or 1, which
+    says why; a sync trainer may taper finer (depth 2) once it has measured its stages."""
+    return tapered_sizes(batch, microbatch, 1 if taper else 0)
+
+
+def taper_depth_for(routers: Sequence[StageRouter], *, taper: bool, most: int, microbatch_size: int) -> int:
+    """How finely a sync step's batch is tapered (``swarmd.pipeline.partition.taper_depth``, at most
+    ``most``): from the slowest stage's typical seconds per sample (a forward and a backward on
+    stages before the last, the fused call on the last) as the routers measured them; 0 without a
+    taper or with one stage (no pipeline to fill)."""
+    if not taper or len(routers) < 2:
+        return 0
+    per_sample = [sum(v for v in (router.typical_latency(kind) for kind in ("forward", "backward"))
+                      if v is not None) for router in routers]
+    slowest = max(per_sample)
+    return min(most, taper_depth(slowest if slowest > 0 else None, microbatch_size))
+
+
+class LeftBehind:
+    """The peers most of their stage left behind, since when (pure: the times are passed in)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._since: dict[str, float] = {}
+
+    def note(self, peer_ids: Sequence[str], now: float) -> None:
+        for peer_id in peer_ids:
+            self._since.setdefault(peer_id, now)
+
+    def waited_out(self, peer_id: str, now: float) -> bool:
+        """Whether ``peer_id`` was left behind for longer than the grace: not waited for any more."""
+        since = self._since.get(peer_id)
+        return since is not None and now - since > self.grace_s
+
+    def late(self, now: float) -> list[str]:
+        """Every peer not waited for any more, sorted."""
+        return sorted(p for p in self._since if self.waited_out(p, now))
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where the stages stand against one step, from one poll (:func:`assess`)."""
+
+    lagging: tuple[tuple[int, str, int | None], ...]  # (stage, peer, its step) still waited for
+    missing: int  # samples the shortest stage lacks of the target batch (0: none is short)
+    stuck: bool  # a stage holds the target batch yet has not stepped
+    refused: bool  # a stage is short because its stage-mates refuse a liar's work: nothing to wait for
+
+
+def assess(polled: Sequence[Sequence[PeerProgress]], step: int, target: int, left_behind: LeftBehind,
+           now: float) -> Standing:
+    """What one poll says of ``step`` (see the module docstring): a peer that did not answer counts
+    as lagging until the DHT forgets it (a dead one) or it answers; one that most of its stage left
+    behind is noted in ``left_behind`` and not waited for past its grace."""
+    lagging: list[tuple[int, str, int | None]] = []
+    missing = 0
+    stuck = refused = False
+    for stage, peers in enumerate(polled):
+        distrusted = stage_distrust(peers)
+        counted = [p for p in peers if p.peer_id not in distrusted]
+        behind = [p for p in counted if p.step is None or p.step < step]
+        if len(counted) - len(behind) > len(counted) // 2:
+            left_behind.note([p.peer_id for p in behind], now)
+            behind = [p for p in behind if not left_behind.waited_out(p.peer_id, now)]
+        lagging += [(stage, p.peer_id, p.step) for p in behind]
+        seen = [p for p in counted if p.step is not None]
+        front = max((p.step for p in seen if p.step is not None), default=step)
+        if front < step:  # the whole stage has yet to step: does it hold a full batch?
+            at_front = [p for p in seen if p.step == front]
+            if not any(p.averaging for p in at_front):
+                held = sum(p.samples for p in at_front)
+                missing = max(missing, target - held)
+                stuck = stuck or held >= target
+                refused = refused or (bool(distrusted) and held < target)
+    return Standing(tuple(lagging), missing, stuck, refused)
+
+
+class Polls(Protocol):
+    """Where the stages stand (``swarmd.train.swarm_view.SwarmView``)."""
+
+    @property
+    def routers(self) -> Sequence[StageRouter]: ...
+
+    async def refresh(self, force: bool = False) -> None: ...
+
+    async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]: ...
+
+    async def swarm_step(self) -> int: ...
+
+
+class Runner(Protocol):
+    """Runs one microbatch (``swarmd.train.microbatches.Microbatches``)."""
+
+    async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None) -> None: ...
+
+
+class Sampler(Protocol):
+    def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class SyncSteps:
+    """Runs ``config.steps`` synchronous steps: a tapered batch each, then the wait for the step."""
+
+    def __init__(self, config: TrainerConfig, training: TrainingSpec, *, view: Polls, microbatches: Runner,
+                 summary: TrainSummary, on_step: Callable[[int, int], Awaitable[None]],
+                 emit: Callable[[TrainerEvent], None] | None = None) -> None:
+        self.config = config
+        self.training = training
+        self.view = view
+        self.microbatches = microbatches
+        self.summary = summary
+        self.on_step = on_step  # (step, steps done in this run): every peer took it
+        self.emit = emit
+
+    async def run(self, sampler: Sampler) -> None:
+        cfg, training = self.config, self.training
+        batch = cfg.batch_size or training.target_batch_size
+        if batch < training.target_batch_size:
+            raise ConfigError(
+                f"--batch-size {batch} is below the swarm's target_batch_size {training.target_batch_size}: "
+                "in --sync mode the stages would never step"
+            )
+        start = await self.view.swarm_step()
+        began = time.monotonic()
+        for i in range(cfg.steps):
+            if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
+                break
+            step = start + i
+            await self.send_batch(batch, sampler)
+            await self.wait_all_stepped(step + 1, sampler)
+            await self.on_step(step, i + 1)
+
+    async def send_batch(self, batch: int, sampler: Sampler) -> None:
+        """One step's batch, tapered, every microbatch through the pipeline.
+
+        The first microbatch leads: the others start once its first forward is back, so stage 0
+        computes it first (requests sent together reach the worker in any order) and the next stage
+        starts after the step's smallest forward. Under the finer taper each one waits for the one
+        before, so the ramp reaches stage 0 in order (its calls are long enough that the round trip
+        between them costs little; a model whose calls are mostly overhead is not chained)."""
+        cfg = self.config
+        depth = taper_depth_for(self.view.routers, taper=cfg.taper, most=cfg.max_taper_depth,
+                                microbatch_size=cfg.microbatch_size)
+        microbatches = [sampler.sample(size) for size in tapered_sizes(batch, cfg.microbatch_size, depth)]  # in order
+        window = asyncio.Semaphore(cfg.window)
+        led = [asyncio.Event() for _ in microbatches]
+
+        async def one(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            if index:
+                await led[index - 1 if depth >= 2 else 0].wait()
+            async with window:
+                await self.microbatches.run(x, y, on_forward=led[index].set)
+
+        async def refresh() -> None:
+            # the stage map is re-read (when due) mid-step, while the pipeline is full: not at the step's
+            # ends, where the first stage's daemon (often the control plane's too) is the critical path
+            await led[len(led) // 2].wait()
+            await self.view.refresh()
+
+        refreshed = asyncio.create_task(refresh(), name="swarmd-trainer-refresh")
+        try:
+            await asyncio.gather(*(one(k, x, y) for k, (x, y) in enumerate(microbatches)))
+            await refreshed
+        finally:
+            if not refreshed.done():  # a microbatch failed: the step ends here
+                refreshed.cancel()
+                await asyncio.gather(refreshed, return_exceptions=True)
+
+    async def wait_all_stepped(self, step: int, sampler: Sampler) -> None:
+        """Poll every serving peer's progress until all are at ``step`` or later (see the module
+        docstring: top-ups for a short or stuck stage, no wait for a peer left behind)."""
+        cfg, timing, s = self.config, self.config.timing, self.summary
+        target = self.training.target_batch_size
+        began = time.perf_counter()
+        deadline = time.monotonic() + cfg.stage_wait_timeout_s
+        short_since: float | None = None
+        stuck_since: float | None = None
+        left_behind = LeftBehind(timing.lag_grace_s)
+        while True:
+            polled_at = time.monotonic()
+            standing = assess(await self.view.poll(wait_step=step), step, target, left_behind, time.monotonic())
+            if not standing.lagging:
+                late = [p[:12] for p in left_behind.late(time.monotonic())]
+                if late:
+                    log.warning("step %d: not waiting any longer for %s, left behind by most of its stage for "
+                                "%.0fs", step, ", ".join(late), timing.lag_grace_s)
+                if self.emit is not None:
+                    self.emit(StepWait(step=step, started=began, ended=time.perf_counter()))
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise TrainerError(f"stages did not reach step {step} in time: {list(standing.lagging)}")
+            if standing.missing > 0:
+                short_since = short_since or now
+                if standing.refused or now - short_since > timing.topup_grace_s:
+                    count = -(-standing.missing // cfg.microbatch_size)
+                    log.warning("a stage is %d samples short of step %d (a peer died holding gradients, or its "
+                                "stage-mates refused its work); topping up with %d microbatches",
+                                standing.missing, step, count)
+                    s.topup_microbatches += count
+                    await asyncio.gather(*(self.microbatches.run(*sampler.sample(cfg.microbatch_size))
+                                           for _ in range(count)))
+                    short_since = None
+            else:
+                short_since = None
+            stuck_since = (stuck_since or now) if standing.stuck and not standing.missing > 0 else None
+            if stuck_since is not None and now - stuck_since > timing.stuck_grace_s:
+                log.warning("a stage holds the samples of step %d but has not stepped for %.0fs (a peer holds "
+                            "samples it does not contribute?); topping up with one microbatch", step,
+                            timing.stuck_grace_s)
+                s.topup_microbatches += 1
+                await self.microbatches.run(*sampler.sample(cfg.microbatch_size))
+                stuck_since = None
+            await asyncio.sleep(max(0.0, timing.step_poll_period_s - (time.monotonic() - polled_at)))
