@@ -93,6 +93,10 @@ def _is_loopback(host: str | None) -> bool:
     return address.is_loopback
 
 
+def _not_ready(state: str) -> JSONResponse:
+    return JSONResponse({"error": "NotReady", "message": f"this peer is {state}", "state": str(state)}, status_code=503)
+
+
 def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_token: str | None = None, *,
                metrics: DaemonMetrics | None = None, training: TrainingLog | None = None,
                ranks: RankBook | None = None) -> FastAPI:
@@ -193,7 +197,7 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
              dependencies=read_guarded, responses={**_READ_TOKEN, **_NOT_SERVING})
     async def swarm() -> Any:
         if daemon.state not in ("joining", "serving", "migrating"):
-            return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
+            return _not_ready(daemon.state)
         return await daemon.swarm_view()
 
     @app.post("/trainers", response_model=TrainerWelcome, status_code=201, dependencies=guarded,
@@ -203,7 +207,7 @@ def create_app(daemon: DaemonView, trainers: TrainerRegistry | None = None, api_
                          503: {"model": ErrorBody, "description": "not serving yet, or too many trainers"}})
     async def register_trainer(body: TrainerRequest | None = None) -> Any:
         if daemon.state != "serving":
-            return JSONResponse({"error": "NotReady", "message": f"this peer is {daemon.state}"}, status_code=503)
+            return _not_ready(daemon.state)
         request = body or TrainerRequest()
         conflict = registry.conflict(sync=request.sync)
         if conflict is not None:

@@ -357,3 +357,5 @@ class ErrorBody(BaseModel):
 
     error: str = Field(description="the error's class name, e.g. NotReady, MigrationRefused")
     message: str
+    state: str | None = Field(default=None, description="NotReady: the state the peer is in (starting, joining, "
+                              "migrating: ask again shortly; draining, stopped: ask another daemon)")

@@ -162,14 +162,19 @@ class StageState:
             raise SwarmdError(f"stopped while waiting for a peer that holds the state of stage {stage}")
 
     async def _adopt_any(self, runtime: StageRuntime, state_plan: Plan) -> Source | None:
-        """Try the plan's candidates in order; the source of the first state adopted, None if none was."""
+        """Try the plan's candidates in order; the source of the first state adopted, None if none was.
+
+        Live stage-mates are tried once, at the place of the newest step their records claim, and any of
+        them will do that proves (``swarmd.net.proof``) to be at least as far as the best checkpoint on
+        offer: a record's step is only its peer's word (a fake one may claim any step), a proof is fresh."""
+        floor = max((o.step for o in state_plan.candidates if o.source is not Source.LIVE), default=0)
         tried_live = False
         for offer in state_plan.candidates:
             if offer.source is Source.LIVE:
                 if tried_live:
                     continue
                 tried_live = True
-                if await self.sync(min_step=offer.step, required=False, runtime=runtime):
+                if await self.sync(min_step=floor, required=False, runtime=runtime):
                     return Source.LIVE
             elif offer.source is Source.OWN:
                 if await self._load_own(runtime):

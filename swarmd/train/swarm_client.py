@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 30.0  # the span of the samples/s a trainer reports with its heartbeats
 
+#: A daemon in these states serves soon: a registration it refuses is tried again.
+STARTING_STATES = ("starting", "joining", "migrating")
+
 class TrainerError(SwarmdError):
     """The trainer cannot go on (no peer for a stage within the timeout, a refused request)."""
 
@@ -117,16 +120,31 @@ class SwarmClient:
     # ---- registration ----------------------------------------------------------------------
 
     async def register(self) -> Registration:
-        """Register (again) with the daemon; TrainerError when it refuses or cannot be reached."""
-        try:
-            request = {"name": self.name, "sync": self.sync}
-            async with self._http.post(f"{self.api}/trainers", json=request, headers=self._headers) as r:
-                body = await r.json(content_type=None)
-                if r.status != 201:
-                    message = body.get("message", body) if isinstance(body, dict) else body
-                    raise TrainerError(f"{self.api} refused the registration ({r.status}): {message}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            raise TrainerError(f"cannot register with the daemon at {self.api}: {exc}") from exc
+        """Register (again) with the daemon; TrainerError when it refuses or cannot be reached. A daemon
+        still starting, joining its swarm or moving between stages (503 ``NotReady``) is waited for, up to
+        ``timing.register_wait_s``; one that is draining is not."""
+        deadline = self._clock() + self.timing.register_wait_s
+        said = False
+        while True:
+            try:
+                request = {"name": self.name, "sync": self.sync}
+                async with self._http.post(f"{self.api}/trainers", json=request, headers=self._headers) as r:
+                    body = await r.json(content_type=None)
+                    status = r.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                raise TrainerError(f"cannot register with the daemon at {self.api}: {exc}") from exc
+            if status == 201:
+                break
+            message = body.get("message", body) if isinstance(body, dict) else body
+            starting = (status == 503 and isinstance(body, dict) and body.get("error") == "NotReady"
+                        and body.get("state") in STARTING_STATES)
+            if not starting or self._clock() >= deadline:
+                raise TrainerError(f"{self.api} refused the registration ({status}): {message}")
+            if not said:
+                said = True
+                log.info("the daemon at %s is not serving yet (%s): waiting up to %.0fs for it", self.api, message,
+                         deadline - self._clock())
+            await asyncio.sleep(self.timing.register_retry_s)
         try:
             welcome = TrainerWelcome.model_validate(body)
             registration = Registration(trainer_id=welcome.trainer_id, swarm=welcome.swarm,

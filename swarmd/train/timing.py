@@ -91,6 +91,14 @@ class Timing:
     #: or not at all, did not).
     step_poll_period_s: float = 0.05
 
+    # ---- registration (swarmd.train.swarm_client) -------------------------------------------------
+    #: A daemon that answers "not ready" (still joining: building its stage, downloading its state) is
+    #: waited for this long: peers and a trainer started together, as the README's tour does, train as
+    #: soon as the daemon serves. A daemon that does not answer at all fails at once.
+    register_wait_s: float = 120.0
+    #: Between two registration attempts while it is not ready.
+    register_retry_s: float = 1.0
+
     # ---- spot checks (swarmd.train.spot_checks) ----------------------------------------------------
     #: A misbehaviour report to one peer.
     report_timeout_s: float = 5.0
