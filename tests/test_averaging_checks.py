@@ -224,7 +224,7 @@ async def stage(n: int, *, target: int, codec: str = "none", extra: dict[str, st
                 runtime = StageRuntime(ex)
                 plane = DataPlane(lambda r=runtime: r, limits=WireLimits())
                 ProofService(lambda i=identity: i, lambda i=identity: directory.get(i.peer_id),
-                             lambda r=runtime: r).install(plane.app)
+                             lambda e=ex: e).install(plane.app)
                 host, port = await plane.start("127.0.0.1", 0)
                 avg = StageAverager(ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session,
                                     poll_s=0.02, identity=identity, prover=Prover(lambda: session, timeout_s=0.5))

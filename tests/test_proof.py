@@ -112,7 +112,7 @@ async def serving(identity: Identity, announce: str | None = None) -> AsyncItera
     runtime = StageRuntime(ex)
     plane = DataPlane(lambda: runtime, limits=WireLimits())
     addr: list[str] = []
-    service = ProofService(lambda: identity, lambda: announce or addr[0], lambda: runtime)
+    service = ProofService(lambda: identity, lambda: announce or addr[0], lambda: ex)
     service.install(plane.app)
     host, port = await plane.start("127.0.0.1", 0)
     addr.append(f"{host}:{port}")

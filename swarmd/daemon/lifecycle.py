@@ -142,7 +142,7 @@ class Daemon:
         self.relay_client: RelayClient | None = None  # while this peer, unreachable, is relayed
         self.relayed_addr: str | None = None  # what it announces then: <peer id>@<relay address>
         self._probes = reachability.ProbeService(lambda: self.peer_id, lambda: self.session)
-        self._proofs = ProofService(lambda: self.identity, lambda: self.data_addr, lambda: self.runtime)
+        self._proofs = ProofService(lambda: self.identity, lambda: self.data_addr, lambda: self.executor)
         # seeing the swarm: the Prometheus registry, trainers' registrations and ranks, their training log
         self.training_log = TrainingLog(live_s=config.dht.record_ttl_s)
         self.trainers = TrainerRegistry(on_report=self._on_trainer_report)

@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgpack
@@ -50,8 +50,18 @@ from swarmd.errors import RequestError, Starting
 from swarmd.finite import json_response
 from swarmd.net.addresses import dial_target
 
-if TYPE_CHECKING:
-    from swarmd.pipeline.runtime import StageRuntime
+
+class Served(Protocol):
+    """What a proof says of the stage a peer serves (``swarmd.pipeline.executor.StageExecutor`` is one)."""
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def digest(self) -> str | None: ...
 
 __all__ = [
     "PROOF_PATH",
@@ -382,10 +392,11 @@ class ProofService:
     """``GET /v1/proof``, added to a data plane's aiohttp app by :meth:`install`."""
 
     def __init__(self, identity: Callable[[], Identity | None], addr: Callable[[], str | None],
-                 runtime: Callable[[], StageRuntime | None]) -> None:
+                 served: Callable[[], Served | None]) -> None:
+        """``served``: the stage this peer serves now (None while it has none)."""
         self._identity = identity
         self._addr = addr
-        self._runtime = runtime
+        self._served = served
         self.served = 0
 
     def install(self, app: web.Application) -> None:
@@ -395,10 +406,9 @@ class ProofService:
         nonce = request.query.get("nonce", "")
         if not _NONCE.fullmatch(nonce):
             raise RequestError("nonce must be 32-128 lowercase hex characters")
-        identity, addr, runtime = self._identity(), self._addr(), self._runtime()
-        if identity is None or addr is None or runtime is None:
+        identity, addr, ex = self._identity(), self._addr(), self._served()
+        if identity is None or addr is None or ex is None:
             raise Starting("this peer has no stage built yet; ask again shortly")
-        ex = runtime.executor
         claim = ProofClaim(nonce=nonce, peer_id=identity.peer_id, addr=addr, stage=ex.stage, step=ex.step,
                            params_digest=ex.digest)
         self.served += 1
