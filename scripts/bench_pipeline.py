@@ -105,7 +105,8 @@ from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.optimizer import build_optimizer
 from swarmd.pipeline.partition import flop_costs, stage_costs, tapered_sizes
 from swarmd.pipeline.schedule import StageCalls, sync_step, unimodal_splits
-from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec, load_spec
+from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
+from swarmd.pipeline.spec_files import load_spec, with_partition
 from swarmd.train.data import BatchSampler, load_corpus
 from swarmd.train.events import CallDone, StepDone, StepWait, TrainerEvent
 from swarmd.train.reference import single_process_step
@@ -142,7 +143,7 @@ class Settings:
     @property
     def spec(self) -> ModelSpec:
         """The preset, cut as ``partition`` says (resolved to numbers)."""
-        return load_spec(self.preset).with_partition(self.partition)
+        return with_partition(load_spec(self.preset), self.partition)
 
     @property
     def mode(self) -> str:
@@ -836,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
-        load_spec(args.preset).with_partition(args.partition)
+        with_partition(load_spec(args.preset), args.partition)
     except ConfigError as exc:
         parser.error(f"--model {args.preset} --partition {args.partition}: {exc}")
     settings = Settings(partition=args.partition,

@@ -16,6 +16,7 @@ from swarmd.errors import ConfigError, RequestError
 from swarmd.models.registry import arch_names
 from swarmd.pipeline.model import FullModel, StageModule, build_stage, params_digest
 from swarmd.pipeline.spec import PRESETS, ModelSpec
+from swarmd.pipeline.spec_files import with_partition
 
 TINY = PRESETS["tiny"]
 # Three stages so there is a middle stage; small enough to keep the file fast.
@@ -364,7 +365,7 @@ def test_a_package_registers_its_own_architecture_through_an_entry_point(
             losses.append(loss.item())
         assert losses[-1] < losses[0] - 0.5
         # its piece_flops feed the balanced partition: a costly head moves a block to stage 0
-        wide = ModelSpec.from_dict(fields | {"vocab_size": 4096, "seq_len": 8}).with_partition("balanced")
+        wide = with_partition(ModelSpec.from_dict(fields | {"vocab_size": 4096, "seq_len": 8}), "balanced")
         assert wide.partition == (3, 1)
         broken = ModelSpec.from_dict(fields | {"arch": "broken"})  # its name is known: loading fails
         with pytest.raises(ConfigError, match="arch 'broken': cannot load its entry point 'broken_arch:Stage'"):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from swarmd.pipeline.partition import PieceCosts, balanced_partition, flop_costs, stage_costs
 from swarmd.pipeline.spec import PRESETS
+from swarmd.pipeline.spec_files import with_partition
 
 
 def _compositions(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -115,7 +116,7 @@ def test_measured_costs_time_each_piece_and_resolve_to_numbers() -> None:
     spec = dataclasses.replace(PRESETS["llama-tiny"], layers_per_stage=2, seq_len=16)
     costs = measured_costs(spec, batch=1, repeats=1)
     assert len(costs.blocks) == 4 and len(set(costs.blocks)) == 1 and costs.blocks[0] > 0 and costs.head > 0
-    measured = spec.with_partition("measured")
+    measured = with_partition(spec, "measured")
     assert sum(measured.blocks_per_stage) == 4 and measured.to_dict().get("partition", "") in ("", "1,3", "2,2", "3,1")
 
 
@@ -136,7 +137,7 @@ def test_the_partition_flag_cuts_a_founded_model_before_it_is_published() -> Non
 
 def test_a_tokenizer_vocabulary_is_weighed_before_a_model_file_is_balanced(tmp_path) -> None:
     from swarmd.pipeline.partition import balanced_partition_of
-    from swarmd.pipeline.spec import load_spec
+    from swarmd.pipeline.spec_files import load_spec
 
     path = tmp_path / "six.json"  # small's width, 6 blocks, a byte vocabulary: balanced is the equal cut
     path.write_text('{"d_model": 256, "n_heads": 8, "d_ff": 1024, "layers_per_stage": 3, "n_stages": 2, '

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from swarmd.dht.identity import Identity
 from swarmd.dht.records import MAX_RECORD_BYTES, SwarmRecord, open_record, sign_record
 from swarmd.errors import ConfigError
-from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec, load_spec
+from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
+from swarmd.pipeline.spec_files import load_spec, with_partition
 
 # Changing this literal means every deployed peer would disagree with the new build about
 # which model it serves (and every initial weight changes): only do it on purpose, together
@@ -155,13 +156,13 @@ def test_partition_travels_as_a_scalar_string() -> None:
 
 def test_balanced_partition_is_resolved_to_numbers_before_anything_sees_it() -> None:
     # a 32k vocabulary makes the head cost several blocks of this width: the last stage gets fewer
-    spec = ModelSpec(**_with(n_stages=2, layers_per_stage=4, vocab_size=32_000)).with_partition("balanced")
+    spec = with_partition(ModelSpec(**_with(n_stages=2, layers_per_stage=4, vocab_size=32_000)), "balanced")
     assert isinstance(spec.partition, tuple) and sum(spec.partition) == 8
     assert spec.partition[0] > spec.partition[1]
     assert spec.to_dict()["partition"] == ",".join(map(str, spec.partition))
     assert ModelSpec.from_dict(spec.to_dict()).digest == spec.digest
     # with a byte vocabulary the head is cheap and the balanced cut is the equal one
-    assert ModelSpec(**BASE_FIELDS).with_partition("balanced").partition == ()
+    assert with_partition(ModelSpec(**BASE_FIELDS), "balanced").partition == ()
 
 
 @pytest.mark.parametrize("word", ["balanced", "measured", " balanced "])
@@ -557,8 +558,8 @@ def test_lr_at_warms_up_then_never_increases_and_stays_in_range(
 
 def test_the_specs_load_without_torch() -> None:
     # the CLI and the configuration build and check specs; torch takes seconds to import
-    probe = ("import sys, swarmd.pipeline.spec as s, swarmd.pipeline.partition; "
-             "s.ModelSpec(name='x', d_model=64, n_heads=4, d_ff=256, layers_per_stage=2, n_stages=2"
-             ").with_partition('balanced'); print('torch' in sys.modules)")
+    probe = ("import sys, swarmd.pipeline.spec as s, swarmd.pipeline.spec_files as f; "
+             "f.with_partition(s.ModelSpec(name='x', d_model=64, n_heads=4, d_ff=256, layers_per_stage=2, n_stages=2"
+             "), 'balanced'); f.load_spec('small'); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "False"

@@ -105,7 +105,7 @@ def _demo_spec(model: str, stages: int | None) -> Any:
     """The model the demo trains: ``--model`` with ``--stages`` stages (its depth per stage kept)."""
     import dataclasses
 
-    from swarmd.pipeline.spec import load_spec
+    from swarmd.pipeline.spec_files import load_spec
 
     spec = load_spec(model)
     if stages is None or stages == spec.n_stages:
@@ -184,7 +184,7 @@ async def _demo(args: argparse.Namespace, workdir: Path, peers: list[DaemonProce
     if args.swarm_key is not None:
         common += ["--swarm-key", args.swarm_key.source]
     _say(f"starting a swarm of {args.stages} stages x {args.peers} peers on 127.0.0.1 through the swarmd CLI ...")
-    from swarmd.pipeline.spec import load_spec
+    from swarmd.pipeline.spec_files import load_spec
 
     model = args.model
     if args.spec != load_spec(args.model):  # --stages changed it: the founder gets the spec as a file

@@ -208,7 +208,7 @@ def with_tokenizer(model: str | None, path: Path, *, joining: bool) -> ModelSpec
     size and digest, applied before a model file's ``"partition": "balanced"`` is resolved (the head's
     cost grows with the vocabulary); a joiner may name one only with ``--model``, which the swarm's
     must then equal."""
-    from swarmd.pipeline.spec import load_spec
+    from swarmd.pipeline.spec_files import load_spec
     from swarmd.train.tokenizer import HFTokenizer
 
     if model is None and joining:
@@ -226,14 +226,17 @@ def with_partition(spec: ModelSpec | None, partition: str, *, joining: bool) -> 
     if spec is None and joining:
         raise ConfigError("--partition sets the model of a swarm being founded; a joiner serves the swarm's model "
                           "(drop --partition, or give --model too to check that the swarm's model is that one)")
-    return (spec or PRESETS["tiny"]).with_partition(partition)
+    from swarmd.pipeline.spec_files import with_partition as resolve
+
+    return resolve(spec or PRESETS["tiny"], partition)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """Map parsed flags onto the frozen config tree; ConfigError on impossible combinations."""
     from swarmd.config import ApiConfig, CheckpointConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
     from swarmd.net.addresses import is_loopback
-    from swarmd.pipeline.spec import TrainingSpec, load_spec
+    from swarmd.pipeline.spec import TrainingSpec
+    from swarmd.pipeline.spec_files import load_spec
 
     spec: ModelSpec | None
     if args.tokenizer is not None:

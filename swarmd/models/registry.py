@@ -29,16 +29,17 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from swarmd.errors import ConfigError
-from swarmd.pipeline.spec import BUILTIN_ARCHS
 
-__all__ = ["ENTRY_POINT_GROUP", "arch_names", "stage_builder"]
+__all__ = ["BUILTIN_ARCHS", "ENTRY_POINT_GROUP", "arch_names", "stage_builder"]
 
 ENTRY_POINT_GROUP = "swarmd.models"
 
 log = logging.getLogger(__name__)
 
 _BUILTIN_TARGETS = {"gpt": ("swarmd.models.gpt", "GPTStage"), "llama": ("swarmd.models.llama", "LlamaStage")}
-assert set(_BUILTIN_TARGETS) == set(BUILTIN_ARCHS)  # our own two tables, checked at import
+#: Architectures this package builds itself; others come from entry points. Read by
+#: ``swarmd.pipeline.spec`` to check a spec's ``arch`` (this module imports neither torch nor the specs).
+BUILTIN_ARCHS: tuple[str, ...] = tuple(_BUILTIN_TARGETS)
 
 
 def _registered() -> dict[str, EntryPoint]:

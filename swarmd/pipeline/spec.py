@@ -27,16 +27,17 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from swarmd.errors import ConfigError
+from swarmd.models.registry import BUILTIN_ARCHS, arch_names  # torch-free: names and entry points only
 
 __all__ = [
     "BUILTIN_ARCHS",
+    "COMPUTED_PARTITIONS",
     "GRAD_CODECS",
     "MODEL_DIGEST_VERSION",
     "OPTIMIZERS",
@@ -45,7 +46,6 @@ __all__ = [
     "TRAINING_DIGEST_VERSION",
     "ModelSpec",
     "TrainingSpec",
-    "load_spec",
 ]
 
 #: Bumped whenever a digest's canonical form changes; hashed in front of the payload so
@@ -63,11 +63,9 @@ Scalar = bool | int | float | str
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ARCH_RE = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
-#: Partitions computed from the model rather than given (ModelSpec.with_partition).
-_COMPUTED_PARTITIONS: tuple[str, ...] = ("balanced", "measured")
+#: Partitions computed from the model rather than given (``swarmd.pipeline.spec_files.with_partition``).
+COMPUTED_PARTITIONS: tuple[str, ...] = ("balanced", "measured")
 
-#: Architectures this package builds itself (``swarmd.models``); others come from entry points.
-BUILTIN_ARCHS: tuple[str, ...] = ("gpt", "llama")
 
 # (minimum, maximum) for each integer field. The maxima are far beyond anything swarmd can
 # train; they exist to turn typos (an extra zero or three) into a clear error instead of an
@@ -94,7 +92,7 @@ class ModelSpec:
     Every field is validated on construction, so a ``ModelSpec`` that exists is buildable.
     Equal models have one canonical form, so their digests agree: ``n_kv_heads == n_heads``
     is stored as 0 (plain multi-head attention) and a partition that equals the equal cut as
-    ``()``. ``partition: "balanced"`` in a model file (or :meth:`with_partition`) is resolved to
+    ``()``. ``partition: "balanced"`` in a model file (or ``spec_files.with_partition``) is resolved to
     explicit numbers by the cost model of :mod:`swarmd.pipeline.partition` before the spec
     exists, so the digest covers the numbers and every peer builds the same cut whatever its
     own cost model would say later; a spec decoded from the network never runs a cost model.
@@ -124,7 +122,7 @@ class ModelSpec:
     #: Blocks per stage, stage 0 first, summing to ``layers_per_stage * n_stages``; ``()`` is the
     #: equal cut. Given as a tuple or list of ints, a "2,3" string (the form ``to_dict`` writes,
     #: since DHT records hold scalars only) or "equal". "balanced" and "measured" are resolved
-    #: to numbers by :meth:`with_partition` (and ``load_spec``) before a spec is built.
+    #: to numbers by ``spec_files.with_partition`` (and ``load_spec``) before a spec is built.
     partition: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -179,8 +177,6 @@ class ModelSpec:
             )
         if self.arch in BUILTIN_ARCHS:
             return
-        from swarmd.models.registry import arch_names  # torch-free: reads entry-point names only
-
         known = arch_names()
         if self.arch not in known:
             raise ConfigError(
@@ -222,13 +218,13 @@ class ModelSpec:
             text = given.strip()
             if text in ("", "equal"):
                 return ()
-            if text in _COMPUTED_PARTITIONS:
-                # computed only where a person asks for it (load_spec, with_partition), never while
+            if text in COMPUTED_PARTITIONS:
+                # computed only where a person asks for it (spec_files), never while
                 # decoding a record from the network: a peer must not run a cost model (let alone a
                 # measurement) because a DHT record says so
                 raise ConfigError(
                     f"model spec partition {text!r} must be resolved to numbers before the spec is built: "
-                    "load_spec and ModelSpec.with_partition do that"
+                    "load_spec and with_partition (swarmd.pipeline.spec_files) do that"
                 )
             else:
                 try:
@@ -345,24 +341,6 @@ class ModelSpec:
             raise ConfigError(f"model spec is missing required field(s): {', '.join(missing)}")
         return cls(**{str(k): v for k, v in d.items()})
 
-    def with_partition(self, partition: str | Sequence[int]) -> ModelSpec:
-        """This model cut as ``partition`` says: "equal", "balanced" (the FLOP cost model of
-        :mod:`swarmd.pipeline.partition`), "measured" (its pieces timed on this machine: imports
-        torch), or blocks per stage. The result holds numbers, which the digest covers."""
-        given: Any = partition  # the field holds a tuple; __post_init__ parses the other spellings
-        if isinstance(partition, str) and partition.strip() in _COMPUTED_PARTITIONS:
-            equal = dataclasses.replace(self, partition=())
-            if partition.strip() == "balanced":
-                from swarmd.pipeline.partition import balanced_partition_of
-
-                given = balanced_partition_of(equal)
-            else:
-                from swarmd.models.measure import measured_costs
-                from swarmd.pipeline.partition import balanced_partition
-
-                given = balanced_partition(measured_costs(equal), self.n_stages)
-        return dataclasses.replace(self, partition=given)
-
     def stage_range(self, stage: int) -> range:
         """Global indices of the transformer blocks owned by ``stage``."""
         if not isinstance(stage, int) or isinstance(stage, bool):
@@ -418,69 +396,6 @@ PRESETS: Mapping[str, ModelSpec] = MappingProxyType(
         ),
     }
 )
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A key given twice in a model file is a mistake; json.loads would keep the last one."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ConfigError(f"field {key!r} appears more than once")
-        out[key] = value
-    return out
-
-
-def load_spec(preset_or_path: str, *, vocab: tuple[int, str] | None = None) -> ModelSpec:
-    """Resolve a preset name (see :data:`PRESETS`) or a JSON model file into a spec.
-
-    A model file holds a JSON object of :class:`ModelSpec` fields; ``name`` defaults to the
-    file's stem. Preset names win over files of the same name in the working directory.
-
-    ``vocab``: ``(vocab_size, tokenizer digest)`` of a tokenizer file (``--tokenizer``), which
-    replace the model's own. They are applied before a file's ``"partition": "balanced"`` (or
-    ``"measured"``) is resolved, since the head's cost grows with the vocabulary: applied
-    afterwards, the cut would balance a model that is not the one trained.
-    """
-    if preset_or_path in PRESETS:
-        preset = PRESETS[preset_or_path]
-        if vocab is None:
-            return preset
-        return dataclasses.replace(preset, vocab_size=vocab[0], tokenizer=vocab[1])
-    path = Path(preset_or_path)
-    presets = ", ".join(sorted(PRESETS))
-    if not path.exists():
-        if path.suffix or len(path.parts) > 1:
-            raise ConfigError(f"model file {str(path)!r} does not exist")
-        raise ConfigError(
-            f"unknown model {preset_or_path!r}: not a preset ({presets}) and no such file"
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read model file {str(path)!r}: {exc}") from exc
-    try:
-        data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"model file {str(path)!r} is not valid JSON: {exc}") from exc
-    except ConfigError as exc:
-        raise ConfigError(f"model file {str(path)!r} is invalid: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"model file {str(path)!r} must hold a JSON object of model spec fields, "
-            f"got {type(data).__name__}"
-        )
-    data.setdefault("name", path.stem)
-    if vocab is not None:
-        data["vocab_size"], data["tokenizer"] = vocab
-    partition = data.get("partition")
-    computed = partition if isinstance(partition, str) and partition.strip() in _COMPUTED_PARTITIONS else None
-    if computed is not None:
-        del data["partition"]  # resolved below, once the rest of the spec is known to be valid
-    try:
-        spec = ModelSpec.from_dict(data)
-        return spec if computed is None else spec.with_partition(computed)
-    except ConfigError as exc:
-        raise ConfigError(f"model file {str(path)!r} is invalid: {exc}") from exc
 
 
 # --- how a swarm trains -----------------------------------------------------------------------
