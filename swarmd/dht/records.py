@@ -56,9 +56,9 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
@@ -114,6 +114,7 @@ _SIGNING_PREFIX = b"swarmd-dht\x00"
 _UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
 
 Scalar = None | bool | int | float | str
+V = TypeVar("V")
 
 
 # --- field checks (shared by construction and decoding: one path, one error type) ---------------
@@ -181,19 +182,26 @@ def _state_of(code: object) -> str:
     return PEER_STATES[code]
 
 
-def _check_held(value: object) -> tuple[tuple[int, int], ...]:
-    """``held``: at most MAX_HELD distinct stages, each with one step, as a tuple of pairs sorted by stage."""
-    if not isinstance(value, (list, tuple)) or len(value) > MAX_HELD:
-        raise _bad("held", value, f"a list of at most {MAX_HELD} [stage, step] pairs")
-    out: dict[int, int] = {}
+def _check_pairs(name: str, value: object, most: int, key: str, check_key: Callable[[object], int],
+                 item: str, check_item: Callable[[object], V]) -> tuple[tuple[int, V], ...]:
+    """A list of at most ``most`` ``[key, item]`` pairs with distinct keys, as a tuple of pairs sorted by key."""
+    if not isinstance(value, (list, tuple)) or len(value) > most:
+        raise _bad(name, value, f"a list of at most {most} [{key}, {item}] pairs")
+    out: dict[int, V] = {}
     for pair in value:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise _bad("held", pair, "a [stage, step] pair")
-        stage = _check_int("held stage", pair[0], 0, 2**16 - 1)
-        if stage in out:
-            raise _bad("held", value, "distinct stages")
-        out[stage] = _check_int("held step", pair[1], 0, 2**63 - 1)
+            raise _bad(name, pair, f"a [{key}, {item}] pair")
+        k = check_key(pair[0])
+        if k in out:
+            raise _bad(name, value, f"distinct {key}s")
+        out[k] = check_item(pair[1])
     return tuple(sorted(out.items()))
+
+
+def _check_held(value: object) -> tuple[tuple[int, int], ...]:
+    """``held``: at most MAX_HELD distinct stages, each with the step of its newest checkpoint."""
+    return _check_pairs("held", value, MAX_HELD, "stage", lambda v: _check_int("held stage", v, 0, 2**16 - 1),
+                        "step", lambda v: _check_int("held step", v, 0, 2**63 - 1))
 
 
 def _check_times(timestamp: object, expiry: object) -> tuple[float, float]:
@@ -458,17 +466,9 @@ class RanksRecord:
 
     def __post_init__(self) -> None:
         _check_peer_id("peer_id", self.peer_id)
-        if not isinstance(self.ranks, (list, tuple)) or len(self.ranks) > MAX_RANKS:
-            raise _bad("ranks", self.ranks, f"a list of at most {MAX_RANKS} [rank, claimed_at] pairs")
-        out: dict[int, float] = {}
-        for pair in self.ranks:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise _bad("ranks", pair, "a [rank, claimed_at] pair")
-            rank = _check_int("rank", pair[0], 0, 2**31 - 1)
-            if rank in out:
-                raise _bad("ranks", self.ranks, "distinct ranks")
-            out[rank] = _check_float("claimed_at", pair[1])
-        object.__setattr__(self, "ranks", tuple(sorted(out.items())))
+        object.__setattr__(self, "ranks", _check_pairs(
+            "ranks", self.ranks, MAX_RANKS, "rank", lambda v: _check_int("rank", v, 0, 2**31 - 1),
+            "claimed_at", lambda v: _check_float("claimed_at", v)))
         ts, exp = _check_times(self.timestamp, self.expiry)
         object.__setattr__(self, "timestamp", ts)
         object.__setattr__(self, "expiry", exp)
