@@ -44,6 +44,9 @@ BY_CLASS: dict[str, Action] = {
     "PeerIdMismatch": Action.FATAL,
     "RecordTooLarge": Action.FATAL,
     "RecordExpired": Action.FATAL,
+    "NotHeld": Action.FATAL,  # 404: GET /v1/checkpoint/{stage} of a stage the peer holds no checkpoint of
+    "StageStateLost": Action.FATAL,  # 409: a daemon's own refusal to serve a stage whose state is nowhere
+    "PortUnavailable": Action.RETRY_SOON,  # 503: a daemon's start-up error, never a data plane's
 }
 
 

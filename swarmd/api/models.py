@@ -199,7 +199,8 @@ class SwarmPeer(BaseModel):
 class SwarmStage(BaseModel):
     stage: int
     throughput: float = Field(description="summed throughput of the stage's peers, samples/s")
-    health: StageHealthInfo = Field(description="the stage's health, its newest step and how old that report is")
+    health: StageHealthInfo | None = Field(default=None, description="the stage's health, its newest step and how old "
+                                           "that report is (None from daemons of older builds)")
     peers: list[SwarmPeer]
     dropped: list[dict[str, Any]] = Field(
         default_factory=list,
