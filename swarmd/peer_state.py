@@ -33,3 +33,10 @@ ANNOUNCED: tuple[PeerState, ...] = (PeerState.JOINING, PeerState.SERVING, PeerSt
 LISTED: tuple[PeerState, ...] = ANNOUNCED[:4]
 #: A peer on its way into a stage: it will add capacity there once its download is done.
 PENDING: tuple[PeerState, ...] = (PeerState.JOINING, PeerState.MIGRATING)
+
+
+def usable(state: str, reachable: str) -> bool:
+    """Whether trainers and stage-mates may dial a listed peer: serving, and not known to be out of reach
+    (``reachable`` is ``yes``, ``no`` or ``unknown``: swarmd.net.reachability). The one rule behind
+    ``PeerRecord.usable`` and the router's ``PeerView.usable``."""
+    return state == PeerState.SERVING.value and reachable != "no"

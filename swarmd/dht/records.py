@@ -71,7 +71,7 @@ from swarmd.errors import (
     RecordTooLarge,
     UnsupportedRecordVersion,
 )
-from swarmd.peer_state import ANNOUNCED
+from swarmd.peer_state import ANNOUNCED, usable
 
 __all__ = [
     "ENVELOPE_VERSION",
@@ -303,7 +303,7 @@ class PeerRecord:
     @property
     def usable(self) -> bool:
         """Serving, and not known to be out of reach: what trainers and stage-mates may dial."""
-        return self.state == "serving" and self.reachable != "no"
+        return usable(self.state, self.reachable)
 
     @property
     def listed(self) -> bool:

@@ -83,7 +83,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from swarmd.peer_state import PeerState
+from swarmd.peer_state import PeerState, usable
 from swarmd.pipeline.throughput import ThroughputEMA
 
 __all__ = [
@@ -125,7 +125,7 @@ class PeerView:
     @property
     def usable(self) -> bool:
         """Serving, and not known to be out of reach: what a trainer may dial (``PeerRecord.usable``)."""
-        return self.state is PeerState.SERVING and self.reachable != "no"
+        return usable(self.state.value, self.reachable)
 
 
 @dataclass(frozen=True)
