@@ -55,6 +55,21 @@ def test_a_claimant_prefers_a_stage_it_holds_among_those_that_need_it_as_much() 
     assert turns == {b.peer_id: 0}
 
 
+def test_a_swarm_restarted_together_comes_back_from_its_own_disks() -> None:
+    # the README's three peers restarted with the same commands: the founder names stage 0 again, the
+    # joiner that held stage 0 claims first; by need alone it would take empty stage 1 and leave stage 1's
+    # holder on stage 0, with stage 1's state on a disk nobody reads
+    founder = record("a", 0, "joining", addr="", held=((0, 50),))
+    b = record("b", 0, "joining", addr="", claimed_at=NOW, held=((0, 50),))
+    c = record("c", 0, "joining", addr="", claimed_at=NOW + 0.5, held=((1, 50),))
+    records = [founder, b, c]
+    assert take_turns(2, settled_loads(records), claims_of(records)) == {b.peer_id: 0, c.peer_id: 1}
+    # two holders of one uncovered stage: the first in turn takes it, the other goes where it is needed
+    d = record("d", 0, "joining", addr="", claimed_at=NOW + 1, held=((1, 40),))
+    turns = take_turns(3, settled_loads([founder]), claims_of([c, d]))
+    assert turns == {c.peer_id: 1, d.peer_id: 2}
+
+
 def test_stopped_and_unreachable_peers_are_no_capacity() -> None:
     gone = record("d", 0, "stopped")
     unreachable = replace(record("e", 0), reachable="no")

@@ -145,7 +145,17 @@ async def test_metrics_training_summary_and_status_cli_on_a_live_swarm(tmp_path:
         assert abs(seen["swarm"][-1]["loss"] - local["local"][-1]["loss"]) < 1e-9
         assert samples(await scrape(other_api))[("swarmd_swarm_loss", ())] > 0
 
-        # swarmd status, in a terminal: a table per stage with every peer, and the loss
+        # swarmd status, in a terminal: a table per stage with every peer, and the loss. Other peers' steps are
+        # their last announcements' (each at most an announce period old): wait until every stage's says step 3
+        async def stage_steps() -> list[int | None]:
+            async with httpx.AsyncClient() as c:
+                view = (await c.get(f"http://{other_api}/swarm")).json()
+            return [s["health"]["step"] for s in view["stages"]]
+
+        deadline = asyncio.get_running_loop().time() + 15
+        while await stage_steps() != [3, 3] and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+
         def status_cli(*extra: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([sys.executable, "-m", "swarmd", "status", "--api", f"http://{other_api}", *extra],
                                   capture_output=True, text=True, timeout=60)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from dataclasses import replace
+import pytest
 
 from swarmd.api.models import SwarmView
 from swarmd.peer_state import PeerState
 from swarmd.pipeline.routing import PeerView, StageRouter
-from swarmd.train.swarm_client import PeerProgress
+from swarmd.train import swarm_view
+from swarmd.train.swarm_client import PeerProgress, TrainerError
 from swarmd.train.swarm_view import Exclusions, exclusions_of, front_step, peer_views, poll_targets
+from swarmd.train.timing import Timing
 from tests.test_pacing import peer
 
 
@@ -77,3 +80,21 @@ def test_a_poll_asks_the_peers_not_excluded_and_not_banned_unless_they_answered_
     peers = [peer("a", proven=True, banned_for_s=1.0), peer("b", banned_for_s=30.0), peer("c"),
              peer("d", proven=True, excluded=True), replace(peer("e"), alive=True)]
     assert [p.peer_id for p in poll_targets(peers)] == ["a", "c", "e"]
+
+
+async def test_a_run_counts_its_steps_from_a_swarm_step_every_stage_answered_for() -> None:
+    """A resumed swarm at step 50 whose last stage's peer is still starting is not at step 0: the run waits
+    for an answer from every stage (else every step's loss is booked at 50+ and the run looks at 0+)."""
+    polls = [[[answer("a", 50)], [answer("c", None)]], [[answer("a", 50)], []], [[answer("a", 50)], [answer("c", 50)]]]
+
+    class Resuming(swarm_view.SwarmView):
+        async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
+            return polls.pop(0)
+
+    view = Resuming(None, request_timeout_s=1.0, window=1, timing=Timing(no_peer_poll_s=0.001))  # type: ignore[arg-type]
+    assert await view.swarm_step() == 50 and not polls
+    polls[:] = [[[answer("a", 50)], []]] * 1000
+    silent = Resuming(None, request_timeout_s=1.0, window=1,  # type: ignore[arg-type]
+                      timing=Timing(no_peer_poll_s=0.001, register_wait_s=0.01))
+    with pytest.raises(TrainerError, match="no peer of stage 1 answered"):
+        await silent.swarm_step()

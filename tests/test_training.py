@@ -184,7 +184,9 @@ async def test_delayed_updates_keep_serving_and_keep_peers_identical() -> None:
         run = TrainerConfig(api=f"http://{daemons[0].status()['api_addr']}", steps=6, codec="none",
                             microbatch_size=MICRO, window=6, val_every=0, max_corpus_bytes=CORPUS_BYTES)
         summary = await Trainer(run).run()
-        assert summary.steps == 6 and summary.microbatches_issued == summary.microbatches_completed
+        # delayed updates leave a window of microbatches in flight across a step (nothing paces them): what is in
+        # flight when the sixth step lands is finished, and may complete a seventh, which the summary then counts
+        assert summary.steps in (6, 7) and summary.microbatches_issued == summary.microbatches_completed
         assert summary.step_losses[-1] < summary.step_losses[0]
         for _ in range(100):  # let the last round settle everywhere
             by_stage = {}

@@ -250,7 +250,7 @@ class Daemon:
 
     async def swarm_view(self) -> dict[str, Any]:
         """``GET /swarm`` (``swarmd.daemon.views``)."""
-        return await views.swarm_view(self)
+        return await views.swarm_view(self, own=self.announcer.record())
 
     def welcome(self) -> dict[str, Any]:
         """What a registering trainer needs (``swarmd.daemon.views``)."""

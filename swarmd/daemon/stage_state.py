@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from swarmd.checkpoint import Checkpointer, CheckpointInfo, find_checkpoints, mismatch
@@ -44,6 +45,9 @@ __all__ = ["CHECKPOINT_TASK", "StageState"]
 log = logging.getLogger(__name__)
 
 CHECKPOINT_TASK = "checkpoint"
+#: How often a peer whose stage's state is nowhere looks again (seconds): its holder may be a peer
+#: started at the same moment, listed as soon as its data plane is up
+LOST_RETRY_S = 2.0
 
 
 class StageState:
@@ -136,6 +140,7 @@ class StageState:
         host = self.host
         stage = runtime.stage
         warned = False
+        announced = time.monotonic()
         while True:
             state_plan = await self.plan(stage)
             source = await self._adopt_any(runtime, state_plan)
@@ -154,10 +159,12 @@ class StageState:
                 log.error("%s", message)
                 warned = True
             self.source = Source.LOST.value
-            try:
-                await asyncio.wait_for(host.stop_requested.wait(), host.config.dht.announce_period_s)
+            try:  # look again soon: the holder may be a peer that is starting at the same moment
+                await asyncio.wait_for(host.stop_requested.wait(), min(LOST_RETRY_S, host.config.dht.announce_period_s))
             except asyncio.TimeoutError:
-                await host.announce_quietly()  # stay listed as joining, so nobody else is sent to this stage
+                if time.monotonic() - announced >= host.config.dht.announce_period_s:
+                    await host.announce_quietly()  # stay listed as joining, so nobody else is sent to this stage
+                    announced = time.monotonic()
                 continue
             raise SwarmdError(f"stopped while waiting for a peer that holds the state of stage {stage}")
 

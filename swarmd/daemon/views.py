@@ -19,6 +19,7 @@ from swarmd.pipeline.coverage import StageHealth, stage_health
 if TYPE_CHECKING:
     from swarmd.daemon.host import Host
     from swarmd.daemon.stage_state import StageState
+    from swarmd.dht.records import PeerRecord
 
 __all__ = ["status", "swarm_view", "welcome"]
 
@@ -35,11 +36,16 @@ def welcome(host: Host) -> dict[str, Any]:
     }
 
 
-async def swarm_view(host: Host) -> dict[str, Any]:
-    """``GET /swarm``: the swarm as the DHT shows it now: model, every stage's health and live peers."""
+async def swarm_view(host: Host, own: PeerRecord | None = None) -> dict[str, Any]:
+    """``GET /swarm``: the swarm as the DHT shows it now: model, every stage's health and live peers.
+
+    ``own`` is this peer's record as it would announce it now: its row shows its live step and load
+    rather than its last announcement's, so a page never shows this peer at two steps."""
     assert host.membership is not None and host.spec is not None and host.dht is not None
     spec, membership = host.spec, host.membership
     stages = await membership.stage_peers(spec.n_stages)
+    if own is not None and 0 <= own.stage < len(stages) and own.peer_id in stages[own.stage]:
+        stages[own.stage][own.peer_id] = own
     now = time.time()
     held = host.checkpoints.held if host.checkpoints is not None else None
     healths = stage_health(spec.n_stages, [r for rs in stages for r in rs.values()], now=now, held_here=held)

@@ -14,8 +14,11 @@ order by ``(claimed_at, peer_id)``, and each one's stage is the policy's choice 
 peers (everyone who is not a claimant) plus the claimants before it, at the stages *their* turns
 gave them. Every newcomer computes the whole sequence itself from the same records (pure:
 :func:`take_turns`), so they agree without talking and never wait for each other to re-announce.
-A claimant that also holds checkpoints prefers, among stages that need it equally, one it holds
-(so a stopped swarm restarted together comes back from its own disks).
+A stopped swarm restarted together should come back from its own disks, so state goes first: a
+stage no settled peer serves goes to the first claimant (in that order) that holds a checkpoint of
+it, before anyone chooses by need; and a claimant that holds checkpoints prefers, among stages that
+need it equally, one it holds. (By need alone, a claimant holding stage 0 would take an empty stage
+1 that a later claimant holds, leaving that one on stage 0 and stage 1's state on a disk nobody reads.)
 
 A peer is a claimant while its record is ``joining``, carries ``claimed_at`` and has no data
 address: once it has started its data plane its stage is settled, and it counts as any peer
@@ -69,13 +72,25 @@ def settled_loads(records: Iterable[PeerRecord]) -> list[PeerLoad]:
 
 def take_turns(n_stages: int, settled: Sequence[PeerLoad], claims: Iterable[Claim], *,
                policy: str = DEFAULT_POLICY, now: float = 0.0) -> dict[str, int]:
-    """Each claimant's stage (peer id -> stage): claimants in ``(claimed_at, peer_id)`` order, each
-    choosing over the settled peers and the claimants before it (pure; the same records give every
-    reader the same answer)."""
+    """Each claimant's stage (peer id -> stage): first, in ``(claimed_at, peer_id)`` order, each claimant
+    that holds a checkpoint of a stage nobody covers yet takes it; then the others, in the same order,
+    each choosing over the settled peers and the claimants before it (pure; the same records give
+    every reader the same answer)."""
     peers = list(settled)
     taken = {p.peer_id for p in peers}
     out: dict[str, int] = {}
-    for claim in sorted(claims, key=lambda c: (c.claimed_at, c.peer_id)):
+    in_turn = sorted(claims, key=lambda c: (c.claimed_at, c.peer_id))
+    covered = {p.stage for p in peers}
+    for claim in in_turn:  # state first: an uncovered stage goes to the first claimant that holds it
+        if claim.peer_id in taken:
+            continue
+        mine = sorted(s for s in claim.holds if 0 <= s < n_stages and s not in covered)
+        if mine:
+            out[claim.peer_id] = mine[0]
+            covered.add(mine[0])
+            peers.append(PeerLoad(claim.peer_id, mine[0], "joining", 0.0))
+            taken.add(claim.peer_id)
+    for claim in in_turn:  # then need
         if claim.peer_id in taken:
             continue
         snapshot = SwarmSnapshot(n_stages, tuple(peers), now)

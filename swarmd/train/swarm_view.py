@@ -20,7 +20,9 @@ What the progress answers decide:
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
@@ -29,11 +31,11 @@ from swarmd.api import models
 from swarmd.peer_state import ANNOUNCED
 from swarmd.pipeline.failures import timed_out
 from swarmd.pipeline.routing import PeerView, Reachability, RoutedPeer, StageRouter
-from swarmd.train.swarm_client import PeerProgress, SwarmClient
+from swarmd.train.swarm_client import PeerProgress, SwarmClient, TrainerError
 from swarmd.train.timing import Timing
 from swarmd.train.verify import excluded_by_majority, excluded_by_stage, forks
 
-__all__ = ["Exclusions", "SwarmView", "exclusions_of", "front_step", "peer_views", "poll_targets"]
+__all__ = ["Exclusions", "SwarmView", "exclusions_of", "front_step", "peer_views", "poll_targets", "stage_fronts"]
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +57,21 @@ def peer_views(body: models.SwarmView) -> dict[int, list[PeerView]]:
     }
 
 
-def front_step(progress: Sequence[Sequence[PeerProgress]]) -> int:
-    """The step the whole swarm has reached: the slowest stage's most advanced peer (0 if a
-    stage has no peer that answered), not counting a refused leader that stepped alone on its own
-    lie (most of its stage excludes it, or it is a fork: one accuser cannot hold the front back)."""
+def stage_fronts(progress: Sequence[Sequence[PeerProgress]]) -> list[int | None]:
+    """Each stage's most advanced peer's step (None: no peer of it answered), not counting a refused
+    leader that stepped alone on its own lie (most of its stage excludes it, or it is a fork: one
+    accuser cannot hold the front back)."""
     fronts = []
     for peers in progress:
         ignored = excluded_by_stage(peers) | forks(peers)
         fronts.append(max((p.step for p in peers if p.step is not None and p.peer_id not in ignored), default=None))
+    return fronts
+
+
+def front_step(progress: Sequence[Sequence[PeerProgress]]) -> int:
+    """The step the whole swarm has reached: the slowest stage's front (:func:`stage_fronts`; 0 if a
+    stage has no peer that answered)."""
+    fronts = stage_fronts(progress)
     known = [f for f in fronts if f is not None]
     return min(known) if len(known) == len(fronts) and known else 0
 
@@ -140,8 +149,20 @@ class SwarmView:
         return self._unreachable.get(stage, [])
 
     async def swarm_step(self) -> int:
-        """The step the whole swarm has reached (:func:`front_step` of a fresh poll)."""
-        return front_step(await self.poll())
+        """The step the whole swarm has reached, once every stage has a peer that answered: a run
+        counts its steps from it, and a stage not heard from yet is not at step 0 (a swarm resumed at
+        step 50 whose last stage's peer was still starting would have been taken for a fresh one, and
+        every step's loss booked where the run never looked). Waits at most ``Timing.register_wait_s``."""
+        deadline = time.monotonic() + self.timing.register_wait_s
+        while True:
+            fronts = stage_fronts(await self.poll())
+            silent = [stage for stage, front in enumerate(fronts) if front is None]
+            if not silent:
+                return min(f for f in fronts if f is not None) if fronts else 0
+            if time.monotonic() > deadline:
+                raise TrainerError(f"no peer of stage {silent[0]} answered for {self.timing.register_wait_s:.0f}s: "
+                                   "the swarm's step is unknown")
+            await asyncio.sleep(self.timing.no_peer_poll_s)
 
     async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
         """Every serving peer's ``/v1/progress`` (step, samples held, averaging), per stage.
