@@ -95,6 +95,6 @@ async def test_a_run_counts_its_steps_from_a_swarm_step_every_stage_answered_for
     assert await view.swarm_step() == 50 and not polls
     polls[:] = [[[answer("a", 50)], []]] * 1000
     silent = Resuming(None, request_timeout_s=1.0, window=1,  # type: ignore[arg-type]
-                      timing=Timing(no_peer_poll_s=0.001, register_wait_s=0.01))
-    with pytest.raises(TrainerError, match="no peer of stage 1 answered"):
+                      timing=Timing(no_peer_poll_s=0.001), stage_wait_timeout_s=0.01)
+    with pytest.raises(TrainerError, match="stage 1 has had no peer that answers for 0s; giving up"):
         await silent.swarm_step()

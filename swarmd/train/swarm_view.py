@@ -29,8 +29,9 @@ from typing import get_args
 
 from swarmd.api import models
 from swarmd.peer_state import ANNOUNCED
-from swarmd.pipeline.failures import timed_out
+from swarmd.pipeline.failures import Action, classify, timed_out
 from swarmd.pipeline.routing import PeerView, Reachability, RoutedPeer, StageRouter
+from swarmd.train.stage_calls import unreachable_hint
 from swarmd.train.swarm_client import PeerProgress, SwarmClient, TrainerError
 from swarmd.train.timing import Timing
 from swarmd.train.verify import excluded_by_majority, excluded_by_stage, forks
@@ -112,9 +113,11 @@ def poll_targets(peers: Sequence[RoutedPeer]) -> list[RoutedPeer]:
 class SwarmView:
     """One router per stage, kept up to date from ``/swarm`` and from the stages' progress answers."""
 
-    def __init__(self, swarm: SwarmClient, *, request_timeout_s: float, window: int, timing: Timing) -> None:
+    def __init__(self, swarm: SwarmClient, *, request_timeout_s: float, window: int, timing: Timing,
+                 stage_wait_timeout_s: float = 120.0) -> None:
         self.swarm = swarm
         self.timing = timing
+        self.stage_wait_timeout_s = stage_wait_timeout_s  # how long swarm_step waits for a silent stage
         self.routers: list[StageRouter] = []
         self._ceiling_s = request_timeout_s
         self._probation_slots = max(1, window // 4)
@@ -152,16 +155,23 @@ class SwarmView:
         """The step the whole swarm has reached, once every stage has a peer that answered: a run
         counts its steps from it, and a stage not heard from yet is not at step 0 (a swarm resumed at
         step 50 whose last stage's peer was still starting would have been taken for a fresh one, and
-        every step's loss booked where the run never looked). Waits at most ``Timing.register_wait_s``."""
-        deadline = time.monotonic() + self.timing.register_wait_s
+        every step's loss booked where the run never looked). Waits at most ``stage_wait_timeout_s``, as
+        a call waits for a usable peer (``swarmd.train.stage_calls``), and gives up in the same words."""
+        deadline = time.monotonic() + self.stage_wait_timeout_s
         while True:
-            fronts = stage_fronts(await self.poll())
+            progress = await self.poll()
+            fronts = stage_fronts(progress)
             silent = [stage for stage, front in enumerate(fronts) if front is None]
+            for stage in silent:  # a refusal that waiting cannot mend (no swarm key, another model): say it now
+                refused = [p.error for p in progress[stage] if p.error and classify(p.error) is Action.FATAL]
+                if refused:
+                    raise TrainerError(f"stage {stage} refused this trainer's progress poll: {refused[0]}")
             if not silent:
                 return min(f for f in fronts if f is not None) if fronts else 0
             if time.monotonic() > deadline:
-                raise TrainerError(f"no peer of stage {silent[0]} answered for {self.timing.register_wait_s:.0f}s: "
-                                   "the swarm's step is unknown")
+                raise TrainerError(f"stage {silent[0]} has had no peer that answers for "
+                                   f"{self.stage_wait_timeout_s:.0f}s; giving up"
+                                   + unreachable_hint({}, self.unreachable(silent[0])))
             await asyncio.sleep(self.timing.no_peer_poll_s)
 
     async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:

@@ -111,7 +111,7 @@ class Trainer:
             spec, training = registration.spec, registration.training
             self.spec, self.training, self.trainer_id = spec, training, registration.trainer_id
             view = self.view = SwarmView(swarm, request_timeout_s=cfg.request_timeout_s, window=cfg.window,
-                                         timing=cfg.timing)
+                                         timing=cfg.timing, stage_wait_timeout_s=cfg.stage_wait_timeout_s)
             view.adopt(spec.n_stages)
             calls = self.calls = StageCalls(view, client, model=spec.digest, codec=cfg.codec, summary=self.summary,
                                             timing=cfg.timing, request_timeout_s=cfg.request_timeout_s,
