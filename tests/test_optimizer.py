@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from swarmd.net.optimizer_state import STATE_FORMAT, load_optimizer_state_tensors, optimizer_state_tensors
+from swarmd.pipeline.optimizer_state import STATE_FORMAT, load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.net.wire import WireLimits, decode_frame, encode_frame
 from swarmd.pipeline.model import FullModel, StageModule, build_stage, params_digest
 from swarmd.pipeline.optimizer import Lamb, apply_step, build_optimizer

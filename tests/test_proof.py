@@ -183,7 +183,7 @@ async def test_a_daemon_answers_its_own_proof() -> None:
 def test_donors_are_only_proven_ones_holding_the_majority_digest_of_the_newest_step() -> None:
     from swarmd.dht.records import PeerRecord
     from swarmd.net.proof import Proof
-    from swarmd.net.state_sync import rank_proven
+    from swarmd.pipeline.state_sync import rank_proven
 
     def record(pid: str, addr: str) -> PeerRecord:
         return PeerRecord(peer_id=pid, stage=0, state="serving", data_addr=addr, api_addr="", throughput=1.0, queue=0,

@@ -26,7 +26,7 @@ model and stage (``joining.py``), the served stage's state in and out (``stage_s
 it announces and reads back (``announcing.py``), reachability and relays (``relaying.py``), and
 ``/status`` and ``/swarm`` (``views.py``). Elsewhere: moving between stages
 (``pipeline/migration.py``), choosing a donor and checking a downloaded state
-(``net/state_sync.py``), the state-directory lock (``state_dir.py``), supervising background
+(``pipeline/state_sync.py``), the state-directory lock (``state_dir.py``), supervising background
 tasks (``tasks.py``) and the control plane's schema (``api/models.py``). The stage it serves is
 one :class:`~swarmd.pipeline.runtime.StageRuntime` (executor + averager) held in
 ``Daemon.runtime``, which a migration replaces in one assignment.

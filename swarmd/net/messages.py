@@ -49,9 +49,9 @@ from swarmd.errors import MalformedFrame, RequestError, WrongStage
 from swarmd.finite import all_finite
 from swarmd.net.codecs import CODECS
 from swarmd.net.wire import Frame, WireLimits, encode_frame
-from swarmd.pipeline.precision import PRECISIONS
 
 __all__ = [
+    "PRECISIONS",
     "MAX_PROGRESS_WAIT_S",
     "MAX_PEER_ID_LEN",
     "AverageReply",
@@ -73,6 +73,10 @@ __all__ = [
     "ReserveRequest",
     "StageTarget",
 ]
+
+#: The precisions a stage computes in (``--precision``, ``swarmd.pipeline.precision``), as a reply names
+#: the one that computed it: spot checks compare answers of like precision only.
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 #: The longest a ``/v1/progress`` long-poll (``?wait_step=``) is held open, in seconds.
 MAX_PROGRESS_WAIT_S = 10.0

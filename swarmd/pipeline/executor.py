@@ -41,10 +41,10 @@ import torch
 
 from swarmd.errors import LimitExceeded, RequestError, RequestTimeout
 from swarmd.finite import all_finite
-from swarmd.net.optimizer_state import load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, capture_forward
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
 from swarmd.pipeline.optimizer import apply_step, build_optimizer
+from swarmd.pipeline.optimizer_state import load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.pipeline.precision import LossScale, autocast, check_precision
 from swarmd.pipeline.reservations import LeaseBook
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec

@@ -14,7 +14,7 @@ that function:
   gradients), from the settings of :class:`~swarmd.pipeline.spec.TrainingSpec`;
 - :class:`Lamb`, the second optimizer a swarm may choose besides torch's AdamW.
 
-A joining peer takes over the optimizer's state through :mod:`swarmd.net.optimizer_state`.
+A joining peer takes over the optimizer's state through :mod:`swarmd.pipeline.optimizer_state`.
 
 Determinism. AdamW is built with ``foreach=False, fused=False``: torch's per-tensor
 implementation, whatever the device, instead of a default that depends on where the
@@ -158,7 +158,7 @@ def build_optimizer(spec: TrainingSpec, params: Params) -> torch.optim.Optimizer
     the GPT-2/nanoGPT convention. Groups keep the order of ``params``, and an empty group is
     left out; since every peer of a stage builds the same module, every peer numbers the
     parameters (and so the state of
-    :func:`~swarmd.net.optimizer_state.optimizer_state_tensors`) alike. Parameters that
+    :func:`~swarmd.pipeline.optimizer_state.optimizer_state_tensors`) alike. Parameters that
     do not require gradients are left out. The initial learning rate is ``spec.lr_at(0)``,
     though :func:`apply_step` sets it before every step anyway.
     """

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmd.errors import ConfigError
+from swarmd.net.messages import PRECISIONS
 
 __all__ = ["PRECISIONS", "LossScale", "autocast_dtype", "check_precision"]
 
-#: What ``--precision`` accepts.
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+# What ``--precision`` accepts is what a reply may say computed it (``swarmd.net.messages.PRECISIONS``).
 
 
 def check_precision(precision: object) -> str:
