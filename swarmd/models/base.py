@@ -17,11 +17,11 @@ architecture:
   from the original forward, so stages have none.
 
 A stage is ``blocks`` in order (``spec.stage_range(stage)``; with ``share_layers`` one block
-applied that many times), with the embedding in front on stage 0 and the final norm, an untied
-LM head and the loss behind on the last stage (untied, because tying would make the first and
-last stages share a parameter that lives on two different swarms). A subclass builds those
-pieces (:meth:`build_first`, :meth:`build_block`, :meth:`build_last`) and runs them
-(:meth:`embed`, :meth:`logits`); everything else lives here once.
+applied that many times: :mod:`swarmd.models.layer_sharing`), with the embedding in front on
+stage 0 and the final norm, an untied LM head and the loss behind on the last stage (untied,
+because tying would make the first and last stages share a parameter that lives on two different
+swarms). A subclass builds those pieces (:meth:`build_first`, :meth:`build_block`,
+:meth:`build_last`) and runs them (:meth:`embed`, :meth:`logits`); everything else lives here once.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from swarmd.errors import ConfigError, RequestError
+from swarmd.models.layer_sharing import block_applied, blocks_built
 from swarmd.pipeline.spec import ModelSpec
 
 __all__ = ["Constant", "Normal", "StageModule", "embedding"]
@@ -101,7 +102,7 @@ class StageModule(nn.Module):
         meta = torch.device("meta")
         if self.is_first:
             self.build_first(meta)
-        n_blocks = 1 if spec.share_layers else self.n_applied
+        n_blocks = blocks_built(self.n_applied, shared=spec.share_layers)
         self.blocks = nn.ModuleList(self.build_block(meta) for _ in range(n_blocks))
         if self.is_last:
             self.build_last(meta)
@@ -204,7 +205,7 @@ class StageModule(nn.Module):
         x = self.embed(inputs) if self.is_first else inputs.to(self.param_dtype)
         shared = self.spec.share_layers
         for i in range(self.n_applied):
-            x = self.blocks[0 if shared else i](x)
+            x = self.blocks[block_applied(i, shared=shared)](x)
         if not self.is_last:
             return x
         logits = self.logits(x)

@@ -28,11 +28,10 @@ different thread counts. Bit-identity is promised between peers running the same
 on the same kind of device; across CPU vector extensions or between CPU and GPU, reductions
 and transcendental functions may round differently.
 
-Delayed parameter updates (``delay_updates``, the paper's section 3.2 option of applying the
-step computed from batch ``t`` while batch ``t + 1`` is already being processed with the old
-parameters) are only a setting here: the stage's step protocol
-(:mod:`swarmd.pipeline.step_protocol`) decides when :func:`apply_step` is called, and the step
-itself is the same either way.
+Delayed parameter updates (``delay_updates``: applying the step computed from batch ``t`` while
+batch ``t + 1`` is already being processed with the old parameters, :mod:`swarmd.pipeline.delayed_updates`)
+are no concern of this module: the stage's step protocol decides when :func:`apply_step` is
+called, and the step itself is the same either way.
 """
 
 from __future__ import annotations

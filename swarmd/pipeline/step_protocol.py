@@ -12,10 +12,10 @@ newer step with ``PeerBehind`` (this peer is behind its stage-mates). While the 
 gradients are out for averaging, backwards are refused with ``Busy`` (retry shortly), so no
 gradient computed at step ``s`` can land after the update to ``s + 1``.
 
-Delayed parameter updates (``TrainingSpec.delay_updates``, paper section 3.3): the stage keeps
-serving with the previous parameters while its round runs, backwards accumulate into the
-*next* update, and a backward whose forward ran one step ago is accepted (staleness exactly 1,
-counted in ``stale_applied``); two or more steps old is still refused.
+Delayed parameter updates (``TrainingSpec.delay_updates``, :mod:`swarmd.pipeline.delayed_updates`
+has the rules): the stage keeps serving with the previous parameters while its round runs,
+backwards accumulate into the *next* update, and a backward whose forward ran one step ago is
+accepted (staleness exactly 1, counted in ``stale_applied``); two or more steps old is still refused.
 
 Gradient accounting. The last stage backpropagates ``loss * batch_size``, the sum of
 per-sample mean losses, so every stage accumulates gradient *sums* over samples together with
@@ -95,6 +95,7 @@ from torch import nn
 
 from swarmd.errors import Busy, PeerBehind, PeerError, RequestError, RequestTimeout, StaleStep
 from swarmd.finite import all_finite
+from swarmd.pipeline.delayed_updates import accepts_stale, serves_during_round
 
 __all__ = [
     "BackwardAttempts",
@@ -125,11 +126,11 @@ def judge_backward(stage_step: int, forward_step: int | None, *, averaging: bool
     ``Busy`` check comes first: without delayed updates nothing is accepted while the stage's
     gradients are out, whatever step it names.
     """
-    if averaging and not delayed:
+    if averaging and not serves_during_round(delayed):
         return Verdict.BUSY
     if forward_step is None or forward_step == stage_step:
         return Verdict.ACCEPT
-    if delayed and forward_step == stage_step - 1:
+    if accepts_stale(stage_step, forward_step, delayed=delayed):
         return Verdict.ACCEPT_STALE
     return Verdict.STALE if forward_step < stage_step else Verdict.BEHIND
 

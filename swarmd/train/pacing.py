@@ -30,6 +30,7 @@ import torch
 from swarmd.errors import PeerError
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import ReserveReply, ReserveRequest
+from swarmd.pipeline.delayed_updates import needs_pacing
 from swarmd.pipeline.failures import Action, classify
 from swarmd.pipeline.routing import RoutedPeer, StageRouter
 from swarmd.pipeline.spec import TrainingSpec
@@ -85,7 +86,7 @@ def pace_budget(progress: Progress, *, target: int, in_flight_samples: int, dela
     hold ``target`` samples; what they hold for their current step (per stage, at its most advanced
     step) and what is in flight count against it. Delayed updates accept a backward one step old, so
     they need no pacing."""
-    if delay_updates or len(progress) < 2:
+    if not needs_pacing(delay_updates) or len(progress) < 2:
         return None
     held = 0
     for peers in progress[:-1]:
