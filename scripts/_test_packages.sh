@@ -1,6 +1,6 @@
 # Sourced by scripts/test only (never by the demo): the system packages some tests need. The
-# network lab (scripts/netlab.py, tests/test_netlab.py) needs ip and tc (iproute2); firewall tests
-# need iptables; the dashboard's browser test (tests/test_dashboard.py) needs Debian's chromium. As
+# network lab (scripts/netlab.py, tests/system/test_netlab.py) needs ip and tc (iproute2); firewall tests
+# need iptables; the dashboard's browser test (tests/system/test_dashboard.py) needs Debian's chromium. As
 # root (CI runs ./scripts/test as root), install what is missing once per .venv (a failed try is
 # not repeated at every run: an offline machine would wait out apt's timeouts each time); never
 # fail the set-up over it: without them those tests skip with the reason.

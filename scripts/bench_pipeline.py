@@ -3,7 +3,7 @@
 Two runs of the same training job, one after the other, each in its own process(es):
 
 - **single**: every stage of ``--model`` (a preset, cut by ``--partition``) built with
-  ``build_stage`` and chained in one child process, trained exactly like ``reference_run`` in ``tests/test_training.py``: per step,
+  ``build_stage`` and chained in one child process, trained exactly like ``reference_run`` in ``tests/integration/test_training.py``: per step,
   the global batch of ``--batch-size`` samples split into microbatches of
   ``--microbatch-size``, ``(loss * n).backward()`` per microbatch, gradients divided by the
   step's sample count, then ``apply_step`` with ``build_optimizer``'s optimizer per stage.
@@ -225,7 +225,7 @@ def self_peak_rss_bytes() -> int:
 def single_run(s: Settings) -> dict[str, Any]:
     """Train the chained stages in this process; time steps ``warmup + 1 .. warmup + steps``.
 
-    The loop is ``reference_run`` of tests/test_training.py with the trainer's batch split;
+    The loop is ``reference_run`` of tests/integration/test_training.py with the trainer's batch split;
     it runs in a child process of the benchmark so its memory and CPU are its own.
     """
     keep_freed_memory()  # as every daemon does at start-up (swarmd.allocator): the same allocator for both runs

@@ -8,7 +8,7 @@ model with a trainer in this process (``--sync``: one global batch per step). Ev
 SIGKILL and a replacement joins its stage over the DHT, downloading the stage's state. The
 reference loss is that of undisturbed training of the same number of steps from the same seed,
 computed in this process (``swarmd.train.reference``): a ``--sync`` swarm computes exactly what
-single-process training does (``tests/test_training.py``), so an undisturbed swarm of child
+single-process training does (``tests/integration/test_training.py``), so an undisturbed swarm of child
 processes would only cost the time to start it (half of a short run's).
 
 Prints one JSON object: steps, kills, min_samples_per_step (per stage, over every successful
@@ -154,7 +154,7 @@ def reference_run(spec: ModelSpec, training: TrainingSpec, args: argparse.Namesp
     same microbatch sizes, drawn in the same order) through every stage in this process, and its
     validation batches through the trained stages. Activations here are exact where the swarm's
     travel 8-bit quantized (the trainer's default codec), a difference far below the 10% bound
-    (``tests/test_training.py::test_8bit_activations_stay_within_the_documented_margin_of_raw``)."""
+    (``tests/integration/test_training.py::test_8bit_activations_stay_within_the_documented_margin_of_raw``)."""
     corpus = load_corpus(None, max_bytes=CORPUS_BYTES, seed=args.seed, seq_len=spec.seq_len)
     sampler = BatchSampler(corpus.train, spec.seq_len, seed=args.seed)
     stages = [build_stage(spec, k) for k in range(spec.n_stages)]

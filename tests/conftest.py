@@ -17,7 +17,7 @@ from swarmd import local_swarm
 from swarmd.config import ApiConfig, Config, NetConfig, PipelineConfig, RebalanceConfig
 from swarmd.daemon import Daemon
 from swarmd.pipeline.spec import PRESETS, ModelSpec
-from tests.netlab_fixture import netlab  # noqa: F401  (the network lab: separate hosts as namespaces)
+from tests.support.netlab_fixture import netlab  # noqa: F401  (the network lab: separate hosts as namespaces)
 
 TINY: ModelSpec = PRESETS["tiny"]
 

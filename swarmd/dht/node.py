@@ -20,7 +20,7 @@ Lookups
     in a 100-node DHT (k = 20), and a ``store`` about 40 (a node lookup, then k ``store``
     RPCs); ``get_stage_peers`` is one ``get`` per bucket, run in parallel. ``scripts/bench_dht.py`` measures these.
 
-Sizes and limits (measured; ``tests/test_dht_node.py`` and ``test_dht_records.py`` pin them)
+Sizes and limits (measured; ``tests/integration/test_dht_node.py`` and ``test_dht_records.py`` pin them)
     - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest, checkpoint step): 305 bytes;
     - the largest datagram rpcudp sends: 8213 bytes (21 of header + 8192 of msgpack), which
       leaves 8137 bytes for one key's bundle (``MAX_BUNDLE_BYTES``); a private swarm

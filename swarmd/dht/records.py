@@ -44,7 +44,7 @@ A realistic signed PeerRecord (IPv4 data address ``203.0.113.45:31337``, IPv6 AP
 headers) and a 189-byte body. In a bundle each record costs 3 more bytes (msgpack bin16
 header), so one DHT key's 8137-byte bundle holds 26 of them. A SwarmRecord of the tiny preset's spec and three
 training settings is 340 bytes. Verifying one costs ~0.1 ms (ed25519), hence :class:`RecordCache`.
-(``tests/test_dht_records.py`` pins these numbers.)
+(``tests/unit/test_dht_records.py`` pins these numbers.)
 
 Times are unix seconds (``time.time()``): ``expiry`` is absolute, so peers compare it with their
 own clocks, and records live at most ``max_ttl_s`` (default one hour) beyond ``now``, so a peer

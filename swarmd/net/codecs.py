@@ -45,7 +45,7 @@ more (``|v - code(c)| <= |v - c| + |c - code(v)| <= 2|v - c| + |v - code(v)|``, 
 ``EIGHT_BIT_REL_ERROR = 0.0070313 + 2**-16 + 2**-20 ~= 0.0070475``, the same bound the
 bitsandbytes 0.50 CPU kernel met (it, too, errs up to about 2**-16 from a midpoint); the
 largest error measured over a dense sweep of every code interval stays below it (see
-``tests/test_codecs.py``). Blocks that contain ``inf`` or ``nan`` decode as ``nan`` throughout,
+``tests/unit/test_codecs.py``). Blocks that contain ``inf`` or ``nan`` decode as ``nan`` throughout,
 blocks of zeros as zeros: the stage rejects non-finite values anyway.
 
 The 8-bit encoder

@@ -48,7 +48,7 @@ REPLY_SLACK_S``) and stepped without it; so it commits a round only within ``COM
 the round's deadline and aborts it otherwise, then resyncs: stepping alone would leave it at the
 same step as its stage-mates with other parameters, which nothing would ever reconcile.
 (Residual risk: a freeze of more than ``REPLY_SLACK_S - COMMIT_GRACE_S`` seconds exactly
-between that check and the answers; ``tests/test_averaging_faults.py`` covers the rest.)
+between that check and the answers; ``tests/integration/test_averaging_faults.py`` covers the rest.)
 
 Who follows whom. A peer behind follows the stage-mates ahead only when they are at least as many
 as the peers at its own step (itself included): a lost answer leaves the majority ahead, while a

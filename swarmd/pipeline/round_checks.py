@@ -20,7 +20,7 @@ estimation noise of a norm over hundreds of thousands of coordinates (a few perc
 codec changes a gradient's norm by well under 1 % in practice (``swarmd.net.codecs``: at most
 ``EIGHT_BIT_REL_ERROR`` of each block's absmax per value). But per-sample gradients are heavy-
 tailed: at initialisation two honest 1-sample microbatches of the tiny model differ by up to 2.5x,
-yet in a real 60-step run (``tests/test_migration.py``, step 14, codec none, identical parameters)
+yet in a real 60-step run (``tests/integration/test_migration.py``, step 14, codec none, identical parameters)
 one honest 4-sample contribution had 33x the per-sample norm of its stage-mates' 4- and 8-sample
 ones, and a factor of 4 refused it and stalled the stage. ``OUTLIER_FACTOR = 64`` leaves about
 twice that margin: the rule refuses *gross* poisoning (scaled by 64x or more against as many

@@ -1,0 +1,55 @@
+"""A proven fake that mirrors a stage-mate's progress and never contributes (issue #18, item 2).
+
+Identities are free, so a fake can pass the proof (``GET /v1/proof`` signed with its own key at
+its announced address) and then answer ``GET /v1/progress`` with what an honest stage-mate
+answers: the same step, params digest and samples held, under its own id, taking part in the
+stage's rounds. The stage's leader then counts samples the fake does not hold and waits for a
+contribution that never comes. Real in-process daemons on loopback, a real trainer; the fake is
+a little aiohttp server of this test published in the swarm's DHT with a validly signed record.
+The stage must keep stepping: a round waits for a silent proven contributor only a bounded time
+(``swarmd.pipeline.round_patience``), then goes on without it and excludes it with growing periods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from swarmd.train.trainer import Trainer, TrainerConfig
+from tests.support.fakes import Mirror, identity_after, proven_by, publish_fake
+from tests.support.swarms import fast_swarm
+
+SPEC = replace(PRESETS["tiny"], name="silent", n_stages=1, layers_per_stage=1)  # one stage: its books are all
+TRAINING = TrainingSpec(target_batch_size=16, lr=3e-3, warmup_steps=1, averaging_timeout_s=2.5)
+STEPS = 4
+
+
+@pytest.mark.slow  # ~12 s, most of it starting four daemons; the default run's variant: tests/adversarial/test_tarpit.py
+async def test_a_proven_silent_fake_stage_mate_is_waited_for_a_bounded_time_then_excluded() -> None:
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=2) as daemons:
+        stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")
+        leader, mate = stage0
+        assert mate.peer_id is not None and mate.data_addr is not None
+        async with Mirror(mate.data_addr, identity_after(mate.peer_id), stage=0) as fake:
+            await publish_fake(daemons[0].dht, "train-test", 0, fake.addr, fake.identity)
+            api = f"http://{daemons[0].status()['api_addr']}"
+            for d in stage0:  # a stage-mate like any other now, to whichever honest peer leads the rounds
+                await proven_by(d, fake)
+            trainer = Trainer(TrainerConfig(api=api, steps=STEPS, microbatch_size=4, window=4, codec="none",
+                                            val_every=0, val_batches=1, max_corpus_bytes=1 << 20, refresh_s=0.5,
+                                            request_timeout_s=20.0, verify_fraction=0.0))
+            summary = await asyncio.wait_for(trainer.run(), 90)
+            assert summary.steps == STEPS
+            statuses = [d.status()["averaging"] for d in stage0]
+            assert fake.polls >= 1
+            # whoever led the stage's rounds waited for the fake once, then excluded it
+            assert any(fake.identity.peer_id in str(a["excluded"]) for a in statuses), statuses
+            assert sum(a["silent_contributors"] for a in statuses) >= 1, statuses
+            # the fake costs at most a round or two (waited for, then excluded), not one per step
+            assert max(a["rounds_ok"] for a in statuses) >= STEPS, statuses
+            assert all(a["rounds_aborted"] <= 2 for a in statuses), statuses
+            assert leader.executor is not None and mate.executor is not None
+            assert leader.executor.digest == mate.executor.digest

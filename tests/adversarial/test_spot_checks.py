@@ -1,0 +1,484 @@
+"""Spot checks (swarmd.train.verify, issue #17): the comparison rule, arbitration, the checked share,
+1,000 honest checks through real executors and real codecs without a false alarm, and liars in a
+real 2-stage x 3-peer swarm caught, reported and excluded while training goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import socket
+import time
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from swarmd.daemon import Daemon
+from swarmd.dht.identity import Identity
+from swarmd.errors import PeerError
+from swarmd.net.client import DataPlaneClient
+from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest
+from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
+from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.reports import MisbehaviourReport
+from swarmd.pipeline.routing import StageRouter
+from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from swarmd.train.spot_checks import Finding, Ruling, SpotChecks
+from swarmd.train.stage_calls import StageCalls
+from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
+from swarmd.train.verify import (
+    CROSS_BUILD_SLACK,
+    UNSETTLED_LIMIT,
+    Answer,
+    SpotChecker,
+    Verdict,
+    VerifyStats,
+    agree,
+    arbitrate,
+    describe,
+    tolerance,
+)
+from tests.support.liars import make_liar
+from tests.support.routing import FixedStages, listed
+from tests.support.swarms import fast_swarm
+
+CODECS = ("none", "fp16", "bf16", "8bit")
+
+
+def answer(peer: str, t: torch.Tensor | None, step: int = 0, loss: float | None = None) -> Answer:
+    return Answer(peer, step, t, loss)
+
+
+# ---- the comparison rule -----------------------------------------------------------------------
+
+
+def test_tolerance_is_twice_the_codec_bound_plus_the_build_slack() -> None:
+    assert tolerance("none") == CROSS_BUILD_SLACK
+    assert tolerance("fp16") == pytest.approx(2 * 2**-11 + CROSS_BUILD_SLACK)
+    assert tolerance("8bit") > tolerance("bf16") > tolerance("fp16") > tolerance("none")
+    with pytest.raises(ValueError):
+        tolerance("4bit")
+
+
+def test_agree_exact_within_and_beyond_tolerance() -> None:
+    x = torch.randn(4, 8, 16)
+    tol = tolerance("8bit")
+    assert agree(answer("a", x), answer("b", x.clone()), 0.0)  # bit-identical: always
+    assert agree(answer("a", x), answer("b", x + 0.5 * tol * x.abs().max()), tol)
+    assert not agree(answer("a", x), answer("b", x * 1.5), tol)  # a scaled answer
+    assert not agree(answer("a", x), answer("b", -3 * x), tol)  # a wrong gradient
+    assert not agree(answer("a", x), answer("b", x[:2]), tol)  # another shape
+    assert not agree(answer("a", x), answer("b", x.double()), tol)  # another dtype
+    assert not agree(answer("a", x), answer("b", torch.full_like(x, math.nan)), tol)
+    assert not agree(answer("a", x), answer("b", None), tol)
+    assert agree(answer("a", None, loss=2.0), answer("b", None, loss=2.0 + 1e-6), tol)
+    assert not agree(answer("a", None, loss=2.0), answer("b", None, loss=2.5), tol)
+    assert not agree(answer("a", x, loss=2.0), answer("b", x), tol)
+    assert not agree(answer("a", x, loss=math.inf), answer("b", x, loss=math.inf), tol)
+    ints = torch.arange(6)
+    assert agree(answer("a", ints), answer("b", ints.clone()), tol)
+    assert not agree(answer("a", ints), answer("b", ints + 1), 1.0)
+
+
+def test_arbitration_verdicts() -> None:
+    x, tol = torch.ones(3), 1e-6
+    good, bad = answer("honest", x), answer("liar", 2 * x)
+    assert arbitrate([good, answer("other", x)], tol).verdict is Verdict.AGREE
+    assert arbitrate([good, bad], tol).verdict is Verdict.MISMATCH
+    assert arbitrate([good, answer("later", x, step=1)], tol).verdict is Verdict.INCONCLUSIVE  # a step between
+    caught = arbitrate([bad, good, answer("third", x)], tol)
+    assert caught.verdict is Verdict.LIAR and caught.liar == "liar"
+    caught = arbitrate([good, bad, answer("third", x)], tol)
+    assert caught.verdict is Verdict.LIAR and caught.liar == "liar"  # a lying second opinion is caught too
+    three_way = arbitrate([good, bad, answer("third", 3 * x)], tol)
+    assert three_way.verdict is Verdict.INCONCLUSIVE and three_way.liar is None  # two must agree to convict
+    assert arbitrate([good, bad, answer("third", x, step=2)], tol).verdict is Verdict.INCONCLUSIVE
+    with pytest.raises(ValueError):
+        arbitrate([good], tol)
+
+
+def test_the_checked_share_is_the_fraction_and_nothing_uncheckable_is_drawn() -> None:
+    checker = SpotChecker(0.02, random.Random(1))
+    n = 20_000
+    drawn = sum(checker.should_check(comparable=True, other_peers=2) for _ in range(n))
+    assert abs(drawn - 0.02 * n) <= 4 * math.sqrt(n * 0.02 * 0.98)  # binomial, 4 sigma
+    assert not any(checker.should_check(comparable=True, other_peers=0) for _ in range(100))
+    assert not any(checker.should_check(comparable=False, other_peers=2) for _ in range(100))
+    assert not any(SpotChecker(0.0).should_check(comparable=True, other_peers=5) for _ in range(100))
+    with pytest.raises(ValueError):
+        SpotChecker(1.5)
+
+
+def test_verify_stats_are_strict_json_with_the_traffic_fraction() -> None:
+    stats = VerifyStats(calls=200, checks=4, arbitrations=1, extra_requests=7, caught=("p",))
+    out = stats.to_json()
+    assert out["traffic_fraction"] == pytest.approx(7 / 200) and out["caught"] == ["p"]
+    assert VerifyStats().to_json()["traffic_fraction"] == 0.0
+
+
+def test_the_plain_summary_line_says_what_the_checks_cost_and_caught() -> None:
+    line = describe(VerifyStats(calls=200, checks=4, mismatches=1, extra_requests=7, caught=("ab" * 20,)).to_json())
+    assert line == ("spot checks: 4 of 200 calls, 7 extra requests (+3.5% traffic), 1 mismatches, "
+                    "1 liar(s) caught: abababababab")
+    assert "no liar caught" in (describe(VerifyStats(calls=10, checks=1, extra_requests=1).to_json()) or "")
+    assert describe(VerifyStats(calls=10).to_json()) is None  # checked nothing: no line
+
+
+# ---- 1,000 honest checks: real executors, real codecs --------------------------------------------
+
+
+def _decoded(encode: Any, codec: str, kind: type[ForwardReply] | type[BackwardReply]) -> Any:
+    return kind.from_frame(decode_frame(encode(codec)))
+
+
+async def test_a_thousand_honest_spot_checks_raise_no_false_alarm() -> None:
+    """Two executors of the same stage (a middle one: the primary's backward hits its activation
+    cache, the check recomputes) answer the same requests; every reply goes through each wire
+    codec it could travel with (63 requests x 4 codecs x 4 comparisons: the requests are shared
+    by the codecs, as the codecs' decoding, not the compute, is what costs here). No pair may
+    disagree, whatever the codec."""
+    spec = replace(PRESETS["tiny"], name="honest", n_stages=3, d_model=32, d_ff=64, seq_len=16)
+    primary, second = StageExecutor(spec, 1), StageExecutor(spec, 1)
+    rng = torch.Generator().manual_seed(0)
+    checks = 0
+    try:
+        for i in range(63):
+            x = torch.randn(2, spec.seq_len, spec.d_model, generator=rng) * (1 + i % 7)
+            g = torch.randn(2, spec.seq_len, spec.d_model, generator=rng) * 1e-3
+            a, b = await primary.forward(x, mb=i), await second.forward(x, mb=10_000 + i)
+            ba = await primary.backward(x, g, step=a.step, mb=i)  # the cached graph
+            bb = await second.backward(x, g, step=b.step, mb=i, verify=True)  # recomputed, not accumulated
+            for codec in CODECS:
+                tol = tolerance(codec)
+                fa = _decoded(ForwardReply(1, a.step, a.outputs).encode, codec, ForwardReply)
+                fb = _decoded(ForwardReply(1, b.step, b.outputs).encode, codec, ForwardReply)
+                ra = _decoded(BackwardReply(1, ba.step, ba.samples, 0, ba.grad_inputs).encode, codec, BackwardReply)
+                rb = _decoded(BackwardReply(1, bb.step, bb.samples, 0, bb.grad_inputs).encode, codec, BackwardReply)
+                for p, q in ((answer("p", fa.outputs), answer("q", fb.outputs)),
+                             (answer("p", ra.grad_inputs), answer("q", rb.grad_inputs)),
+                             (answer("p", fa.outputs), answer("q", _requantized(fb.outputs, codec))),
+                             (answer("p", ra.grad_inputs), answer("q", _requantized(rb.grad_inputs, codec)))):
+                    assert arbitrate([p, q], tol).verdict is Verdict.AGREE, (i, codec)
+                    checks += 1
+        assert checks == 1008
+        assert second.grad_samples == 0 and primary.grad_samples == 126  # checks never accumulate
+    finally:
+        await primary.close()
+        await second.close()
+
+
+def _requantized(t: torch.Tensor, codec: str) -> torch.Tensor:
+    """``t`` nudged by float rounding (another build) and coded again: still within the rule."""
+    nudged = t * (1 + 1e-6) + 1e-7
+    return ForwardReply.from_frame(decode_frame(ForwardReply(1, 0, nudged).encode(codec))).outputs
+
+
+# ---- a first check that meets another step: the same peer is asked again -------------------------
+
+def _checking_trainer(client: DataPlaneClient) -> tuple[SpotChecks, dict[str, str]]:
+    """A trainer's spot checks whose stage-1 router lists three peers (``liar``, ``b``, ``c``) at closed
+    loopback ports: reports to them fail at once, which ``_convict`` takes as not accepted."""
+    routers = [StageRouter(0), StageRouter(1)]
+    ports = []
+    for _ in range(3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    addrs = {name * 20: f"127.0.0.1:{port}" for name, port in zip(("ab", "bc", "cd"), ports, strict=True)}
+    routers[1].update_peers(listed(addrs, stage=1))
+    config = TrainerConfig(api="http://unused", verify_fraction=0.02, codec="none")
+    calls = StageCalls(FixedStages(routers), client, model="unused", codec=config.codec, summary=TrainSummary(),
+                       timing=config.timing, request_timeout_s=config.request_timeout_s,
+                       stage_wait_timeout_s=config.stage_wait_timeout_s)
+    checks = SpotChecks(calls, client, stats=VerifyStats(), codec=config.codec, fraction=config.verify_fraction,
+                        window=config.window, timing=config.timing)
+    return checks, addrs
+
+
+def _scripted(addrs: dict[str, str], answers: dict[str, list[tuple[int, torch.Tensor]]],
+              precision: dict[str, str] | None = None) -> Any:
+    """A ``resend`` that answers each peer's checked backward from its script, in order: (step, grad),
+    computed in ``precision`` (per peer; fp32 by default)."""
+    by_addr = {addr: answers[peer] for peer, addr in addrs.items()}
+    named = {addr: (precision or {}).get(peer, "fp32") for peer, addr in addrs.items()}
+
+    async def resend(addr: str, timeout: float) -> BackwardReply:
+        step, grad = by_addr[addr].pop(0)
+        return BackwardReply(1, step, 4, 0, grad, loss=1.0, precision=named[addr])
+
+    return resend
+
+
+async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() -> None:
+    """Checked at its first backward, a liar's answer (step 0) meets both stage-mates at step 1 (the
+    stage stepped in between): not comparable. Before the recheck its tripled gradient went on
+    unconfirmed (a gradient liar's one or two such answers per run cost the held-out loss 6-9 %);
+    now the liar and both mates are asked again at once, the liar is convicted, and the majority's
+    gradient goes on. An honest peer's recheck confirms it, and its fresh answer goes on (the peer
+    not counted as confirmed: a backward's recheck is flagged ``verify``, a liar could tell); a peer
+    that cannot be asked again is let through, counted as unconfirmed."""
+    g0, g1 = torch.ones(4, 8), torch.full((4, 8), 2.0)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, addrs = _checking_trainer(client)
+        liar, b, c = addrs
+        resend = _scripted(addrs, {liar: [(1, -3 * g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
+        request = (torch.zeros(4, 8),)
+        ruling = await t.check(1, "backward", Answer(liar, 0, -3 * g0, 1.0), resend, request, 7, waited=True)
+        assert ruling.finding is Finding.OVERRULED
+        assert ruling.use is not None and torch.equal(ruling.use.tensor, g1)  # the honest mates' gradient, not the lie
+        assert t.stats.caught == (liar,) and t.stats.rechecks == 1 and t.stats.unconfirmed == 0
+
+        t, addrs = _checking_trainer(client)
+        honest, b, c = addrs
+        resend = _scripted(addrs, {honest: [(1, g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
+        ruling = await t.check(1, "backward", Answer(honest, 0, g0, 1.0), resend, request, 8, waited=True)
+        assert ruling.finding is Finding.CONFIRMED
+        assert ruling.use is not None and ruling.use.peer_id == honest and ruling.use.step == 1  # its fresh answer
+        assert not t.stats.caught and t.stats.agreements == 1 and t.stats.unconfirmed == 0
+        # a flagged recheck proves nothing of its unflagged answers: its next one is checked first again
+        assert t.ledger.confirmed(honest, "backward") == 0 and t.ledger.confirmed(b, "backward") == 1
+
+        t, addrs = _checking_trainer(client)
+        gone, b, c = addrs
+        t.calls.stages.routers[1].ban(gone, 60.0)  # cannot be asked again
+        resend = _scripted(addrs, {gone: [], b: [(1, g1)], c: [(1, g1)]})  # one opinion: two peers usable
+        ruling = await t.check(1, "backward", Answer(gone, 0, g0, 1.0), resend, request, 9, waited=True)
+        assert ruling == Ruling(Finding.UNCONFIRMED)  # let through: its own answer goes on
+        assert t.stats.rechecks == 1 and t.stats.unconfirmed == 1 and not t.stats.caught
+
+
+async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_settle_it() -> None:
+    """A stage of two whose answers differ every time (one of two lies, which two peers cannot tell
+    apart; or they differ beyond the tolerance, as a bf16 and an fp32 peer did before replies named
+    their precision): each mismatch used to redo the microbatch, for ever (it livelocked the swarm
+    of tests/integration/test_precision.py). Now
+    ``UNSETTLED_LIMIT`` of them are redone, then their answers go on and their first checks stop."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, addrs = _checking_trainer(client)
+        a, b, gone = addrs
+        t.calls.stages.routers[1].ban(gone, 60.0)  # two usable peers: no third opinion
+        resend = _scripted(addrs, {a: [], b: [(0, 1.01 * g)] * UNSETTLED_LIMIT, gone: []})
+        request = (torch.zeros(4, 8),)
+        rulings = [await t.check(1, "backward", Answer(a, 0, g, 1.0), resend, request, k, waited=True)
+                   for k in range(UNSETTLED_LIMIT)]
+        assert rulings[:-1] == [Ruling(Finding.UNSETTLED)] * (UNSETTLED_LIMIT - 1) and all(r.redo for r in rulings[:-1])
+        assert rulings[-1] == Ruling(Finding.LET_THROUGH) and not rulings[-1].redo  # their answers go on
+        assert t.ledger.gave_up(a, "backward") and t.ledger.gave_up(b, "backward") and not t.stats.caught
+
+
+async def test_answers_of_different_precisions_are_never_compared() -> None:
+    """bf16 and fp32 answers differ by more than any codec's tolerance: an honest bf16 peer among
+    fp32 stage-mates must not be convicted (it was: the odd one out), nor its microbatches redone.
+    Its answer goes on unconfirmed and its first checks stop; an fp32 peer is checked against the
+    fp32 mate, whatever the bf16 one answered."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, addrs = _checking_trainer(client)
+        half, b, c = addrs
+        resend = _scripted(addrs, {half: [], b: [(0, g)], c: [(0, g)]}, {half: "bf16"})
+        request = (torch.zeros(4, 8),)
+        primary = Answer(half, 0, 1.01 * g, 1.0, "bf16")
+        assert await t.check(1, "backward", primary, resend, request, 1, waited=True) == Ruling(Finding.INCOMPARABLE)
+        assert not t.stats.caught and t.stats.mismatches == 0 and t.stats.rechecks == 0
+        assert t.ledger.gave_up(half, "backward") and t.stats.unconfirmed == 1
+
+        t, addrs = _checking_trainer(client)
+        full, mate, half = addrs
+        resend = _scripted(addrs, {full: [], mate: [(0, g)], half: [(0, 1.01 * g)]}, {half: "bf16"})
+        ruling = await t.check(1, "backward", Answer(full, 0, g, 1.0), resend, request, 2, waited=True)
+        assert ruling == Ruling(Finding.CONFIRMED)
+        assert not t.stats.caught and t.stats.agreements == 1 and t.ledger.confirmed(full, "backward") == 1
+
+
+# ---- liars in a real swarm ------------------------------------------------------------------------
+
+
+SPEC = replace(PRESETS["tiny"], name="liars")
+TRAINING = TrainingSpec(target_batch_size=16, lr=3e-3, warmup_steps=2, averaging_timeout_s=5.0)
+FRACTION = 0.75
+
+
+def trainer_config(api: str, name: str, steps: int, fraction: float = FRACTION, seed: int = 0) -> TrainerConfig:
+    return TrainerConfig(api=api, steps=steps, microbatch_size=4, window=4, codec="8bit", val_every=0,
+                         val_batches=2, max_corpus_bytes=1 << 20, name=name, refresh_s=0.5, heartbeat_s=1.0,
+                         request_timeout_s=20.0, verify_fraction=fraction, seed=seed)
+
+
+def bounded_by_fraction(summary: TrainSummary, fraction: float) -> None:
+    """Checks drawn (run or skipped) are a binomial sample of the calls: within 4 sigma of the share;
+    the first answers of each peer (checked always) come on top, one per peer and kind."""
+    v = summary.verify
+    drawn = v["checks"] - v["first_checks"] + v["skipped"]  # a peer's first answers are checked on top
+    assert drawn <= v["calls"] * fraction + 4 * math.sqrt(v["calls"] * fraction * (1 - fraction)) + 1, v
+    assert v["arbitrations"] <= v["mismatches"] <= v["checks"]
+    assert v["first_checks"] <= 2 * 6 * 4  # the first forward and backward of six peers, up to the window (4) each
+
+
+async def test_liars_in_a_2x3_swarm_are_caught_reported_and_excluded_while_training_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One peer of stage 0 scales its activations, one of stage 1 returns wrong input gradients;
+    two trainers spot-check half their calls. Both liars are caught after a few answers, every
+    honest peer's ledger excludes them (two independent reports), the trainers stop routing to
+    them, and the training finishes every step and every microbatch."""
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        stage0 = [d for d in daemons if d.stage == 0]
+        stage1 = [d for d in daemons if d.stage == 1]
+        liar0, liar1 = stage0[1], stage1[2]
+        assert liar0.executor is not None and liar1.executor is not None
+        make_liar(liar0.executor, "scale")
+        make_liar(liar1.executor, "grad")
+        api = f"http://{daemons[0].status()['api_addr']}"
+        liars = {liar0.peer_id, liar1.peer_id}
+        honest = [d for d in daemons if d.peer_id not in liars]
+        caught: set[str] = set()
+        # two trainers at a time until both liars were reported by two of them: each pair routes at random, so
+        # a pair may not reach one liar at all. (The failures of 2026-12-01, 3 of 4 reports in every attempt,
+        # were not chance: stage 0's founder stepped alone before it listed its mates, and the liar, stranded
+        # at step 0 with an honest peer, answered only checks against another step: inconclusive.)
+        for attempt in range(6):
+            trainers = [Trainer(trainer_config(api, f"t{attempt}{k}", steps=3, seed=10 * attempt + k))
+                        for k in range(2)]
+            summaries = await asyncio.gather(*(t.run() for t in trainers))
+            for summary in summaries:
+                assert summary.steps >= 3 and summary.microbatches_issued == summary.microbatches_completed
+                assert set(summary.verify["caught"]) <= liars, summary.verify  # no honest peer blamed
+                bounded_by_fraction(summary, FRACTION)
+                caught |= set(summary.verify["caught"])
+            if all(set(d.status()["reports"]["excluded"]) == liars for d in honest):
+                break
+        assert caught == liars
+        for d in honest:
+            status = d.status()["reports"]
+            assert set(status["excluded"]) == liars and status["exclusions"] == 2, status
+        for liar_id in liars:  # a log line per catch and per exclusion, naming the peer and the evidence
+            assert f"peer {liar_id[:12]} lied (its " in caplog.text
+            assert f"peer {liar_id} excluded for 600s: reported by 2 independent checks" in caplog.text
+        # bounded: each liar answered a handful of requests before it was caught
+        served = []
+        for liar in (liar0, liar1):
+            assert liar.data_plane is not None
+            served.append(dict(liar.data_plane.served))
+            assert served[-1]["forward"] + served[-1]["backward"] <= 60, served[-1]
+        await _the_report_endpoint_refuses_bad_input_and_counts_good_reports(honest[0])
+        # a trainer that checks nothing itself learns the exclusions from the swarm and never routes to them
+        late = Trainer(trainer_config(api, "late", steps=1, fraction=0.0, seed=7))
+        summary = await late.run()
+        assert summary.steps == 1 and summary.verify["checks"] == 0
+        assert [dict(liar.data_plane.served) for liar in (liar0, liar1) if liar.data_plane] == served
+        for router in late.routers:
+            assert liars & {p.peer_id for p in router.snapshot()} <= router.excluded
+
+
+async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daemon) -> None:
+    """POST /v1/report on a daemon of the swarm: a sentence and a 4xx for bad input, never a 500;
+    a good report counted (the ledger's rules themselves: tests/unit/test_reports.py)."""
+    accused, other = "ab" * 20, "cd" * 20
+    assert d.data_addr is not None
+    async with DataPlaneClient(timeout_s=10) as client:
+        for _ in range(2):  # two reporters (loopback: two keys) exclude
+            report = MisbehaviourReport.signed(Identity.generate(), accused=accused, stage=0, step=0, kind="forward",
+                                               mb=1, request_digest="00" * 32,
+                                               answers={accused: "11" * 32, other: "22" * 32}, at=time.time())
+            result = await client.report(d.data_addr, ReportRequest(*report.encode()))
+        assert result.accepted and result.excluded
+        assert accused in (await client.progress(d.data_addr)).excluded and accused in set(d.reports.excluded())
+        with pytest.raises(PeerError) as refused:
+            await client.report(d.data_addr, ReportRequest(report.encode()[0], bytes(64)))
+        assert refused.value.status == 422 and "signature" in refused.value.message
+        url = f"http://{d.data_addr}/v1/report"
+        for body, status in [
+            (b"\x00garbage", 400),
+            (encode_frame("report", {"body": b"x", "sig": b"y"}, {}, "none"), 422),
+            (encode_frame("report", {"body": 1}, {}, "none"), 422),
+            (encode_frame("forward", {"stage": 0}, {}, "none"), 422),
+            (b"x" * (20 * 2**10), 413),
+        ]:
+            async with client.session.post(url, data=body, headers={"Content-Type": CONTENT_TYPE}) as resp:
+                assert resp.status == status, (body[:20], await resp.text())
+                assert (await resp.json())["message"]
+
+
+async def _train_with(lie: str | None, steps: int = 40) -> tuple[float, set[str], set[str]]:
+    """Two checking trainers for ``steps`` steps on a fresh 2x3 swarm, with one lying peer (``lie``
+    on stage 0 for the forward lies, on stage 1 for wrong input gradients); the held-out loss of
+    the trained swarm, the liars caught, and the liar's id. The liar is excluded by every honest
+    peer, after a bounded number of answers."""
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        liars: set[str] = set()
+        liar: Daemon | None = None
+        if lie is not None:
+            liar = [d for d in daemons if d.stage == (1 if lie == "grad" else 0)][1]
+            assert liar.executor is not None and liar.peer_id is not None
+            make_liar(liar.executor, lie)
+            liars.add(liar.peer_id)
+        api = f"http://{daemons[0].status()['api_addr']}"
+        summaries = await asyncio.gather(*(Trainer(trainer_config(api, f"t{k}", steps=steps, seed=k)).run()
+                                           for k in range(2)))
+        for summary in summaries:
+            # two trainers: one of them may see one step more
+            assert summary.steps >= steps and set(summary.verify["caught"]) <= liars
+            bounded_by_fraction(summary, FRACTION)
+        for d in daemons:
+            if d is not liar:
+                assert set(d.status()["reports"]["excluded"]) == liars, d.status()["reports"]
+        if liar is not None and liar.data_plane is not None:
+            served = liar.data_plane.served
+            assert served["forward"] + served["backward"] <= 60, dict(served)
+        # the held-out loss, measured by a trainer that routes around excluded peers and checks nothing,
+        # on 64 windows of the held-out split
+        final = await Trainer(replace(trainer_config(api, "val", steps=1, fraction=0.0, seed=99),
+                                      val_batches=16)).run()
+        assert final.val_loss is not None
+        return final.val_loss, {p for s in summaries for p in s.verify["caught"]}, liars
+
+
+_HONEST_LOSS: list[float] = []  # the honest run's held-out loss, run once for the three kinds of liar
+
+
+# 40 steps and 64 held-out windows: at 20 steps and 8 windows honest runs alone spread 3.16-3.36, so a
+# 5 % comparison of two runs failed by chance; at 40 steps five honest runs spread 2.894-2.929.
+@pytest.mark.timeout(300)  # the first kind runs the honest swarm too (~20-30 s a run here)
+@pytest.mark.parametrize("lie", ["scale", "noise", "grad"])
+async def test_each_kind_of_liar_is_caught_and_excluded_and_the_loss_ends_within_5_percent_of_an_honest_run(
+        lie: str) -> None:
+    """Every trainer step done, the liar caught and excluded by every honest peer after a bounded
+    number of answers (``_train_with``'s assertions), and the held-out loss within 5 % of an honest
+    run's (a gradient liar's unconfirmed answers once cost 6-9 %: ``SpotChecks.check``)."""
+    if not _HONEST_LOSS:
+        honest, caught, _ = await _train_with(None)
+        assert not caught  # no false alarm on the honest swarm
+        _HONEST_LOSS.append(honest)
+    honest_loss = _HONEST_LOSS[0]
+    loss, caught, liars = await _train_with(lie)
+    assert caught == liars
+    assert abs(loss - honest_loss) <= 0.05 * honest_loss, (loss, honest_loss)
+
+
+async def test_the_sitecustomize_hook_makes_a_child_process_executor_lie(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/support/liars.py's SITECUSTOMIZE, as a child daemon would run it at start-up: with
+    ``SWARMD_TEST_LIE=scale`` and ``SWARMD_TEST_LIE_STAGE=0`` every stage-0 executor built after it
+    scales its outputs, other stages stay honest."""
+    from swarmd.pipeline import executor as executor_module
+    from tests.support.liars import SITECUSTOMIZE
+
+    spec = replace(PRESETS["tiny"], name="hook", d_model=32, d_ff=64, seq_len=8)
+    honest = StageExecutor(spec, 0)
+    monkeypatch.setenv("SWARMD_TEST_LIE", "scale")
+    monkeypatch.setenv("SWARMD_TEST_LIE_STAGE", "0")
+    init = executor_module.StageExecutor.__init__
+    try:
+        exec(compile(SITECUSTOMIZE, "sitecustomize.py", "exec"), {})
+        liar, other = StageExecutor(spec, 0), StageExecutor(spec, 1)
+    finally:
+        executor_module.StageExecutor.__init__ = init  # type: ignore[method-assign]
+    try:
+        tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
+        want, got = (await honest.forward(tokens)).outputs, (await liar.forward(tokens)).outputs
+        assert torch.allclose(got, 1.5 * want)
+        assert other._forward_sync.__func__ is StageExecutor._forward_sync  # type: ignore[attr-defined]
+    finally:
+        for ex in (honest, liar, other):
+            await ex.close()

@@ -1,0 +1,129 @@
+"""Test-only fault hooks: peers that lie (issue #17, item 4).
+
+Executors, in three ways (:func:`make_liar`): ``scale``: a forward's outputs multiplied by
+``factor``; ``noise``: a forward's outputs plus Gaussian noise of ``noise`` times their standard
+deviation; ``grad``: a backward's input gradients negated and tripled. Parameter gradients stay
+honest.
+
+Averagers (:func:`poison_contributions`, :func:`lie_as_leader`): a contributor that sends
+poisoned gradients (``scaled`` by 5000, ``noisy``, or ``nan``) while its executor keeps the true
+ones, and a leader that answers with ten times the mean (``scaled``) or leaves the others'
+contributions out of its list (``dropped``). tests/adversarial/test_averaging_checks.py and
+tests/adversarial/test_liars_sync.py use them on in-process peers; its ``LIAR_HOOK`` tells the same lies in
+child-process daemons.
+
+Two ways in: :func:`make_liar` patches one in-process executor (what the tests use: cheap), and
+:data:`SITECUSTOMIZE` is a ``sitecustomize`` module for a child-process daemon (put its folder on
+``PYTHONPATH`` and set ``SWARMD_TEST_LIE=scale|noise|grad``, optionally ``SWARMD_TEST_LIE_STAGE``),
+as tests/integration/test_averaging_faults.py does for its hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from swarmd.pipeline.averaging import RoundResult, StageAverager
+from swarmd.pipeline.executor import StageExecutor
+
+__all__ = ["LIES", "SITECUSTOMIZE", "lie_as_leader", "make_liar", "poison_contributions"]
+
+LIES = ("scale", "noise", "grad")
+
+
+def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: float = 0.5, seed: int = 0) -> None:
+    """Make ``executor`` (this instance only) lie the way ``lie`` names."""
+    if lie not in LIES:
+        raise ValueError(f"unknown lie {lie!r}; one of {LIES}")
+    generator = torch.Generator().manual_seed(seed)
+    honest_forward, honest_backward = executor._forward_sync, executor._backward_sync
+
+    def forward(inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None) -> Any:
+        result = honest_forward(inputs, targets, mb)
+        out = result.outputs
+        if targets is not None:  # a loss (validation): left alone, only activations lie
+            return result
+        if lie == "scale":
+            out = out * factor
+        else:
+            out = out + noise * out.std() * torch.randn(out.shape, generator=generator, dtype=out.dtype)
+        return dataclasses.replace(result, outputs=out)
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        result = honest_backward(*args, **kwargs)
+        if result.grad_inputs is None:
+            return result
+        return dataclasses.replace(result, grad_inputs=-3.0 * result.grad_inputs)
+
+    if lie == "grad":
+        executor._backward_sync = backward  # type: ignore[method-assign]
+    else:
+        executor._forward_sync = forward  # type: ignore[method-assign]
+
+
+def poison_contributions(averager: StageAverager, how: str) -> None:
+    """Make ``averager`` send poisoned contributions (``scaled``, ``noisy`` or ``nan``); its executor
+    keeps the true gradients, so a refused contribution is restored intact."""
+    if how not in ("scaled", "noisy", "nan"):
+        raise ValueError(f"unknown poison {how!r}")
+    original = averager._post
+
+    async def _post(addr: str, own: Any) -> Any:
+        if own.grads is not None:
+            g = torch.Generator().manual_seed(own.step)
+            if how == "scaled":
+                grads = own.grads * 5000
+            elif how == "noisy":
+                grads = own.grads + torch.randn(own.grads.shape, generator=g) * (
+                    float(own.grads.norm()) / own.grads.numel() ** 0.5 * 2000)
+            else:
+                grads = own.grads.clone()
+                grads[::97] = float("nan")
+            own = dataclasses.replace(own, grads=grads)
+        return await original(addr, own)
+
+    averager._post = _post  # type: ignore[method-assign]
+
+
+def lie_as_leader(averager: StageAverager, how: str) -> None:
+    """Make ``averager``, leading a round, answer with ten times the mean (``scaled``) or list only its
+    own contribution (``dropped``); it applies its lie itself (it forks its stage)."""
+    if how not in ("scaled", "dropped"):
+        raise ValueError(f"unknown lie {how!r}")
+    original = averager._reduce
+
+    def _reduce(rnd: Any) -> RoundResult:
+        result = original(rnd)
+        if result.status != "ok" or result.reply is None or result.mean_grads is None or result.used is None:
+            return result
+        mean, used = result.mean_grads, result.used
+        if how == "scaled":
+            mean = mean * 10
+        else:
+            used = tuple(u for u in used if u.peer_id == averager.peer_id)
+        lie = dataclasses.replace(result, mean_grads=mean, used=used)
+        return dataclasses.replace(lie, reply=lie.to_reply(averager.executor.stage).encode("none"))
+
+    averager._reduce = _reduce  # type: ignore[method-assign]
+
+
+SITECUSTOMIZE = '''
+import os
+
+_LIE = os.environ.get("SWARMD_TEST_LIE")
+if _LIE:
+    from swarmd.pipeline import executor as _executor
+    from tests.support.liars import make_liar
+
+    _init = _executor.StageExecutor.__init__
+    _stage = os.environ.get("SWARMD_TEST_LIE_STAGE")
+
+    def _lying_init(self, *args, **kwargs):
+        _init(self, *args, **kwargs)
+        if _stage is None or int(_stage) == self.stage:
+            make_liar(self, _LIE)
+
+    _executor.StageExecutor.__init__ = _lying_init
+'''

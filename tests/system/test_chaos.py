@@ -1,0 +1,40 @@
+"""The chaos harness as a test: peers SIGKILLed and replaced while training, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
+
+
+def run_chaos(duration: int, kill_every: int, timeout: int) -> dict:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--duration", str(duration), "--kill-every", str(kill_every),
+                          "--json"], capture_output=True, text=True, timeout=timeout)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == (0 if result["ok"] else 1)
+    return result
+
+
+def check(result: dict) -> None:
+    assert result["kills"] >= 1 and result["steps"] > 0
+    assert result["lost_microbatches"] == 0 and result["microbatches_issued"] == result["microbatches_completed"]
+    assert min(result["min_samples_per_step"].values()) >= result["target_batch_size"]
+    assert result["max_stall_s"] <= result["stall_bound_s"]
+    assert abs(result["final_loss"] - result["reference_final_loss"]) <= 0.1 * result["reference_final_loss"]
+    assert result["ok"], result["checks"]
+
+
+@pytest.mark.timeout(300)
+def test_short_chaos_run_loses_nothing() -> None:
+    check(run_chaos(duration=8, kill_every=3, timeout=280))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_long_chaos_run_loses_nothing() -> None:
+    check(run_chaos(duration=300, kill_every=10, timeout=1100))

@@ -1,0 +1,161 @@
+"""The one call machine (swarmd.train.stage_calls): route, timeout, send, classify, ban, retry, driven
+with scripted answers in place of the network (the swarm tests run it for real)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from swarmd.errors import PeerError, remote_error
+from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.routing import StageRouter
+from swarmd.train.stage_calls import CallEnded, Ended, Patience, StageCalls, StepMoved
+from swarmd.train.summary import TrainSummary
+from swarmd.train.timing import Timing
+from tests.support.routing import FixedStages, listed
+
+PEERS = {"a": "A", "b": "B", "c": "C"}
+OPINION = Patience(tries=4, waits=False, busy_pause_s=0.001)
+
+
+def timed_out(addr: str) -> PeerError:
+    try:
+        raise PeerError(0, "TimeoutError", f"{addr} did not answer") from TimeoutError()
+    except PeerError as exc:
+        return exc
+
+
+class Script:
+    """A ``send`` that answers each address from its script, in order: a reply, or an error to raise."""
+
+    def __init__(self, **answers: list[Any]) -> None:
+        self.answers = answers
+        self.asked: list[str] = []
+
+    async def __call__(self, addr: str, timeout: float) -> str:
+        self.asked.append(addr)
+        answer = self.answers[addr].pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        if callable(answer):
+            return await answer()
+        return answer
+
+
+async def machine(peers: dict[str, str] | None = None, *, timing: Timing | None = None,
+                  wait_s: float = 120.0, **stages: Any) -> tuple[StageCalls, TrainSummary]:
+    router = StageRouter(0, rng=random.Random(0), timeout_ceiling_s=60.0)
+    router.update_peers(listed(PEERS if peers is None else peers))
+    summary = TrainSummary()
+    client = DataPlaneClient(timeout_s=1)  # never used: every call here sends through a Script
+    await client.close()
+    calls = StageCalls(FixedStages([router], **stages), client, model="m", codec="none", summary=summary,
+                       timing=timing or Timing(), request_timeout_s=60.0, stage_wait_timeout_s=wait_s)
+    return calls, summary
+
+
+def router_of(calls: StageCalls) -> StageRouter:
+    return calls.stages.routers[0]
+
+
+async def test_a_broken_peer_is_banned_and_the_call_answered_elsewhere() -> None:
+    calls, summary = await machine({"a": "A", "b": "B"})
+    send = Script(A=[timed_out("A")], B=["from b"])
+    served = await calls.call(0, "backward", 4, send)
+    assert (served.reply, served.peer_id, served.attempts) == ("from b", "b", 2) and send.asked == ["A", "B"]
+    assert (summary.retries, summary.bans, summary.timeouts, summary.probation_calls) == (1, 1, 1, 2)
+    router = router_of(calls)
+    assert router.snapshot()[0].banned and router.stats("a").timeouts == 1
+    assert router.stats("b").proven and router.stats("a").in_flight == router.stats("b").in_flight == 0
+    assert calls.failures[0]["A"].status == 0  # kept for the give-up sentence
+
+
+async def test_a_busy_peer_is_asked_again_and_a_stale_backward_is_a_redo() -> None:
+    calls, summary = await machine({"a": "A"})
+    busy = remote_error(503, "Busy", "averaging")
+    send = Script(A=[busy, busy, "ok"])
+    assert (await calls.call(0, "backward", 4, send)).attempts == 3
+    assert summary.bans == 0 and not router_of(calls).stats("a").failures
+    with pytest.raises(StepMoved):
+        await calls.call(0, "backward", 4, Script(A=[remote_error(409, "StaleStep", "stepped")]))
+    assert router_of(calls).stats("a").in_flight == 0 and summary.bans == 0  # released, not blamed
+
+
+async def test_a_refusal_no_retry_can_fix_ends_the_call_in_one_sentence() -> None:
+    calls, _ = await machine({"a": "A", "b": "B"})
+    with pytest.raises(CallEnded, match="stage 0 peer a refused a request: Unauthorized") as ended:
+        await calls.call(0, "forward", 4, Script(A=[remote_error(401, "Unauthorized", "no key")]))
+    assert ended.value.why is Ended.REFUSED
+
+
+async def test_a_peer_that_moved_on_is_passed_over_by_work_and_ends_an_opinion() -> None:
+    draining = remote_error(503, "Draining", "leaving")
+    calls, summary = await machine({"a": "A", "b": "B"})
+    assert (await calls.call(0, "forward", 4, Script(A=[draining], B=["ok"]))).peer_id == "b"
+    assert summary.bans == 0
+    calls, _ = await machine({"a": "A", "b": "B"})
+    with pytest.raises(CallEnded) as ended:
+        await calls.call(0, "forward", 4, Script(A=[draining]), patience=OPINION)
+    assert ended.value.why is Ended.MOVED_ON
+
+
+async def test_an_opinion_asks_only_whom_it_may_and_gives_up_after_its_tries() -> None:
+    calls, _ = await machine()
+    with pytest.raises(CallEnded) as ended:  # nobody left to ask
+        await calls.call(0, "forward", 4, Script(), patience=OPINION, exclude={"a", "b", "c"})
+    assert ended.value.why is Ended.NOBODY
+    busy = remote_error(503, "Busy", "averaging")
+    send = Script(B=[busy] * 4)
+    with pytest.raises(CallEnded) as ended:
+        await calls.call(0, "forward", 4, send, patience=OPINION, only="b")
+    assert ended.value.why is Ended.NOBODY and send.asked == ["B"] * 4
+    # calls made at once each ask another peer
+    taken: set[str] = set()
+    gate = asyncio.Event()
+
+    def held(reply: str) -> Callable[[], Any]:
+        async def answer() -> str:
+            await gate.wait()
+            return reply
+        return answer
+
+    send = Script(A=[held("a")], B=[held("b")], C=[held("c")])
+    both = asyncio.gather(*(calls.call(0, "forward", 4, send, patience=OPINION, exclude={"a"}, taken=taken)
+                            for _ in range(2)))
+    await asyncio.sleep(0.05)
+    gate.set()
+    assert sorted(s.peer_id for s in await both) == ["b", "c"] and taken == {"b", "c"}
+
+
+async def test_a_stage_without_a_usable_peer_is_waited_for_then_given_up_naming_why() -> None:
+    timing = Timing(no_peer_poll_s=0.02)
+    calls, _ = await machine({"a": "A"}, timing=timing, wait_s=0.3, unreachable=["10.0.0.9:1"])
+    router_of(calls).ban("a", 60.0)
+    with pytest.raises(CallEnded, match=r"stage 0 has had no usable peer for 0s; giving up\. 1 peer\(s\) listed at "
+                                        r"10\.0\.0\.9:1 could not be dialled") as ended:
+        await calls.call(0, "forward", 4, Script())
+    assert ended.value.why is Ended.NOBODY and calls.stages.refreshes >= 2  # it looked for new peers meanwhile
+
+
+async def test_a_forward_to_a_peer_on_probation_is_cut_short_by_what_the_stage_takes_now() -> None:
+    """Issue #18: a peer that holds calls costs about one typical call of its stage, not the ceiling."""
+    timing = Timing(timeout_floor_s=0.1)
+    calls, summary = await machine({"a": "A", "t": "T"}, timing=timing)
+    router = router_of(calls)
+    router.report_success("a", 4, 0.004, "forward")  # the stage's forwards take a millisecond a sample
+    router.report_alive("t")
+
+    async def forever() -> str:
+        await asyncio.sleep(60)
+        return "never"
+
+    send = Script(T=[forever])
+    began = asyncio.get_running_loop().time()
+    with pytest.raises(CallEnded):
+        await calls.call(0, "forward", 4, send, patience=Patience(tries=1, waits=False, busy_pause_s=0.01), only="t")
+    assert asyncio.get_running_loop().time() - began < 2.0 and summary.timeouts == 1
+    assert "typical latency" in calls.failures[0]["T"].message and not router.stats("t").proven
