@@ -34,6 +34,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from swarmd.api.models import (
+    ActivationCacheInfo,
+    AuthInfo,
+    AuthRefusals,
+    AveragingInfo,
+    CheckpointStatus,
+    MigrationInfo,
+    PrecisionInfo,
+    ProofsInfo,
+    RelayInfo,
+    ReportsInfo,
+    StateTransferInfo,
+    Status,
+)
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.net.server import CODEC_KEY
 from swarmd.training_summary import TrainingLog
@@ -128,6 +142,7 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._source.status()
+        st = Status.model_validate(s)  # the parts read below are typed (swarmd.api.models)
         info = InfoMetricFamily("swarmd_peer", "who this peer is")
         model = s.get("model") or {}
         info.add_metric([], {"peer_id": s.get("peer_id") or "", "swarm": s["swarm"], "version": s["version"],
@@ -154,27 +169,28 @@ class StatusCollector(Collector):
         yield _counter("swarmd_stale_backwards_applied", "backwards one step old, applied to the next update",
                        s["stale_applied"])
         yield _counter("swarmd_worker_cpu_seconds", "CPU seconds of the stage's worker thread", s["worker_cpu_s"])
-        yield _by("swarmd_served_requests", "data-plane requests answered, by kind", "kind", s["served"])
+        yield _by("swarmd_served_requests", "data-plane requests answered, by kind", "kind", st.served.model_dump())
         yield _counter("swarmd_announcements", "peer records published to the DHT", s["announcements"])
         yield _by("swarmd_task_crashes", "background task crashes, by task", "task", s["task_crashes"])
         yield _gauge("swarmd_uptime_seconds", "seconds since the daemon started", s["uptime_s"])
-        yield from self._averaging(s.get("averaging"))
-        yield from self._checks(s.get("averaging") or {})
-        yield from self._reports(s.get("reports") or {})
-        yield from self._cache(s.get("activation_cache"))
-        yield from self._auth(s.get("auth"))
-        yield from self._migration(s.get("migration"))
+        yield from self._averaging(st.averaging)
+        yield from self._checks(st.averaging or AveragingInfo())
+        yield from self._reports(st.reports)
+        yield from self._cache(st.activation_cache or ActivationCacheInfo())
+        yield from self._auth(st.auth)
+        yield from self._migration(st.migration)
         yield _by("swarmd_migrations", "moves between stages, by how they ended (refused: a request or a "
                   "rebalancing decision that was checked and refused)", "result",
                   {r: (s.get("migrations") or {}).get(r, 0) for r in MIGRATION_RESULTS})
-        yield from self._state_transfer(s.get("state_transfer") or {})
-        yield from self._precision(s.get("precision"))
-        yield from self._checkpoint(s.get("checkpoint"))
-        yield from self._relay(s.get("relay") or {})
-        handover = s.get("gradient_handover") or {}
+        yield from self._state_transfer(st.state_transfer)
+        yield from self._precision(st.precision)
+        yield from self._checkpoint(st.checkpoint)
+        yield from self._relay(st.relay)
+        handover = st.gradient_handover
         yield _by("swarmd_gradient_handover_samples", "gradients handed over on graceful leave, in samples",
-                  "direction", {k: v for k, v in handover.items() if k in ("handed_out", "dropped", "handed_in")})
-        reach = str((s.get("reachability") or {}).get("status"))
+                  "direction", {"handed_out": handover.handed_out, "dropped": handover.dropped,
+                                "handed_in": handover.handed_in})
+        reach = st.reachability.status
         yield _gauge("swarmd_reachable", "1 when other members could dial this peer's data plane, 0 when not, "
                      "absent while unknown", {"yes": 1.0, "no": 0.0}.get(reach))
         yield from self._dht(self._source.dht_stats())
@@ -200,35 +216,35 @@ class StatusCollector(Collector):
             yield _counter(name, doc, spot.get(key, 0))
 
     @staticmethod
-    def _state_transfer(transfer: Mapping[str, Any]) -> Iterator[Metric]:
+    def _state_transfer(transfer: StateTransferInfo) -> Iterator[Metric]:
         """A stage's state (parameters, optimizer state, step) downloaded from and served to stage-mates."""
         family = CounterMetricFamily("swarmd_state_transfer_bytes", "stage state streamed between stage-mates, by "
                                      "direction (downloaded: read from donors, failed attempts included; served: "
                                      "streamed to joiners by GET /v1/state)", labels=["direction"])
-        for direction in ("downloaded", "served"):
-            family.add_metric([direction], float(transfer.get(f"{direction}_bytes", 0)))
+        family.add_metric(["downloaded"], float(transfer.downloaded_bytes))
+        family.add_metric(["served"], float(transfer.served_bytes))
         yield family
         downloads = CounterMetricFamily("swarmd_state_downloads", "state downloads this peer adopted or gave up on "
                                         "(every donor failed), by result", labels=["result"])
-        downloads.add_metric(["ok"], float(transfer.get("downloads_ok", 0)))
-        downloads.add_metric(["failed"], float(transfer.get("downloads_failed", 0)))
+        downloads.add_metric(["ok"], float(transfer.downloads_ok))
+        downloads.add_metric(["failed"], float(transfer.downloads_failed))
         yield downloads
         yield _counter("swarmd_state_served_streams", "state snapshots streamed to stage-mates",
-                       transfer.get("served_streams", 0))
+                       transfer.served_streams)
         yield _gauge("swarmd_state_last_download_seconds", "how long the last adopted state download took",
-                     transfer.get("last_download_s"))
+                     transfer.last_download_s)
 
     @staticmethod
-    def _precision(precision: Mapping[str, Any] | None) -> Iterator[Metric]:
+    def _precision(precision: PrecisionInfo | None) -> Iterator[Metric]:
         """``--precision`` and, for fp16, the stage's loss scale (``swarmd.pipeline.precision``)."""
         info = InfoMetricFamily("swarmd_precision", "the precision this peer computes its stage in")
         if precision is not None:
-            info.add_metric([], {"precision": str(precision.get("mode"))})
+            info.add_metric([], {"precision": precision.mode})
         yield info
-        precision = precision or {}
-        yield _gauge("swarmd_loss_scale", "the stage's dynamic loss scale (fp16 only)", precision.get("loss_scale"))
+        yield _gauge("swarmd_loss_scale", "the stage's dynamic loss scale (fp16 only)",
+                     precision.loss_scale if precision else None)
         yield _counter("swarmd_loss_scale_overflows", "backwards recomputed at half the loss scale after an overflow "
-                       "(fp16 only)", precision.get("overflows") or 0)
+                       "(fp16 only)", (precision.overflows if precision else None) or 0)
 
     @staticmethod
     def _untrusted(untrusted: Mapping[str, Any]) -> Iterator[Metric]:
@@ -242,107 +258,100 @@ class StatusCollector(Collector):
                        "for a newcomer from a smaller source group (fair share)", dht.get("evicted", 0))
 
     @staticmethod
-    def _averaging(averaging: Mapping[str, Any] | None) -> Iterator[Metric]:
+    def _averaging(averaging: AveragingInfo | None) -> Iterator[Metric]:
         rounds = CounterMetricFamily("swarmd_averaging_rounds", "averaging rounds this peer took part in, by result",
                                      labels=["result"])
         if averaging is not None:
-            rounds.add_metric(["ok"], float(averaging["rounds_ok"]))
-            rounds.add_metric(["aborted"], float(averaging["rounds_aborted"]))
+            rounds.add_metric(["ok"], float(averaging.rounds_ok))
+            rounds.add_metric(["aborted"], float(averaging.rounds_aborted))
         yield rounds
 
     @staticmethod
-    def _checks(averaging: Mapping[str, Any]) -> Iterator[Metric]:
+    def _checks(averaging: AveragingInfo) -> Iterator[Metric]:
         """The round checks and proofs (issues #17, #18): what this peer refused in its stage's rounds."""
         yield _counter("swarmd_averaging_rounds_refused", "rounds whose leader's answer this peer refused (the round "
-                       "checks)", averaging.get("rounds_refused") or 0)
+                       "checks)", averaging.rounds_refused)
         yield _by("swarmd_averaging_contributions_refused", "stage-mates' contributions this peer refused as "
-                  "leader, by reason", "reason", averaging.get("contributions_refused") or {})
+                  "leader, by reason", "reason", averaging.contributions_refused)
         yield _counter("swarmd_averaging_refused_samples", "samples in refused contributions and answers",
-                       averaging.get("refused_samples") or 0)
+                       averaging.refused_samples)
         yield _counter("swarmd_averaging_leaders_refused", "leaders' answers this peer refused (each counts once "
-                       "per refusal, summed over leaders)", sum((averaging.get("leaders_refused") or {}).values()))
+                       "per refusal, summed over leaders)", sum(averaging.leaders_refused.values()))
         yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "
-                       "away every round at one step", sum((averaging.get("leaders_stalling") or {}).values()))
+                       "away every round at one step", sum(averaging.leaders_stalling.values()))
         yield _counter("swarmd_averaging_silent_contributors", "expected contributors that never came to a round "
-                       "this peer led (then excluded)", averaging.get("silent_contributors") or 0)
+                       "this peer led (then excluded)", averaging.silent_contributors)
         yield _counter("swarmd_averaging_duplicate_microbatches", "microbatch ids found in two contributions of one "
-                       "round this peer led (exactly-once, issue 13)", averaging.get("duplicate_microbatches") or 0)
+                       "round this peer led (exactly-once, issue 13)", averaging.duplicate_microbatches)
         yield _by("swarmd_averaging_excluded_peers", "stage-mates this peer leaves out of its rounds now, by why",
-                  "by", {"checks": len(averaging.get("excluded") or {}),
-                         "reports": len(averaging.get("excluded_by_reports") or [])}, counter=False)
-        proofs = averaging.get("proofs") or {}
-        yield _by("swarmd_proof_peers", "stage-mates by the state of their proofs (a signed challenge at their "
-                  "address)", "state", {k: proofs.get(k, 0) for k in ("proven", "failing", "unproven")},
+                  "by", {"checks": len(averaging.excluded), "reports": len(averaging.excluded_by_reports)},
                   counter=False)
-        yield _counter("swarmd_proofs_ok", "stage-mates' proofs that succeeded", proofs.get("proofs_ok") or 0)
-        yield _by("swarmd_proofs_failed", "stage-mates' proofs that failed, by reason", "reason",
-                  proofs.get("proofs_failed") or {})
+        proofs = averaging.proofs or ProofsInfo()
+        yield _by("swarmd_proof_peers", "stage-mates by the state of their proofs (a signed challenge at their "
+                  "address)", "state", {"proven": proofs.proven, "failing": proofs.failing,
+                                        "unproven": proofs.unproven}, counter=False)
+        yield _counter("swarmd_proofs_ok", "stage-mates' proofs that succeeded", proofs.proofs_ok)
+        yield _by("swarmd_proofs_failed", "stage-mates' proofs that failed, by reason", "reason", proofs.proofs_failed)
 
     @staticmethod
-    def _reports(reports: Mapping[str, Any]) -> Iterator[Metric]:
+    def _reports(reports: ReportsInfo) -> Iterator[Metric]:
         """Trainers' signed misbehaviour reports (``POST /v1/report``, issue #17)."""
         yield _by("swarmd_reports", "trainers' misbehaviour reports, by outcome", "outcome",
-                  {k: reports.get(k, 0) for k in ("received", "accepted")})
-        yield _by("swarmd_reports_refused", "misbehaviour reports refused, by reason", "reason",
-                  reports.get("refused") or {})
-        yield _counter("swarmd_report_exclusions", "peers excluded by two independent reports",
-                       reports.get("exclusions") or 0)
-        yield _gauge("swarmd_reports_excluded_peers", "peers excluded by reports now", reports.get("excluded_now") or 0)
+                  {"received": reports.received, "accepted": reports.accepted})
+        yield _by("swarmd_reports_refused", "misbehaviour reports refused, by reason", "reason", reports.refused)
+        yield _counter("swarmd_report_exclusions", "peers excluded by two independent reports", reports.exclusions)
+        yield _gauge("swarmd_reports_excluded_peers", "peers excluded by reports now", reports.excluded_now)
 
     @staticmethod
-    def _cache(cache: Mapping[str, int] | None) -> Iterator[Metric]:
-        cache = cache or {}
-        for key in ("hits", "misses", "mismatches", "evictions", "skipped"):
-            yield _counter(f"swarmd_activation_cache_{key}", f"activation cache {key}", cache.get(key, 0))
-        yield _gauge("swarmd_activation_cache_entries", "forwards' graphs kept for their backward",
-                     cache.get("entries", 0))
-        yield _gauge("swarmd_activation_cache_bytes", "bytes held by the activation cache", cache.get("bytes", 0))
+    def _cache(cache: ActivationCacheInfo) -> Iterator[Metric]:
+        for key, value in (("hits", cache.hits), ("misses", cache.misses), ("mismatches", cache.mismatches),
+                           ("evictions", cache.evictions), ("skipped", cache.skipped)):
+            yield _counter(f"swarmd_activation_cache_{key}", f"activation cache {key}", value)
+        yield _gauge("swarmd_activation_cache_entries", "forwards' graphs kept for their backward", cache.entries)
+        yield _gauge("swarmd_activation_cache_bytes", "bytes held by the activation cache", cache.bytes)
 
     @staticmethod
-    def _auth(auth: Mapping[str, Any] | None) -> Iterator[Metric]:
+    def _auth(auth: AuthInfo | None) -> Iterator[Metric]:
         family = CounterMetricFamily("swarmd_auth_refusals", "requests and datagrams refused for lacking the swarm "
                                      "key, by plane and reason", labels=["plane", "reason"])
-        refused = (auth or {}).get("refused") or {}
-        for plane in ("dht", "data_plane"):
-            for reason, count in sorted((refused.get(plane) or {}).items()):
+        refused = auth.refused if auth is not None else AuthRefusals()
+        for plane, counts in (("dht", refused.dht), ("data_plane", refused.data_plane)):
+            for reason, count in sorted(counts.items()):
                 family.add_metric([plane, reason], float(count))
         yield family
 
     @staticmethod
-    def _migration(migration: Mapping[str, Any] | None) -> Iterator[Metric]:
+    def _migration(migration: MigrationInfo | None) -> Iterator[Metric]:
         family = GaugeMetricFamily("swarmd_migration_info", "the last move between stages (1)",
                                    labels=["from_stage", "to_stage", "phase", "reason"])
         started = None
         if migration is not None:
-            family.add_metric([str(migration.get("from")), str(migration.get("to")), str(migration.get("phase")),
-                               str(migration.get("reason"))[:64]], 1.0)
-            started = migration.get("started_at")
+            family.add_metric([str(migration.from_stage), str(migration.to), str(migration.phase),
+                               str(migration.reason)[:64]], 1.0)
+            started = migration.started_at
         yield family
         yield _gauge("swarmd_migration_started_timestamp_seconds", "unix time the last move started", started)
 
     @staticmethod
-    def _checkpoint(checkpoint: Mapping[str, Any] | None) -> Iterator[Metric]:
-        newest = (checkpoint or {}).get("newest") or {}
+    def _checkpoint(checkpoint: CheckpointStatus | None) -> Iterator[Metric]:
+        newest = checkpoint.newest if checkpoint is not None else None
         yield _gauge("swarmd_checkpoint_age_seconds", "age of the newest checkpoint under --state-dir",
-                     newest.get("age_s"))
-        yield _counter("swarmd_checkpoint_writes", "checkpoints written", (checkpoint or {}).get("writes", 0))
+                     newest.age_s if newest is not None else None)
+        yield _counter("swarmd_checkpoint_writes", "checkpoints written", checkpoint.writes if checkpoint else 0)
         yield _counter("swarmd_checkpoint_failures", "checkpoint writes that failed",
-                       (checkpoint or {}).get("failures", 0))
+                       checkpoint.failures if checkpoint else 0)
 
     @staticmethod
-    def _relay(relay: Mapping[str, Any]) -> Iterator[Metric]:
-        server = relay.get("server") or {}
-        client = relay.get("client") or {}
-        yield _counter("swarmd_relay_served_requests", "requests relayed for unreachable peers",
-                       server.get("requests", 0))
-        yield _counter("swarmd_relay_served_bytes", "bytes relayed for unreachable peers", server.get("bytes", 0))
-        yield _gauge("swarmd_relay_peers", "unreachable peers relayed through this one", len(server.get("peers") or {}))
+    def _relay(relay: RelayInfo) -> Iterator[Metric]:
+        server, client = relay.server, relay.client
+        yield _counter("swarmd_relay_served_requests", "requests relayed for unreachable peers", server.requests)
+        yield _counter("swarmd_relay_served_bytes", "bytes relayed for unreachable peers", server.bytes)
+        yield _gauge("swarmd_relay_peers", "unreachable peers relayed through this one", len(server.peers))
         yield _gauge("swarmd_relayed", "1 while this peer is reached through a relay",
-                     1.0 if client.get("state") == "relayed" else 0.0)
+                     1.0 if client is not None and client.state == "relayed" else 0.0)
         yield _counter("swarmd_relayed_requests", "requests that reached this peer through its relay",
-                       client.get("requests") or 0)
-        yield _by("swarmd_relay_refused", "relay requests this peer refused, by reason", "reason",
-                  server.get("refused") or {})
+                       client.requests if client is not None else 0)
+        yield _by("swarmd_relay_refused", "relay requests this peer refused, by reason", "reason", server.refused)
 
     @staticmethod
     def _dht(stats: Mapping[str, Any] | None) -> Iterator[Metric]:

@@ -47,6 +47,215 @@ class StageHealthInfo(BaseModel):
     hint: str = Field(description="what to do about it; empty when ok")
 
 
+class _Part(BaseModel):
+    """A part of ``/status``: typed, and no field the daemon does not declare here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ActivationCacheInfo(_Part):
+    """Forwards' activations kept for their backward on this peer (``swarmd.pipeline.activation_cache``)."""
+
+    entries: int = 0
+    bytes: int = 0
+    max_entries: int = 0
+    max_bytes: int = 0
+    hits: int = 0
+    misses: int = Field(default=0, description="recomputed: nothing kept for that microbatch")
+    mismatches: int = Field(default=0, description="same id, other inputs")
+    evictions: int = Field(default=0, description="dropped unused: expired, or the step changed")
+    skipped: int = Field(default=0, description="not kept: the cache was full")
+
+
+class ExactlyOnceInfo(_Part):
+    """Each microbatch's gradient counted once per step (``swarmd.pipeline.step_protocol``)."""
+
+    duplicates: int = Field(default=0, description="an id counted at that step already: answered, not added again")
+    late_refused: int = Field(default=0, description="finished past the sender's deadline: not added")
+    fenced_refused: int = Field(default=0, description="attempts a trainer's claim fenced off: not added")
+    claims: int = Field(default=0, description="POST /v1/claim answered")
+    claims_counted: int = Field(default=0, description="claims that found the microbatch counted here")
+
+
+class ReservationsInfo(_Part):
+    """This peer's lease book of sample reservations (``POST /v1/reserve``, ``swarmd.pipeline.reservations``)."""
+
+    step: int
+    reserved: int
+    open: int = Field(description="samples of open leases")
+    target: int
+    granted: int = 0
+    granted_samples: int = 0
+    completed: int = 0
+    expired: int = 0
+    expired_samples: int = 0
+    written_off: int = Field(default=0, description="done samples the stage lost with a peer")
+    outside: int = Field(default=0, description="held without a lease")
+
+
+class ProofsInfo(_Part):
+    """Stage-mates' proofs: a signed challenge at their announced address (``swarmd.net.proof``)."""
+
+    proven: int = 0
+    failing: int = 0
+    failing_reasons: dict[str, int] = Field(default_factory=dict)
+    proofs_ok: int = 0
+    proofs_failed: dict[str, int] = Field(default_factory=dict)
+    unproven: int = 0
+
+
+class AveragingInfo(BaseModel):
+    """The stage's averaging rounds and their checks (``swarmd.pipeline.averaging``, ``round_checks``).
+
+    A round's record (``last_round``, ``recent``) carries what its protocol reports (status, step,
+    leader, samples, contributors, missing, duration_s, ...): typed here as a mapping, since each
+    averaging protocol adds its own fields; the counters are typed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rounds_ok: int = 0
+    rounds_aborted: int = 0
+    last_round: dict[str, Any] | None = None
+    recent: list[dict[str, Any]] = Field(default_factory=list)
+    rounds_refused: int = 0
+    leaders_refused: dict[str, int] = Field(default_factory=dict)
+    leaders_stalling: dict[str, int] = Field(default_factory=dict)
+    contributions_refused: dict[str, int] = Field(default_factory=dict)
+    refused_samples: int = 0
+    duplicate_microbatches: int = 0
+    silent_contributors: int = 0
+    excluded: dict[str, Any] = Field(default_factory=dict, description="peer id -> why and until when")
+    excluded_by_reports: list[str] = Field(default_factory=list)
+    proofs: ProofsInfo | None = None
+
+
+class MigrationInfo(_Part):
+    """The last move between stages (``swarmd.pipeline.migration``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    from_stage: int | None = Field(default=None, alias="from")
+    to: int | None = None
+    reason: str | None = None
+    phase: str | None = None
+    started_at: float | None = None
+    error: str | None = None
+    dropped_samples: int = 0
+    duration_s: float | None = None
+
+
+class StateTransferInfo(_Part):
+    """The stage's state between stage-mates (``swarmd.net.state_transfer``, ``swarmd.pipeline.state_sync``)."""
+
+    downloaded_bytes: int = Field(default=0, description="read from donors, failed attempts included")
+    downloads_ok: int = 0
+    downloads_failed: int = Field(default=0, description="every donor failed")
+    last_download_s: float | None = None
+    served_bytes: int = Field(default=0, description="GET /v1/state to joiners")
+    served_streams: int = 0
+
+
+class ServedInfo(_Part):
+    """Data-plane requests answered."""
+
+    forward: int = 0
+    backward: int = 0
+    rejected: int = 0
+
+
+class AuthRefusals(_Part):
+    dht: dict[str, int] = Field(default_factory=dict)
+    data_plane: dict[str, int] = Field(default_factory=dict)
+
+
+class AuthInfo(_Part):
+    """Private swarms (``--swarm-key``): refusals by plane and reason."""
+
+    private: bool
+    key_id: str | None = Field(default=None, description="a fingerprint of the key")
+    refused: AuthRefusals = Field(default_factory=AuthRefusals)
+
+
+class RelayClientInfo(_Part):
+    state: str = Field(description="direct | searching | relayed | none")
+    relay_id: str | None = None
+    relay_addr: str | None = None
+    relayed_addr: str | None = None
+    since: float | None = None
+    requests: int = 0
+    why: str | None = None
+
+
+class RelayServerInfo(_Part):
+    enabled: bool = False
+    max_peers: int = 0
+    budget_bytes_s: int = 0
+    peers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="relayed peer -> since, requests, bytes")
+    requests: int = 0
+    bytes: int = 0
+    over_budget: int = 0
+    refused: dict[str, int] = Field(default_factory=dict)
+
+
+class RelayInfo(_Part):
+    """Relays (``swarmd.net.relay``): whether this peer is relayed, and what it relays for others."""
+
+    client: RelayClientInfo | None = None
+    server: RelayServerInfo = Field(default_factory=RelayServerInfo)
+
+
+class ReachabilityInfo(_Part):
+    """Whether other members could dial ``data_addr`` (``swarmd.net.reachability``)."""
+
+    status: str = Field(default="unknown", description="unknown | yes | no")
+    addr: str | None = None
+    by: dict[str, str] = Field(default_factory=dict, description="prober peer id -> 'reached' or why not")
+    checked_at: float | None = None
+
+
+class CheckpointNewest(_Part):
+    step: int
+    stage: int
+    age_s: float
+    bytes: int
+    path: str
+
+
+class CheckpointStatus(_Part):
+    """Checkpoints under ``--state-dir`` (``swarmd.checkpoint``)."""
+
+    every: int = Field(description="steps between checkpoints; 0: none written")
+    keep: int
+    dir: str
+    newest: CheckpointNewest | None = None
+    resumed_from_step: int | None = None
+    writes: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    last_write_s: float | None = None
+
+
+class GradientHandoverInfo(_Part):
+    """Gradients handed over on graceful leave (``POST /v1/gradients``), in samples."""
+
+    handed_out: int = 0
+    dropped: int = Field(default=0, description="nobody took them")
+    to: str | None = None
+    handed_in: int = Field(default=0, description="from leaving stage-mates")
+
+
+class ReportsInfo(_Part):
+    """Trainers' signed misbehaviour reports (``POST /v1/report``, ``swarmd.pipeline.reports``)."""
+
+    received: int = 0
+    accepted: int = 0
+    exclusions: int = 0
+    refused: dict[str, int] = Field(default_factory=dict)
+    excluded: list[str] = Field(default_factory=list)
+    excluded_now: int = 0
+    accused: int = 0
+
+
 class Status(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -63,29 +272,29 @@ class Status(BaseModel):
     grad_samples: int = Field(description="samples whose gradients are accumulated since the last step")
     stale_dropped: int = Field(description="backwards refused because their forward ran at an older step")
     stale_applied: int = Field(description="delayed updates: backwards one step old, applied to the next update")
-    activation_cache: dict[str, int] | None = Field(
+    activation_cache: ActivationCacheInfo | None = Field(
         default=None,
         description="forwards' activations kept for their backward on this peer: entries, bytes, max_entries, "
         "max_bytes, hits, misses (recomputed), mismatches (same id, other inputs), evictions (dropped unused: "
         "expired, or the step changed), skipped (not kept: the cache was full)",
     )
     worker_cpu_s: float = Field(default=0.0, description="CPU seconds the stage's worker thread spent computing")
-    exactly_once: dict[str, int] = Field(
-        default_factory=dict,
+    exactly_once: ExactlyOnceInfo = Field(
+        default_factory=ExactlyOnceInfo,
         description="each microbatch's gradient counted once per step: duplicates (a microbatch id this peer had "
         "counted at that step already: answered, not added again), late_refused (finished past the sender's "
         "deadline: not added, the sender retried elsewhere), fenced_refused (attempts a trainer's claim fenced "
         "off: not added, it retried elsewhere), claims (POST /v1/claim answered), claims_counted (of them, "
         "those that found the microbatch counted here: the retry then only computes)",
     )
-    reservations: dict[str, Any] | None = Field(
+    reservations: ReservationsInfo | None = Field(
         default=None,
         description="this peer's lease book of sample reservations (POST /v1/reserve): step, reserved, open "
         "(samples of open leases), target, and granted, granted_samples, completed, expired, expired_samples, "
         "written_off (done samples the stage lost with a peer), outside (held without a lease)",
     )
     params_digest: str | None = Field(description="sha256 of the stage's parameters at `step`")
-    averaging: dict[str, Any] | None = Field(
+    averaging: AveragingInfo | None = Field(
         description="the stage's averaging rounds: rounds_ok, rounds_aborted, last_round, recent (each round: "
         "status, step, leader, samples, contributors, missing, duration_s, ...); the round "
         "checks (issue 17): rounds_refused, leaders_refused, leaders_stalling, contributions_refused (by reason), "
@@ -93,23 +302,23 @@ class Status(BaseModel):
         "(issue 18): proven, failing, failing_reasons, proofs_ok, proofs_failed, unproven"
     )
     synced_from: str | None = Field(description="the stage-mate whose state this peer downloaded last")
-    migration: dict[str, Any] | None = Field(description="the last move between stages: from, to, phase, reason, "
+    migration: MigrationInfo | None = Field(description="the last move between stages: from, to, phase, reason, "
                                              "started_at, duration_s, error, dropped_samples")
     migrations: dict[str, int] = Field(
         default_factory=dict,
         description="moves between stages since the daemon started, by how they ended: done, failed, cancelled, "
         "and refused (requests or rebalancing decisions checked and refused)",
     )
-    state_transfer: dict[str, Any] = Field(
-        default_factory=dict,
+    state_transfer: StateTransferInfo = Field(
+        default_factory=StateTransferInfo,
         description="the stage's state (parameters, optimizer state, step) between stage-mates: downloaded_bytes "
         "(read from donors, failed attempts included), downloads_ok, downloads_failed (every donor failed), "
         "last_download_s; served_bytes and served_streams (GET /v1/state to joiners)",
     )
     precision: PrecisionInfo | None = Field(default=None, description="how this peer computes its stage (None "
                                             "before a stage is built)")
-    served: dict[str, int] = Field(description="data-plane requests answered: forward, backward, rejected")
-    auth: dict[str, Any] | None = Field(
+    served: ServedInfo = Field(description="data-plane requests answered: forward, backward, rejected")
+    auth: AuthInfo | None = Field(
         default=None,
         description="private swarms (--swarm-key): private, key_id (a fingerprint of the key), and refused: "
         "DHT datagrams and data-plane requests refused for lacking the key, by reason "
@@ -124,14 +333,14 @@ class Status(BaseModel):
         "host was chosen: flag (--announce), bound (a specific --host), observed (two or more DHT contacts agree "
         "on what they see), route (the local address of the route to the bootstrap peer), loopback",
     )
-    relay: dict[str, Any] = Field(
-        default_factory=dict,
+    relay: RelayInfo = Field(
+        default_factory=RelayInfo,
         description="client: whether this peer is relayed (state direct | searching | relayed | none, relay_id, "
         "relay_addr, relayed_addr, requests, why); server: what it relays for others (enabled, max_peers, "
         "budget_bytes_s, peers, requests, bytes, over_budget, refused)",
     )
-    reachability: dict[str, Any] = Field(
-        default_factory=dict,
+    reachability: ReachabilityInfo = Field(
+        default_factory=ReachabilityInfo,
         description="whether other members could dial data_addr: status unknown | yes | no, the addr probed, "
         "by (prober peer id -> 'reached' or why not), checked_at (unix time)",
     )
@@ -141,14 +350,14 @@ class Status(BaseModel):
         default_factory=dict,
         description="background tasks that crashed (logged with their traceback), by name: how often",
     )
-    checkpoint: dict[str, Any] | None = Field(
+    checkpoint: CheckpointStatus | None = Field(
         default=None,
         description="checkpoints under --state-dir (None without one): every (steps; 0: none written), keep, "
         "dir, newest (step, stage, age_s, bytes, path), resumed_from_step, writes, failures, last_error, "
         "last_write_s",
     )
-    gradient_handover: dict[str, Any] = Field(
-        default_factory=dict,
+    gradient_handover: GradientHandoverInfo = Field(
+        default_factory=GradientHandoverInfo,
         description="gradients handed over on graceful leave (POST /v1/gradients), in samples: handed_out and "
         "to (this peer, leaving), dropped (nobody took them), handed_in (from leaving stage-mates)",
     )
@@ -160,8 +369,8 @@ class Status(BaseModel):
         "this node's DHT storage refused (grouping, max_per_source, refused_over_quota, refused_full, evicted, "
         "top_refused_sources) and lookups dropped as held by one replica only (one_replica)",
     )
-    reports: dict[str, Any] = Field(
-        default_factory=dict,
+    reports: ReportsInfo = Field(
+        default_factory=ReportsInfo,
         description="trainers' signed misbehaviour reports (POST /v1/report, issue 17): received, accepted, "
         "exclusions, refused (by reason: stale, duplicate, same_source, rate_limited, already_excluded), "
         "excluded (peer ids excluded now: two independent reports), excluded_now, accused (peers tracked)",

@@ -9,9 +9,13 @@ report and its age (``swarmd.pipeline.coverage``): a number is never shown witho
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import BaseModel
 
 from swarmd import __version__
+from swarmd.api import models as m
 from swarmd.api.models import ModelInfo, PrecisionInfo, StageHealthInfo, Status
 from swarmd.net.addresses import format_addr
 from swarmd.pipeline.coverage import StageHealth, stage_health
@@ -103,47 +107,59 @@ def status(host: Host, stage_state: StageState, *, announcements: int,
         grad_samples=ex.grad_samples if ex else 0,
         stale_dropped=ex.stale_dropped if ex else 0,
         stale_applied=ex.stale_applied if ex else 0,
-        activation_cache=ex.cache_stats() if ex else None,
+        activation_cache=_typed(m.ActivationCacheInfo, ex.cache_stats() if ex else None),
         worker_cpu_s=ex.worker_cpu_s if ex else 0.0,
-        exactly_once=ex.exactly_once() if ex else {},
-        reservations=ex.reservations.status() if ex else None,
+        exactly_once=m.ExactlyOnceInfo.model_validate(ex.exactly_once() if ex else {}),
+        reservations=_typed(m.ReservationsInfo, ex.reservations.status() if ex else None),
         params_digest=ex.digest if ex else None,
-        averaging={
+        averaging=_typed(m.AveragingInfo, {
             "rounds_ok": averager.rounds_ok,
             "rounds_aborted": averager.rounds_aborted,
             "last_round": averager.last_round,
             "recent": list(averager.history)[-32:],
             **averager.checks_status(),  # proofs, refused rounds and contributions, exclusions
-        } if averager else None,
+        } if averager else None),
         synced_from=stage_state.synced_from,
-        migration=host.migration,
+        migration=_typed(m.MigrationInfo, host.migration),
         migrations=dict(host.migrator.results),
-        state_transfer={**stage_state.downloads, "served_bytes": dp.state_served["bytes"] if dp else 0,
-                        "served_streams": dp.state_served["streams"] if dp else 0},
+        state_transfer=m.StateTransferInfo(**stage_state.downloads,
+                                           served_bytes=dp.state_served["bytes"] if dp else 0,
+                                           served_streams=dp.state_served["streams"] if dp else 0),
         precision=PrecisionInfo(mode=ex.precision, loss_scale=ex.loss_scale.scale if ex.loss_scale else None,
                                 overflows=ex.loss_scale.overflows if ex.loss_scale else None) if ex else None,
-        served=dict(dp.served) if dp else {},
-        auth=_auth(host),
+        served=m.ServedInfo.model_validate(dict(dp.served) if dp else {}),
+        auth=_typed(m.AuthInfo, _auth(host)),
         data_addr=host.data_addr,
         api_addr=format_addr(host.api_addr),
         dht_addr=host.dht_addr,
         addresses=_addresses(host),
-        reachability=host.reachability.to_dict(),
-        relay={"client": host.relay_client.status.to_dict() if host.relay_client is not None else None,
-               "server": host.relay_server.stats()},
+        reachability=m.ReachabilityInfo.model_validate(host.reachability.to_dict()),
+        relay=m.RelayInfo.model_validate({
+            "client": host.relay_client.status.to_dict() if host.relay_client is not None else None,
+            "server": host.relay_server.stats(),
+        }),
         founder=host.founder,
         announcements=announcements,
         task_crashes=host.tasks.crashes(),
-        checkpoint=stage_state.checkpoints.status() if stage_state.checkpoints is not None else None,
-        gradient_handover={**stage_state.handover, "handed_in": ex.handed_in_samples if ex else 0},
+        checkpoint=_typed(m.CheckpointStatus,
+                          stage_state.checkpoints.status() if stage_state.checkpoints is not None else None),
+        gradient_handover=m.GradientHandoverInfo(**stage_state.handover, handed_in=ex.handed_in_samples if ex else 0),
         untrusted=_untrusted(host),
-        reports=host.reports.status(),
+        reports=m.ReportsInfo.model_validate(host.reports.status()),
         stages=[StageHealthInfo.model_validate(h.to_dict()) for h in coverage],
         state_source=stage_state.source,
         device=host.config.pipeline.device,
         version=__version__,
         uptime_s=round(time.monotonic() - host.started_at, 3),
-    ).model_dump(mode="json")
+    ).model_dump(mode="json", by_alias=True)
+
+
+_P = TypeVar("_P", bound=BaseModel)
+
+
+def _typed(model: type[_P], value: Mapping[str, Any] | None) -> _P | None:
+    """``value`` as ``model`` (None stays None): a part of ``/status``, checked against its schema."""
+    return None if value is None else model.model_validate(value)
 
 
 def _auth(host: Host) -> dict[str, Any]:

@@ -306,7 +306,9 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
         training_log, trainers = TrainingLog(), TrainerRegistry()
 
         def status(self) -> dict:
-            return {"swarm": "s", "version": "v", "device": "cpu", "state": "serving", "stage": 1, "n_stages": 2,
+            return {"peer_id": "p0", "model": None, "synced_from": None, "migration": None, "data_addr": None,
+                    "api_addr": None, "dht_addr": None, "founder": False,
+                    "swarm": "s", "version": "v", "device": "cpu", "state": "serving", "stage": 1, "n_stages": 2,
                     "throughput": 1.0, "queue": 0, "in_flight": 0, "step": 3, "params_digest": "ab",
                     "grad_samples": 0, "stale_dropped": 0, "stale_applied": 0, "worker_cpu_s": 0.0, "served": {},
                     "announcements": 1, "task_crashes": {}, "uptime_s": 1.0,
