@@ -68,6 +68,12 @@ that no transport, protocol or event-loop improvement could beat for that batch 
 ``ratio_to_single``, and ``swarm_share_of_ceiling``. ``--search`` also models every
 rising-then-falling split of the batch and reports the best.
 
+**Wire bytes** (``swarm.wire``): what each stage's peer received in the timed window (its
+``/metrics``, ``swarmd_data_plane_received_bytes_total``), per trained sample and per microbatch, by
+endpoint; with ``inputs_omitted`` / ``inputs_resent``, the backwards sent without their stage inputs
+to the peer that kept them (issue #30) and those resent after a miss.
+``--model scripts/models/small-4-stages.json`` has two middle stages, where that shows.
+
 ``--partition equal|balanced|N,N,...`` cuts the preset's blocks into stages: equal numbers,
 the cost model's balanced cut (``swarmd.pipeline.partition``), or the blocks per stage given;
 the report's ``partition`` and ``stage_flops`` show what ran.
