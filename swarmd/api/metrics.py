@@ -292,7 +292,8 @@ class StatusCollector(Collector):
     @staticmethod
     def _cache(cache: Mapping[str, int] | None) -> Iterator[Metric]:
         cache = cache or {}
-        for key in ("hits", "misses", "mismatches", "evictions", "skipped"):
+        # held: backwards served from the inputs the peer kept (sent without them); unheld: refused, resent (#30)
+        for key in ("hits", "misses", "mismatches", "evictions", "skipped", "held", "unheld"):
             yield _counter(f"swarmd_activation_cache_{key}", f"activation cache {key}", cache.get(key, 0))
         yield _gauge("swarmd_activation_cache_entries", "forwards' graphs kept for their backward",
                      cache.get("entries", 0))
