@@ -5,23 +5,33 @@ to that peer carries the output gradient only: the stage boundary carries 2 tens
 microbatch, not 3. Counted where the bytes arrive, the peer's own ``/metrics``
 (``swarmd_data_plane_received_bytes_total``). A peer that lost the inputs (here: every kept
 forward expires before its backward) answers ``InputsNotCached``, the trainer resends them, and the
-training is the single-process reference's all the same.
+training is the single-process reference's all the same; one whose forward's peer died goes to
+another peer with them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmd.daemon import Daemon
+from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.routing import StageRouter
+from swarmd.train.stage_calls import StageCalls
 from swarmd.train.summary import TrainSummary
+from swarmd.train.timing import Timing
 from swarmd.train.trainer import Trainer, TrainerConfig
+from tests.conftest import running_daemon
+from tests.test_routing import listed
+from tests.test_stage_calls import FixedStages
 from tests.test_training import CORPUS_BYTES, MICRO, TINY, TRAINING, config, reference_run
 
 SPEC = replace(TINY, name="kept", n_stages=3)  # stage 1 is a middle stage: hidden states in, hidden states out
@@ -114,3 +124,23 @@ async def test_inputs_the_peer_lost_are_resent_and_nothing_is_lost() -> None:
     assert cache["held"] == 0 and cache["unheld"] == middle_in.backwards == summary.microbatches_completed
     expected, _ = reference_run(SPEC, TRAINING, STEPS, seed=0)
     assert summary.step_losses == pytest.approx(expected, rel=1e-4)  # the single-process training's
+
+
+async def test_a_backward_whose_forwards_peer_died_goes_to_another_peer_with_the_inputs() -> None:
+    x = torch.randn(MICRO, SPEC.seq_len, SPEC.d_model, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    async with running_daemon(1, SPEC) as ran, running_daemon(1, SPEC) as other, DataPlaneClient() as client:
+        assert (await client.forward(ran.data_addr, 1, x, mb=11)).kept
+        routers = [StageRouter(0), StageRouter(1, rng=random.Random(0))]
+        routers[1].update_peers(listed({"ran": ran.data_addr, "other": other.data_addr}, stage=1))
+        summary = TrainSummary()
+        calls = StageCalls(FixedStages(routers), client, model=SPEC.digest, codec="none", summary=summary,
+                           timing=Timing(), request_timeout_s=30.0, stage_wait_timeout_s=30.0)
+        await ran.shutdown()  # the forward's peer is gone, and its kept inputs with it
+        served = await calls.backward(1, x, grad_outputs=g, step=0, mb=11, prefer="ran", kept_at=ran.data_addr)
+        assert served.peer_id == "other" and served.reply.grad_inputs is not None
+        # the omitted attempt met no one; the retry elsewhere carried the inputs, and counted once there
+        assert (summary.inputs_omitted, summary.inputs_resent, summary.bans) == (1, 0, 1)
+        assert summary.claims == summary.claims_unanswered == 1  # the dead peer could not say whether it counted
+        stats = other.executor.cache_stats()
+        assert other.executor.grad_samples == MICRO and stats["unheld"] == 0 and stats["held"] == 0
