@@ -68,6 +68,12 @@ that no transport, protocol or event-loop improvement could beat for that batch 
 ``ratio_to_single``, and ``swarm_share_of_ceiling``. ``--search`` also models every
 rising-then-falling split of the batch and reports the best.
 
+**Wire bytes** (``swarm.wire``): what each stage's peer received in the timed window (its
+``/metrics``, ``swarmd_data_plane_received_bytes_total``), per trained sample and per microbatch, by
+endpoint; with ``inputs_omitted`` / ``inputs_resent``, the backwards sent without their stage inputs
+to the peer that kept them (issue #30) and those resent after a miss.
+``--model scripts/models/small-4-stages.json`` has two middle stages, where that shows.
+
 ``--partition equal|balanced|N,N,...`` cuts the preset's blocks into stages: equal numbers,
 the cost model's balanced cut (``swarmd.pipeline.partition``), or the blocks per stage given;
 the report's ``partition`` and ``stage_flops`` show what ran.
@@ -89,12 +95,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarmd.allocator import keep_freed_memory
 from swarmd.errors import ConfigError
@@ -433,6 +441,35 @@ def _stop(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> int | None:
     return proc.wait(10)
 
 
+def received_bytes(daemon: DaemonProcess) -> dict[str, float]:
+    """Request bytes the daemon's data plane received so far, by endpoint (its ``/metrics``:
+    ``swarmd_data_plane_received_bytes_total``, all codecs), i.e. what crossed the wire into it."""
+    with urllib.request.urlopen(f"{daemon.api}/metrics", timeout=5.0) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "swarmd_data_plane_received_bytes_total":
+                endpoint = sample.labels.get("endpoint", "")
+                out[endpoint] = out.get(endpoint, 0.0) + sample.value
+    return out
+
+
+def wire_report(window: Window, samples: int, microbatch_size: int) -> dict[str, Any]:
+    """The bytes each stage's peer received in the timed window per trained sample, by endpoint,
+    and per microbatch of ``microbatch_size`` samples (issue #30: a backward that omits its stage's
+    inputs shrinks a middle stage's ``/v1/backward`` by one activation per microbatch)."""
+    stages = []
+    for i, (before, after) in enumerate(zip(window.wire0, window.wire1)):
+        got = {e: after.get(e, 0.0) - before.get(e, 0.0) for e in ("/v1/forward", "/v1/backward", "/v1/average")}
+        per_sample = {e: b / samples for e, b in got.items()}
+        stages.append({"stage": i, "bytes_per_sample": per_sample,
+                       "compute_bytes_per_microbatch": (per_sample["/v1/forward"] + per_sample["/v1/backward"])
+                       * microbatch_size})
+    compute = sum(st["compute_bytes_per_microbatch"] for st in stages)
+    return {"stages": stages, "compute_bytes_per_microbatch": compute, "microbatch_size": microbatch_size}
+
+
 class DaemonProc(DaemonProcess):
     """One daemon of the swarm run (the local-swarm harness): on CPU, files ``peerN.*`` in ``workdir``.
 
@@ -480,6 +517,8 @@ class Window:
     calls: dict[str, CallStats] = field(default_factory=dict)
     trace: list[tuple[int, str, int, float, float]] = field(default_factory=list)  # stage, kind, samples, start, end
     statuses: list[dict[str, Any]] = field(default_factory=list)
+    wire0: list[dict[str, float]] = field(default_factory=list)  # per daemon: its data plane's bytes in, by endpoint
+    wire1: list[dict[str, float]] = field(default_factory=list)
 
     def _daemon_cpu(self) -> dict[int, float | None]:
         return {d.pid: cpu_seconds(d.pid) for d in self.daemons}
@@ -509,6 +548,7 @@ class Window:
             self.step_ends.append(now)
         if done == self.warmup:
             self.t0, self.samples0, self.cpu0 = now, int(info["samples"]), self._daemon_cpu()
+            self.wire0 = [received_bytes(d) for d in self.daemons]
             self.main_cpu0 = self._daemon_main_cpu()
             self.trainer_cpu_s = -time.process_time()
             self.machine_busy_s = -machine_busy_seconds()
@@ -525,6 +565,7 @@ class Window:
             self.machine_busy_s += machine_busy_seconds()
             # before the trainer's final validation, which would feed the daemons' rate EMAs
             self.statuses = [d.status() for d in self.daemons]
+            self.wire1 = [received_bytes(d) for d in self.daemons]
 
 
 async def swarm_run(
@@ -631,6 +672,10 @@ async def swarm_run(
         "topup_microbatches": summary.topup_microbatches,
         "microbatches_issued": summary.microbatches_issued,
         "microbatches_completed": summary.microbatches_completed,
+        # bytes into every stage's peer in the window (forward + backward requests: what the trainer sent)
+        "wire": wire_report(window, samples, s.microbatch_size),
+        "inputs_omitted": getattr(summary, "inputs_omitted", None),  # None: a build before issue #30
+        "inputs_resent": getattr(summary, "inputs_resent", None),
     }
     if window.profiler is not None:
         result["profile"] = _profile_report(pstats.Stats(window.profiler))
@@ -776,6 +821,12 @@ def print_summary(r: dict[str, Any]) -> None:
         if cache:
             print(f"    activation cache: {cache['hits']} hits, {cache['misses']} misses, "
                   f"{cache['evictions']} evicted, {_mib(cache['bytes'])} held at the end")
+    wire = sw.get("wire")
+    if wire:
+        print(f"  bytes into the stages' peers per microbatch of {wire['microbatch_size']} (forward + backward): "
+              + ", ".join(f"stage {st['stage']} {st['compute_bytes_per_microbatch'] / 2**10:.0f} KiB"
+                          for st in wire["stages"])
+              + f"; all {wire['compute_bytes_per_microbatch'] / 2**10:.0f} KiB")
     tr = sw["trainer"]
     print(f"  trainer: CPU {tr['cpu_s']:.1f}s ({tr['cpu_s'] / wall:.2f} cores), peak RSS {_mib(tr['peak_rss_bytes'])}")
     print("stage parameters: " + ", ".join(_mib(b) for b in r["stage_param_bytes"])

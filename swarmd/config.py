@@ -85,6 +85,11 @@ class PipelineConfig:
     precision: str = "fp32"  # fp32, bf16 or fp16: autocast of the stage's compute (swarmd.pipeline.precision)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_batch_tokens: int = 1 << 16  # B*T above this is refused with 413 (keeps one request from OOMing a peer)
+    # forwards kept for their backwards (swarmd.pipeline.activation_cache): a kept forward's backward
+    # skips the recompute and may omit its inputs; 0 entries or bytes turn it off (every backward resends)
+    activation_cache_entries: int = 64
+    activation_cache_bytes: int = 256 * 2**20
+    activation_cache_ttl_s: float = 60.0
 
 
 @dataclass(frozen=True)

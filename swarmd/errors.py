@@ -18,6 +18,9 @@
      │                                                                              (HTTP 409)
      ├── UnsupportedMediaType a data-plane body that is not application/x-msgpack   (HTTP 415)
      ├── RequestTimeout       a request body that did not arrive in time            (HTTP 408)
+     ├── InputsNotCached      a backward without its inputs, whose forward this peer no
+     │                        longer holds (restarted, evicted, another peer): resend
+     │                        it with the inputs                                    (HTTP 409)
      ├── StepMismatch         the request was computed at another optimizer step   (HTTP 409)
      │    ├── StaleStep          older than the peer's: the gradient would mix steps; redo it
      │    └── PeerBehind         newer than the peer's: this peer missed a step and resyncs
@@ -200,6 +203,15 @@ class RecordExpired(RecordError):
     """The record's absolute expiry time is in the past."""
 
     reason = "expired"
+
+
+class InputsNotCached(SwarmdError):
+    """A backward that omitted its stage inputs, naming a microbatch whose forward this peer does
+    not hold (it restarted, evicted the entry, never ran that forward, or the forward came from
+    another address): nothing was computed or counted; the sender resends it with the inputs
+    (``swarmd.pipeline.activation_cache``)."""
+
+    http_status = 409
 
 
 class StepMismatch(SwarmdError):

@@ -304,8 +304,10 @@ class StatusCollector(Collector):
 
     @staticmethod
     def _cache(cache: ActivationCacheInfo) -> Iterator[Metric]:
+        # held: backwards served from the inputs the peer kept (sent without them); unheld: refused, resent (#30)
         for key, value in (("hits", cache.hits), ("misses", cache.misses), ("mismatches", cache.mismatches),
-                           ("evictions", cache.evictions), ("skipped", cache.skipped)):
+                           ("evictions", cache.evictions), ("skipped", cache.skipped), ("held", cache.held),
+                           ("unheld", cache.unheld)):
             yield _counter(f"swarmd_activation_cache_{key}", f"activation cache {key}", value)
         yield _gauge("swarmd_activation_cache_entries", "forwards' graphs kept for their backward", cache.entries)
         yield _gauge("swarmd_activation_cache_bytes", "bytes held by the activation cache", cache.bytes)

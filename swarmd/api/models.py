@@ -65,6 +65,8 @@ class ActivationCacheInfo(_Part):
     mismatches: int = Field(default=0, description="same id, other inputs")
     evictions: int = Field(default=0, description="dropped unused: expired, or the step changed")
     skipped: int = Field(default=0, description="not kept: the cache was full")
+    held: int = Field(default=0, description="hits whose backward came without its inputs: the kept ones were used")
+    unheld: int = Field(default=0, description="backwards without inputs this peer no longer held: refused, resent")
 
 
 class ExactlyOnceInfo(_Part):
@@ -276,7 +278,9 @@ class Status(BaseModel):
         default=None,
         description="forwards' activations kept for their backward on this peer: entries, bytes, max_entries, "
         "max_bytes, hits, misses (recomputed), mismatches (same id, other inputs), evictions (dropped unused: "
-        "expired, or the step changed), skipped (not kept: the cache was full)",
+        "expired, or the step changed), skipped (not kept: the cache was full), held (hits whose backward came "
+        "without its inputs: the kept ones were used), unheld (backwards without inputs this peer no longer held: "
+        "refused with InputsNotCached, resent with them)",
     )
     worker_cpu_s: float = Field(default=0.0, description="CPU seconds the stage's worker thread spent computing")
     exactly_once: ExactlyOnceInfo = Field(

@@ -314,7 +314,10 @@ class Daemon:
         pipe = self.config.pipeline
         executor = await asyncio.to_thread(StageExecutor, self.spec, stage, pipe.device, training=self.training,
                                            max_batch_tokens=pipe.max_batch_tokens, threads=pipe.threads,
-                                           precision=pipe.precision)
+                                           precision=pipe.precision,
+                                           activation_cache_entries=pipe.activation_cache_entries,
+                                           activation_cache_bytes=pipe.activation_cache_bytes,
+                                           activation_cache_ttl_s=pipe.activation_cache_ttl_s)
         return StageRuntime(executor)
 
     def spawn(self, name: str, factory: Any, *, restart: bool = False) -> asyncio.Task[None]:

@@ -127,7 +127,7 @@ class DataPlaneClient:
         self,
         addr: str,
         stage: int,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None,
         grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         *,
@@ -146,7 +146,9 @@ class DataPlaneClient:
         receiving it (send less than this call's timeout: the rest is the way there and back);
         ``timeout_s``: this call's own bound, else the client's; ``verify``: a spot check's second
         opinion, computed and answered but never accumulated (``swarmd.train.verify``); ``attempt``:
-        this call's number among the attempts at ``mb`` on this stage (exactly once: a claim fences)."""
+        this call's number among the attempts at ``mb`` on this stage (exactly once: a claim fences).
+        ``inputs`` None: the peer's own of ``mb``, which its forward's reply said it ``kept`` (a peer
+        that lost them refuses with ``InputsNotCached``: send them then)."""
         request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
                                   codec=codec, step=step, mb=mb, deadline_ms=deadline_ms, verify=verify,
                                   attempt=attempt)

@@ -246,13 +246,19 @@ class ForwardRequest:
 @dataclass(frozen=True)
 class ForwardReply:
     """The stage's outputs (hidden states or logits) at ``step``; with targets, the scalar
-    mean ``loss`` (then ``outputs`` is that loss as a 0-d tensor, exactly as computed)."""
+    mean ``loss`` (then ``outputs`` is that loss as a 0-d tensor, exactly as computed).
+
+    ``kept`` (meta ``kept: true``): the peer keeps the forward's inputs (and graph) under the
+    request's ``mb`` for its backward, which may then omit them (:class:`BackwardRequest`). An
+    older peer never says so, and an older trainer ignores it: it always resends the inputs.
+    """
 
     stage: int
     step: int
     outputs: torch.Tensor
     loss: float | None = None
     precision: str = "fp32"  # what computed it (``--precision``): spot checks compare like with like
+    kept: bool = False
 
     KIND = "forward_result"
 
@@ -260,6 +266,8 @@ class ForwardReply:
         meta: dict[str, Any] = {"stage": self.stage, "step": self.step}
         if self.precision != "fp32":
             meta["precision"] = self.precision
+        if self.kept:
+            meta["kept"] = True
         if self.loss is not None:
             meta["loss"] = self.loss
             return encode_frame(self.KIND, meta, {"loss": self.outputs}, codec)
@@ -274,7 +282,11 @@ class ForwardReply:
         if outputs is None:
             raise MalformedFrame(f"a forward reply {'with' if loss is not None else 'without'} a loss needs "
                                  f"a '{name}' tensor (it has {sorted(frame.tensors) or 'none'})")
-        return cls(stage=stage, step=step, outputs=outputs, loss=loss, precision=_reply_precision(frame.meta))
+        kept = frame.meta.get("kept", False)
+        if not isinstance(kept, bool):
+            raise MalformedFrame(f"a forward reply's meta.kept must be true or false, got {kept!r:.30}")
+        return cls(stage=stage, step=step, outputs=outputs, loss=loss, precision=_reply_precision(frame.meta),
+                   kept=kept)
 
 
 # ---- POST /v1/backward ------------------------------------------------------------------------
@@ -284,6 +296,13 @@ class ForwardReply:
 class BackwardRequest:
     """Backpropagate ``grad_outputs`` (the last stage: the loss of ``targets``) through the stage
     at ``inputs``, and accumulate the parameter gradients.
+
+    ``inputs`` None (no ``inputs`` tensor in the frame): the stage inputs are those of the forward
+    this peer ran under ``mb`` and said it kept (:class:`ForwardReply` ``kept``), so they do not
+    travel twice (SWARM's stateless backward resends them: 3 tensors per boundary instead of 2).
+    Such a request must name ``mb``; a peer that does not hold that forward any more (restarted,
+    evicted it, never ran it) refuses it with ``InputsNotCached`` (409) before computing anything,
+    and the sender resends it with the inputs.
 
     ``step``: the step this stage's forward reported for the microbatch (None: no check, as for
     the last stage's fused forward + backward); a backward computed at another step is refused
@@ -299,7 +318,7 @@ class BackwardRequest:
     """
 
     stage: int
-    inputs: torch.Tensor
+    inputs: torch.Tensor | None  # None: the inputs of the forward this peer kept under ``mb``
     grad_outputs: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     model: str | None = None
@@ -326,7 +345,9 @@ class BackwardRequest:
             meta["verify"] = True
         if self.attempt:
             meta["attempt"] = self.attempt
-        tensors = {"inputs": self.inputs}
+        if self.inputs is None and self.mb is None:
+            raise ValueError("a backward without inputs must name the microbatch whose forward the peer kept")
+        tensors = {} if self.inputs is None else {"inputs": self.inputs}
         if self.grad_outputs is not None:
             tensors["grad_outputs"] = self.grad_outputs
         if self.targets is not None:
@@ -340,7 +361,11 @@ class BackwardRequest:
         stage = _stage(meta)
         _check_target(stage, meta.get("model"), target)
         codec = _codec(meta)
-        inputs = _required(frame.tensors, "inputs")
+        inputs = frame.tensors.get("inputs")
+        mb = _microbatch_id(meta)
+        if inputs is None and mb is None:
+            raise RequestError("a backward without 'inputs' must name (meta.mb) the microbatch whose forward "
+                               "this peer kept")
         step = _optional_count(meta, "step", "the step the forward reported")
         deadline_ms = _optional_count(meta, "deadline_ms", "how long the sender waits, in ms")
         verify = meta.get("verify", False)
@@ -348,7 +373,7 @@ class BackwardRequest:
             raise RequestError(f"meta.verify must be true or false, got {verify!r:.40}")
         return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
                    targets=frame.tensors.get("targets"), model=_model(meta.get("model")), codec=codec, step=step,
-                   mb=_microbatch_id(meta), deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta))
+                   mb=mb, deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   the last stage) → ``outputs``, or ``loss`` when the last stage got targets.
 - ``POST /v1/backward`` meta as above, tensors ``inputs`` + ``grad_outputs`` (the last stage:
   ``inputs`` + ``targets``) → ``grad_inputs`` (none on stage 0) and meta ``loss``/``samples``.
+  Without ``inputs`` when the forward's reply said ``kept``: the peer uses the inputs it kept
+  under ``meta.mb``, or refuses with 409 ``InputsNotCached`` (the sender resends them).
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
 - ``GET /v1/progress``  JSON (``ProgressReply``, one shape): step and samples held, for the
   stage's averaging rounds and for trainers. With
@@ -343,11 +345,12 @@ class DataPlane:
         runtime = self._current()
         req = ForwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
         request[CODEC_KEY] = req.codec  # validated: one of CODECS (the metrics' codec label)
-        result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb)
+        # a kept forward is tied to where it came from: only a backward from there may omit its inputs
+        result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb, source=request.remote or "")
         self.served["forward"] += 1
         loss = float(result.outputs) if req.targets is not None else None
         reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss,
-                             precision=runtime.executor.precision)
+                             precision=runtime.executor.precision, kept=result.kept)
         return await self._reply(reply.encode, req.codec)
 
     async def _backward(self, request: web.Request) -> web.Response:

@@ -11,6 +11,15 @@ empties the cache: the graph saved the old values), and its inputs are equal to 
 (``torch.equal``); otherwise the backward recomputes. Both paths run the same kernels on the
 same values, so they give bit-identical gradients.
 
+Inputs kept, not resent. An entry also holds the forward's (decoded, prepared) inputs, so the
+backward of a forward this peer *kept* (its reply said ``kept``) may omit them: that is what
+takes SWARM's stage boundary from 3 tensors per microbatch back to the paper's 2 (issue #30).
+Such a backward is served from the entry (:meth:`ActivationCache.take_held`) only when it names
+the same ``mb``, comes from the address the forward came from (so a member that saw an id cannot
+spend another trainer's entry), and the stage is still at the forward's step; otherwise it is
+refused (``InputsNotCached``, counted in ``unheld``) before anything is computed or counted, and
+its sender resends it with the inputs. The inputs count in the entry's bytes.
+
 Bounds. The cache is bounded by entries and by the bytes of the saved activations (parameters
 not counted: they are shared with the module); entries expire after ``ttl_s`` and all go at
 every step. When a forward's graph does not fit, it is the new one that is not kept (counted
@@ -51,6 +60,8 @@ class CacheStats:
     mismatches: int = 0  # of the misses: an entry for the mb, but other inputs
     evictions: int = 0  # entries dropped unused (expiry, step change, a retried forward)
     skipped: int = 0  # forwards whose graph was not kept: the cache was full
+    held: int = 0  # of the hits: backwards that came without their inputs (the entry's were used)
+    unheld: int = 0  # backwards without inputs and no usable entry here: refused, resent with inputs
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -75,6 +86,7 @@ class CachedForward:
     step: int  # the optimizer step the parameters were at
     nbytes: int
     created: float  # on the cache's clock
+    source: str = ""  # where the forward came from (the sender's IP): a backward without inputs must too
 
 
 def capture_forward(module: StageModule, x: torch.Tensor, *, shared: frozenset[int]) -> CapturedForward:
@@ -101,8 +113,11 @@ def capture_forward(module: StageModule, x: torch.Tensor, *, shared: frozenset[i
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         out = module(leaf)
-    if out.untyped_storage().data_ptr() not in seen:
-        nbytes += out.untyped_storage().nbytes()
+    for kept in (out, x):  # the output, and the inputs a backward without them is served from
+        ptr = kept.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            nbytes += kept.untyped_storage().nbytes()
     return CapturedForward(leaf=leaf, out=out, nbytes=nbytes)
 
 
@@ -123,6 +138,8 @@ class ActivationCache:
         self.mismatches = 0
         self.evictions = 0
         self.skipped = 0
+        self.held = 0
+        self.unheld = 0
 
     @property
     def enabled(self) -> bool:
@@ -136,14 +153,14 @@ class ActivationCache:
         return CacheStats(
             entries=len(self._entries), bytes=self.nbytes, max_entries=self.max_entries, max_bytes=self.max_bytes,
             hits=self.hits, misses=self.misses, mismatches=self.mismatches, evictions=self.evictions,
-            skipped=self.skipped,
+            skipped=self.skipped, held=self.held, unheld=self.unheld,
         )
 
     def discard(self, mb: int) -> None:
         """Drop the entry of ``mb`` unused (a retried forward replaces the earlier one)."""
         self._pop(mb, evicted=True)
 
-    def put(self, mb: int, inputs: torch.Tensor, captured: CapturedForward, step: int) -> bool:
+    def put(self, mb: int, inputs: torch.Tensor, captured: CapturedForward, step: int, source: str = "") -> bool:
         """Keep ``captured`` for the backward of ``mb`` if it fits; False: skipped (the cache is full).
 
         Expired entries go first. A skipped graph is freed when the caller drops ``captured.out``,
@@ -155,7 +172,8 @@ class ActivationCache:
             self.skipped += 1
             return False
         self._entries[mb] = CachedForward(
-            inputs=inputs, leaf=captured.leaf, out=captured.out, step=step, nbytes=captured.nbytes, created=now
+            inputs=inputs, leaf=captured.leaf, out=captured.out, step=step, nbytes=captured.nbytes, created=now,
+            source=source,
         )
         self.nbytes += captured.nbytes
         return True
@@ -183,6 +201,29 @@ class ActivationCache:
             self.evictions += 1
             return None
         self.hits += 1
+        return entry
+
+    def take_held(self, mb: int, step: int, source: str = "") -> CachedForward | None:
+        """The entry of ``mb`` for a backward at ``step`` from ``source`` that omitted its inputs,
+        removed; None: the sender must resend them (counted in ``unheld``).
+
+        An entry of another step is dropped (its graph is stale); one kept for another source
+        stays (a stranger naming the id neither uses nor spends it).
+        """
+        self._expire(self._clock())
+        entry = self._entries.get(mb)
+        if entry is not None and entry.source != source:
+            entry = None
+        elif entry is not None:
+            self._pop(mb, evicted=entry.step != step)
+            if entry.step != step:
+                entry = None
+        if entry is None:
+            self.misses += 1
+            self.unheld += 1
+            return None
+        self.hits += 1
+        self.held += 1
         return entry
 
     def clear(self) -> None:

@@ -1,11 +1,14 @@
 """Runs one pipeline stage's forward and backward passes on a worker thread of its own.
 
 SWARM's backward is *stateless* (paper, section 3.2): a peer needs nothing from a
-microbatch's forward to serve its backward, so any peer of the stage can serve it. The
-backward request therefore carries the stage inputs again and the peer recomputes the forward
-before backpropagating, unless its activation cache (:mod:`swarmd.pipeline.activation_cache`)
-still holds the forward's graph. Which step a backward may add its gradient to, how gradients
-and samples accumulate and how a round takes them out is the step protocol
+microbatch's forward to serve its backward, so any peer of the stage can serve it. A backward
+request may therefore carry the stage inputs again, and the peer recomputes the forward before
+backpropagating unless its activation cache (:mod:`swarmd.pipeline.activation_cache`) still
+holds the forward's graph. A forward the cache kept is said so in its result (``kept``), and
+its backward may then come without the inputs: it is served from the cached entry, or refused
+with ``InputsNotCached`` (nothing computed, nothing counted) when that entry is gone (issue #30).
+Which step a backward may add its gradient to, how gradients and samples accumulate and how a
+round takes them out is the step protocol
 (:mod:`swarmd.pipeline.step_protocol`). This module runs both on the stage's parameters: it
 checks the remote tensors against the stage, and orchestrates forward, backward, the averaging
 protocol's hooks and state snapshots.
@@ -39,16 +42,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarmd.errors import LimitExceeded, RequestError, RequestTimeout
+from swarmd.errors import InputsNotCached, LimitExceeded, RequestError, RequestTimeout
 from swarmd.finite import all_finite
-from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, capture_forward
+from swarmd.pipeline.activation_cache import ActivationCache, CachedForward, CacheStats, capture_forward
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
 from swarmd.pipeline.optimizer import apply_step, build_optimizer
 from swarmd.pipeline.optimizer_state import load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.pipeline.precision import LossScale, autocast, check_precision
 from swarmd.pipeline.reservations import LeaseBook
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
-from swarmd.pipeline.step_protocol import GradientAccumulator, StepProtocol
+from swarmd.pipeline.step_protocol import GradientAccumulator, StepProtocol, Verdict, judge_backward
 from swarmd.pipeline.throughput import ThroughputEMA
 
 __all__ = ["BackwardResult", "Contribution", "ForwardResult", "ProgressSnapshot", "StageExecutor"]
@@ -60,6 +63,7 @@ T = TypeVar("T")
 class ForwardResult:
     outputs: torch.Tensor  # hidden states, logits, or the scalar loss
     step: int  # the optimizer step the parameters were at
+    kept: bool = False  # the activation cache keeps it: its backward may omit the inputs
 
 
 @dataclass(frozen=True)
@@ -254,18 +258,19 @@ class StageExecutor:
     # ---- compute ---------------------------------------------------------------------------
 
     async def forward(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, mb: int | None = None
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, mb: int | None = None, source: str = ""
     ) -> ForwardResult:
         """Stage outputs (on the last stage with targets, the scalar mean loss) and their step.
 
-        ``mb`` names the microbatch: its graph is kept for the backward (not on the last stage,
-        whose backward is a fused forward + backward).
+        ``mb`` names the microbatch: its graph and inputs are kept for the backward if they fit
+        (``kept``; never on the last stage, whose backward is a fused forward + backward), for a
+        backward from ``source`` (the sender's IP) only when it omits the inputs.
         """
-        return await self._run(lambda: self._forward_sync(inputs, targets, mb))
+        return await self._run(lambda: self._forward_sync(inputs, targets, mb, source))
 
     async def backward(
         self,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None,
         grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         step: int | None = None,
@@ -276,6 +281,9 @@ class StageExecutor:
         source: str = "",
     ) -> BackwardResult:
         """Recompute the forward (or reuse the cached graph of ``mb``), backpropagate, accumulate.
+
+        ``inputs`` None: those of the forward this stage kept under ``mb`` for ``source``, or
+        ``InputsNotCached`` when it holds none (before anything is computed or counted).
 
         ``step`` is the step the microbatch's forward on this stage ran at (None: no check,
         as for the last stage's fused forward + backward). ``mb`` is counted once per step (a
@@ -476,24 +484,27 @@ class StageExecutor:
 
     # ---- jobs (worker thread only) -----------------------------------------------------------------
 
-    def _forward_sync(self, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None) -> ForwardResult:
+    def _forward_sync(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, source: str = ""
+    ) -> ForwardResult:
         x, y = self._prepare(inputs, targets, targets_required=False)
         started = time.perf_counter()
+        kept = False
         if mb is not None and self._cache.enabled and not self.module.is_last:
             self._cache.discard(mb)  # a retried forward replaces the earlier one
             with self._autocast():
                 captured = capture_forward(self.module, x, shared=self._shared)
-            self._cache.put(mb, x, captured, self._steps.step)
+            kept = self._cache.put(mb, x, captured, self._steps.step, source)
             out = captured.out
         else:
             with torch.no_grad(), self._autocast():
                 out = self.module(x, y)
         self.forward_ema.update(x.shape[0], time.perf_counter() - started)
-        return ForwardResult(outputs=_on_the_wire(out), step=self._steps.step)
+        return ForwardResult(outputs=_on_the_wire(out), step=self._steps.step, kept=kept)
 
     def _backward_sync(
         self,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None,
         grad_outputs: torch.Tensor | None,
         targets: torch.Tensor | None,
         step: int | None,
@@ -503,9 +514,21 @@ class StageExecutor:
         attempt: int = 0,
         source: str = "",
     ) -> BackwardResult:
-        current = self._steps.admit(step)  # the step rule comes first, cache or not
-        x, y = self._prepare(inputs, targets, targets_required=self.module.is_last)
-        g = self._check_grad_outputs(grad_outputs, inputs)
+        held: CachedForward | None = None
+        steps = self._steps
+        if inputs is None and judge_backward(steps.step, step, averaging=steps.averaging,
+                                             delayed=steps.delay_updates) in _ADMITTED:
+            # the inputs of the forward this peer kept, or InputsNotCached before the step rule counts
+            # anything (a refusal of the step rule itself, below, comes first: it asks for a redo)
+            held = self._held_forward(mb, steps.step if step is None else step, targets, source)
+        current = steps.admit(step)  # the step rule comes first, cache or not
+        if held is not None:
+            x, y = held.inputs, None
+        elif inputs is not None:
+            x, y = self._prepare(inputs, targets, targets_required=self.module.is_last)
+        else:  # not reached: admit() refused what the step rule did not admit
+            raise RequestError("a backward without 'inputs' that the step rule does not admit")
+        g = self._check_grad_outputs(grad_outputs, x)
         batch = x.shape[0]
         started = time.perf_counter()
         # a repeat is answered, not added again; so is a spot check's second opinion (verify), which
@@ -525,7 +548,11 @@ class StageExecutor:
             else:
                 self._grads.discard(backward)
 
-        cached = None if self.module.is_last or not first else self._cache.take(mb, x, current)
+        cached: CachedForward | None
+        if held is not None:  # spent whether it counts or not (a repeat, a spot check's): the entry was its inputs
+            cached = held
+        else:
+            cached = None if self.module.is_last or not first else self._cache.take(mb, x, current)
         loss: float | None = None
         while True:  # once, unless fp16's loss scale overflows: then again at half the scale
             scale = self.loss_scale.scale if self.loss_scale is not None else None
@@ -560,6 +587,19 @@ class StageExecutor:
         self.backward_ema.update(batch, time.perf_counter() - started)
         grad_inputs = None if self.module.is_first else _grad(leaf).detach().cpu()
         return BackwardResult(grad_inputs=grad_inputs, loss=loss, samples=batch, step=current, duplicate=not first)
+
+    def _held_forward(self, mb: int | None, step: int, targets: torch.Tensor | None, source: str) -> CachedForward:
+        """The cached forward a backward without inputs is served from (see :meth:`backward`)."""
+        if self.module.is_last or targets is not None:
+            raise RequestError(f"stage {self.stage}'s backward computes its own forward: send its 'inputs'")
+        if mb is None:  # the request's decoder refuses this already; callers in-process too
+            raise RequestError("a backward without 'inputs' must name its microbatch (mb)")
+        entry = self._cache.take_held(mb, step, source)
+        if entry is None:
+            raise InputsNotCached(f"this peer holds no forward of microbatch {mb:#x} at step {step} for this "
+                                  "sender (restarted, evicted, or never ran it here): resend the backward with "
+                                  "its inputs")
+        return entry
 
     def _autocast(self) -> Any:
         return autocast(self.device.type, self.precision)
@@ -670,6 +710,10 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> C
             pass
 
     return done
+
+
+#: The step rule's verdicts under which a backward is computed (a backward without inputs then needs its entry).
+_ADMITTED = frozenset({Verdict.ACCEPT, Verdict.ACCEPT_STALE})
 
 
 class _ScaledOverflow(Exception):

@@ -15,7 +15,10 @@ action                     when
                            and will serve shortly; pause briefly and retry, no ban
 ``RETRY_ELSEWHERE``        ``Draining``, ``Migrating``, ``Starting`` (the peer is leaving or not
                            serving yet), ``PeerBehind`` (it missed a step and resyncs),
-                           ``WrongStage`` (our view of the swarm is out of date): another peer
+                           ``WrongStage`` (our view of the swarm is out of date),
+                           ``InputsNotCached`` (a backward sent without its inputs, which this
+                           peer no longer holds: the trainer resends it with them at once, so
+                           this is only reached if even that is refused so): another peer
                            of the stage can serve it now; no ban, the peer did nothing wrong
 ``BAN``                    unreachable (status 0), a request timeout (408), a server error
                            (5xx other than 503), or a reply we cannot read (200): the peer is
@@ -35,6 +38,7 @@ import enum
 from swarmd.errors import (
     Busy,
     Draining,
+    InputsNotCached,
     Migrating,
     PeerBehind,
     PeerError,
@@ -57,7 +61,7 @@ class Action(enum.Enum):
     FATAL = "fatal"
 
 
-_ELSEWHERE: tuple[type[Exception], ...] = (Draining, Migrating, Starting, PeerBehind, WrongStage)
+_ELSEWHERE: tuple[type[Exception], ...] = (Draining, Migrating, Starting, PeerBehind, WrongStage, InputsNotCached)
 
 
 def classify(error: PeerError) -> Action:

@@ -5,8 +5,10 @@ SWARM's trainers hold no parameters (paper, section 3.2): a microbatch goes forw
 trip), then backward through ``S-2..0``, each call to one peer picked by stochastic wiring
 (``swarmd.train.stage_calls``). Each attempt carries a random 64-bit id (``meta.mb``), and its
 backward on a stage goes to the peer that ran its forward while that peer is usable, where the
-activations are still cached (``swarmd.pipeline.executor``), so the forward is not recomputed; any
-other peer serves it statelessly.
+activations are still cached (``swarmd.pipeline.executor``), so the forward is not recomputed and,
+when that peer said it kept them, the stage inputs are not sent again (issue #30: 2 tensors per
+microbatch at each boundary, not 3; a peer that lost them asks for them, typed, and gets them); any
+other peer serves it statelessly, from the inputs sent along.
 
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
@@ -64,6 +66,7 @@ class Microbatches:
             # the backward goes back to the peer that ran the forward (when it is still usable)
             mb = secrets.randbits(64)
             acts, steps, served_by = [x], [], []
+            kept_at: list[str | None] = []  # per stage: where the forward's peer kept its inputs (else None)
             try:
                 for stage in range(last):
                     catch_up = time.monotonic() + self.timing.stage_catch_up_s
@@ -81,6 +84,7 @@ class Microbatches:
                     acts.append(reply.outputs)
                     steps.append(reply.step)
                     served_by.append(forward.peer_id)
+                    kept_at.append(forward.addr if forward.reply.kept else None)
                 fused = await calls.backward(last, acts[-1], targets=y, mb=mb)
                 backward = await checks.backward(last, acts[-1], None, y, None, mb, fused)
                 if backward.loss is None:
@@ -90,7 +94,7 @@ class Microbatches:
                 duplicates = int(backward.duplicate)
                 for stage in range(last - 1, -1, -1):
                     served = await calls.backward(stage, acts[stage], grad_outputs=grad, step=steps[stage], mb=mb,
-                                                  prefer=served_by[stage])
+                                                  prefer=served_by[stage], kept_at=kept_at[stage])
                     backward = await checks.backward(stage, acts[stage], grad, None, steps[stage], mb, served)
                     grad = backward.grad_inputs
                     duplicates += int(backward.duplicate)

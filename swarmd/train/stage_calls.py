@@ -43,7 +43,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 
-from swarmd.errors import PeerError
+from swarmd.errors import InputsNotCached, PeerError
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import BackwardReply, ClaimRequest, ForwardReply
 from swarmd.pipeline.failures import Action, classify, timed_out
@@ -127,6 +127,7 @@ class Served(Generic[R]):
     reply: R
     peer_id: str
     attempts: int
+    addr: str = ""  # where the answering peer was dialled
 
 
 class CallTally(Protocol):
@@ -284,7 +285,7 @@ class StageCalls:
                 router.release(peer_id)
                 raise
             router.report_success(peer_id, samples, time.monotonic() - started, kind)
-            return Served(reply, peer_id, sent)
+            return Served(reply, peer_id, sent, addr)
         raise CallEnded(Ended.NOBODY, f"stage {stage}: no peer to ask (after {sent} request(s))")
 
     async def _wait_for_peer(self, stage: int, router: StageRouter, tried: set[str], avoid: Collection[str],
@@ -350,23 +351,45 @@ class StageCalls:
     async def backward(
         self, stage: int, inputs: torch.Tensor, *, grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None, step: int | None = None, mb: int | None = None,
-        prefer: str | None = None,
+        prefer: str | None = None, kept_at: str | None = None,
     ) -> Served[BackwardReply]:
         """A backward through ``stage`` (with ``targets`` on the last stage: the fused forward and
         backward), counted exactly once by the stage (``swarmd.pipeline.step_protocol``): the peer
         adds the gradient only within its deadline (past it, this trainer gave up and retries
         elsewhere), and an attempt whose answer was lost is settled by asking its peer before the
-        next attempt, which only computes if it counted."""
-        client, codec, model, timing = self.client, self.codec, self.model, self.timing
+        next attempt, which only computes if it counted.
+
+        ``kept_at``: the address of the peer whose forward reply said it ``kept`` the microbatch's
+        inputs; a request to that address omits them (issue #30: the boundary carries 2 tensors per
+        microbatch, not 3). Should that peer not hold them any more (``InputsNotCached``: restarted,
+        evicted), the same request goes again at once with them: one resend, nothing counted twice
+        (the refusal came before any compute). Any other peer (a failover, a spot check's) gets them.
+        """
+        client, codec, model, timing, s = self.client, self.codec, self.model, self.timing, self.summary
         attempts = BackwardAttempts(mb)
+        omit_at = kept_at if mb is not None else None
 
         async def send(addr: str, timeout: float) -> BackwardReply:
+            nonlocal omit_at
             await self._settle_lost(stage, attempts)
-            attempt = attempts.next_attempt()
+            omit = addr == omit_at and not attempts.compute_only  # a verify-only retry: its entry is spent
+
+            def request(with_inputs: bool) -> Awaitable[BackwardReply]:
+                return client.backward(addr, stage, inputs if with_inputs else None, grad_outputs, targets,
+                                       codec=codec, model=model, step=step, mb=mb, attempt=attempts.next_attempt(),
+                                       verify=attempts.compute_only, deadline_ms=timing.backward_deadline_ms(timeout),
+                                       timeout_s=timeout)
+
             try:
-                return await client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=model,
-                                             step=step, mb=mb, attempt=attempt, verify=attempts.compute_only,
-                                             deadline_ms=timing.backward_deadline_ms(timeout), timeout_s=timeout)
+                if not omit:
+                    return await request(True)
+                s.inputs_omitted += 1
+                try:
+                    return await request(False)
+                except InputsNotCached:  # refused before computing: resend with the inputs, once
+                    omit_at = None
+                    s.inputs_resent += 1
+                    return await request(True)
             except PeerError as exc:
                 attempts.failed(addr, exc)
                 raise

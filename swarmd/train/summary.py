@@ -38,6 +38,8 @@ class TrainSummary:
     claims: int = 0  # backwards whose answer was lost: the peer was asked whether it had counted them
     claims_counted: int = 0  # ... and it had: the retry only computed (exactly once, step_protocol)
     claims_unanswered: int = 0  # ... the peer could not be asked: the retry counted (perhaps twice; detected)
+    inputs_omitted: int = 0  # backwards sent without their inputs, to the peer that kept its forward's
+    inputs_resent: int = 0  # ... that peer had lost them (InputsNotCached): sent again with them
     leases: int = 0  # sample reservations granted to this trainer
     full_waits: int = 0  # times the step was fully reserved and the trainer waited for it
     shard: int | None = None  # the shard of the training split it started on (None: the whole split at once)

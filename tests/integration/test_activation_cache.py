@@ -14,8 +14,9 @@ import aiohttp
 import pytest
 import torch
 
-from swarmd.errors import PeerError, StaleStep
+from swarmd.errors import InputsNotCached, PeerError, RequestError, StaleStep
 from swarmd.net.client import DataPlaneClient
+from swarmd.net.wire import CONTENT_TYPE, encode_frame
 from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, CapturedForward
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.routing import StageRouter
@@ -103,6 +104,72 @@ async def test_cached_backward_is_bit_identical_to_the_recompute(executors, stag
     if stage != 0:
         assert torch.equal(again.grad_inputs, b_plain.grad_inputs)
     assert_bit_identical(grads(cached), grads(stateless))
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["first", "middle"])
+async def test_a_backward_without_inputs_uses_the_kept_ones_bit_for_bit(executors, stage: int) -> None:
+    kept, stateless = executors(stage), executors(stage)
+    x, g = inputs_for(stage), grad_out()
+    forward = await kept.forward(x, mb=42, source="10.0.0.1")
+    assert forward.kept and not (await kept.forward(x)).kept  # no id: nothing kept, nothing to omit
+    b_kept = await kept.backward(None, g, step=0, mb=42, source="10.0.0.1")
+    b_plain = await stateless.backward(x, g, step=0)
+    stats = kept.cache_stats()
+    assert (stats["hits"], stats["held"], stats["unheld"], stats["entries"], stats["bytes"]) == (1, 1, 0, 0, 0)
+    assert_bit_identical(grads(kept), grads(stateless))
+    assert kept.grad_samples == B and b_kept.samples == B and not b_kept.duplicate
+    if stage:
+        assert torch.equal(b_kept.grad_inputs, b_plain.grad_inputs)
+
+
+async def test_a_backward_without_inputs_the_peer_does_not_hold_is_refused_uncounted(executors) -> None:
+    ex, never_ran = executors(1), executors(1)
+    x, g = hidden(), grad_out()
+    await ex.forward(x, mb=7, source="10.0.0.1")
+    # another peer (a failover, a spot check's second opinion) never ran the forward: it needs the inputs
+    with pytest.raises(InputsNotCached):
+        await never_ran.backward(None, g, step=0, mb=7, source="10.0.0.1")
+    # another sender naming the id neither uses nor spends the entry
+    with pytest.raises(InputsNotCached):
+        await ex.backward(None, g, step=0, mb=7, source="10.6.6.6")
+    assert ex.cache_stats()["entries"] == 1
+    for e in (ex, never_ran):  # refused before anything was computed or counted: the resend counts once
+        assert e.grad_samples == 0 and e.duplicates == 0 and e.cache_stats()["unheld"] == 1
+    resent = await never_ran.backward(x, g, step=0, mb=7, source="10.0.0.1")
+    assert never_ran.grad_samples == B and not resent.duplicate
+    # the sender's own backward still finds it; a repeat of it (its answer lost) must resend the inputs
+    await ex.backward(None, g, step=0, mb=7, source="10.0.0.1")
+    with pytest.raises(InputsNotCached):
+        await ex.backward(None, g, step=0, mb=7, source="10.0.0.1")
+    again = await ex.backward(x, g, step=0, mb=7, source="10.0.0.1")
+    assert again.duplicate and ex.grad_samples == B and ex.duplicates == 1
+    assert torch.equal(again.grad_inputs, resent.grad_inputs)
+    # an expired entry, and one of an older step (delayed updates accept it): gone, resend
+    short = executors(1, activation_cache_ttl_s=0.0)
+    assert (await short.forward(x, mb=8)).kept
+    await asyncio.sleep(0.01)
+    with pytest.raises(InputsNotCached):
+        await short.backward(None, g, step=0, mb=8)
+    delayed = executors(1, training=TrainingSpec(delay_updates=True))
+    await delayed.backward(hidden(5), g, step=0)
+    await delayed.forward(x, mb=9)
+    await step(delayed)
+    with pytest.raises(InputsNotCached):
+        await delayed.backward(None, g, step=0, mb=9)
+    assert delayed.stale_applied == 0 and delayed.grad_samples == 0
+    # a full cache does not keep the forward, and says so: its backward carries the inputs from the start
+    full = executors(1, activation_cache_entries=1)
+    assert (await full.forward(x, mb=1)).kept and not (await full.forward(x, mb=2)).kept
+
+
+async def test_the_last_stage_and_an_unnamed_backward_need_their_inputs(executors) -> None:
+    last = executors(SPEC.n_stages - 1)
+    y = tokens()
+    with pytest.raises(RequestError, match="'inputs'"):
+        await last.backward(None, None, y, mb=1)
+    with pytest.raises(RequestError, match="mb"):
+        await executors(1).backward(None, grad_out(), step=0)
+    assert last.grad_samples == 0
 
 
 async def test_a_backward_on_another_peer_recomputes_and_agrees(executors) -> None:
@@ -254,11 +321,22 @@ def test_the_cache_on_its_own_clock() -> None:
     assert cache.take(2, x, step=0) is None  # expired
     assert cache.stats() == CacheStats(entries=0, bytes=0, max_entries=2, max_bytes=25, hits=1, misses=2,
                                        mismatches=0, evictions=2, skipped=2)
+    # a backward without inputs: the entry of its id, step and sender only
+    assert cache.put(8, x, captured(10), step=0, source="a")
+    assert cache.take_held(8, step=0, source="b") is None and len(cache) == 1  # another sender: kept for "a"
+    assert cache.take_held(9, step=0, source="a") is None
+    held = cache.take_held(8, step=0, source="a")
+    assert held is not None and held.inputs is x and len(cache) == 0
+    assert cache.put(10, x, captured(10), step=0, source="a")
+    assert cache.take_held(10, step=1, source="a") is None and len(cache) == 0  # of another step: dropped
+    s = cache.stats()
+    assert (s.hits, s.held, s.misses, s.unheld, s.evictions) == (2, 1, 5, 3, 3)
+    cache.discard(10)
     assert cache.put(6, x, captured(10), step=0)
     assert cache.take(6, torch.ones(2), step=0) is None  # other inputs under the id
     assert cache.put(7, x, captured(10), step=0)
     cache.clear()
-    assert (len(cache), cache.nbytes, cache.stats().mismatches, cache.stats().evictions) == (0, 0, 1, 4)
+    assert (len(cache), cache.nbytes, cache.stats().mismatches, cache.stats().evictions) == (0, 0, 1, 5)
     assert not ActivationCache(0, 25, 1.0).enabled and not ActivationCache(2, 0, 1.0).enabled
 
 
@@ -284,11 +362,30 @@ async def test_wait_progress_wakes_on_samples_and_steps(executors) -> None:
 async def test_the_data_plane_carries_the_microbatch_id() -> None:
     x, y = torch.randint(0, TINY.vocab_size, (B, T)), torch.randint(0, TINY.vocab_size, (B, T))
     async with running_daemon(0) as d0, running_daemon(1) as d1, DataPlaneClient() as c:
-        h = (await c.forward(d0.data_addr, 0, x, mb=2**64 - 1)).outputs
-        g = (await c.backward(d1.data_addr, 1, h, targets=y)).grad_inputs
+        forward = await c.forward(d0.data_addr, 0, x, mb=2**64 - 1)
+        assert forward.kept  # the peer says it keeps the inputs: the backward may omit them
+        g = (await c.backward(d1.data_addr, 1, forward.outputs, targets=y)).grad_inputs
         await c.backward(d0.data_addr, 0, x, grad_outputs=g, step=0, mb=2**64 - 1)
         assert d0.executor.cache_stats()["hits"] == 1
         assert d0.status()["activation_cache"]["hits"] == 1
+        # without inputs: from the kept forward; a peer that holds none answers 409 InputsNotCached, typed
+        assert (await c.forward(d0.data_addr, 0, x, mb=5)).kept
+        await c.backward(d0.data_addr, 0, None, grad_outputs=g, step=0, mb=5)
+        assert d0.status()["activation_cache"]["held"] == 1 and d0.executor.grad_samples == 2 * B
+        for mb in (5, 6):  # spent by its backward; never run here
+            with pytest.raises(InputsNotCached) as missed:
+                await c.backward(d0.data_addr, 0, None, grad_outputs=g, step=0, mb=mb)
+            assert missed.value.status == 409 and isinstance(missed.value, PeerError)
+        assert d0.executor.grad_samples == 2 * B  # refused, not counted
+        # bad ones are 4xx: no microbatch named (422), the last stage's fused backward without inputs (422)
+        async with aiohttp.ClientSession() as s:
+            for meta, tensors in (({"stage": 0, "step": 0}, {"grad_outputs": g}),
+                                  ({"stage": 1, "mb": 5}, {"targets": y})):
+                addr = d0.data_addr if meta["stage"] == 0 else d1.data_addr
+                async with s.post(f"http://{addr}/v1/backward", data=encode_frame("backward", meta, tensors),
+                                  headers={"Content-Type": CONTENT_TYPE}) as r:
+                    assert r.status == 422, await r.text()
+                    assert (await r.json())["error"] == "RequestError"
         for bad in (-1, "x", True, 1.5):
             with pytest.raises(PeerError) as err:
                 await c.forward(d0.data_addr, 0, x, mb=bad)  # type: ignore[arg-type]

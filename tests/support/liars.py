@@ -40,8 +40,8 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
     generator = torch.Generator().manual_seed(seed)
     honest_forward, honest_backward = executor._forward_sync, executor._backward_sync
 
-    def forward(inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None) -> Any:
-        result = honest_forward(inputs, targets, mb)
+    def forward(inputs: torch.Tensor, targets: torch.Tensor | None, *args: Any) -> Any:
+        result = honest_forward(inputs, targets, *args)
         out = result.outputs
         if targets is not None:  # a loss (validation): left alone, only activations lie
             return result

@@ -21,6 +21,7 @@ BY_CLASS: dict[str, Action] = {
     "Migrating": Action.RETRY_ELSEWHERE,
     "PeerBehind": Action.RETRY_ELSEWHERE,
     "WrongStage": Action.RETRY_ELSEWHERE,
+    "InputsNotCached": Action.RETRY_ELSEWHERE,  # the trainer resends with inputs first (stage_calls)
     "RequestTimeout": Action.BAN,  # 408: the peer did not read our body in time
     "StepMismatch": Action.FATAL,  # 409 of neither direction: nothing to retry
     "RequestError": Action.FATAL,

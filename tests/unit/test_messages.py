@@ -204,6 +204,32 @@ def test_a_backward_step_must_be_a_non_negative_integer(step: Any) -> None:
         BackwardRequest.from_frame(frame, TARGET)
 
 
+def test_a_backward_may_omit_the_inputs_of_a_forward_the_peer_kept() -> None:
+    # the sender omits the inputs and names the microbatch: no 'inputs' tensor on the wire
+    req = BackwardRequest(stage=1, inputs=None, grad_outputs=hidden(), step=4, mb=7)
+    frame = wire(req.encode())
+    assert set(frame.tensors) == {"grad_outputs"}
+    back = BackwardRequest.from_frame(frame, TARGET)
+    assert back.inputs is None and back.mb == 7 and back.grad_outputs is not None
+    # ... which the forward's reply said it may: kept travels only when true (older readers ignore it)
+    kept = wire(ForwardReply(stage=1, step=4, outputs=hidden(), kept=True).encode())
+    assert kept.meta["kept"] is True and ForwardReply.from_frame(kept).kept
+    assert not ForwardReply.from_frame(wire(ForwardReply(stage=1, step=4, outputs=hidden()).encode())).kept
+    with pytest.raises(MalformedFrame, match="meta.kept"):
+        ForwardReply.from_frame(wire(encode_frame("forward_result", {"stage": 1, "step": 0, "kept": 1},
+                                                  {"outputs": hidden()})))
+    # a sender cannot build one without the id, and a peer refuses one (422) before anything else
+    with pytest.raises(ValueError, match="microbatch"):
+        BackwardRequest(stage=1, inputs=None, grad_outputs=hidden()).encode()
+    for meta in ({"stage": 1}, {"stage": 1, "mb": None}):
+        with pytest.raises(RequestError, match="meta.mb"):
+            BackwardRequest.from_frame(wire(encode_frame("backward", meta, {"grad_outputs": hidden()})), TARGET)
+    for bad in (-1, -(2**63), "7", 1.5, True):
+        with pytest.raises(RequestError, match="meta.mb"):
+            BackwardRequest.from_frame(wire(encode_frame("backward", {"stage": 1, "mb": bad},
+                                                         {"grad_outputs": hidden()})), TARGET)
+
+
 def average_frame(meta: dict[str, Any], grads: torch.Tensor | None = None) -> Frame:
     base = {"stage": 1, "peer_id": "p", "step": 0, "samples": 1}
     return wire(encode_frame("average", {**base, **meta}, {} if grads is None else {"grads": grads}))

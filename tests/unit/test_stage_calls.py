@@ -9,9 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from swarmd.errors import PeerError, remote_error
 from swarmd.net.client import DataPlaneClient
+from swarmd.net.messages import BackwardReply, ClaimReply, ClaimRequest
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.stage_calls import CallEnded, Ended, Patience, StageCalls, StepMoved
 from swarmd.train.summary import TrainSummary
@@ -159,3 +161,46 @@ async def test_a_forward_to_a_peer_on_probation_is_cut_short_by_what_the_stage_t
         await calls.call(0, "forward", 4, send, patience=Patience(tries=1, waits=False, busy_pause_s=0.01), only="t")
     assert asyncio.get_running_loop().time() - began < 2.0 and summary.timeouts == 1
     assert "typical latency" in calls.failures[0]["T"].message and not router.stats("t").proven
+
+
+class BackwardScript:
+    """A data-plane client whose backwards answer from a script per address, noting whether each
+    request carried the stage inputs (issue #30: only to the peer that kept them, they need not)."""
+
+    def __init__(self, **answers: list[Any]) -> None:
+        self.answers = answers
+        self.sent: list[tuple[str, bool, int]] = []  # (addr, inputs sent, attempt)
+        self.claims: list[str] = []
+
+    async def backward(self, addr: str, stage: int, inputs: Any, *args: Any, attempt: int = 0, **kwargs: Any) -> Any:
+        self.sent.append((addr, inputs is not None, attempt))
+        answer = self.answers[addr].pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def claim(self, addr: str, request: ClaimRequest, *, timeout_s: float | None = None) -> ClaimReply:
+        self.claims.append(addr)
+        return ClaimReply(stage=request.stage, step=0, counted=False)
+
+
+async def test_a_backward_omits_the_inputs_only_where_they_were_kept_and_resends_them_once_on_a_miss() -> None:
+    reply = BackwardReply(stage=0, step=0, samples=2, accumulated=2)
+    inputs = torch.zeros(2, 4, dtype=torch.long)
+    calls, summary = await machine()
+    missed = remote_error(409, "InputsNotCached", "this peer holds no forward of that microbatch")
+    # the forward's peer lost them (restarted, evicted): refused before counting, resent at once with them
+    calls.client = client = BackwardScript(A=[missed, reply])  # type: ignore[assignment]
+    served = await calls.backward(0, inputs, step=0, mb=7, prefer="a", kept_at="A")
+    assert served.reply is reply and served.peer_id == "a" and served.addr == "A"
+    assert client.sent == [("A", False, 0), ("A", True, 1)] and not client.claims
+    assert (summary.inputs_omitted, summary.inputs_resent, summary.retries) == (1, 1, 0)
+    # the forward's peer died: the backward goes elsewhere, with the inputs (that peer never ran the forward)
+    calls.client = client = BackwardScript(A=[timed_out("A")], B=[reply], C=[reply])  # type: ignore[assignment]
+    served = await calls.backward(0, inputs, step=0, mb=8, prefer="a", kept_at="A")
+    assert served.peer_id != "a" and client.sent == [("A", False, 0), (served.addr, True, 1)]
+    assert client.claims == ["A"]  # its answer was lost: asked whether it counted (exactly once)
+    # a forward that was not kept (a full cache, an older peer): the inputs go along from the start
+    calls.client = client = BackwardScript(B=[reply], C=[reply])  # type: ignore[assignment]
+    served = await calls.backward(0, inputs, step=0, mb=9, prefer="b", kept_at=None)
+    assert client.sent == [(served.addr, True, 0)] and summary.inputs_omitted == 2
