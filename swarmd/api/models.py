@@ -142,7 +142,8 @@ class MigrationInfo(_Part):
     phase: str | None = None
     started_at: float | None = None
     error: str | None = None
-    dropped_samples: int = 0
+    dropped_samples: int | None = Field(default=None, description="accumulated for the old stage when it was "
+                                        "dropped (None until then)")
     duration_s: float | None = None
 
 
@@ -191,7 +192,7 @@ class RelayClientInfo(_Part):
 class RelayServerInfo(_Part):
     enabled: bool = False
     max_peers: int = 0
-    budget_bytes_s: int = 0
+    budget_bytes_s: float = 0.0
     peers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="relayed peer -> since, requests, bytes")
     requests: int = 0
     bytes: int = 0

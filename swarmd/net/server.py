@@ -106,7 +106,7 @@ from swarmd.net.messages import (
     StageTarget,
 )
 from swarmd.net.state_transfer import StateSnapshot, stream_state
-from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, Frame, WireLimits, decode_frame
+from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, Frame, WireLimits, decode_frame, media_type
 from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
 from swarmd.pipeline.runtime import RuntimeGetter, StageRuntime
 from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
@@ -314,8 +314,9 @@ class DataPlane:
             raise RequestTimeout(f"the request body did not arrive within {self.read_timeout_s:.0f}s") from exc
 
     async def _read_frame(self, request: web.Request) -> Frame:
-        if request.content_type != CONTENT_TYPE:
-            raise UnsupportedMediaType(f"send the body as {CONTENT_TYPE}, not {request.content_type or 'nothing'}")
+        sent = media_type(request.headers.get("Content-Type"))
+        if sent != CONTENT_TYPE:
+            raise UnsupportedMediaType(f"send the body as {CONTENT_TYPE}, not {sent[:64] or 'nothing'}")
         body = await self._read_body(request)
         frame: Frame = await self._in_pool(decode_frame, body, self.limits)
         return frame

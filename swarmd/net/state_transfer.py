@@ -71,7 +71,7 @@ import torch
 from aiohttp import web
 
 from swarmd.errors import StateTransferError, SwarmdError
-from swarmd.net.wire import ALLOWED_DTYPES, KIND_NAMES, type_name, wire_dtype_name
+from swarmd.net.wire import ALLOWED_DTYPES, KIND_NAMES, media_type, type_name, wire_dtype_name
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -782,10 +782,9 @@ async def _download(
     ) as resp:
         if resp.status != 200:
             raise StateTransferError(await _refusal(resp), url=url, status=resp.status)
-        if resp.content_type != STATE_CONTENT_TYPE:
-            raise StateTransferError(
-                f"the peer answered with {resp.content_type!r}, not {STATE_CONTENT_TYPE!r}", url=url
-            )
+        answered = media_type(resp.headers.get("Content-Type"))
+        if answered != STATE_CONTENT_TYPE:
+            raise StateTransferError(f"the peer answered with {answered[:64]!r}, not {STATE_CONTENT_TYPE!r}", url=url)
         async for piece in resp.content.iter_chunked(_READ_BYTES):
             if on_received is not None:
                 on_received(len(piece))

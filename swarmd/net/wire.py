@@ -64,6 +64,7 @@ from swarmd.net.limits import DEFAULT_LIMITS, WireLimits
 __all__ = [
     "ALLOWED_DTYPES",
     "CONTENT_TYPE",
+    "media_type",
     "DEFAULT_LIMITS",
     "WIRE_VERSION",
     "Frame",
@@ -74,6 +75,15 @@ __all__ = [
 
 WIRE_VERSION = 1
 CONTENT_TYPE = "application/x-msgpack"
+
+
+def media_type(header: str | None) -> str:
+    """The media type a ``Content-Type`` header names (lowercase, parameters dropped; "" for none).
+
+    Read here rather than by aiohttp's ``content_type``, whose parser raises on some malformed
+    parameters (``'V8p;_2*'``: an IndexError from the standard library's email parser): a header
+    is remote input, and a bad one is a 415, never a 500."""
+    return (header or "").split(";", 1)[0].strip().lower()
 
 ALLOWED_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {

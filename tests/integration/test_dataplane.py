@@ -116,6 +116,7 @@ BAD_REQUESTS = {
     "empty body": (b"", CONTENT_TYPE, 400),
     "truncated frame": (valid_frame()[:-7], CONTENT_TYPE, 400),
     "wrong content type": (valid_frame(), "application/json", 415),
+    "content type the stdlib parser chokes on": (valid_frame(), "V8p;_2*", 415),  # found by hypothesis: was a 500
     "wrong stage": (valid_frame(stage=1), CONTENT_TYPE, 409),
     "wrong model": (valid_frame(model="0" * 64), CONTENT_TYPE, 409),
     "missing stage": (encode_frame("forward", {}, {"inputs": tokens()}), CONTENT_TYPE, 422),

@@ -455,3 +455,12 @@ def test_errors_are_swarmd_errors_with_http_status() -> None:
         with pytest.raises(SwarmdError) as info:
             decode_frame(data)
         assert info.value.http_status == status
+
+
+def test_a_content_type_is_read_without_trusting_its_parameters() -> None:
+    from swarmd.net.wire import media_type
+
+    assert media_type("application/x-msgpack") == CONTENT_TYPE
+    assert media_type("Application/X-Msgpack; charset=binary") == CONTENT_TYPE
+    assert media_type("V8p;_2*") == "v8p"  # aiohttp's parser raises IndexError on this one
+    assert media_type(None) == "" and media_type("") == ""
