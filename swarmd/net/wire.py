@@ -17,8 +17,8 @@ A frame (``Content-Type: application/x-msgpack``) is a single msgpack map::
          "s": [4, 512, 1024],        # shape, at most max_rank non-negative ints
          "c": "8bit",                # codec, one of swarmd.net.codecs.CODECS
          "p": <bin>,                 # payload bytes
-         "a": <bin>,                 # 8bit only: float32 absmax per block, little-endian
-         "b": 4096},                 # 8bit only: block size
+         "a": <bin>,                 # 8bit/4bit only: float32 absmax per block, little-endian
+         "b": 4096},                 # 8bit/4bit only: block size
      ]}
 
 Compatibility: decoders ignore keys they do not know (a newer peer may add some), and reject

@@ -43,6 +43,7 @@ from swarmd.errors import LimitExceeded, RequestError, RequestTimeout
 from swarmd.finite import all_finite
 from swarmd.net.optimizer_state import load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, capture_forward
+from swarmd.pipeline.error_feedback import ErrorFeedback, needs_feedback
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
 from swarmd.pipeline.optimizer import apply_step, build_optimizer
 from swarmd.pipeline.precision import LossScale, autocast, check_precision
@@ -143,6 +144,8 @@ class StageExecutor:
         # the worker thread's own state: nothing else touches it
         self._steps = StepProtocol(stage, delay_updates=self.training.delay_updates)
         self._grads = GradientAccumulator(self.params)
+        # the residual of this peer's compressed contributions (lossy grad codecs only)
+        self._feedback = ErrorFeedback(needs_feedback(self.training.grad_codec))
         self._cache = ActivationCache(activation_cache_entries, activation_cache_bytes, activation_cache_ttl_s)
         self._shared = frozenset(p.untyped_storage().data_ptr() for p in self.params)
         self._digest = params_digest(self.module)  # of the parameters at the step; refreshed on every change
@@ -346,6 +349,11 @@ class StageExecutor:
     async def restore_contribution(self, contribution: Contribution) -> None:
         """The round failed: put the gradients back and accept backwards again."""
         await self._run(lambda: self._restore_contribution_sync(contribution))
+
+    async def keep_residual(self, sent: torch.Tensor | None, decoded: torch.Tensor | None) -> None:
+        """The round applied this peer's contribution ``sent`` as the leader decoded it: keep what
+        the codec dropped for the next contribution (:mod:`swarmd.pipeline.error_feedback`)."""
+        await self._run(lambda: self._feedback.keep(sent, decoded))
 
     async def apply_average(self, mean_grads: torch.Tensor, step: int) -> float:
         """Apply the stage-wide mean gradient as the update from ``step`` to ``step + 1``."""
@@ -598,7 +606,7 @@ class StageExecutor:
     def _take_contribution_sync(self) -> Contribution:
         taken = self._steps.take()
         if taken.samples:
-            grads: torch.Tensor | None = self._grads.take()
+            grads: torch.Tensor | None = self._feedback.compensate(self._grads.take())
         else:
             grads = None
             self._grads.clear()
@@ -655,6 +663,7 @@ class StageExecutor:
             for name, p in named.items():
                 p.copy_(params[name])
         self._grads.clear()
+        self._feedback.reset()
         self._digest = params_digest(self.module)
         self._cache.clear()
         self._steps.adopt(step)
