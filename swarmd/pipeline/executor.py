@@ -473,7 +473,7 @@ class StageExecutor:
             return None
         if grad_outputs is None:
             raise RequestError("a backward needs 'grad_outputs'")
-        expected = [inputs.shape[0], inputs.shape[1], self.spec.d_model]
+        expected = [inputs.shape[0], inputs.shape[1], self.spec.boundary_width]
         if not grad_outputs.is_floating_point() or list(grad_outputs.shape) != expected:
             raise RequestError(
                 f"grad_outputs must be float of shape {expected}, got {grad_outputs.dtype} "
