@@ -86,6 +86,14 @@ def test_fwht_matches_the_hadamard_matrix() -> None:
         hadamard.fwht(torch.zeros(2, 12))
 
 
+@pytest.mark.parametrize("n", [2, 64, 256])
+def test_the_matrix_rotation_is_the_butterflies(n: int) -> None:
+    x = torch.randn(7, n, generator=torch.Generator().manual_seed(n))
+    assert n <= hadamard.MATRIX_MAX
+    assert torch.allclose(hadamard.rotate(x), hadamard.fwht(x * hadamard.signs(n)), atol=1e-5)
+    assert torch.allclose(hadamard.unrotate(x), hadamard.fwht(x.clone()) * hadamard.signs(n), atol=1e-5)
+
+
 def test_signs_are_fixed_and_prefixes_of_each_other() -> None:
     big, small = hadamard.signs(1024), hadamard.signs(64)
     assert set(big.tolist()) == {-1.0, 1.0}
@@ -108,6 +116,12 @@ def test_nibbles_round_trip(count: int) -> None:
     packed = hadamard.pack_nibbles(codes)
     assert packed.numel() == (count + 1) // 2
     assert torch.equal(hadamard.unpack_nibbles(packed, count), codes)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 64])
+def test_packing_levels_is_packing_codes(count: int) -> None:
+    codes = torch.randint(0, 16, (count,), dtype=torch.uint8, generator=torch.Generator().manual_seed(count))
+    assert torch.equal(hadamard.pack_levels(codes.float()), hadamard.pack_nibbles(codes))
 
 
 @pytest.mark.parametrize(("numel", "tail"), [(0, 0), (64, 0), (65, 1), (66, 2), (67, 4), (100, 64), (128, 0)])

@@ -304,21 +304,21 @@ class FourBitCodec(Codec):
         size = self.blocksize
         full = flat.numel() // size
         tail = hadamard.tail_size(flat.numel(), size)
-        codes: list[torch.Tensor] = []
+        packed: list[torch.Tensor] = []  # full blocks hold an even number of codes: packed apart, as one
         absmaxes: list[torch.Tensor] = []
         if full:
-            c, a = _quantize_rotated(flat[: full * size].view(full, size))
-            codes.append(c)
+            p, a = _quantize_rotated(flat[: full * size].view(full, size))
+            packed.append(p)
             absmaxes.append(a)
         if tail:
             rest = flat[full * size :]
-            c, a = _quantize_rotated(torch.cat([rest, rest.new_zeros(tail - rest.numel())]).view(1, tail))
-            codes.append(c)
+            p, a = _quantize_rotated(torch.cat([rest, rest.new_zeros(tail - rest.numel())]).view(1, tail))
+            packed.append(p)
             absmaxes.append(a)
-        if not codes:
+        if not packed:
             return EncodedTensor(payload=b"", absmax=b"", blocksize=size)
-        packed = hadamard.pack_nibbles(torch.cat(codes))
-        return EncodedTensor(payload=_bytes_view(packed), absmax=_bytes_view(torch.cat(absmaxes)).tobytes(),
+        payload = packed[0] if len(packed) == 1 else torch.cat(packed)
+        return EncodedTensor(payload=_bytes_view(payload), absmax=_bytes_view(torch.cat(absmaxes)).tobytes(),
                              blocksize=size)
 
     def decode(self, enc: EncodedTensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -352,9 +352,9 @@ class FourBitCodec(Codec):
 
 
 def _quantize_rotated(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 codes (flat, < 16) and float32 absmax per row of float32 ``blocks`` ``[rows, n]``,
-    after the rotation. Rows of zeros keep absmax 0; rows holding ``inf``/``nan`` get absmax
-    ``nan`` (they decode as ``nan`` throughout)."""
+    """Packed 4-bit codes (two a byte, flat) and float32 absmax per row of float32 ``blocks``
+    ``[rows, n]``, after the rotation. Rows of zeros keep absmax 0; rows holding ``inf``/``nan``
+    get absmax ``nan`` (they decode as ``nan`` throughout)."""
     rotated = hadamard.rotate(blocks)
     absmax = rotated.abs().amax(dim=1)
     usable = torch.isfinite(absmax) & (absmax > 0)
@@ -363,7 +363,7 @@ def _quantize_rotated(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
     divisor = torch.where(usable, absmax, torch.ones_like(absmax))
     levels = rotated.div_(divisor.unsqueeze(1)).add_(1.0).mul_(_FOUR_BIT_HALF_LEVELS).round_().clamp_(0, 15)
-    return levels.to(torch.uint8).reshape(-1), absmax
+    return hadamard.pack_levels(levels.reshape(-1)), absmax
 
 
 def _quantize_blockwise(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:

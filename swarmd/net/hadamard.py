@@ -23,7 +23,7 @@ import math
 
 import torch
 
-__all__ = ["fwht", "pack_nibbles", "rotate", "signs", "tail_size", "unpack_nibbles", "unrotate"]
+__all__ = ["fwht", "pack_levels", "pack_nibbles", "rotate", "signs", "tail_size", "unpack_nibbles", "unrotate"]
 
 _SIGNS_LABEL = b"swarmd.4bit.signs/1\n"
 
@@ -62,14 +62,32 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return x.mul_(1.0 / math.sqrt(n)) if n > 1 else x.clone()
 
 
+#: Up to this block width the rotation is one matrix product with the ``n x n`` matrix ``D H /
+#: sqrt(n)`` (a BLAS call, ~3x faster than the butterflies' log2(n) passes of small tensor ops);
+#: wider blocks use :func:`fwht`, whose log2(n) passes cost less than the product's n per value.
+MATRIX_MAX = 256
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation_matrix(n: int) -> torch.Tensor:
+    """``D H / sqrt(n)``: row ``i`` of ``H / sqrt(n)`` times sign ``i``, so ``x @ M = H D x / sqrt(n)``."""
+    return fwht(torch.eye(n)).mul_(signs(n).unsqueeze(1))
+
+
 def rotate(blocks: torch.Tensor) -> torch.Tensor:
     """``H D x / sqrt(n)`` of each row of float32 ``blocks`` ``[rows, n]``."""
-    return fwht(blocks * signs(blocks.shape[1]))
+    n = blocks.shape[1]
+    if n <= MATRIX_MAX:
+        return blocks @ _rotation_matrix(n)
+    return fwht(blocks * signs(n))
 
 
 def unrotate(blocks: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`rotate`: ``D H y / sqrt(n)`` of each row."""
-    return fwht(blocks).mul_(signs(blocks.shape[1]))
+    n = blocks.shape[1]
+    if n <= MATRIX_MAX:
+        return blocks @ _rotation_matrix(n).t()
+    return fwht(blocks).mul_(signs(n))
 
 
 def tail_size(numel: int, blocksize: int) -> int:
@@ -78,6 +96,17 @@ def tail_size(numel: int, blocksize: int) -> int:
     Both sides compute it from the declared shape, so it is never sent."""
     rest = numel % blocksize
     return 0 if rest == 0 else 1 << (rest - 1).bit_length()
+
+
+def pack_levels(levels: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_nibbles` of codes still held as whole floats in [0, 15] (flat): one small
+    matrix product, faster than integer shifts over strided views."""
+    if levels.numel() % 2:
+        levels = torch.cat([levels, levels.new_zeros(1)])
+    return (levels.view(-1, 2) @ _NIBBLE_WEIGHTS).to(torch.uint8)
+
+
+_NIBBLE_WEIGHTS = torch.tensor([1.0, 16.0])
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
