@@ -34,7 +34,7 @@ requested codec and integer/bool tensors with ``none``.
   re-encoded), ``kind`` length, or msgpack's own string/binary/array/map length limits;
 - ``UnsupportedVersion``: ``v`` other than :data:`WIRE_VERSION`;
 - ``UnknownCodec`` / ``UnsupportedDtype``: a codec or dtype this peer does not have, and also a
-  float-only codec (``fp16``, ``bf16``, ``8bit``) declared for an integer or bool tensor;
+  float-only codec (``fp16``, ``bf16``, ``8bit``, ``4bit``) declared for an integer or bool tensor;
 - ``MalformedFrame``: everything else (not msgpack, truncated, trailing bytes, wrong types,
   missing fields, duplicate names or keys, negative dimensions, payload lengths that do not match
   the declared dtype and shape, meta nested deeper than :data:`MAX_META_DEPTH`).
