@@ -244,7 +244,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         })
     return {
         "results": results,
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge")},
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -276,7 +276,9 @@ def main() -> None:
             for r in json.loads(path.read_text())["results"]:
                 runs.setdefault(r["config"], []).extend(r["detail"]["runs"])
         args.configs = list(runs)
+        args.seeds = sorted({r["seed"] for rs in runs.values() for r in rs})
         result = summarize(runs, args)
+        result["merged"] = [str(path) for path in args.merge]
     else:
         result = asyncio.run(run_all(args))
     if args.json:
