@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -284,3 +285,17 @@ def test_hostile_side_data_raises_only_malformed_frame(payload: bytes, absmax: b
     except MalformedFrame:
         return
     assert tuple(out.shape) == tuple(shape)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("a", b"\x00" * 4, "absmax bytes"),  # one block's scale for a tensor of three blocks
+    ("b", 4096, "blocksize must be one of"),
+    ("p", b"\x00", "payload bytes"),
+])
+def test_a_tampered_frame_is_a_clear_error(field: str, value: object, match: str) -> None:
+    """The same refusals through the wire layer, as a peer meets them (a 4xx, never a crash)."""
+    frame = msgpack.unpackb(encode_frame("forward", {"stage": 1}, {"x": torch.randn(3, 50)}, "4bit"), raw=False)
+    frame["tensors"][0][field] = value
+    with pytest.raises(MalformedFrame, match=match) as caught:
+        decode_frame(msgpack.packb(frame, use_bin_type=True))
+    assert 400 <= caught.value.http_status < 500
