@@ -845,7 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
     p.add_argument("--microbatch-size", type=int, default=8, help="samples per microbatch (default: 8)")
     p.add_argument("--window", type=int, default=4, help="the trainer's microbatches in flight (default: 4)")
-    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="none",
+    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit", "4bit"), default="none",
                    help="activation codec between stages (default: none)")
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                    help="sync mode: one global batch per step, wait for every stage (default: --sync)")

@@ -18,7 +18,11 @@ computing per byte it sends. This script measures both sides for one pre-norm bl
   header, 8-bit absmax) crossing one stage boundary per microbatch. ``paper`` counts what
   SWARM's Table 1 counts, the activations forward plus the gradients backward (two
   ``batch x seq x d_model`` tensors). ``swarmd`` counts what swarmd's stateless backward sends:
-  the backward request carries the stage inputs again, so three such tensors.
+  the backward request carries the stage inputs again, so three such tensors. Rows ``b/K+codec``
+  are a compression-aware boundary (``ModelSpec.boundary_dim = d_model / K``, issue 30): the same
+  block's frames ``d_model / K`` wide; the block's compute is taken unchanged (the two boundary
+  projections add ``2 * d_model * d_model / K`` multiply-adds per token to the block's ~``12 *
+  d_model**2``, 4% at K = 4).
 
 Utilization of the stage at a link bandwidth ``B`` (bits/s), for each codec and accounting::
 
@@ -53,7 +57,9 @@ from swarmd.net.wire import encode_frame
 from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.spec import ModelSpec
 
-CODECS = ("none", "fp16", "8bit")
+CODECS = ("none", "fp16", "8bit", "4bit")
+#: Compression-aware boundaries (ModelSpec.boundary_dim, issue 30): (label, codec, d_model / width).
+BOTTLENECKS = (("b/4+8bit", "8bit", 4), ("b/4+4bit", "4bit", 4), ("b/8+4bit", "4bit", 8))
 BANDWIDTHS_MBIT = (100, 500)
 STAGE = 1  # the middle of three stages: one bare block
 
@@ -86,9 +92,9 @@ def compute_seconds(spec: ModelSpec, batch: int, repeats: int) -> list[float]:
     return took
 
 
-def frame_bytes(spec: ModelSpec, batch: int, codec: str) -> int:
-    """Bytes of one frame carrying one ``batch x seq x d_model`` float32 tensor with ``codec``."""
-    t = torch.randn(batch, spec.seq_len, spec.d_model, generator=torch.Generator().manual_seed(1))
+def frame_bytes(spec: ModelSpec, batch: int, codec: str, width: int | None = None) -> int:
+    """Bytes of one frame carrying one ``batch x seq x width`` (default d_model) float32 tensor with ``codec``."""
+    t = torch.randn(batch, spec.seq_len, width or spec.d_model, generator=torch.Generator().manual_seed(1))
     return len(encode_frame("forward", {"stage": STAGE, "step": 0}, {"inputs": t}, codec))
 
 
@@ -107,10 +113,11 @@ def measure(d_model: int, seq: int, batch: int, repeats: int) -> dict[str, Any]:
         "params": sum(p.numel() for p in build_stage(spec, STAGE).parameters()),
         "compute_s": round(compute, 4), "compute_s_median": round(statistics.median(took), 4), "codecs": {},
     }
-    for codec in CODECS:
-        one = frame_bytes(spec, batch, codec)
+    rows = [(codec, codec, 1) for codec in CODECS] + list(BOTTLENECKS)
+    for label, codec, divisor in rows:
+        one = frame_bytes(spec, batch, codec, d_model // divisor)
         accountings = {"paper": 2 * one, "swarmd": 3 * one}
-        entry["codecs"][codec] = {
+        entry["codecs"][label] = {
             "frame_bytes": one,
             **{f"bytes_{name}": n for name, n in accountings.items()},
             "at_mbit": {str(mbit): {name: utilization(compute, n, mbit) for name, n in accountings.items()}
@@ -142,13 +149,13 @@ def main() -> int:
         return 0
     print(f"one block, batch {args.batch} x seq {args.seq}, {args.threads} torch thread(s); "
           "utilization = compute / (compute + transfer), [overlapped: compute / max(compute, transfer)]")
-    print(f"{'d_model':>7} {'compute s':>9} {'codec':>5} {'MiB (paper)':>11} "
+    print(f"{'d_model':>7} {'compute s':>9} {'codec':>8} {'MiB (paper)':>11} "
           + " ".join(f"{f'{mbit} Mbit/s':>17}" for mbit in BANDWIDTHS_MBIT))
     for b in out["blocks"]:
         for codec, e in b["codecs"].items():
             cells = " ".join(f"{e['at_mbit'][str(m)]['paper']['utilization']:7.3f} "
                              f"[{e['at_mbit'][str(m)]['paper']['utilization_overlap']:6.3f}]" for m in BANDWIDTHS_MBIT)
-            print(f"{b['d_model']:7} {b['compute_s']:9.3f} {codec:>5} {e['bytes_paper'] / 2**20:11.2f} {cells}")
+            print(f"{b['d_model']:7} {b['compute_s']:9.3f} {codec:>8} {e['bytes_paper'] / 2**20:11.2f} {cells}")
     return 0
 
 

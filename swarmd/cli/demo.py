@@ -47,7 +47,7 @@ def build_parser(prog: str = "swarmd demo") -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="optimizer steps to train (default: 60)")
     p.add_argument("--target-batch-size", type=int, default=32, help="samples per step (default: 32)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
-    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit")
+    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit", "4bit"), default="8bit")
     p.add_argument("--async", dest="asynchronous", action="store_true",
                    help="let the trainer run ahead of the steps instead of one batch per step")
     p.add_argument("--delay-updates", action="store_true",

@@ -74,7 +74,7 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
                    help="samples per step in --sync mode (default: the swarm's target_batch_size)")
     p.add_argument("--microbatch-size", type=positive_int, default=8, help="samples per microbatch (default: 8)")
     p.add_argument("--window", type=positive_int, default=8, help="microbatches in flight at once (default: 8)")
-    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit"), default="8bit",
+    p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit", "4bit"), default="8bit",
                    help="how activations and their gradients travel between stages (default: 8bit)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="data order (default: 0)")
     p.add_argument("--sync", action="store_true",

@@ -22,6 +22,12 @@ stage 0 and the final norm, an untied LM head and the loss behind on the last st
 because tying would make the first and last stages share a parameter that lives on two different
 swarms). A subclass builds those pieces (:meth:`build_first`, :meth:`build_block`,
 :meth:`build_last`) and runs them (:meth:`embed`, :meth:`logits`); everything else lives here once.
+
+With ``spec.boundary_dim`` set, every architecture gets the paper's compression-aware boundary
+(Appendix I, the bottleneck variant): a stage that is not the last ends with ``boundary_out``
+(``d_model -> boundary_dim``) and one that is not the first begins with ``boundary_in`` (back to
+``d_model``), so what crosses the network is ``boundary_dim`` wide both ways (activations
+forward, their gradients backward), and it compresses further with any codec.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ class StageModule(nn.Module):
     """Blocks ``spec.stage_range(stage)`` of the model, plus embeddings or head at the ends.
 
     Input: int64 token ids ``[B, T]`` on the first stage, float hidden states
-    ``[B, T, d_model]`` elsewhere (cast to the stage's dtype). Output: hidden states, or on
+    ``[B, T, spec.boundary_width]`` elsewhere (cast to the stage's dtype). Output: hidden states
+    (``boundary_width`` wide: ``d_model``, or ``boundary_dim`` through the bottleneck), or on
     the last stage logits ``[B, T, vocab]``, or the mean cross-entropy when ``targets`` is
     given. Inputs that do not fit raise :class:`~swarmd.errors.RequestError`, because they
     usually come from a remote peer; token ids are range-checked since an out-of-range id
@@ -77,6 +84,8 @@ class StageModule(nn.Module):
 
     arch: ClassVar[str] = ""
     blocks: nn.ModuleList
+    boundary_in: nn.Linear | None
+    boundary_out: nn.Linear | None
 
     def __init__(
         self,
@@ -106,6 +115,13 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(self.build_block(meta) for _ in range(n_blocks))
         if self.is_last:
             self.build_last(meta)
+        # the bottleneck at stage boundaries (spec.boundary_dim; the paper's Appendix I)
+        self.boundary_in = None
+        self.boundary_out = None
+        if spec.boundary_dim and not self.is_first:
+            self.boundary_in = nn.Linear(spec.boundary_dim, spec.d_model, device=meta)
+        if spec.boundary_dim and not self.is_last:
+            self.boundary_out = nn.Linear(spec.d_model, spec.boundary_dim, device=meta)
         self.to_empty(device=device)
         self.to(dtype=dtype)
         self.reset_parameters()
@@ -153,6 +169,9 @@ class StageModule(nn.Module):
         with torch.no_grad():
             for module_name, module in self.named_modules():
                 for param_name, param in module.named_parameters(recurse=False):
+                    if module_name in ("boundary_in", "boundary_out"):
+                        param.copy_(self._boundary_init(module_name, param_name, param.shape))
+                        continue
                     rule = self.init_rule(module_name, param_name, module)
                     if isinstance(rule, Constant):
                         param.fill_(float(rule))
@@ -160,9 +179,24 @@ class StageModule(nn.Module):
                         full_name = f"{module_name}.{param_name}" if module_name else param_name
                         param.copy_(self._normal(full_name, param.shape, float(rule)))
 
-    def _normal(self, name: str, shape: torch.Size, std: float) -> Tensor:
-        """N(0, std) drawn on the CPU in float32 from a generator private to this parameter."""
-        key = f"{self.spec.digest}\0{self.stage}\0{name}".encode()
+    def _boundary_init(self, module_name: str, param_name: str, shape: torch.Size) -> Tensor:
+        """The bottleneck's initial values: zero biases; ``boundary_out`` (``d_model -> k``) drawn
+        N(0, 1/d_model), so its rows are nearly orthonormal; and ``boundary_in`` of the next stage
+        its transpose (drawn from the previous stage's generator of ``boundary_out.weight``), so
+        that at initialisation the boundary passes a k-dimensional projection of the hidden
+        state through unchanged rather than a random mix of it."""
+        if param_name == "bias":
+            return torch.zeros(shape)
+        d_model, k = self.spec.d_model, self.spec.boundary_dim
+        if module_name == "boundary_out":
+            return self._normal("boundary_out.weight", torch.Size((k, d_model)), d_model**-0.5)
+        return self._normal("boundary_out.weight", torch.Size((k, d_model)), d_model**-0.5, self.stage - 1).t()
+
+    def _normal(self, name: str, shape: torch.Size, std: float, stage: int | None = None) -> Tensor:
+        """N(0, std) drawn on the CPU in float32 from a generator private to this parameter
+        (of ``stage``, this one by default)."""
+        stage = self.stage if stage is None else stage
+        key = f"{self.spec.digest}\0{stage}\0{name}".encode()
         seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") & (2**63 - 1)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
@@ -177,9 +211,9 @@ class StageModule(nn.Module):
                     f"got {inputs.dtype} {list(inputs.shape)}"
                 )
             _check_token_range(inputs, spec.vocab_size, "token ids")
-        elif not inputs.is_floating_point() or inputs.dim() != 3 or inputs.shape[2] != spec.d_model:
+        elif not inputs.is_floating_point() or inputs.dim() != 3 or inputs.shape[2] != spec.boundary_width:
             raise RequestError(
-                f"stage {self.stage} expects float hidden states [batch, seq, {spec.d_model}], "
+                f"stage {self.stage} expects float hidden states [batch, seq, {spec.boundary_width}], "
                 f"got {inputs.dtype} {list(inputs.shape)}"
             )
         batch, seq = inputs.shape[:2]
@@ -203,11 +237,13 @@ class StageModule(nn.Module):
         # No validation here: this is the hot path of trusted callers. Remote input is checked
         # once, at the boundary (StageExecutor calls check_inputs).
         x = self.embed(inputs) if self.is_first else inputs.to(self.param_dtype)
+        if self.boundary_in is not None:
+            x = self.boundary_in(x)
         shared = self.spec.share_layers
         for i in range(self.n_applied):
             x = self.blocks[block_applied(i, shared=shared)](x)
         if not self.is_last:
-            return x
+            return x if self.boundary_out is None else self.boundary_out(x)
         logits = self.logits(x)
         if targets is None:
             return logits

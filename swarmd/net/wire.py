@@ -17,8 +17,8 @@ A frame (``Content-Type: application/x-msgpack``) is a single msgpack map::
          "s": [4, 512, 1024],        # shape, at most max_rank non-negative ints
          "c": "8bit",                # codec, one of swarmd.net.codecs.CODECS
          "p": <bin>,                 # payload bytes
-         "a": <bin>,                 # 8bit only: float32 absmax per block, little-endian
-         "b": 4096},                 # 8bit only: block size
+         "a": <bin>,                 # 8bit/4bit only: float32 absmax per block, little-endian
+         "b": 4096},                 # 8bit/4bit only: block size
      ]}
 
 Compatibility: decoders ignore keys they do not know (a newer peer may add some), and reject
@@ -34,7 +34,7 @@ requested codec and integer/bool tensors with ``none``.
   re-encoded), ``kind`` length, or msgpack's own string/binary/array/map length limits;
 - ``UnsupportedVersion``: ``v`` other than :data:`WIRE_VERSION`;
 - ``UnknownCodec`` / ``UnsupportedDtype``: a codec or dtype this peer does not have, and also a
-  float-only codec (``fp16``, ``bf16``, ``8bit``) declared for an integer or bool tensor;
+  float-only codec (``fp16``, ``bf16``, ``8bit``, ``4bit``) declared for an integer or bool tensor;
 - ``MalformedFrame``: everything else (not msgpack, truncated, trailing bytes, wrong types,
   missing fields, duplicate names or keys, negative dimensions, payload lengths that do not match
   the declared dtype and shape, meta nested deeper than :data:`MAX_META_DEPTH`).

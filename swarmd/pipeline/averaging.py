@@ -29,7 +29,8 @@ Rule of a round, for the peers of one stage at step ``s``:
    every contributor with those same bytes; each peer, the leader included, applies the
    *decoded* mean with the same deterministic optimizer step and moves to ``s + 1``.
 
-Compression (``TrainingSpec.grad_codec``: ``none``, ``fp16``, ``8bit``). Contributions travel
+Compression (``TrainingSpec.grad_codec``: ``none``, ``fp16``, ``8bit``, ``4bit``; the quantizing
+ones with error feedback, :mod:`swarmd.pipeline.error_feedback`). Contributions travel
 with the codec (``fp16`` falls back to ``none`` for gradients it would overflow; each frame
 names its codec) and the leader reduces in float64 (finite float32 contributions cannot overflow
 the mean) and answers in float32. The leader's own contribution never
@@ -814,6 +815,7 @@ class StageAverager:
             return
         if result.status == "ok" and result.mean_grads is not None:
             await self.executor.apply_average(result.mean_grads, own.step)
+            await self.executor.keep_residual(own.grads, decoded)  # error feedback (lossy grad codecs)
             self.rounds_ok += 1
             self.stalls.answered(leader)
         else:

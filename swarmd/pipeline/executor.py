@@ -45,6 +45,7 @@ import torch
 from swarmd.errors import InputsNotCached, LimitExceeded, RequestError, RequestTimeout
 from swarmd.finite import all_finite
 from swarmd.pipeline.activation_cache import ActivationCache, CachedForward, CacheStats, capture_forward
+from swarmd.pipeline.error_feedback import ErrorFeedback, needs_feedback
 from swarmd.pipeline.model import StageModule, build_stage, params_digest
 from swarmd.pipeline.optimizer import apply_step, build_optimizer
 from swarmd.pipeline.optimizer_state import load_optimizer_state_tensors, optimizer_state_tensors
@@ -147,6 +148,8 @@ class StageExecutor:
         # the worker thread's own state: nothing else touches it
         self._steps = StepProtocol(stage, delay_updates=self.training.delay_updates)
         self._grads = GradientAccumulator(self.params)
+        # the residual of this peer's compressed contributions (lossy grad codecs only)
+        self._feedback = ErrorFeedback(needs_feedback(self.training.grad_codec))
         self._cache = ActivationCache(activation_cache_entries, activation_cache_bytes, activation_cache_ttl_s)
         self._shared = frozenset(p.untyped_storage().data_ptr() for p in self.params)
         self._digest = params_digest(self.module)  # of the parameters at the step; refreshed on every change
@@ -355,6 +358,11 @@ class StageExecutor:
         """The round failed: put the gradients back and accept backwards again."""
         await self._run(lambda: self._restore_contribution_sync(contribution))
 
+    async def keep_residual(self, sent: torch.Tensor | None, decoded: torch.Tensor | None) -> None:
+        """The round applied this peer's contribution ``sent`` as the leader decoded it: keep what
+        the codec dropped for the next contribution (:mod:`swarmd.pipeline.error_feedback`)."""
+        await self._run(lambda: self._feedback.keep(sent, decoded))
+
     async def apply_average(self, mean_grads: torch.Tensor, step: int) -> float:
         """Apply the stage-wide mean gradient as the update from ``step`` to ``step + 1``."""
         return await self._run(lambda: self._apply_average_sync(mean_grads, step))
@@ -473,7 +481,7 @@ class StageExecutor:
             return None
         if grad_outputs is None:
             raise RequestError("a backward needs 'grad_outputs'")
-        expected = [inputs.shape[0], inputs.shape[1], self.spec.d_model]
+        expected = [inputs.shape[0], inputs.shape[1], self.spec.boundary_width]
         if not grad_outputs.is_floating_point() or list(grad_outputs.shape) != expected:
             raise RequestError(
                 f"grad_outputs must be float of shape {expected}, got {grad_outputs.dtype} "
@@ -638,7 +646,7 @@ class StageExecutor:
     def _take_contribution_sync(self) -> Contribution:
         taken = self._steps.take()
         if taken.samples:
-            grads: torch.Tensor | None = self._grads.take()
+            grads: torch.Tensor | None = self._feedback.compensate(self._grads.take())
         else:
             grads = None
             self._grads.clear()
@@ -695,6 +703,7 @@ class StageExecutor:
             for name, p in named.items():
                 p.copy_(params[name])
         self._grads.clear()
+        self._feedback.reset()
         self._digest = params_digest(self.module)
         self._cache.clear()
         self._steps.adopt(step)

@@ -56,7 +56,7 @@ TRAINING_DIGEST_VERSION = "swarmd.TrainingSpec/2"  # /2: grad_codec
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 #: How a stage's averaging traffic carries gradients (codecs of ``swarmd.net.codecs``).
-GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit")
+GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit", "4bit")
 
 Scalar = bool | int | float | str
 
@@ -124,6 +124,11 @@ class ModelSpec:
     #: since DHT records hold scalars only) or "equal". "balanced" and "measured" are resolved
     #: to numbers by ``spec_files.with_partition`` (and ``load_spec``) before a spec is built.
     partition: tuple[int, ...] = ()
+    #: Width of what crosses each stage boundary (the paper's Appendix I, "compression-aware
+    #: architecture"): every stage but the last ends with a learned projection d_model ->
+    #: boundary_dim and every stage but the first begins with one back, so activations and their
+    #: gradients travel boundary_dim wide. 0 (the default): no projection, d_model wide.
+    boundary_dim: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -167,6 +172,7 @@ class ModelSpec:
             )
         self._check_arch()
         self._check_kv_heads()
+        self._check_boundary()
         object.__setattr__(self, "partition", self._resolve_partition(self.partition))
 
     def _check_arch(self) -> None:
@@ -209,6 +215,18 @@ class ModelSpec:
             raise ConfigError(
                 f"model spec n_kv_heads={kv}: arch 'gpt' has no grouped-query attention; "
                 "use arch 'llama', or n_kv_heads 0"
+            )
+
+    def _check_boundary(self) -> None:
+        dim = self.boundary_dim
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise ConfigError(
+                f"model spec field 'boundary_dim' must be an integer, got {type(dim).__name__} {dim!r}"
+            )
+        if not 0 <= dim < self.d_model:
+            raise ConfigError(
+                f"model spec boundary_dim={dim} must be 0 (no bottleneck) or narrower than "
+                f"d_model={self.d_model}: it is the width activations cross stage boundaries at"
             )
 
     def _resolve_partition(self, given: object) -> tuple[int, ...]:
@@ -272,6 +290,11 @@ class ModelSpec:
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.d_model // self.n_heads
+
+    @property
+    def boundary_width(self) -> int:
+        """Width of the hidden states that cross a stage boundary (``boundary_dim`` or ``d_model``)."""
+        return self.boundary_dim or self.d_model
 
     @property
     def kv_heads(self) -> int:
@@ -358,7 +381,7 @@ class ModelSpec:
 #: ModelSpec fields added after MODEL_DIGEST_VERSION /1 (see ModelSpec.digest), with their
 #: defaults as :meth:`ModelSpec.to_dict` writes them: at these values they stay out of the digest.
 _LATE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {"tokenizer": "", "arch": "gpt", "n_kv_heads": 0, "partition": ""}
+    {"tokenizer": "", "arch": "gpt", "n_kv_heads": 0, "partition": "", "boundary_dim": 0}
 )
 
 

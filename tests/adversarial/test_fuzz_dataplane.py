@@ -36,7 +36,8 @@ from hypothesis import strategies as st
 
 from swarmd.daemon import Daemon
 from swarmd.errors import WireError
-from swarmd.net.codecs import CODECS, EIGHT_BIT_BLOCKSIZES
+from swarmd.net import hadamard
+from swarmd.net.codecs import CODECS, EIGHT_BIT_BLOCKSIZES, FOUR_BIT_BLOCKSIZES
 from swarmd.net.wire import ALLOWED_DTYPES, CONTENT_TYPE, decode_frame, encode_frame
 from swarmd.pipeline.spec import TrainingSpec
 from tests.conftest import TINY, daemon_config
@@ -255,14 +256,20 @@ def encoded_entry(
     draw: st.DrawFn, name: str, dtype_name: str, shape: list[int], codec: str, specials: bool = True
 ) -> dict[str, Any]:
     """A wire tensor entry whose payload fits its dtype, shape and codec; its values may be special,
-    and an 8bit entry's absmax may hold NaN, Inf, negative or huge values."""
+    and an 8bit or 4bit entry's absmax may hold NaN, Inf, negative or huge values."""
     numel, dtype = math.prod(shape), ALLOWED_DTYPES[dtype_name]
     entry: dict[str, Any] = {"n": name, "d": dtype_name, "s": shape, "c": codec}
     values = draw(payload_values(numel, dtype, specials))
-    if codec == "8bit":
-        blocksize = draw(st.sampled_from(sorted(EIGHT_BIT_BLOCKSIZES)))
-        blocks = -(-numel // blocksize)
-        entry["p"] = torch.randint(0, 256, (numel,), dtype=torch.uint8).numpy().tobytes()
+    if codec in ("8bit", "4bit"):
+        if codec == "8bit":
+            blocksize = draw(st.sampled_from(sorted(EIGHT_BIT_BLOCKSIZES)))
+            blocks, nbytes = -(-numel // blocksize), numel
+        else:  # 4bit: full blocks, a power-of-two tail, two codes a byte (swarmd.net.codecs)
+            blocksize = draw(st.sampled_from(sorted(FOUR_BIT_BLOCKSIZES)))
+            tail = hadamard.tail_size(numel, blocksize)
+            blocks = numel // blocksize + (1 if tail else 0)
+            nbytes = (numel // blocksize * blocksize + tail + 1) // 2
+        entry["p"] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy().tobytes()
         absmax = torch.rand(blocks) * (draw(st.sampled_from([1.0, 1.0, 1e30, 3e38])) if specials else 1.0)
         for _ in range(draw(st.integers(0, 2)) if blocks and specials else 0):
             absmax[draw(st.integers(0, blocks - 1))] = draw(SPECIAL_FLOATS | st.just(-1.0))
@@ -285,7 +292,7 @@ def tensor_entries(draw: st.DrawFn, hints: Hints, b: int, s: int) -> Any:
     hint_dtype, hint_shape = hints.get(name, ("float32", ["B", "S", TINY.d_model]))
     dtype_name = hint_dtype if draw(st.integers(0, 3)) else draw(DTYPE_NAMES)
     shape = draw(shapes(_resolve(hint_shape, b, s)))
-    codec = draw(st.sampled_from(["none", "none", "fp16", "bf16", "8bit"]) | CODEC_NAMES)
+    codec = draw(st.sampled_from(["none", "none", "fp16", "bf16", "8bit", "4bit"]) | CODEC_NAMES)
     numel = _numel(shape)
     if numel is not None and dtype_name in ALLOWED_DTYPES and codec in CODECS and draw(st.integers(0, 4)):
         entry = draw(encoded_entry(name, dtype_name, shape, codec))

@@ -57,9 +57,9 @@ def answer(peer: str, t: torch.Tensor | None, step: int = 0, loss: float | None 
 def test_tolerance_is_twice_the_codec_bound_plus_the_build_slack() -> None:
     assert tolerance("none") == CROSS_BUILD_SLACK
     assert tolerance("fp16") == pytest.approx(2 * 2**-11 + CROSS_BUILD_SLACK)
-    assert tolerance("8bit") > tolerance("bf16") > tolerance("fp16") > tolerance("none")
+    assert tolerance("4bit") > tolerance("8bit") > tolerance("bf16") > tolerance("fp16") > tolerance("none")
     with pytest.raises(ValueError):
-        tolerance("4bit")
+        tolerance("2bit")
 
 
 def test_agree_exact_within_and_beyond_tolerance() -> None:

@@ -19,6 +19,8 @@ EQUIVALENCE_SPECS = {
     "share_layers": replace(TINY, name="eq", layers_per_stage=2, share_layers=True),
     # Llama-style blocks (RMSNorm, rotary positions, SwiGLU, grouped-query attention) in unequal stages
     "llama_unequal": replace(PRESETS["llama-tiny"], name="eq", layers_per_stage=2, partition=(3, 1)),
+    # a bottleneck at the stage boundary (issue 30 item 3): 16 of d_model's 64 dimensions cross it
+    "bottleneck": replace(TINY, name="eq", layers_per_stage=2, boundary_dim=16),
 }
 
 

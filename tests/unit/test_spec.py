@@ -90,6 +90,7 @@ def test_digest_is_sha256_hex() -> None:
         {"arch": "llama"},
         {"arch": "llama", "n_kv_heads": 2},
         {"partition": [3, 2, 1]},
+        {"boundary_dim": 8},
     ],
 )
 def test_digest_changes_with_every_field_but_name(change: dict[str, Any]) -> None:
@@ -105,14 +106,14 @@ def test_every_field_is_covered_by_the_digest_tests() -> None:
     names = {f.name for f in dataclasses.fields(ModelSpec)}
     assert names == {
         "name", "d_model", "n_heads", "d_ff", "layers_per_stage", "n_stages", "vocab_size",
-        "seq_len", "share_layers", "seed", "tokenizer", "arch", "n_kv_heads", "partition",
+        "seq_len", "share_layers", "seed", "tokenizer", "arch", "n_kv_heads", "partition", "boundary_dim",
     }
 
 
 def test_late_fields_at_their_defaults_keep_the_old_digest() -> None:
     # specs from before arch / n_kv_heads / partition (and their checkpoints) keep their digest
     plain = ModelSpec(**BASE_FIELDS)
-    spelled_out = ModelSpec(**_with(arch="gpt", n_kv_heads=0, partition="equal"))
+    spelled_out = ModelSpec(**_with(arch="gpt", n_kv_heads=0, partition="equal", boundary_dim=0))
     assert spelled_out.digest == plain.digest
     assert ModelSpec(**_with(partition=[2, 2, 2])).digest == plain.digest  # the equal cut, spelled out
 
