@@ -195,11 +195,12 @@ class SpotChecks:
         if self.fraction == 0.0:
             return False
         routers = self.calls.stages.routers
-        checkable = [r for r in routers if r.usable_count > 1]
-        if not checkable:
+        if not any(r.usable_count > 1 for r in routers):
             return False
-        if any(self.ledger.wants_first_check(p.peer_id, kind) for r in checkable for p in r.snapshot()
-               if p.routable and p.peer_id not in r.excluded for kind in ("forward", "backward")):
+        last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
+        if any(self.ledger.wants_first_check(p.peer_id, kind) for stage, r in enumerate(routers)
+               if r.usable_count > 1 for p in r.snapshot() if p.routable
+               for kind in (("backward",) if stage == last else ("forward", "backward"))):
             self.stats.first_checks += 1
             return True
         return self._checker.should_check(comparable=True, other_peers=1)
