@@ -28,7 +28,9 @@ The verdict on each pair of answers, waited for before the microbatch goes on:
   than the stage's reported steps allow (``verify.step_beyond``, on a fresh ``/v1/progress`` poll)
   convicts its peer; otherwise a third peer is asked, and the peer alone at its step is struck
   (``verify.CheckLedger.strike``: convicted after ``STEP_STRIKES`` in a row) and the microbatch redone;
-* a check is never dropped for want of an opinion of the same step: it is redone (asked again).
+* a check is never dropped for want of an opinion of the same step: the microbatch is redone, and
+  while a peer is disputed (in a mismatch no conviction or agreement cleared) every microbatch
+  runs paired, so it is asked again until decided.
 
 Validation forwards are paired the same way (a pair of validation forwards is two validation
 forwards). The first stage's backward answers no tensor: its step and sample count are compared.
@@ -197,6 +199,10 @@ class SpotChecks:
         routers = self.calls.stages.routers
         if not any(r.usable_count > 1 for r in routers):
             return False
+        if any(self.ledger.disputed(p.peer_id) for r in routers if r.usable_count > 1 for p in r.snapshot()
+               if p.routable):
+            self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
+            return True
         last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
         if any(self.ledger.wants_first_check(p.peer_id, kind) for stage, r in enumerate(routers)
                if r.usable_count > 1 for p in r.snapshot() if p.routable
@@ -321,6 +327,7 @@ class SpotChecks:
             stats.agreements += 1
             self.ledger.credit((primary, second), kind)
             self.ledger.clear_strikes((primary.peer_id, second.peer_id))
+            self.ledger.clear((primary.peer_id, second.peer_id))
             return _CONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
         stats.mismatches += 1

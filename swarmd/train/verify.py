@@ -249,7 +249,7 @@ class VerifyStats:
     failed: int = 0  # checks whose second or third peer did not answer
     skipped: int = 0  # drawn for a check while as many checks as the window were running already
     redone: int = 0  # microbatches redone: a first check's mismatch that no third peer settled
-    rechecks: int = 0  # first checks that met no opinion at their step and asked the same peer again
+    rechecks: int = 0  # microbatches paired because a peer was in a mismatch not settled yet (asked again)
     unconfirmed: int = 0  # first answers neither confirmed nor refuted even so (let through, or redone)
     extra_requests: int = 0  # requests sent for them (second and third opinions, rechecks, retries)
     extra_samples: int = 0  # samples computed again for the checks
