@@ -331,13 +331,14 @@ def trainer_config(api: str, name: str, steps: int, fraction: float = FRACTION, 
 
 
 def bounded_by_fraction(summary: TrainSummary, fraction: float) -> None:
-    """Checks drawn (run or skipped) are a binomial sample of the calls: within 4 sigma of the share;
-    the first answers of each peer (checked always) come on top, one per peer and kind."""
+    """Microbatches paired at random (not for a peer's first answers, nor to settle a mismatch) are
+    a binomial sample of the attempts: within 4 sigma of the share."""
     v = summary.verify
-    drawn = v["checks"] - v["first_checks"] + v["skipped"]  # a peer's first answers are checked on top
-    assert drawn <= v["calls"] * fraction + 4 * math.sqrt(v["calls"] * fraction * (1 - fraction)) + 1, v
-    assert v["arbitrations"] <= v["mismatches"] <= v["checks"]
-    assert v["first_checks"] <= 2 * 6 * 4  # the first forward and backward of six peers, up to the window (4) each
+    drawn = v["paired"] - v["first_checks"] - v["rechecks"]
+    n = summary.microbatches_issued + summary.stale_redos + v["redone"]
+    assert drawn <= n * fraction + 4 * math.sqrt(n * fraction * (1 - fraction)) + 1, v
+    assert v["arbitrations"] <= v["mismatches"] <= v["checks"] + v["liars"]
+    assert v["first_checks"] <= 48  # the first answers of six peers, a window (4) of microbatches at a time
 
 
 async def test_liars_in_a_2x3_swarm_are_caught_reported_and_excluded_while_training_goes_on(

@@ -194,6 +194,11 @@ class SpotChecks:
         """Whether the next microbatch (or validation batch) runs paired: drawn with probability
         ``fraction``, and always while a usable peer of a stage with a second one has no answer of
         each kind confirmed yet. Drawn before its first call: a peer's own answers change nothing."""
+        paired = self._pairs()
+        self.stats.paired += int(paired)
+        return paired
+
+    def _pairs(self) -> bool:
         if self.fraction == 0.0:
             return False
         routers = self.calls.stages.routers

@@ -239,8 +239,9 @@ class VerifyStats:
     """The cost and the catch of spot checks, for the trainer's summary (``--json``)."""
 
     calls: int = 0  # forward and backward calls the trainer made (checked or not)
-    checks: int = 0  # calls re-sent to a second peer
-    first_checks: int = 0  # of which: a peer's first answers, always checked (see the trainer)
+    checks: int = 0  # calls whose two halves (a paired microbatch's) went to two peers and were compared
+    paired: int = 0  # microbatches (and validation batches) run paired, their redos included
+    first_checks: int = 0  # of which: paired because a usable peer had no answer confirmed yet
     agreements: int = 0
     mismatches: int = 0
     arbitrations: int = 0  # third opinions asked for
