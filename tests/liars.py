@@ -116,9 +116,10 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
 
 
 def poison_contributions(averager: StageAverager, how: str) -> None:
-    """Make ``averager`` send poisoned contributions (``scaled``, ``noisy`` or ``nan``); its executor
+    """Make ``averager`` send poisoned contributions (``scaled``, ``noisy``, ``nan``; ``minus20`` or
+    ``flipped``: its true gradient times -20 or -1, issue 29's table); its executor
     keeps the true gradients, so a refused contribution is restored intact."""
-    if how not in ("scaled", "noisy", "nan"):
+    if how not in ("scaled", "noisy", "nan", "minus20", "flipped"):
         raise ValueError(f"unknown poison {how!r}")
     original = averager._post
 
@@ -127,6 +128,8 @@ def poison_contributions(averager: StageAverager, how: str) -> None:
             g = torch.Generator().manual_seed(own.step)
             if how == "scaled":
                 grads = own.grads * 5000
+            elif how in ("minus20", "flipped"):  # issue 29's table: inside the 64x band, the wrong way
+                grads = own.grads * (-20.0 if how == "minus20" else -1.0)
             elif how == "noisy":
                 grads = own.grads + torch.randn(own.grads.shape, generator=g) * (
                     float(own.grads.norm()) / own.grads.numel() ** 0.5 * 2000)
