@@ -24,10 +24,11 @@ The verdict on each pair of answers, waited for before the microbatch goes on:
   its own: a forward, then its backward); the odd one out is convicted, and the majority's answer
   goes on; with no third peer the microbatch is redone (``Unsettled``), and a stage's only two peers
   that keep disagreeing are let through (``verify.UNSETTLED_LIMIT``);
-* different steps: a reply's step is the peer's claim, so it is checked, not believed: one more
-  than the stage's reported steps allow (``verify.step_beyond``, on a fresh ``/v1/progress`` poll)
-  convicts its peer; otherwise a third peer is asked, and the peer alone at its step is struck
-  (``verify.CheckLedger.strike``: convicted after ``STEP_STRIKES`` in a row) and the microbatch redone;
+* a reply's step is its peer's claim, so it is checked, not believed (``verify.step_lie``): a step
+  beyond its stage-mates' in the last poll asks them again, and a step ahead of what its own peer
+  reports afterwards, or still beyond its stage-mates', convicts it; a pair whose
+  halves name different steps asks a third peer, checks the odd one out that way, and redoes the
+  microbatch;
 * a check is never dropped for want of an opinion of the same step: the microbatch is redone, and
   while a peer is disputed (in a mismatch no conviction or agreement cleared) every microbatch
   runs paired, so it is asked again until decided.
@@ -63,15 +64,14 @@ from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, Sta
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     LIAR_BAN_S,
-    STEP_STRIKES,
     Answer,
     CheckLedger,
     SpotChecker,
     Verdict,
     VerifyStats,
-    agree,
     arbitrate,
     step_beyond,
+    step_lie,
     tolerance,
 )
 
@@ -331,7 +331,6 @@ class SpotChecks:
         if outcome.verdict is Verdict.AGREE:
             stats.agreements += 1
             self.ledger.credit((primary, second), kind)
-            self.ledger.clear_strikes((primary.peer_id, second.peer_id))
             self.ledger.clear((primary.peer_id, second.peer_id))
             return _CONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
@@ -347,45 +346,43 @@ class SpotChecks:
 
     async def _split_steps(self, stage: int, kind: Kind, primary: Answer, second: Answer, arbiter: Arbiter,
                            request: tuple[torch.Tensor, ...]) -> Ruling:
-        """A pair whose answers name different steps: a third peer says which step the stage is at; the
-        peer alone at its step is struck (convicted after ``STEP_STRIKES`` in a row: a stage that
-        stepped between two answers sent at once is rare, a peer that tags its answers with another
-        step is alone every time); the microbatch is redone either way."""
+        """A pair whose answers name different steps: a third peer says which step the stage is at,
+        and the one alone ahead of it is held to a fresh poll (:meth:`_plausible`: convicted when its
+        own peer then reports an earlier step). The microbatch is redone either way: a stage that
+        stepped between two answers sent at once is rare, and nobody is blamed for being behind."""
         stats = self.stats
         stats.inconclusive += 1
         stats.redone += 1
         third = await arbiter(frozenset((primary.peer_id, second.peer_id)))
         if third is None:
             return _UNSETTLED
-        odd = [a for a in (primary, second) if a.step != third.step]
-        if len(odd) != 1:
-            return _UNSETTLED
-        liar = odd[0]
-        witness = primary if liar is second else second
-        if not agree(witness, third, self._tolerance):
-            return _UNSETTLED
-        if self.ledger.strike(liar.peer_id) >= STEP_STRIKES:
-            log.warning("spot check: stage %d peer %s answered at another step than its stage-mates %d times in a "
-                        "row", stage, liar.peer_id[:12], STEP_STRIKES)
-            await self._convict(stage, kind, liar.peer_id, [liar, witness, third], request)
+        ahead = [a for a in (primary, second) if a.step > third.step]
+        if len(ahead) == 1:
+            await self._plausible(stage, kind, ahead[0], request, suspect=True)
         return _UNSETTLED
 
-    async def _plausible(self, stage: int, kind: Kind, answer: Answer, request: tuple[torch.Tensor, ...]) -> bool:
-        """Check a reply's step against the stage's reported steps: True (and its peer convicted)
-        when it is ahead of them by more than ``verify.STEP_SLACK``, also on a fresh poll."""
+    async def _plausible(self, stage: int, kind: Kind, answer: Answer, request: tuple[torch.Tensor, ...],
+                         suspect: bool = False) -> bool:
+        """Hold a reply's step to its stage's (``verify.step_lie``): True, and its peer convicted, when
+        a poll made after it shows a lie. The poll is made only when the step is beyond its stage-mates'
+        in the last one (``verify.step_beyond``), or the reply is ``suspect`` (alone ahead in a pair)."""
         if self._stage_steps is None:
             return False
-        mates: dict[str, int] = {}
-        for fresh in (False, True):
-            steps = await self._stage_steps(stage, fresh)
-            mates = {p: s for p, s in steps.items() if p != answer.peer_id}
-            if not step_beyond(answer.step, list(mates.values())):
+        if not suspect:
+            known = await self._stage_steps(stage, False)
+            if not step_beyond(answer.step, [s for p, s in known.items() if p != answer.peer_id]):
                 return False
-        ahead = max(sorted(mates), key=lambda p: mates[p])  # the evidence: the most advanced mate's reported step
-        log.warning("spot check: stage %d peer %s answered a %s at step %d, beyond its stage's steps", stage,
-                    answer.peer_id[:12], kind, answer.step)
+        steps = await self._stage_steps(stage, True)
+        own = steps.get(answer.peer_id)
+        mates = {p: s for p, s in steps.items() if p != answer.peer_id}
+        if not step_lie(answer.step, own, list(mates.values())):
+            return False
+        log.warning("spot check: stage %d peer %s answered a %s at step %d, ahead of %s", stage, answer.peer_id[:12],
+                    kind, answer.step, f"the step it reports now ({own})" if own is not None and answer.step > own
+                    else "its stage-mates' steps")
         self.stats.mismatches += 1
-        await self._convict(stage, kind, answer.peer_id, [answer, Answer(ahead, mates[ahead], None)], request)
+        evidence = [Answer(p, s, None) for p, s in sorted(mates.items(), key=lambda item: -item[1])][:2]
+        await self._convict(stage, kind, answer.peer_id, [answer, *evidence], request)
         return True
 
     def _unsettled_pair(self, stage: int, kind: Kind, a: str, b: str) -> Ruling:
@@ -428,6 +425,10 @@ class SpotChecks:
             return
         stats.liars += 1
         stats.caught = (*stats.caught, liar)
+        if len({a.peer_id for a in answers}) < 2:
+            log.warning("spot check: stage %d peer %s lied about its step; banned for %.0fs (no stage-mate answered "
+                        "the poll: nothing to report it with)", stage, liar[:12], LIAR_BAN_S)
+            return
         request_digest, answer_digests = await asyncio.to_thread(_evidence, request, answers)
         step = answers[0].step
         log.warning("spot check: stage %d peer %s lied (its %s at step %d disagrees with %s); banned for %.0fs "

@@ -186,6 +186,7 @@ class SwarmView:
         polled = await self.swarm.progress(stages, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
                                            probation=probation, on_late=self.heard)
         for stage, answers in enumerate(polled):
+            self._steps[stage] = {}  # only what this poll heard: a peer that did not answer has no step now
             for answer in answers:
                 self.heard(stage, answer)
         self._adopt_exclusions(polled)

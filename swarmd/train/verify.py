@@ -71,7 +71,6 @@ __all__ = [
     "FIRST_CHECKS",
     "LIAR_BAN_S",
     "STEP_SLACK",
-    "STEP_STRIKES",
     "UNSETTLED_LIMIT",
     "Answer",
     "CheckLedger",
@@ -86,6 +85,7 @@ __all__ = [
     "forks",
     "stage_distrust",
     "step_beyond",
+    "step_lie",
     "tolerance",
 ]
 
@@ -102,10 +102,6 @@ FIRST_CHECKS = 1
 #: of a stage step together, so an honest peer is at most one ahead of the most advanced of its
 #: mates (it applied the round's update first); one more for a poll that raced a step.
 STEP_SLACK = 2
-#: A peer alone at its step in a paired check (the two others agreeing at another) this many times
-#: in a row is convicted: an honest stage that steps between two answers sent at once is rare, a peer
-#: that tags its answers with another step is alone every time.
-STEP_STRIKES = 3
 #: Mismatches of a stage's only two peers that are redone before their answers go on unconfirmed
 #: (:meth:`CheckLedger.unsettled`): one of two lies, which two peers cannot tell apart, and redoing
 #: every microbatch for ever would stall training.
@@ -166,12 +162,18 @@ def agree(a: Answer, b: Answer, tol: float) -> bool:
 
 
 def step_beyond(step: int, mates: Sequence[int], slack: int = STEP_SLACK) -> bool:
-    """Whether a reply's ``step`` is further ahead of every one of ``mates``' reported steps (the
-    other peers of its stage, from ``/v1/progress``) than ``slack``: the step a reply names is its
-    peer's claim, checked here, not believed. No mates reported: nothing to check against (False).
-    Only the step ahead is bounded: an honest peer may be behind (catching up), and its answers at
-    an old step are refused by the step rule (``swarmd.pipeline.step_protocol``) anyway."""
+    """Whether ``step`` is further ahead of every one of ``mates``' reported steps (the other peers
+    of its stage, from ``/v1/progress``) than ``slack``. No mates: False (nothing to hold it against)."""
     return bool(mates) and step > max(mates) + slack
+
+
+def step_lie(step: int, own: int | None, mates: Sequence[int], slack: int = STEP_SLACK) -> bool:
+    """Whether a reply's ``step`` is a lie, judged on a ``/v1/progress`` poll made *after* the reply:
+    ahead of the step its own peer reports now (``own``; a peer's step never goes back while it
+    serves), or :func:`step_beyond` its stage-mates'. The step a reply names is its peer's claim:
+    checked, not believed. Only steps ahead are lies: an honest peer may be behind (catching up),
+    and the step rule (``swarmd.pipeline.step_protocol``) refuses its backwards anyway."""
+    return (own is not None and step > own) or step_beyond(step, mates, slack)
 
 
 class Verdict(enum.Enum):
@@ -295,7 +297,6 @@ class CheckLedger:
         self._disputed: set[str] = set()  # peers in a mismatch no conviction cleared
         self._unsettled: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> mismatches nobody could settle
         self._gave_up: set[tuple[str, str]] = set()  # (peer, kind): not first-checked any more
-        self._strikes: Counter[str] = Counter()  # peer -> paired checks in a row it was alone at its step
 
     def confirmed(self, peer_id: str, kind: str) -> int:
         """How many of ``peer_id``'s answers of ``kind`` a check confirmed."""
@@ -312,16 +313,6 @@ class CheckLedger:
         for a in answers:
             if a.peer_id != uncredited:
                 self._confirmed[(a.peer_id, kind)] += 1
-
-    def strike(self, peer_id: str) -> int:
-        """``peer_id`` was alone at its step in a paired check: its strikes in a row so far."""
-        self._strikes[peer_id] += 1
-        return self._strikes[peer_id]
-
-    def clear_strikes(self, peers: Iterable[str]) -> None:
-        """``peers`` agreed with a stage-mate at one step: their strikes start again from zero."""
-        for p in peers:
-            self._strikes.pop(p, None)
 
     def dispute(self, peers: Iterable[str]) -> None:
         """``peers`` were in a mismatch: until a conviction clears them, an answer of theirs that no
