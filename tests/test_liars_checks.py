@@ -81,7 +81,9 @@ async def test_a_check_is_an_ordinary_microbatch_to_every_peer() -> None:
         cfg = trainer_config(api, "all", steps=2, fraction=1.0, seed=3)
         summary = await Trainer(cfg).run()
         assert summary.verify["checks"] > 0 and summary.verify["agreements"] == summary.verify["checks"]
-        assert summary.samples == 2 * cfg.microbatch_size * summary.microbatches_completed  # both halves count
+        # both halves count (a paired microbatch holds two leases; an odd lease left over runs alone)
+        assert cfg.microbatch_size * summary.microbatches_completed < summary.samples
+        assert summary.samples <= 2 * cfg.microbatch_size * summary.microbatches_completed
         backwards = 0
         for d in daemons:
             calls = seen[d.peer_id or ""]

@@ -45,8 +45,13 @@ class Microbatches:
         self.ledger = ledger
         self.timing = timing
 
+    def pairs(self) -> bool:
+        """Whether the next microbatch runs paired (a spot check: ``SpotChecks.pairs``). A caller that
+        books samples (a lease, a sync step's slot) asks first and gives it two slots."""
+        return self.checks.pairs()
+
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  lease_step: int | None = None) -> None:
+                  lease_step: int | None = None, paired: bool | None = None) -> None:
         """Forward and backward through every stage, redone until it went through; booked in the
         step ledger.
 
@@ -54,6 +59,8 @@ class Microbatches:
         ``lease_step``: the step its reservation is for; a stage that answers a forward at an
         earlier step is finishing that step's round, so the forward is sent again once it has
         stepped (for at most ``Timing.stage_catch_up_s``), instead of being redone as stale later.
+        ``paired``: whether it runs paired, every attempt (the caller gave it two slots, or one);
+        None: drawn for each attempt.
         """
         s, checks, last = self.summary, self.checks, self.last
         s.microbatches_issued += 1
@@ -63,9 +70,9 @@ class Microbatches:
         while True:
             # a fresh id per attempt: the peers keep each forward's activations under it, and
             # the backward goes back to the peer that ran the forward (when it is still usable)
-            paired = checks.pairs()  # a spot check: the same sample through other peers as well
+            pair = checks.pairs() if paired is None else paired  # a check: the same sample through other peers too
             try:
-                loss, loss_step, duplicates, count_steps = await self._attempt(x, y, paired, on_forward, lease_step)
+                loss, loss_step, duplicates, count_steps = await self._attempt(x, y, pair, on_forward, lease_step)
             except Unsettled:  # a check found an answer wrong (or of another step) and could not say whose
                 continue
             except Redo:  # a stage stepped since the forward
