@@ -55,7 +55,7 @@ async def test_each_liar_of_the_table_is_caught_and_excluded_and_no_honest_peer_
 
 async def test_a_check_is_an_ordinary_microbatch_to_every_peer() -> None:
     """What each peer's executor got while a trainer paired every microbatch and validation batch:
-    no backward flagged ``verify``, every backward with a deadline, every backward of a stage that
+    no validation forward with an id (none has one), no backward flagged ``verify``, every backward with a deadline, every backward of a stage that
     is not the last one preceded by its own forward on the same peer (no stateless backward of a
     microbatch the peer never saw), and the sample weighed twice in the stages' counts (both halves
     accumulated, booked by the trainer)."""
@@ -87,6 +87,8 @@ async def test_a_check_is_an_ordinary_microbatch_to_every_peer() -> None:
         backwards = 0
         for d in daemons:
             calls = seen[d.peer_id or ""]
+            if d.stage == 1:  # the last stage's forwards are validation's: paired or not, none carries an id
+                assert all(mb is None for kind, mb, _, _ in calls if kind == "forward")
             for i, (kind, mb, verify, deadline) in enumerate(calls):
                 if kind != "backward":
                     continue

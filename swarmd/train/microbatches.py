@@ -101,7 +101,7 @@ class Microbatches:
             catch_up = time.monotonic() + self.timing.stage_catch_up_s
             while True:
                 try:
-                    forward, pair = await self._forward(stage, acts[-1], None, mb, pair_mb if paired else None)
+                    forward, pair = await self._forward(stage, acts[-1], None, mb, pair_mb, paired)
                 finally:
                     if on_forward is not None:
                         on_forward()
@@ -134,11 +134,14 @@ class Microbatches:
             duplicates += int(backward.duplicate)
         return loss, loss_step, duplicates, [backward.step] + ([pair_reply.step] if pair_reply is not None else [])
 
-    async def _forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None,
-                       pair_mb: int | None) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
-        """A forward, and its pair's when ``pair_mb`` (sent at once, to another peer where there is one)."""
+    async def _forward(
+        self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, pair_mb: int | None,
+        paired: bool = True,
+    ) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
+        """A forward, and its pair's when ``paired`` (sent at once under ``pair_mb``, to another peer where
+        there is one; a validation forward's pair, like any validation forward, carries no id)."""
         calls = self.calls
-        if pair_mb is None:
+        if not paired:
             return await calls.forward(stage, inputs, targets, mb=mb), None
 
         def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
@@ -167,7 +170,12 @@ class Microbatches:
         how = self.checks.pair_tally(_nbytes(inputs, grad, targets))
         first, second = await asyncio.gather(
             calls.backward(stage, inputs, grad_outputs=grad, step=steps[0], mb=mbs[0], prefer=by[0]),
-            calls.backward(stage, inputs, grad_outputs=grad, step=steps[1], mb=mbs[1], prefer=by[1], how=how))
+            calls.backward(stage, inputs, grad_outputs=grad, step=steps[1], mb=mbs[1], prefer=by[1], how=how),
+            return_exceptions=True)  # both end before either's error goes on: no call left running
+        for result in (first, second):
+            if isinstance(result, BaseException):
+                raise result
+        assert not isinstance(first, BaseException) and not isinstance(second, BaseException)
         return first, second
 
     async def validate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
@@ -189,8 +197,7 @@ class Microbatches:
         checks, acts = self.checks, x
         for stage in range(self.last + 1):
             targets = y if stage == self.last else None
-            mb, pair_mb = None, (secrets.randbits(64) if paired else None)
-            served, pair = await self._forward(stage, acts, targets, mb, pair_mb)
+            served, pair = await self._forward(stage, acts, targets, None, None, paired)
             reply = await checks.forward(stage, acts, targets, served, pair)
             acts = reply.outputs
         if reply.loss is None:
