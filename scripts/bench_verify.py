@@ -140,8 +140,9 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=logging.WARNING if args.log else logging.ERROR)
     load = os.getloadavg()
     out = asyncio.run(main(args))
     report = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],

@@ -372,11 +372,14 @@ class SpotChecks:
             known = await self._stage_steps(stage, False)
             if not step_beyond(answer.step, [s for p, s in known.items() if p != answer.peer_id]):
                 return False
-        steps = await self._stage_steps(stage, True)
-        own = steps.get(answer.peer_id)
-        mates = {p: s for p, s in steps.items() if p != answer.peer_id}
-        if not step_lie(answer.step, own, list(mates.values())):
-            return False
+        for again in range(2):  # twice, a moment apart: a step the peer had not published yet is not a lie
+            if again:
+                await asyncio.sleep(self.timing.step_recheck_s)
+            steps = await self._stage_steps(stage, True)
+            own = steps.get(answer.peer_id)
+            mates = {p: s for p, s in steps.items() if p != answer.peer_id}
+            if not step_lie(answer.step, own, list(mates.values())):
+                return False
         log.warning("spot check: stage %d peer %s answered a %s at step %d, ahead of %s", stage, answer.peer_id[:12],
                     kind, answer.step, f"the step it reports now ({own})" if own is not None and answer.step > own
                     else "its stage-mates' steps")

@@ -208,8 +208,9 @@ class SwarmView:
     async def stage_steps(self, stage: int, fresh: bool = False) -> dict[str, int]:
         """The steps ``stage``'s peers last reported (``/v1/progress``), polled again first when
         ``fresh``: what a spot check holds a reply's step against (``verify.step_beyond``)."""
-        if fresh:
-            await self.poll()
+        if fresh:  # only this poll's own answers: a late answer of an earlier poll may be older than the reply
+            polled = await self.poll()
+            return {a.peer_id: a.step for a in polled[stage] if a.step is not None} if stage < len(polled) else {}
         return dict(self._steps.get(stage, {}))
 
     def _adopt_exclusions(self, polled: Sequence[Sequence[PeerProgress]]) -> None:
