@@ -250,7 +250,9 @@ class SpotChecks:
         self.stats.calls += 1
         reply = served.reply
         if pair is None:
-            await self._plausible(stage, "forward", forward_answer(served), (inputs,))
+            if await self._plausible(stage, "forward", forward_answer(served), (inputs,)):
+                self.stats.redone += 1
+                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
             return reply
         calls = self.calls
 
@@ -280,7 +282,9 @@ class SpotChecks:
         reply = served.reply
         request = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
         if pair is None:
-            await self._plausible(stage, "backward", backward_answer(served), request)
+            if await self._plausible(stage, "backward", backward_answer(served), request):
+                self.stats.redone += 1
+                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
             return reply
         calls, nbytes = self.calls, _nbytes(*request)
 
@@ -312,8 +316,7 @@ class SpotChecks:
         """The ruling on a pair of answers (see the module docstring)."""
         stats = self.stats
         if primary.peer_id == second.peer_id:
-            await self._plausible(stage, kind, primary, request)
-            return _UNCHECKED
+            return _UNSETTLED if await self._plausible(stage, kind, primary, request) else _UNCHECKED
         stats.checks += 1
         for answer in (primary, second):
             if await self._plausible(stage, kind, answer, request):
