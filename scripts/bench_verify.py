@@ -144,7 +144,9 @@ if __name__ == "__main__":
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if args.log else logging.ERROR)
     load = os.getloadavg()
+    seed = args.seed
     out = asyncio.run(main(args))
+    args.seed = seed  # the first repeat's (each next one adds 100)
     report = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],
               "args": {k: v for k, v in vars(args).items() if k != "json"}, "runs": out}
     print(strict_json_dumps(report) if args.json else report)
