@@ -84,8 +84,9 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
     p.add_argument("--stage-wait-timeout", type=seconds, default=120.0, metavar="SECONDS",
                    help="give up when a stage has had no live peer this long (default: 120)")
     p.add_argument("--verify-fraction", type=_fraction, default=0.02, metavar="F",
-                   help="spot checks: re-send this share of forward and backward calls to a second peer of the "
-                   "stage and compare; a peer caught lying is banned and reported (default: 0.02; 0: off)")
+                   help="spot checks: run this share of microbatches paired (the same sample through other "
+                   "peers of each stage too, as an ordinary microbatch) and compare; a peer caught lying is "
+                   "banned and reported (default: 0.02; 0: off; a paired sample weighs twice in its step)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     p.add_argument("--log-csv", default=None, metavar="FILE",
                    help="write one CSV row per step (step, loss, samples/s, val loss); "

@@ -310,10 +310,10 @@ class BackwardRequest:
     each ``mb`` once per step (``swarmd.pipeline.step_protocol``). ``deadline_ms``: how long the
     sender waits for the answer, from when the peer got the request; the peer applies the
     gradient only within it (past it, the sender has retried elsewhere: exactly-once).
-    ``verify``: a trainer's spot check (``swarmd.train.verify``) asks this peer for a second
-    opinion on a backward another peer of the stage counted: computed and answered, never
-    accumulated nor marked as counted (meta ``verify: true``); a retry whose first attempt was
-    counted elsewhere is sent so too. ``attempt``: the sender's number of this attempt at ``mb``
+    ``verify``: computed and answered, never accumulated nor marked as counted (meta ``verify:
+    true``): a retry whose first attempt another peer said it counted. Spot checks never send it
+    (issue #29: a check is an ordinary paired microbatch, ``swarmd.train.spot_checks``), so it
+    tells a peer nothing about being checked. ``attempt``: the sender's number of this attempt at ``mb``
     on this stage (from 0; a :class:`ClaimRequest` fences earlier ones off).
     """
 

@@ -44,7 +44,7 @@ class TrainerConfig:
     lease_s: float = 5.0  # sample reservations expire this long after the last renewal (a dead trainer's)
     data_shards: int = 16  # the training split is cut in this many shards; an async trainer draws from one at a time
     shard: int | None = None  # which one; None: the rank the daemon handed out at registration
-    verify_fraction: float = 0.02  # spot checks: this share of calls is sent to a second peer too (swarmd.train.verify)
+    verify_fraction: float = 0.02  # spot checks: this share of microbatches runs paired (swarmd.train.spot_checks)
     timing: Timing = field(default_factory=Timing)  # every timeout, grace and pause of its loops
 
     def __post_init__(self) -> None:

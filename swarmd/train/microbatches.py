@@ -5,10 +5,8 @@ SWARM's trainers hold no parameters (paper, section 3.2): a microbatch goes forw
 trip), then backward through ``S-2..0``, each call to one peer picked by stochastic wiring
 (``swarmd.train.stage_calls``). Each attempt carries a random 64-bit id (``meta.mb``), and its
 backward on a stage goes to the peer that ran its forward while that peer is usable, where the
-activations are still cached (``swarmd.pipeline.executor``), so the forward is not recomputed and,
-when that peer said it kept them, the stage inputs are not sent again (issue #30: 2 tensors per
-microbatch at each boundary, not 3; a peer that lost them asks for them, typed, and gets them); any
-other peer serves it statelessly, from the inputs sent along.
+activations are still cached (``swarmd.pipeline.executor``), so the forward is not recomputed; any
+other peer serves it statelessly.
 
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
@@ -21,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
+from swarmd.net.messages import BackwardReply, ForwardReply
 from swarmd.train.spot_checks import SpotChecks, Unsettled
-from swarmd.train.stage_calls import Redo, StageCalls
+from swarmd.train.stage_calls import How, Redo, Served, StageCalls
 from swarmd.train.summary import StepLedger, TrainSummary
 from swarmd.train.swarm_client import TrainerError
 from swarmd.train.timing import Timing
@@ -46,8 +45,13 @@ class Microbatches:
         self.ledger = ledger
         self.timing = timing
 
+    def pairs(self) -> bool:
+        """Whether the next microbatch runs paired (a spot check: ``SpotChecks.pairs``). A caller that
+        books samples (a lease, a sync step's slot) asks first and gives it two slots."""
+        return self.checks.pairs()
+
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  lease_step: int | None = None) -> None:
+                  lease_step: int | None = None, paired: bool | None = None) -> None:
         """Forward and backward through every stage, redone until it went through; booked in the
         step ledger.
 
@@ -55,8 +59,10 @@ class Microbatches:
         ``lease_step``: the step its reservation is for; a stage that answers a forward at an
         earlier step is finishing that step's round, so the forward is sent again once it has
         stepped (for at most ``Timing.stage_catch_up_s``), instead of being redone as stale later.
+        ``paired``: whether it runs paired, every attempt (the caller gave it two slots, or one);
+        None: drawn for each attempt.
         """
-        s, calls, checks, last = self.summary, self.calls, self.checks, self.last
+        s, checks, last = self.summary, self.checks, self.last
         s.microbatches_issued += 1
         if last == 0 and on_forward is not None:  # one stage: no forward before the fused call
             on_forward()
@@ -64,63 +70,149 @@ class Microbatches:
         while True:
             # a fresh id per attempt: the peers keep each forward's activations under it, and
             # the backward goes back to the peer that ran the forward (when it is still usable)
-            mb = secrets.randbits(64)
-            acts, steps, served_by = [x], [], []
-            kept_at: list[str | None] = []  # per stage: where the forward's peer kept its inputs (else None)
+            pair = checks.pairs() if paired is None else paired  # a check: the same sample through other peers too
             try:
-                for stage in range(last):
-                    catch_up = time.monotonic() + self.timing.stage_catch_up_s
-                    while True:
-                        try:
-                            forward = await calls.forward(stage, acts[-1], mb=mb)
-                        finally:
-                            if on_forward is not None:
-                                on_forward()
-                                on_forward = None
-                        if lease_step is None or forward.reply.step >= lease_step or time.monotonic() > catch_up:
-                            break
-                        await asyncio.sleep(self.timing.tick_s)
-                    reply = await checks.forward(stage, acts[-1], forward)
-                    acts.append(reply.outputs)
-                    steps.append(reply.step)
-                    served_by.append(forward.peer_id)
-                    kept_at.append(forward.addr if forward.reply.kept else None)
-                fused = await calls.backward(last, acts[-1], targets=y, mb=mb)
-                backward = await checks.backward(last, acts[-1], None, y, None, mb, fused)
-                if backward.loss is None:
-                    raise TrainerError(f"stage {last} answered a backward with targets without its loss")
-                loss, loss_step = backward.loss, backward.step
-                grad = backward.grad_inputs
-                duplicates = int(backward.duplicate)
-                for stage in range(last - 1, -1, -1):
-                    served = await calls.backward(stage, acts[stage], grad_outputs=grad, step=steps[stage], mb=mb,
-                                                  prefer=served_by[stage], kept_at=kept_at[stage])
-                    backward = await checks.backward(stage, acts[stage], grad, None, steps[stage], mb, served)
-                    grad = backward.grad_inputs
-                    duplicates += int(backward.duplicate)
-            except Unsettled:  # a first spot check found the answer wrong and could not say whose
-                checks.stats.redone += 1
+                loss, loss_step, duplicates, count_steps = await self._attempt(x, y, pair, on_forward, lease_step)
+            except Unsettled:  # a check found an answer wrong (or of another step) and could not say whose
                 continue
             except Redo:  # a stage stepped since the forward
                 s.stale_redos += 1
                 continue
+            finally:
+                on_forward = None  # called once, by the first attempt
             break
         s.microbatches_completed += 1
-        s.samples += x.shape[0]
+        s.samples += x.shape[0] * len(count_steps)
         s.duplicates += duplicates
-        # the first stage's step (the last backward's): where the microbatch counts, in the lease book's terms
-        self.ledger.book(loss=loss, loss_step=loss_step, count_step=backward.step, samples=x.shape[0])
+        # the first stage's step (the last backward's): where the microbatch counts, in the lease book's terms;
+        # a paired microbatch's pair is counted by the stages too (the sample weighs twice in its step)
+        for count_step in count_steps:
+            self.ledger.book(loss=loss, loss_step=loss_step, count_step=count_step, samples=x.shape[0])
+
+    async def _attempt(self, x: torch.Tensor, y: torch.Tensor, paired: bool, on_forward: Callable[[], None] | None,
+                       lease_step: int | None) -> tuple[float, int, int, list[int]]:
+        """One attempt at a microbatch (``paired``: with its pair, each call sent twice at once): its
+        loss, the last stage's step, the duplicates, and the first stage's step of each half (where
+        the stages counted it)."""
+        checks, last = self.checks, self.last
+        mb, pair_mb = secrets.randbits(64), secrets.randbits(64)
+        acts, steps, pair_steps, served_by, pair_by = [x], [], [], [], []
+        kept, pair_kept = [], []  # per stage: where each half's forward peer kept its inputs (else None)
+        for stage in range(last):
+            catch_up = time.monotonic() + self.timing.stage_catch_up_s
+            while True:
+                try:
+                    forward, pair = await self._forward(stage, acts[-1], None, mb, pair_mb, paired)
+                finally:
+                    if on_forward is not None:
+                        on_forward()
+                        on_forward = None
+                if lease_step is None or forward.reply.step >= lease_step or time.monotonic() > catch_up:
+                    break
+                await asyncio.sleep(self.timing.tick_s)
+            reply = await checks.forward(stage, acts[-1], None, forward, pair)
+            acts.append(reply.outputs)
+            steps.append(reply.step)
+            served_by.append(forward.peer_id)
+            pair_steps.append(pair.reply.step if pair is not None else None)
+            pair_by.append(pair.peer_id if pair is not None else None)
+            kept.append(forward.addr if forward.reply.kept else None)
+            pair_kept.append(pair.addr if pair is not None and pair.reply.kept else None)
+        mbs = (mb, pair_mb if paired else None)
+        fused, fused_pair = await self._backward(last, acts[-1], None, y, (None, None), mbs, (None, None),
+                                                 (None, None))
+        backward = await checks.backward(last, acts[-1], None, y, fused, fused_pair)
+        if backward.loss is None:
+            raise TrainerError(f"stage {last} answered a backward with targets without its loss")
+        loss, loss_step = backward.loss, backward.step
+        grad = backward.grad_inputs
+        duplicates = int(backward.duplicate)
+        pair_reply = fused_pair.reply if fused_pair is not None else None
+        for stage in range(last - 1, -1, -1):
+            served, pair_served = await self._backward(stage, acts[stage], grad, None,
+                                                       (steps[stage], pair_steps[stage]), mbs,
+                                                       (served_by[stage], pair_by[stage]),
+                                                       (kept[stage], pair_kept[stage]))
+            backward = await checks.backward(stage, acts[stage], grad, None, served, pair_served)
+            pair_reply = pair_served.reply if pair_served is not None else None
+            grad = backward.grad_inputs
+            duplicates += int(backward.duplicate)
+        return loss, loss_step, duplicates, [backward.step] + ([pair_reply.step] if pair_reply is not None else [])
+
+    async def _forward(
+        self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, pair_mb: int | None,
+        paired: bool = True,
+    ) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
+        """A forward, and its pair's when ``paired`` (sent at once under ``pair_mb``, to another peer where
+        there is one; a validation forward's pair, like any validation forward, carries no id)."""
+        calls = self.calls
+        if not paired:
+            return await calls.forward(stage, inputs, targets, mb=mb), None
+
+        def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
+            return calls.forward(stage, inputs, targets, mb=mb if how is not None and how.tally is None else pair_mb,
+                                 how=how)
+
+        return await self.checks.paired(stage, call, _nbytes(inputs, targets))
+
+    async def _backward(
+        self, stage: int, inputs: torch.Tensor, grad: torch.Tensor | None, targets: torch.Tensor | None,
+        steps: tuple[int | None, int | None], mbs: tuple[int, int | None], by: tuple[str | None, str | None],
+        kept: tuple[str | None, str | None],
+    ) -> tuple[Served[BackwardReply], Served[BackwardReply] | None]:
+        """A backward, and its pair's when ``mbs[1]`` (sent at once, each to the peer that ran its forward;
+        the last stage's fused one, with no forward before it, to another peer where there is one).
+        ``kept``: where each half's forward peer kept its inputs, so a backward going there leaves them out
+        (issue 30: no resend of kept inputs)."""
+        calls = self.calls
+        if mbs[1] is None:
+            return await calls.backward(stage, inputs, grad_outputs=grad, targets=targets, step=steps[0], mb=mbs[0],
+                                        prefer=by[0], kept_at=kept[0]), None
+        if stage == self.last:
+            def call(how: How | None) -> Awaitable[Served[BackwardReply]]:
+                primary = how is not None and how.tally is None
+                return calls.backward(stage, inputs, grad_outputs=grad, targets=targets,
+                                      mb=mbs[0] if primary else mbs[1], how=how)
+
+            return await self.checks.paired(stage, call, _nbytes(inputs, grad, targets))
+        how = self.checks.pair_tally(_nbytes(inputs, grad, targets))
+        first, second = await asyncio.gather(
+            calls.backward(stage, inputs, grad_outputs=grad, step=steps[0], mb=mbs[0], prefer=by[0], kept_at=kept[0]),
+            calls.backward(stage, inputs, grad_outputs=grad, step=steps[1], mb=mbs[1], prefer=by[1], how=how,
+                           kept_at=kept[1]),
+            return_exceptions=True)  # both end before either's error goes on: no call left running
+        for result in (first, second):
+            if isinstance(result, BaseException):
+                raise result
+        assert not isinstance(first, BaseException) and not isinstance(second, BaseException)
+        return first, second
 
     async def validate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-        """The mean loss of ``batches`` (forwards only: nothing accumulates); None without any."""
+        """The mean loss of ``batches`` (forwards only: nothing accumulates); None without any. Spot
+        checked as microbatches are: a paired batch's forwards are each sent twice at once."""
         total, count = 0.0, 0
         for x, y in batches:
-            acts = x
-            for stage in range(self.last):
-                acts = (await self.calls.forward(stage, acts)).reply.outputs
-            reply = (await self.calls.forward(self.last, acts, targets=y)).reply
-            if reply.loss is None:
-                raise TrainerError(f"stage {self.last} answered a forward with targets without its loss")
-            total += reply.loss * x.shape[0]
+            while True:
+                try:
+                    loss = await self._validation_forward(x, y, self.checks.pairs())
+                except Unsettled:
+                    continue
+                break
+            total += loss * x.shape[0]
             count += x.shape[0]
         return total / count if count else None
+
+    async def _validation_forward(self, x: torch.Tensor, y: torch.Tensor, paired: bool) -> float:
+        checks, acts = self.checks, x
+        for stage in range(self.last + 1):
+            targets = y if stage == self.last else None
+            served, pair = await self._forward(stage, acts, targets, None, None, paired)
+            reply = await checks.forward(stage, acts, targets, served, pair)
+            acts = reply.outputs
+        if reply.loss is None:
+            raise TrainerError(f"stage {self.last} answered a forward with targets without its loss")
+        return reply.loss
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -186,7 +186,10 @@ class LeaseBook:
 class Runner(Protocol):
     """Runs one microbatch (``swarmd.train.microbatches.Microbatches``)."""
 
-    async def run(self, x: torch.Tensor, y: torch.Tensor, *, lease_step: int | None = None) -> None: ...
+    async def run(self, x: torch.Tensor, y: torch.Tensor, *, lease_step: int | None = None,
+                  paired: bool | None = None) -> None: ...
+
+    def pairs(self) -> bool: ...
 
 
 class Sampler(Protocol):
@@ -217,7 +220,7 @@ class AsyncPacing:
         done_steps = 0
         in_flight: set[asyncio.Task[None]] = set()
         sizes: dict[asyncio.Task[None], int] = {}
-        leases: dict[asyncio.Task[None], int] = {}  # task -> its lease id
+        leases: dict[asyncio.Task[None], list[int]] = {}  # task -> its lease ids (two: a paired check's)
         done_leases: list[int] = []  # finished under a lease, not reported yet
         try:
             while True:
@@ -228,17 +231,25 @@ class AsyncPacing:
                     await self.on_step(start + done_steps - 1, done_steps)
                 if step_now >= target or (cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds):
                     break
-                room = cfg.window - len(in_flight)
-                reply = await self.book.reserve(progress, room, done_leases, list(leases.values()))
+                room = cfg.window - sum(len(leases.get(task, [0])) for task in in_flight)  # a paired check holds two
+                held = [lease for ids in leases.values() for lease in ids]
+                reply = await self.book.reserve(progress, room, done_leases, held)
                 if reply is not None:
                     done_leases.clear()
                     if reply.leases:
                         await self._await_rounds_taken(progress, reply.step)
-                    for lease_id, samples in reply.leases:
+                    granted = list(reply.leases)
+                    while granted:
+                        lease_id, samples = granted.pop(0)
+                        ids = [lease_id]
+                        # a spot check is a paired microbatch: the same sample twice, on two leases
+                        if granted and granted[0][1] == samples and self.microbatches.pairs():
+                            ids.append(granted.pop(0)[0])
                         x, y = sampler.sample(samples)
-                        task = asyncio.create_task(self.microbatches.run(x, y, lease_step=reply.step))
+                        task = asyncio.create_task(self.microbatches.run(x, y, lease_step=reply.step,
+                                                                         paired=len(ids) == 2))
                         in_flight.add(task)
-                        sizes[task], leases[task] = samples, lease_id
+                        sizes[task], leases[task] = samples * len(ids), ids
                     s.leases += len(reply.leases)
                     if not reply.leases and room and reply.reserved >= reply.target:
                         s.full_waits += 1
@@ -263,9 +274,9 @@ class AsyncPacing:
                                                      return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     sizes.pop(task, None)
-                    lease_done = leases.pop(task, -1)
-                    if lease_done >= 0 and not task.cancelled() and task.exception() is None:
-                        done_leases.append(lease_done)
+                    lease_done = leases.pop(task, [])
+                    if not task.cancelled() and task.exception() is None:
+                        done_leases += lease_done
                 # retrieve every error (else asyncio logs "Task exception was never retrieved" for
                 # each failed microbatch after the first), then raise the first one
                 failed = [task for task in done if not task.cancelled() and task.exception() is not None]
@@ -273,7 +284,7 @@ class AsyncPacing:
                     task.result()
             for finished in asyncio.as_completed(in_flight):
                 await finished
-            done_leases += leases.values()
+            done_leases += [lease for ids in leases.values() for lease in ids]
             in_flight = set()
             if done_leases:  # report them, or the book would take them for a dead trainer's and grant them again
                 await self.book.reserve(await self.view.poll(), 0, done_leases, [])

@@ -1,27 +1,43 @@
-"""Spot checks: a trainer asks other peers of a stage for the same answer, and acts on the verdict.
+"""Spot checks: a trainer runs some microbatches twice, through other peers, and acts on the verdict.
 
 The SWARM paper assumes honest workers (section 6 names malicious nodes as a limitation). The
 peers of a stage hold bit-identical parameters, so the same request to two of them at one step
 must give the same answer (``swarmd.train.verify`` holds the rules: the tolerance, arbitration,
-the ledger of what checks concluded). This module is the I/O around those rules (issue #17):
+the ledger of what checks concluded). This module is the I/O around those rules (issues #17, #29).
 
-* which calls are checked: a random ``verify_fraction`` of forward and backward calls, in the
-  background; and always a peer's first answers of each kind, which the microbatch waits for (a
-  liar from the start must not get its first answers used);
-* a check asks a second peer (a forward under a fresh microbatch id, so it looks like any other; a
-  backward flagged ``verify``, computed but never accumulated), and on a mismatch a third; a first
-  check asks two at once, so all three answers likely come from one step and a liar is convicted
-  at once (a third asked only after a mismatch often met the next step);
-* a first check that cannot confirm the answer (nobody else answered, or the stage stepped in
-  between) asks the *same* peer again with its stage-mates at once (up to :data:`RECHECKS` times):
-  an unconfirmed answer must not go through, since a gradient liar's few such answers inflate
-  Adam's second moments for hundreds of steps (docs/SECURITY.md, "Wrong answers from members", has the runs);
-* the peer that disagrees with the other two is banned for ``LIAR_BAN_S`` and a signed report
-  (``swarmd.pipeline.reports``) goes to every listed peer.
+A check is a *paired microbatch* (issue #29, item 1): the trainer draws, before a microbatch's
+first call, whether it runs paired (a random ``verify_fraction`` of microbatches, and always while
+some usable peer has no confirmed answer yet); a paired microbatch's every call is sent twice at
+once, each under its own fresh microbatch id, the pair's to another peer of the stage where it has
+one: forwards, the last stage's fused forward and backward, and each stage's backward (sent to the
+peer that ran the pair's forward, with the same deadline as any backward). Both halves are ordinary
+microbatches: the same fields, sizes and deadlines as any request, no flag, both accumulated (the
+sample weighs twice in its step, both counted in the trainer's books); a check peer always ran its
+own forward before its backward. Each stage gets the primary's (or, after a conviction, the
+majority's) inputs, so both halves see byte-identical requests and each stage is judged alone.
+docs/SECURITY.md ("What a peer sees of a check") says what a peer can observe and why it cannot tell.
 
-Each check ends in a typed :class:`Ruling`: go on with the answer, go on with another one, or
-redo the microbatch (:class:`Unsettled`). Every opinion is a call through the trainer's one call
-machine (``swarmd.train.stage_calls``), with an opinion's patience and counted as the checks' cost.
+The verdict on each pair of answers, waited for before the microbatch goes on:
+
+* the same step and the same answer: confirmed (both peers credited);
+* the same step, different answers: a third peer arbitrates (asked as an ordinary microbatch of
+  its own: a forward, then its backward); the odd one out is convicted, and the majority's answer
+  goes on; with no third peer the microbatch is redone (``Unsettled``), and a stage's only two peers
+  that keep disagreeing are let through (``verify.UNSETTLED_LIMIT``);
+* a reply's step is its peer's claim, so it is checked, not believed (``verify.step_lie``): a step
+  beyond its stage-mates' in the last poll asks them again, and a step ahead of what its own peer
+  reports afterwards, or still beyond its stage-mates', convicts it; a pair whose
+  halves name different steps asks a third peer, checks the odd one out that way, and redoes the
+  microbatch;
+* a check is never dropped for want of an opinion of the same step: the microbatch is redone, and
+  while a peer is disputed (in a mismatch no conviction or agreement cleared) every microbatch
+  runs paired, so it is asked again until decided.
+
+Validation forwards are paired the same way (a pair of validation forwards is two validation
+forwards). The first stage's backward answers no tensor: its step and sample count are compared.
+
+Each check ends in a typed :class:`Ruling`; the peer convicted is banned for ``LIAR_BAN_S`` and a
+signed report (``swarmd.pipeline.reports``) goes to every listed peer.
 """
 
 from __future__ import annotations
@@ -33,9 +49,9 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -44,7 +60,7 @@ from swarmd.errors import PeerError
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest
 from swarmd.pipeline.reports import MisbehaviourReport, digest_tensor_bytes
-from swarmd.train.stage_calls import CallEnded, Ended, Patience, Redo, Send, Served, StageCalls, StepMoved
+from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageCalls, StepMoved
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     LIAR_BAN_S,
@@ -53,44 +69,47 @@ from swarmd.train.verify import (
     SpotChecker,
     Verdict,
     VerifyStats,
-    agree,
     arbitrate,
+    step_beyond,
+    step_lie,
     tolerance,
 )
 
-__all__ = ["OPINION_ATTEMPTS", "RECHECKS", "Finding", "Ruling", "SpotChecks", "Unsettled"]
+__all__ = ["OPINION_ATTEMPTS", "Finding", "Ruling", "SpotChecks", "Unsettled"]
 
 log = logging.getLogger(__name__)
 
 Kind = Literal["forward", "backward"]
-Resend = Send[ForwardReply | BackwardReply]
+R = TypeVar("R")
+#: Asks a third peer (not one of the given ids) for its answer to the checked request; None when nobody answered.
+Arbiter = Callable[[frozenset[str]], Awaitable[Answer | None]]
+#: The stage's peers' steps by peer id as last polled (``/v1/progress``), polled afresh when ``fresh``.
+StageSteps = Callable[[int, bool], Awaitable[Mapping[str, int]]]
 
-#: Tries for a spot check's second (or third) opinion: a busy peer is asked again, a broken one banned.
+#: Tries for a pair's or an arbiter's call: a busy peer is asked again, a broken one banned.
 OPINION_ATTEMPTS = 4
-#: A first check that met no opinion at its step asks the same peer again this often.
-RECHECKS = 2
 
 
 class Unsettled(Redo):
-    """A peer's first answer disagreed with another peer's and no third one settled who lied: the
-    answer is not used, the microbatch is redone."""
+    """A pair's answers disagreed (or came from different steps) and no third one settled who lied:
+    neither answer is used, the microbatch is redone (asked again, under fresh ids)."""
 
 
 class Finding(enum.Enum):
     """What a check found about the answer it checked."""
 
-    CONFIRMED = "confirmed"  # another peer at its step agreed (or a witness did, against a convicted liar)
-    OVERRULED = "overruled"  # the answer's peer lied: convicted, and the majority's answer goes on
+    CONFIRMED = "confirmed"  # the pair agreed at one step (or a witness did, against a convicted liar)
+    OVERRULED = "overruled"  # the primary's peer lied: convicted, and the majority's answer goes on
     UNSETTLED = "unsettled"  # a mismatch no third peer settled: redo the microbatch
-    UNCONFIRMED = "unconfirmed"  # no opinion at its step: neither confirmed nor refuted
-    INCOMPARABLE = "incomparable"  # the only opinions at its step were computed in another precision
+    UNCHECKED = "unchecked"  # no pair at this stage (one usable peer): nothing to compare
+    INCOMPARABLE = "incomparable"  # the pair computed in different precisions
     LET_THROUGH = "let_through"  # its stage's only two peers keep disagreeing: going on with their answers
 
 
 @dataclass(frozen=True)
 class Ruling:
     """A check's verdict on one answer: what it found, and the answer to go on with instead of the
-    checked one (``use``: the majority's when it lied; its own fresh answer after a recheck)."""
+    primary's (``use``: the majority's when the primary lied)."""
 
     finding: Finding
     use: Answer | None = None
@@ -102,25 +121,26 @@ class Ruling:
 
 _CONFIRMED = Ruling(Finding.CONFIRMED)
 _UNSETTLED = Ruling(Finding.UNSETTLED)
-_UNCONFIRMED = Ruling(Finding.UNCONFIRMED)
+_UNCHECKED = Ruling(Finding.UNCHECKED)
 
 
 def _evidence(request: tuple[torch.Tensor, ...], answers: Sequence[Answer]) -> tuple[str, dict[str, str]]:
-    """The digests a report carries: of the request's tensors, and of each peer's answer."""
+    """The digests a report carries: of the request's tensors, and of each peer's answer (its step too)."""
 
     def raw(t: torch.Tensor) -> bytes:
         return t.detach().contiguous().cpu().numpy().tobytes()
 
     request_digest = digest_tensor_bytes(*(raw(t) for t in request))
     digests = {
-        a.peer_id: digest_tensor_bytes(raw(a.tensor) if a.tensor is not None else b"", repr(a.loss).encode())
+        a.peer_id: digest_tensor_bytes(raw(a.tensor) if a.tensor is not None else b"",
+                                       repr((a.loss, a.step)).encode())
         for a in answers
     }
     return request_digest, digests
 
 
 class _CheckTally:
-    """An opinion's requests: the checks' extra traffic."""
+    """A check's requests (the pair's half, an arbiter's): the checks' extra traffic."""
 
     def __init__(self, stats: VerifyStats, nbytes: int) -> None:
         self.stats, self.nbytes = stats, nbytes
@@ -132,282 +152,278 @@ class _CheckTally:
 
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None:
-        pass  # the ban itself is the router's; an opinion's failures are counted when it ends
+        pass  # the ban itself is the router's
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def forward_answer(served: Served[ForwardReply]) -> Answer:
+    r = served.reply
+    return Answer(served.peer_id, r.step, r.outputs, r.loss, r.precision)
+
+
+def backward_answer(served: Served[BackwardReply]) -> Answer:
+    r = served.reply
+    return Answer(served.peer_id, r.step, r.grad_inputs, r.loss, r.precision)
 
 
 class SpotChecks:
-    """One trainer's spot checks: drawn, run (owned background tasks), judged and acted on."""
+    """One trainer's spot checks: which microbatches run paired, the pairs' calls, the verdicts."""
 
     def __init__(
         self, calls: StageCalls, client: DataPlaneClient, *, stats: VerifyStats, codec: str, fraction: float,
-        window: int, timing: Timing, rng: random.Random | None = None,
+        window: int, timing: Timing, rng: random.Random | None = None, stage_steps: StageSteps | None = None,
     ) -> None:
         self.calls = calls
         self.client = client
         self.stats = stats
         self.ledger = CheckLedger()
         self.fraction = fraction
-        self.window = window  # background checks running at most (first checks are never skipped)
         self.timing = timing
         self._tolerance = tolerance(codec)
         self._checker = SpotChecker(fraction, rng if rng is not None else random.Random(secrets.randbits(64)))
-        self._opinion_patience = Patience(tries=OPINION_ATTEMPTS, waits=False, busy_pause_s=timing.opinion_busy_retry_s)
-        self._tasks: set[asyncio.Task[Ruling]] = set()  # checks running (owned)
+        self._patience = Patience(tries=OPINION_ATTEMPTS, waits=False, busy_pause_s=timing.opinion_busy_retry_s)
+        self._stage_steps = stage_steps
         self._identity: Identity | None = None  # ephemeral: signs this trainer's reports
 
-    # ---- what the microbatch calls ---------------------------------------------------------------
+    # ---- which microbatches run paired -----------------------------------------------------------
 
-    async def forward(self, stage: int, inputs: torch.Tensor, served: Served[ForwardReply]) -> ForwardReply:
-        """Perhaps check a forward's answer: the reply to go on with (the majority's outputs when a
-        check it waited for convicted its peer)."""
+    def pairs(self) -> bool:
+        """Whether the next microbatch (or validation batch) runs paired: drawn with probability
+        ``fraction``, and always while a usable peer of a stage with a second one has no answer of
+        each kind confirmed yet. Drawn before its first call: a peer's own answers change nothing."""
+        paired = self._pairs()
+        self.stats.paired += int(paired)
+        return paired
+
+    def _pairs(self) -> bool:
+        if self.fraction == 0.0:
+            return False
+        routers = self.calls.stages.routers
+        if not any(r.usable_count > 1 for r in routers):
+            return False
+        if any(self.ledger.disputed(p.peer_id) for r in routers if r.usable_count > 1 for p in r.snapshot()
+               if p.routable):
+            self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
+            return True
+        last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
+        if any(self.ledger.wants_first_check(p.peer_id, kind) for stage, r in enumerate(routers)
+               if r.usable_count > 1 for p in r.snapshot() if p.routable
+               for kind in (("backward",) if stage == last else ("forward", "backward"))):
+            self.stats.first_checks += 1
+            return True
+        return self._checker.should_check(comparable=True, other_peers=1)
+
+    async def paired(self, stage: int, call: Callable[[How | None], Awaitable[Served[R]]],
+                     nbytes: int) -> tuple[Served[R], Served[R]]:
+        """A call's two halves, sent at once: the primary's as any microbatch's call, the pair's to
+        another peer (one free now; else, while the primary's is out, any peer: a stage of one peer
+        serves both halves, unchecked), paid as the checks' traffic."""
+        taken: set[str] | None = set() if self.calls.stages.routers[stage].usable_count > 1 else None
+        first = asyncio.ensure_future(call(How(taken=taken)))
+        try:
+            await asyncio.sleep(0)  # the primary's peer is in ``taken`` before the pair chooses
+            tally = _CheckTally(self.stats, nbytes)
+            try:
+                second = await call(How(patience=self._patience, tally=tally, taken=taken))
+            except CallEnded:
+                second = await call(How(patience=Patience.until_answered(self.timing), tally=tally))
+            return await first, second
+        finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+
+    def pair_tally(self, nbytes: int) -> How:
+        """How a pair's backward is sent: as any microbatch's (to the peer that ran its forward), paid
+        as the checks' traffic."""
+        return How(patience=Patience.until_answered(self.timing), tally=_CheckTally(self.stats, nbytes))
+
+    # ---- the verdicts ----------------------------------------------------------------------------
+
+    async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None,
+                      served: Served[ForwardReply], pair: Served[ForwardReply] | None) -> ForwardReply:
+        """The forward reply to go on with: the primary's, or the majority's when it lied. Raises
+        :class:`Unsettled` when the pair could not be judged."""
+        self.stats.calls += 1
         reply = served.reply
-        primary = Answer(served.peer_id, reply.step, reply.outputs, reply.loss, reply.precision)
-        use = await self._maybe_check(stage, "forward", primary, self.calls.forward_again(stage, inputs),
-                                      (inputs,), secrets.randbits(64))
-        if use is None or use.tensor is None:
+        if pair is None:
+            if await self._plausible(stage, "forward", forward_answer(served), (inputs,)):
+                self.stats.redone += 1
+                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
             return reply
-        return dataclasses.replace(reply, outputs=use.tensor, loss=use.loss)
+        calls = self.calls
+
+        async def arbiter(exclude: frozenset[str]) -> Answer | None:
+            how = How(patience=self._patience, tally=_CheckTally(self.stats, _nbytes(inputs, targets)),
+                      exclude=exclude)
+            try:
+                return forward_answer(await calls.forward(stage, inputs, targets, mb=secrets.randbits(64), how=how))
+            except (CallEnded, StepMoved):
+                return None
+
+        request = tuple(t for t in (inputs, targets) if t is not None)
+        ruling = await self.judge(stage, "forward", forward_answer(served), forward_answer(pair), arbiter, request)
+        if ruling.redo:
+            raise Unsettled()
+        if ruling.use is None or ruling.use.tensor is None:
+            return reply
+        return dataclasses.replace(reply, outputs=ruling.use.tensor, loss=ruling.use.loss, step=ruling.use.step)
 
     async def backward(
         self, stage: int, inputs: torch.Tensor, grad_outputs: torch.Tensor | None, targets: torch.Tensor | None,
-        step: int | None, mb: int, served: Served[BackwardReply],
+        served: Served[BackwardReply], pair: Served[BackwardReply] | None,
     ) -> BackwardReply:
-        """Perhaps check a backward's answer, as :meth:`forward` (the liar's own accumulation is the
-        averaging's to leave out, once the swarm excluded it)."""
-        reply = served.reply
-        if reply.grad_inputs is None and reply.loss is None:
-            self.stats.calls += 1
-            return reply  # the first stage's backward answers nothing to compare
-        primary = Answer(served.peer_id, reply.step, reply.grad_inputs, reply.loss, reply.precision)
-        tensors = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
-        use = await self._maybe_check(stage, "backward", primary,
-                                      self.calls.backward_again(stage, inputs, grad_outputs, targets, step, mb),
-                                      tensors, mb)
-        if use is None:
-            return reply
-        return dataclasses.replace(reply, grad_inputs=use.tensor, loss=use.loss)
-
-    async def _maybe_check(self, stage: int, kind: Kind, primary: Answer, resend: Resend,
-                           request: tuple[torch.Tensor, ...], mb: int) -> Answer | None:
-        """Draw whether to check this call and start the check. A random check runs in the
-        background; a peer's first check is waited for: then the answer to go on with instead of
-        the primary's, if any; an unsettled mismatch raises :class:`Unsettled`."""
+        """The backward reply to go on with, as :meth:`forward`. An arbiter runs its own forward
+        first (the last stage's: one fused call), as any microbatch does."""
         self.stats.calls += 1
-        router = self.calls.stages.routers[stage]
-        first = self.fraction > 0 and self.ledger.wants_first_check(primary.peer_id, kind) and router.usable_count > 1
-        if not first and not self._checker.should_check(comparable=True, other_peers=router.usable_count - 1):
-            return None
-        if not first and len(self._tasks) >= self.window:
-            self.stats.skipped += 1
-            return None
-        self.stats.first_checks += int(first)
-        task = asyncio.create_task(self.check(stage, kind, primary, resend, request, mb, waited=first),
-                                   name=f"swarmd-spot-check-{stage}-{kind}")
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        if not first:
-            return None
-        # shielded: a cancelled microbatch leaves its check running (owned by _tasks)
-        ruling = await asyncio.shield(task)
+        reply = served.reply
+        request = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
+        if pair is None:
+            if await self._plausible(stage, "backward", backward_answer(served), request):
+                self.stats.redone += 1
+                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
+            return reply
+        calls, nbytes = self.calls, _nbytes(*request)
+
+        async def arbiter(exclude: frozenset[str]) -> Answer | None:
+            mb = secrets.randbits(64)
+            how = How(patience=self._patience, tally=_CheckTally(self.stats, nbytes), exclude=exclude)
+            try:
+                step = None
+                only = None
+                if targets is None:
+                    fwd = await calls.forward(stage, inputs, mb=mb, how=how)
+                    step, only = fwd.reply.step, fwd.peer_id
+                how = dataclasses.replace(how, only=only)
+                return backward_answer(await calls.backward(stage, inputs, grad_outputs=grad_outputs,
+                                                            targets=targets, step=step, mb=mb, how=how))
+            except (CallEnded, StepMoved):
+                return None
+
+        ruling = await self.judge(stage, "backward", backward_answer(served), backward_answer(pair), arbiter, request)
         if ruling.redo:
             raise Unsettled()
-        return ruling.use
+        if ruling.use is None:
+            return reply
+        use = ruling.use
+        return dataclasses.replace(reply, grad_inputs=use.tensor, loss=use.loss, step=use.step)
 
-    def _done(self, task: asyncio.Task[Ruling]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("a spot check failed unexpectedly: %r", task.exception())
-
-    async def finish(self) -> None:
-        """Wait for the checks still running (each bounded by its peers' timeouts)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-    async def cancel(self) -> None:
-        """Cancel the checks still running, and wait until they ended."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    # ---- one check -------------------------------------------------------------------------------
-
-    async def check(self, stage: int, kind: Kind, primary: Answer, resend: Resend, request: tuple[torch.Tensor, ...],
-                    mb: int, *, waited: bool = False) -> Ruling:
-        """One spot check of ``primary``: a second opinion, and on a mismatch a third
-        (``verify.arbitrate``). A check the call ``waited`` for (a peer's first answers) that
-        cannot confirm the answer rechecks it (:meth:`_recheck`); a backward's recheck is flagged
-        ``verify`` (never accumulated), so what goes on then is its fresh answer, and the peer's
-        next backward is checked first again; a forward's recheck looks like any forward, and the
-        original answer goes on. Only when the rechecks cannot confirm either is the answer let
-        through, unless its peer is disputed (in a mismatch no conviction cleared): then it is
-        unsettled and the microbatch redone. Honest swarms never redo, so their counts stay exact."""
+    async def judge(self, stage: int, kind: Kind, primary: Answer, second: Answer, arbiter: Arbiter,
+                    request: tuple[torch.Tensor, ...]) -> Ruling:
+        """The ruling on a pair of answers (see the module docstring)."""
         stats = self.stats
+        if primary.peer_id == second.peer_id:
+            return _UNSETTLED if await self._plausible(stage, kind, primary, request) else _UNCHECKED
         stats.checks += 1
-        samples, nbytes = int(request[0].shape[0]), sum(t.numel() * t.element_size() for t in request)
-        both = waited and self.calls.stages.routers[stage].usable_count > 2
-        taken: set[str] = set()
-        opinions = await asyncio.gather(*(self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id}, taken)
-                                          for _ in range(2 if both else 1)))
-        ruling = await self._compare(stage, kind, primary, list(opinions), resend, request, mb)
-        for _ in range(RECHECKS if waited else 0):
-            if ruling.finding is not Finding.UNCONFIRMED:
-                break
-            stats.rechecks += 1
-            again = await self._recheck(stage, kind, primary.peer_id, resend, samples, nbytes)
-            if again is None:
-                break
-            fresh, mates = again
-            ruling = await self._compare(stage, kind, fresh, mates, resend, request, mb,
-                                         uncredited=primary.peer_id if kind == "backward" else None)
-            if kind == "backward" and ruling.use is None and ruling.finding in (Finding.CONFIRMED, Finding.LET_THROUGH):
-                ruling = Ruling(ruling.finding, fresh)  # its fresh gradients go on, not the unconfirmed ones
-        if ruling.finding is Finding.INCOMPARABLE:
-            stats.unconfirmed += int(waited)
-            self._incomparable(stage, kind, primary)
-        elif ruling.finding is Finding.UNCONFIRMED:
-            stats.unconfirmed += int(waited)
-            if waited and self.ledger.disputed(primary.peer_id):
-                return _UNSETTLED
-        return ruling
-
-    async def _recheck(self, stage: int, kind: Kind, peer_id: str, resend: Resend, samples: int,
-                       nbytes: int) -> tuple[Answer, list[Answer | None]] | None:
-        """``peer_id``'s answer to the checked request again, and its stage-mates' (two when the
-        stage has them), all asked at once; None when ``peer_id`` cannot be asked or did not answer."""
-        router = self.calls.stages.routers[stage]
-        if router.choose_only(peer_id) is None:
-            return None  # banned or busy meanwhile: its mates are not asked in vain
-        taken: set[str] = set()
-        others = 2 if router.usable_count > 2 else 1
-        answers = await asyncio.gather(
-            self._opinion(stage, kind, resend, samples, nbytes, set(), only=peer_id),
-            *(self._opinion(stage, kind, resend, samples, nbytes, {peer_id}, taken) for _ in range(others)))
-        if answers[0] is None:
-            return None
-        return answers[0], list(answers[1:])
-
-    async def _compare(self, stage: int, kind: Kind, primary: Answer, opinions: list[Answer | None],
-                       resend: Resend, request: tuple[torch.Tensor, ...], mb: int,
-                       uncredited: str | None = None) -> Ruling:
-        """The ruling on ``primary`` given the ``opinions`` asked for it. ``uncredited``: a peer whose
-        agreement is not counted as a confirmation (``CheckLedger.credit``)."""
-        stats = self.stats
-        same = [a for a in opinions if a is not None and a.step == primary.step and a.precision == primary.precision]
-        if not same and any(a is not None and a.step == primary.step for a in opinions):
+        for answer in (primary, second):
+            if await self._plausible(stage, kind, answer, request):
+                stats.redone += 1
+                return _UNSETTLED  # its peer lied about its step and is convicted: the microbatch goes again
+        if primary.precision != second.precision:
+            for a in (primary, second):
+                if self.ledger.give_up(a.peer_id, kind):
+                    log.warning("spot check: stage %d peer %s computes in %s, its mate in another precision; their "
+                                "answers are not compared", stage, a.peer_id[:12], a.precision)
             return Ruling(Finding.INCOMPARABLE)
-        if len(same) >= 2:
-            return await self._settle_three(stage, kind, primary, same[0], same[1], request, mb, uncredited)
-        second = same[0] if same else next((a for a in opinions if a is not None), None)
-        if second is None:
-            return _UNCONFIRMED
+        if primary.step != second.step:
+            return await self._split_steps(stage, kind, primary, second, arbiter, request)
         outcome = arbitrate([primary, second], self._tolerance)
         if outcome.verdict is Verdict.AGREE:
             stats.agreements += 1
-            self.ledger.credit((primary, second), kind, uncredited)
+            self.ledger.credit((primary, second), kind)
+            self.ledger.clear((primary.peer_id, second.peer_id))
             return _CONFIRMED
-        if outcome.verdict is Verdict.INCONCLUSIVE:
-            stats.inconclusive += 1
-            return _UNCONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
         stats.mismatches += 1
         stats.arbitrations += 1
         log.warning("spot check: stage %d peers %s and %s answered a %s differently at step %d; asking a third",
                     stage, primary.peer_id[:12], second.peer_id[:12], kind, primary.step)
-        samples, nbytes = int(request[0].shape[0]), sum(t.numel() * t.element_size() for t in request)
-        third = await self._opinion(stage, kind, resend, samples, nbytes, {primary.peer_id, second.peer_id})
-        if third is None:
+        third = await arbiter(frozenset((primary.peer_id, second.peer_id)))
+        if third is None or third.step != primary.step:
+            stats.inconclusive += 1
             return self._unsettled_pair(stage, kind, primary.peer_id, second.peer_id)
-        return await self._convicted(stage, kind, [primary, second, third], request, mb)
+        return await self._convicted(stage, kind, [primary, second, third], request)
+
+    async def _split_steps(self, stage: int, kind: Kind, primary: Answer, second: Answer, arbiter: Arbiter,
+                           request: tuple[torch.Tensor, ...]) -> Ruling:
+        """A pair whose answers name different steps: a third peer says which step the stage is at,
+        and the one alone ahead of it is held to a fresh poll (:meth:`_plausible`: convicted when its
+        own peer then reports an earlier step). The microbatch is redone either way: a stage that
+        stepped between two answers sent at once is rare, and nobody is blamed for being behind."""
+        stats = self.stats
+        stats.inconclusive += 1
+        stats.redone += 1
+        third = await arbiter(frozenset((primary.peer_id, second.peer_id)))
+        if third is None:
+            return _UNSETTLED
+        ahead = [a for a in (primary, second) if a.step > third.step]
+        if len(ahead) == 1:
+            await self._plausible(stage, kind, ahead[0], request, suspect=True)
+        return _UNSETTLED
+
+    async def _plausible(self, stage: int, kind: Kind, answer: Answer, request: tuple[torch.Tensor, ...],
+                         suspect: bool = False) -> bool:
+        """Hold a reply's step to its stage's (``verify.step_lie``): True, and its peer convicted, when
+        a poll made after it shows a lie. The poll is made only when the step is beyond its stage-mates'
+        in the last one (``verify.step_beyond``), or the reply is ``suspect`` (alone ahead in a pair)."""
+        if self._stage_steps is None:
+            return False
+        if not suspect:
+            known = await self._stage_steps(stage, False)
+            if not step_beyond(answer.step, [s for p, s in known.items() if p != answer.peer_id]):
+                return False
+        for again in range(2):  # twice, a moment apart: a step the peer had not published yet is not a lie
+            if again:
+                await asyncio.sleep(self.timing.step_recheck_s)
+            steps = await self._stage_steps(stage, True)
+            own = steps.get(answer.peer_id)
+            mates = {p: s for p, s in steps.items() if p != answer.peer_id}
+            if not step_lie(answer.step, own, list(mates.values())):
+                return False
+        log.warning("spot check: stage %d peer %s answered a %s at step %d, ahead of %s", stage, answer.peer_id[:12],
+                    kind, answer.step, f"the step it reports now ({own})" if own is not None and answer.step > own
+                    else "its stage-mates' steps")
+        self.stats.mismatches += 1
+        evidence = [Answer(p, s, None) for p, s in sorted(mates.items(), key=lambda item: -item[1])][:2]
+        await self._convict(stage, kind, answer.peer_id, [answer, *evidence], request)
+        return True
 
     def _unsettled_pair(self, stage: int, kind: Kind, a: str, b: str) -> Ruling:
         """A mismatch between ``a`` and ``b`` that no third peer settled: unsettled (redo), unless
         they are the only usable peers of their stage and have disagreed so ``UNSETTLED_LIMIT``
-        times: no redo can ever settle it (one of two lies, which two peers cannot tell apart; or
-        they differ beyond the tolerance for another reason), and redoing each microbatch for ever
-        would stall training. Their answers then go on, and their first checks stop, said once."""
+        times: no redo can ever settle it, and redoing each microbatch for ever would stall training."""
         ledger = self.ledger
         known = ledger.gave_up(a, kind) and ledger.gave_up(b, kind)
         if not ledger.unsettled(a, b, kind, pair_only=self.calls.stages.routers[stage].usable_count <= 2):
+            self.stats.redone += 1
             return _UNSETTLED
         if not known:
             log.warning("spot check: stage %d peers %s and %s answered %s %d times differently and the stage has "
                         "no third peer to settle it (one of them lies, or they differ beyond the tolerance); "
                         "going on with their answers unconfirmed", stage, a[:12], b[:12], kind,
                         ledger.unsettled_limit)
+        self.stats.unconfirmed += 1
         return Ruling(Finding.LET_THROUGH)
 
-    async def _settle_three(self, stage: int, kind: Kind, primary: Answer, second: Answer, third: Answer,
-                            request: tuple[torch.Tensor, ...], mb: int, uncredited: str | None = None) -> Ruling:
-        """The ruling of a check that asked two peers at once, all three at the primary's step: all
-        agree (each confirmed but ``uncredited``), or the odd one out is convicted, or unsettled."""
-        stats = self.stats
-        answers = [primary, second, third]
-        with_second, with_third = agree(primary, second, self._tolerance), agree(primary, third, self._tolerance)
-        if with_second and with_third:
-            stats.agreements += 1
-            self.ledger.credit(answers, kind, uncredited)
-            return _CONFIRMED
-        self.ledger.dispute(a.peer_id for a in answers)
-        stats.mismatches += 1
-        stats.arbitrations += 1
-        log.warning("spot check: stage %d peers %s, %s and %s answered a %s differently at step %d", stage,
-                    primary.peer_id[:12], second.peer_id[:12], third.peer_id[:12], kind, primary.step)
-        if with_second or with_third:
-            # the primary has a witness: the odd one out was a second opinion (convicted when the
-            # other two agree, which they do here)
-            witness, odd = (second, third) if with_second else (third, second)
-            return await self._convicted(stage, kind, [primary, odd, witness], request, mb)
-        return await self._convicted(stage, kind, answers, request, mb)
-
-    async def _convicted(self, stage: int, kind: Kind, answers: list[Answer], request: tuple[torch.Tensor, ...],
-                         mb: int) -> Ruling:
+    async def _convicted(self, stage: int, kind: Kind, answers: list[Answer],
+                         request: tuple[torch.Tensor, ...]) -> Ruling:
         """Arbitrate ``answers`` (primary, second, arbiter) and convict the liar: the primary's answer
         is overruled by the second's when the primary lied, else confirmed; unsettled when no two agree."""
         outcome = arbitrate(answers, self._tolerance)
         if outcome.verdict is not Verdict.LIAR or outcome.liar is None:
             self.stats.inconclusive += 1
+            self.stats.redone += 1
             return _UNSETTLED
         self.ledger.clear(a.peer_id for a in answers if a.peer_id != outcome.liar)  # they agreed on the truth
-        await self._convict(stage, kind, outcome.liar, answers, request, mb)
+        await self._convict(stage, kind, outcome.liar, answers, request)
         primary, second = answers[0], answers[1]
         return Ruling(Finding.OVERRULED, second) if outcome.liar == primary.peer_id else _CONFIRMED
 
-    def _incomparable(self, stage: int, kind: Kind, primary: Answer) -> None:
-        """The stage-mates that answered computed in another ``--precision`` than ``primary`` (bf16
-        against fp32 differ by more than any codec's tolerance): its answer goes on unconfirmed and
-        its first checks stop (random ones go on, and compare it with a peer of its precision when
-        one answers), said once per peer."""
-        if self.ledger.give_up(primary.peer_id, kind):
-            log.warning("spot check: stage %d peer %s computes in %s and the stage-mates asked about its %s in "
-                        "another precision; its answers are not compared with theirs", stage,
-                        primary.peer_id[:12], primary.precision, kind)
-
-    async def _opinion(self, stage: int, kind: Kind, resend: Resend, samples: int, nbytes: int, exclude: set[str],
-                       taken: set[str] | None = None, *, only: str | None = None) -> Answer | None:
-        """Another peer's answer to a checked call (``only``: that peer's, a recheck); None (counted)
-        when there was nobody to ask or none answered (``failed``), or the peer moved on or its stage
-        stepped meanwhile (``inconclusive``: its answer would be from another step). ``taken``:
-        shared by opinions asked at once, so that each asks another peer."""
-        try:
-            served = await self.calls.call(stage, kind, samples, resend, patience=self._opinion_patience,
-                                           tally=_CheckTally(self.stats, nbytes), only=only, exclude=exclude,
-                                           taken=taken)
-        except StepMoved:
-            self.stats.inconclusive += 1
-            return None
-        except CallEnded as ended:
-            if ended.why is Ended.MOVED_ON:
-                self.stats.inconclusive += 1
-            else:
-                self.stats.failed += 1
-            return None
-        reply = served.reply
-        tensor = reply.outputs if isinstance(reply, ForwardReply) else reply.grad_inputs
-        return Answer(served.peer_id, reply.step, tensor, reply.loss, reply.precision)
-
     async def _convict(self, stage: int, kind: Kind, liar: str, answers: list[Answer],
-                       request: tuple[torch.Tensor, ...], mb: int) -> None:
+                       request: tuple[torch.Tensor, ...]) -> None:
         """Ban ``liar`` for ``LIAR_BAN_S``, say so, and report it to every listed peer."""
         stats, routers = self.stats, self.calls.stages.routers
         routers[stage].ban(liar, LIAR_BAN_S)
@@ -415,16 +431,22 @@ class SpotChecks:
             return
         stats.liars += 1
         stats.caught = (*stats.caught, liar)
+        if len({a.peer_id for a in answers}) < 2:
+            log.warning("spot check: stage %d peer %s lied about its step; banned for %.0fs (no stage-mate answered "
+                        "the poll: nothing to report it with)", stage, liar[:12], LIAR_BAN_S)
+            return
         request_digest, answer_digests = await asyncio.to_thread(_evidence, request, answers)
         step = answers[0].step
         log.warning("spot check: stage %d peer %s lied (its %s at step %d disagrees with %s); banned for %.0fs "
                     "and reported (request %s, answers %s)", stage, liar[:12], kind, step,
-                    " and ".join(a.peer_id[:12] for a in answers if a.peer_id != liar), LIAR_BAN_S,
-                    request_digest[:16], ", ".join(f"{p[:12]}={d[:12]}" for p, d in sorted(answer_digests.items())))
+                    " and ".join(a.peer_id[:12] for a in answers if a.peer_id != liar) or "its stage's steps",
+                    LIAR_BAN_S, request_digest[:16],
+                    ", ".join(f"{p[:12]}={d[:12]}" for p, d in sorted(answer_digests.items())))
         if self._identity is None:
             self._identity = Identity.generate()
-        report = MisbehaviourReport.signed(self._identity, accused=liar, stage=stage, step=step, kind=kind, mb=mb,
-                                           request_digest=request_digest, answers=answer_digests, at=time.time())
+        report = MisbehaviourReport.signed(self._identity, accused=liar, stage=stage, step=max(0, step), kind=kind,
+                                           mb=secrets.randbits(64), request_digest=request_digest,
+                                           answers=answer_digests, at=time.time())
         body, signature = report.encode()
         peers = {p.peer_id: p.addr for router in routers for p in router.snapshot() if p.peer_id != liar and p.routable}
         client, timeout = self.client, self.timing.report_timeout_s
@@ -437,3 +459,9 @@ class SpotChecks:
 
         accepted = await asyncio.gather(*(send(addr) for addr in peers.values()))
         stats.reports_sent += sum(accepted)
+
+    async def finish(self) -> None:
+        """Checks are waited for by their microbatch: nothing runs in the background."""
+
+    async def cancel(self) -> None:
+        """Checks are waited for by their microbatch: nothing runs in the background."""

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ __all__ = [
     "CallEnded",
     "CallTally",
     "Ended",
+    "How",
     "Patience",
     "Redo",
     "Send",
@@ -137,6 +137,19 @@ class CallTally(Protocol):
 
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class How:
+    """A spot check's call (``swarmd.train.spot_checks``): the same request as a microbatch's, sent
+    the same way; only whom it may ask (``only``, ``exclude``, ``taken``: see :meth:`StageCalls.call`),
+    how hard it tries and who pays differ, none of which the peer sees."""
+
+    patience: Patience | None = None  # None: a microbatch's (until answered)
+    tally: CallTally | None = None  # None: a microbatch's (counted in the summary, told to the observers)
+    only: str | None = None
+    exclude: frozenset[str] = frozenset()
+    taken: set[str] | None = None
 
 
 class Stages(Protocol):
@@ -342,16 +355,17 @@ class StageCalls:
     # ---- the kinds of call -----------------------------------------------------------------------
 
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
-                      mb: int | None = None) -> Served[ForwardReply]:
-        """A forward through ``stage`` (with ``targets`` on the last stage: its loss too)."""
+                      mb: int | None = None, how: How | None = None) -> Served[ForwardReply]:
+        """A forward through ``stage`` (with ``targets`` on the last stage: its loss too); ``how``: a
+        spot check's pair or arbiter (whom to ask, how hard, who pays), else a microbatch's call."""
         client, codec, model = self.client, self.codec, self.model
         return await self._observed(stage, "forward", inputs.shape[0], lambda addr, timeout: client.forward(
-            addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout))
+            addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout), how=how)
 
     async def backward(
         self, stage: int, inputs: torch.Tensor, *, grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None, step: int | None = None, mb: int | None = None,
-        prefer: str | None = None, kept_at: str | None = None,
+        prefer: str | None = None, kept_at: str | None = None, how: How | None = None,
     ) -> Served[BackwardReply]:
         """A backward through ``stage`` (with ``targets`` on the last stage: the fused forward and
         backward), counted exactly once by the stage (``swarmd.pipeline.step_protocol``): the peer
@@ -394,37 +408,19 @@ class StageCalls:
                 attempts.failed(addr, exc)
                 raise
 
-        return await self._observed(stage, "backward", inputs.shape[0], send, prefer=prefer)
-
-    def forward_again(self, stage: int, inputs: torch.Tensor) -> Send[ForwardReply | BackwardReply]:
-        """A checked forward, sent again: under a fresh microbatch id each time, so to the peer
-        it looks like any other forward."""
-        client, codec, model = self.client, self.codec, self.model
-
-        def send(addr: str, timeout: float) -> Awaitable[ForwardReply | BackwardReply]:
-            return client.forward(addr, stage, inputs, codec=codec, model=model, mb=secrets.randbits(64),
-                                  timeout_s=timeout)
-
-        return send
-
-    def backward_again(self, stage: int, inputs: torch.Tensor, grad_outputs: torch.Tensor | None,
-                       targets: torch.Tensor | None, step: int | None, mb: int) -> Send[ForwardReply | BackwardReply]:
-        """A checked backward, sent again flagged ``verify``: computed and answered, never
-        accumulated (the microbatch's gradient counts once)."""
-        client, codec, model = self.client, self.codec, self.model
-
-        def send(addr: str, timeout: float) -> Awaitable[ForwardReply | BackwardReply]:
-            return client.backward(addr, stage, inputs, grad_outputs, targets, codec=codec, model=model,
-                                   step=step, mb=mb, timeout_s=timeout, verify=True)
-
-        return send
+        return await self._observed(stage, "backward", inputs.shape[0], send, prefer=prefer, how=how)
 
     async def _observed(self, stage: int, kind: Kind, samples: int, send: Send[R], *,
-                       prefer: str | None = None) -> Served[R]:
+                       prefer: str | None = None, how: How | None = None) -> Served[R]:
         """A microbatch's call, told to the observers (``CallDone``: from the first request to the
-        answer, retries and waits for a usable peer included)."""
+        answer, retries and waits for a usable peer included); a check's (``how``) is not."""
+        if how is not None and how.tally is not None:
+            return await self.call(stage, kind, samples, send, patience=how.patience, tally=how.tally,
+                                   prefer=prefer if how.only is None else None, only=how.only, exclude=how.exclude,
+                                   taken=how.taken)
         began = time.perf_counter()
-        served = await self.call(stage, kind, samples, send, prefer=prefer)
+        served = await self.call(stage, kind, samples, send, prefer=prefer, patience=how.patience if how else None,
+                                 exclude=how.exclude if how else (), taken=how.taken if how else None)
         if self._emit is not None:
             self._emit(CallDone(stage=stage, kind=kind, samples=samples, peer_id=served.peer_id,
                                 attempts=served.attempts, started=began, ended=time.perf_counter()))

@@ -122,6 +122,7 @@ class SwarmView:
         self._ceiling_s = request_timeout_s
         self._probation_slots = max(1, window // 4)
         self._unreachable: dict[int, list[str]] = {}  # stage -> listed data addrs nobody could dial
+        self._steps: dict[int, dict[str, int]] = {}  # stage -> peer -> the step it last reported
 
     def adopt(self, n_stages: int) -> None:
         """Set up one router per stage (once: a registration again keeps what they measured)."""
@@ -195,6 +196,7 @@ class SwarmView:
         polled = await self.swarm.progress(stages, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
                                            probation=probation, on_late=self.heard)
         for stage, answers in enumerate(polled):
+            self._steps[stage] = {}  # only what this poll heard: a peer that did not answer has no step now
             for answer in answers:
                 self.heard(stage, answer)
         self._adopt_exclusions(polled)
@@ -208,9 +210,18 @@ class SwarmView:
             return
         router = self.routers[stage]
         if answer.step is not None:
+            self._steps.setdefault(stage, {})[answer.peer_id] = answer.step
             router.report_alive(answer.peer_id)
         elif answer.error is not None and answer.error.status in (0, 200) and not router.stats(answer.peer_id).proven:
             router.report_failure(answer.peer_id, timeout=timed_out(answer.error))
+
+    async def stage_steps(self, stage: int, fresh: bool = False) -> dict[str, int]:
+        """The steps ``stage``'s peers last reported (``/v1/progress``), polled again first when
+        ``fresh``: what a spot check holds a reply's step against (``verify.step_beyond``)."""
+        if fresh:  # only this poll's own answers: a late answer of an earlier poll may be older than the reply
+            polled = await self.poll()
+            return {a.peer_id: a.step for a in polled[stage] if a.step is not None} if stage < len(polled) else {}
+        return dict(self._steps.get(stage, {}))
 
     def _adopt_exclusions(self, polled: Sequence[Sequence[PeerProgress]]) -> None:
         """Stop routing to the peers :func:`exclusions_of` names; say which of a stage's own are new."""

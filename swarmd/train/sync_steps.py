@@ -140,7 +140,10 @@ class Polls(Protocol):
 class Runner(Protocol):
     """Runs one microbatch (``swarmd.train.microbatches.Microbatches``)."""
 
-    async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None) -> None: ...
+    async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
+                  paired: bool | None = None) -> None: ...
+
+    def pairs(self) -> bool: ...
 
 
 class Sampler(Protocol):
@@ -193,12 +196,26 @@ class SyncSteps:
         microbatches = [sampler.sample(size) for size in tapered_sizes(batch, cfg.microbatch_size, depth)]  # in order
         window = asyncio.Semaphore(cfg.window)
         led = [asyncio.Event() for _ in microbatches]
+        # a spot check is a paired microbatch: the same sample twice, in two slots of the same size (the
+        # second slot's sample is not used: the step still holds the batch it was planned with)
+        paired: dict[int, bool] = {}
+        for k in range(len(microbatches)):
+            if k in paired:
+                continue
+            twin = k + 1 < len(microbatches) and microbatches[k + 1][0].shape == microbatches[k][0].shape
+            paired[k] = twin and self.microbatches.pairs()
+            if paired[k]:
+                paired[k + 1] = False
 
         async def one(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
             if index:
                 await led[index - 1 if depth >= 2 else 0].wait()
+            if index - 1 in paired and paired[index - 1]:  # its slot went to the pair before it
+                await led[index - 1].wait()
+                led[index].set()
+                return
             async with window:
-                await self.microbatches.run(x, y, on_forward=led[index].set)
+                await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index])
 
         async def refresh() -> None:
             # the stage map is re-read (when due) mid-step, while the pipeline is full: not at the step's

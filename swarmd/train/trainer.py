@@ -117,7 +117,7 @@ class Trainer:
                                             timing=cfg.timing, request_timeout_s=cfg.request_timeout_s,
                                             stage_wait_timeout_s=cfg.stage_wait_timeout_s, emit=self._emit)
             checks = SpotChecks(calls, client, stats=self.checks, codec=cfg.codec, fraction=cfg.verify_fraction,
-                                window=cfg.window, timing=cfg.timing)
+                                window=cfg.window, timing=cfg.timing, stage_steps=view.stage_steps)
             self._microbatches = Microbatches(calls, checks, n_stages=spec.n_stages, summary=self.summary,
                                               ledger=self._ledger, timing=cfg.timing)
             corpus = await asyncio.to_thread(

@@ -1,18 +1,21 @@
-"""Spot checks: a trainer asks a second peer of a stage for the same answer (issue #17, item 1).
+"""Spot checks: a trainer asks a second peer of a stage for the same answer (issues #17 and #29).
 
 The SWARM paper (Ryabinin et al., 2023) assumes honest workers and names security against
 malicious nodes as a limitation (section 6). swarmd has a lever for it: the peers of a stage
 hold bit-identical parameters (they step together, ``swarmd.pipeline.averaging``), so the same
 request to two peers of a stage at the same step must give the same answer: exactly when both
 run the same build on the same kind of hardware, within the error of the reply's codec
-otherwise. A trainer re-sends a random ``fraction`` of its forward and backward calls to a
-second peer and compares; on a mismatch a third peer arbitrates, and the peer that disagrees
-with the other two is the liar (banned by this trainer for :data:`LIAR_BAN_S`, and reported:
-``swarmd.pipeline.reports``).
+otherwise. A trainer runs a random ``fraction`` of its microbatches *paired* (issue #29: the
+same sample through another peer of each stage too, as an ordinary microbatch,
+``swarmd.train.spot_checks``) and compares; on a mismatch a third peer arbitrates, and the peer
+that disagrees with the other two is the liar (banned by this trainer for :data:`LIAR_BAN_S`, and
+reported: ``swarmd.pipeline.reports``).
 
-The trainer also checks, always, a peer's first answers of each kind (until one check confirmed
-it) and waits for that verdict, going on with the majority's answer when the peer is convicted:
-a peer that lies from the start is caught at its first answer and that answer is never used.
+The trainer also pairs, always, microbatches while a usable peer has no answer of each kind
+confirmed yet, and while a peer is in a mismatch nobody settled: a peer that lies from the start
+is caught at its first answer, and a mismatch is asked again until decided. Every verdict is
+waited for before the microbatch goes on, and the majority's answer goes on when a peer is
+convicted.
 
 This module is the pure part: which calls to check (:class:`SpotChecker`, injected rng), how two
 answers compare (:func:`tolerance`, :func:`agree`), what a check's answers mean
@@ -22,8 +25,9 @@ I/O.
 
 The comparison. An answer is the reply's tensor (a forward's outputs, a backward's input
 gradients) plus, on the last stage, its loss, and the step it was computed at. Answers at
-different steps are *inconclusive*, never a mismatch: the stage stepped in between, and both
-may be right. Two answers agree when equal, or when every element differs by at most
+different steps are not compared (the stage may have stepped in between); the step itself is
+the peer's claim, and is held to what the stage's peers report (:func:`step_lie`). Two answers
+agree when equal, or when every element differs by at most
 ``tol x absmax`` (absmax over both tensors), where ``tol`` comes from the codec: both replies were
 coded independently, each within the codec's bound of the exact value, so their distance is
 within twice that bound, plus :data:`CROSS_BUILD_SLACK` for float rounding on another build
@@ -31,12 +35,11 @@ within twice that bound, plus :data:`CROSS_BUILD_SLACK` for float rounding on an
 alone). A lie smaller than that (an output scaled by 1.01 over 8-bit) goes unnoticed; the
 codec's own error is of the same size.
 
-What is not checked: the first stage's backward answers nothing comparable (token ids have no
-gradient), so only forwards are checked on stage 0. Asking it for a digest or norm of the
-parameter gradients it computed would not help: a peer can answer a check honestly and
-accumulate something else, on any stage. What a peer accumulates leaves it only as its averaging
-contribution, so parameter-gradient poisoning is the averaging checks' business
-(``swarmd.pipeline.round_checks``), on every stage alike.
+The first stage's backward answers no tensor (token ids have no gradient): only its step is
+compared. Asking it for a digest or norm of the parameter gradients it computed would not help
+alone: a peer can answer honestly and accumulate something else, on any stage. What a peer
+accumulates leaves it only as its averaging contribution, so parameter-gradient poisoning is the
+averaging's business (``swarmd.pipeline.round_checks``, ``swarmd.pipeline.robust_aggregation``).
 
 Whose word a trainer takes about a stage (:func:`stage_distrust`, :func:`excluded_by_stage`). Its
 progress polls tell each peer's step, held samples, params digest and the peers it excludes. A
@@ -70,6 +73,7 @@ __all__ = [
     "CROSS_BUILD_SLACK",
     "FIRST_CHECKS",
     "LIAR_BAN_S",
+    "STEP_SLACK",
     "UNSETTLED_LIMIT",
     "Answer",
     "CheckLedger",
@@ -83,6 +87,8 @@ __all__ = [
     "excluded_by_stage",
     "forks",
     "stage_distrust",
+    "step_beyond",
+    "step_lie",
     "tolerance",
 ]
 
@@ -95,6 +101,10 @@ LOSS_TOLERANCE = 1e-4
 #: A peer's answers of each kind are checked always until this many were confirmed: a liar from the
 #: start is caught at its first answer, before it has done much harm.
 FIRST_CHECKS = 1
+#: How far ahead of every stage-mate's reported step (``/v1/progress``) a reply's step may be: peers
+#: of a stage step together, so an honest peer is at most one ahead of the most advanced of its
+#: mates (it applied the round's update first); one more for a poll that raced a step.
+STEP_SLACK = 2
 #: Mismatches of a stage's only two peers that are redone before their answers go on unconfirmed
 #: (:meth:`CheckLedger.unsettled`): one of two lies, which two peers cannot tell apart, and redoing
 #: every microbatch for ever would stall training.
@@ -158,6 +168,21 @@ def agree(a: Answer, b: Answer, tol: float) -> bool:
         return False
     scale = max(float(x.abs().max()), float(y.abs().max())) if x.numel() else 0.0
     return float((x - y).abs().max()) <= tol * scale
+
+
+def step_beyond(step: int, mates: Sequence[int], slack: int = STEP_SLACK) -> bool:
+    """Whether ``step`` is further ahead of every one of ``mates``' reported steps (the other peers
+    of its stage, from ``/v1/progress``) than ``slack``. No mates: False (nothing to hold it against)."""
+    return bool(mates) and step > max(mates) + slack
+
+
+def step_lie(step: int, own: int | None, mates: Sequence[int], slack: int = STEP_SLACK) -> bool:
+    """Whether a reply's ``step`` is a lie, judged on a ``/v1/progress`` poll made *after* the reply:
+    ahead of the step its own peer reports now (``own``; a peer's step never goes back while it
+    serves), or :func:`step_beyond` its stage-mates'. The step a reply names is its peer's claim:
+    checked, not believed. Only steps ahead are lies: an honest peer may be behind (catching up),
+    and the step rule (``swarmd.pipeline.step_protocol``) refuses its backwards anyway."""
+    return (own is not None and step > own) or step_beyond(step, mates, slack)
 
 
 class Verdict(enum.Enum):
@@ -225,8 +250,9 @@ class VerifyStats:
     """The cost and the catch of spot checks, for the trainer's summary (``--json``)."""
 
     calls: int = 0  # forward and backward calls the trainer made (checked or not)
-    checks: int = 0  # calls re-sent to a second peer
-    first_checks: int = 0  # of which: a peer's first answers, always checked (see the trainer)
+    checks: int = 0  # calls whose two halves (a paired microbatch's) went to two peers and were compared
+    paired: int = 0  # microbatches (and validation batches) run paired, their redos included
+    first_checks: int = 0  # of which: paired because a usable peer had no answer confirmed yet
     agreements: int = 0
     mismatches: int = 0
     arbitrations: int = 0  # third opinions asked for
@@ -235,7 +261,7 @@ class VerifyStats:
     failed: int = 0  # checks whose second or third peer did not answer
     skipped: int = 0  # drawn for a check while as many checks as the window were running already
     redone: int = 0  # microbatches redone: a first check's mismatch that no third peer settled
-    rechecks: int = 0  # first checks that met no opinion at their step and asked the same peer again
+    rechecks: int = 0  # microbatches paired because a peer was in a mismatch not settled yet (asked again)
     unconfirmed: int = 0  # first answers neither confirmed nor refuted even so (let through, or redone)
     extra_requests: int = 0  # requests sent for them (second and third opinions, rechecks, retries)
     extra_samples: int = 0  # samples computed again for the checks
@@ -291,8 +317,7 @@ class CheckLedger:
         return self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
 
     def credit(self, answers: Sequence[Answer], kind: str, uncredited: str | None = None) -> None:
-        """Count a confirmed answer for each of ``answers``' peers but ``uncredited`` (an answer to a
-        request flagged ``verify`` proves nothing of what the peer answers to an unflagged one)."""
+        """Count a confirmed answer for each of ``answers``' peers but ``uncredited``."""
         for a in answers:
             if a.peer_id != uncredited:
                 self._confirmed[(a.peer_id, kind)] += 1

@@ -24,7 +24,7 @@ from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.reports import MisbehaviourReport
 from swarmd.pipeline.routing import StageRouter
-from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from swarmd.pipeline.spec import PRESETS
 from swarmd.train.spot_checks import Finding, Ruling, SpotChecks
 from swarmd.train.stage_calls import StageCalls
 from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
@@ -40,6 +40,7 @@ from swarmd.train.verify import (
     describe,
     tolerance,
 )
+from tests.support.checks import FRACTION, SPEC, TRAINING, trainer_config
 from tests.support.liars import make_liar
 from tests.support.routing import FixedStages, listed
 from tests.support.swarms import fast_swarm
@@ -175,11 +176,12 @@ def _requantized(t: torch.Tensor, codec: str) -> torch.Tensor:
     return ForwardReply.from_frame(decode_frame(ForwardReply(1, 0, nudged).encode(codec))).outputs
 
 
-# ---- a first check that meets another step: the same peer is asked again -------------------------
+# ---- the verdict on a pair ---------------------------------------------------------------------
 
-def _checking_trainer(client: DataPlaneClient) -> tuple[SpotChecks, dict[str, str]]:
-    """A trainer's spot checks whose stage-1 router lists three peers (``liar``, ``b``, ``c``) at closed
-    loopback ports: reports to them fail at once, which ``_convict`` takes as not accepted."""
+def _checking_trainer(client: DataPlaneClient, steps: dict[str, int] | None = None) -> tuple[SpotChecks, list[str]]:
+    """A trainer's spot checks whose stage-1 router lists three peers at closed loopback ports:
+    reports to them fail at once, which ``_convict`` takes as not accepted. ``steps``: what the
+    stage's peers report through ``/v1/progress``."""
     routers = [StageRouter(0), StageRouter(1)]
     ports = []
     for _ in range(3):
@@ -192,78 +194,92 @@ def _checking_trainer(client: DataPlaneClient) -> tuple[SpotChecks, dict[str, st
     calls = StageCalls(FixedStages(routers), client, model="unused", codec=config.codec, summary=TrainSummary(),
                        timing=config.timing, request_timeout_s=config.request_timeout_s,
                        stage_wait_timeout_s=config.stage_wait_timeout_s)
+
+    async def stage_steps(stage: int, fresh: bool) -> dict[str, int]:
+        return dict(steps or {})
+
     checks = SpotChecks(calls, client, stats=VerifyStats(), codec=config.codec, fraction=config.verify_fraction,
-                        window=config.window, timing=config.timing)
-    return checks, addrs
+                        window=config.window, timing=config.timing, stage_steps=stage_steps)
+    return checks, list(addrs)
 
 
-def _scripted(addrs: dict[str, str], answers: dict[str, list[tuple[int, torch.Tensor]]],
-              precision: dict[str, str] | None = None) -> Any:
-    """A ``resend`` that answers each peer's checked backward from its script, in order: (step, grad),
-    computed in ``precision`` (per peer; fp32 by default)."""
-    by_addr = {addr: answers[peer] for peer, addr in addrs.items()}
-    named = {addr: (precision or {}).get(peer, "fp32") for peer, addr in addrs.items()}
+def _arbiter(*answers: Answer | None) -> Any:
+    """An arbiter that answers from its script, in order (None: nobody answered)."""
+    script = list(answers)
 
-    async def resend(addr: str, timeout: float) -> BackwardReply:
-        step, grad = by_addr[addr].pop(0)
-        return BackwardReply(1, step, 4, 0, grad, loss=1.0, precision=named[addr])
+    async def arbiter(exclude: frozenset[str]) -> Answer | None:
+        third = script.pop(0)
+        assert third is None or third.peer_id not in exclude
+        return third
 
-    return resend
+    return arbiter
 
 
-async def test_a_first_check_that_met_another_step_asks_the_same_peer_again() -> None:
-    """Checked at its first backward, a liar's answer (step 0) meets both stage-mates at step 1 (the
-    stage stepped in between): not comparable. Before the recheck its tripled gradient went on
-    unconfirmed (a gradient liar's one or two such answers per run cost the held-out loss 6-9 %);
-    now the liar and both mates are asked again at once, the liar is convicted, and the majority's
-    gradient goes on. An honest peer's recheck confirms it, and its fresh answer goes on (the peer
-    not counted as confirmed: a backward's recheck is flagged ``verify``, a liar could tell); a peer
-    that cannot be asked again is let through, counted as unconfirmed."""
-    g0, g1 = torch.ones(4, 8), torch.full((4, 8), 2.0)
+REQUEST = (torch.zeros(4, 8),)
+
+
+async def test_a_pair_that_agrees_is_confirmed_and_a_mismatch_is_settled_by_a_third_peer() -> None:
+    g = torch.ones(4, 8)
     async with DataPlaneClient(timeout_s=2) as client:
-        t, addrs = _checking_trainer(client)
-        liar, b, c = addrs
-        resend = _scripted(addrs, {liar: [(1, -3 * g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
-        request = (torch.zeros(4, 8),)
-        ruling = await t.check(1, "backward", Answer(liar, 0, -3 * g0, 1.0), resend, request, 7, waited=True)
-        assert ruling.finding is Finding.OVERRULED
-        assert ruling.use is not None and torch.equal(ruling.use.tensor, g1)  # the honest mates' gradient, not the lie
-        assert t.stats.caught == (liar,) and t.stats.rechecks == 1 and t.stats.unconfirmed == 0
+        t, (a, b, c) = _checking_trainer(client)
+        assert await t.judge(1, "backward", answer(a, g, 3), answer(b, g, 3), _arbiter(), REQUEST) == Ruling(
+            Finding.CONFIRMED)
+        assert t.ledger.confirmed(a, "backward") == 1 and t.ledger.confirmed(b, "backward") == 1
+        # the primary lied: convicted, and the majority's answer goes on
+        ruling = await t.judge(1, "backward", answer(a, -3 * g, 3), answer(b, g, 3), _arbiter(answer(c, g, 3)),
+                               REQUEST)
+        assert ruling.finding is Finding.OVERRULED and ruling.use is not None and torch.equal(ruling.use.tensor, g)
+        assert t.stats.caught == (a,) and t.stats.arbitrations == 1
+        # the pair lied: convicted, the primary's answer goes on
+        t, (a, b, c) = _checking_trainer(client)
+        ruling = await t.judge(1, "forward", answer(a, g, 3), answer(b, 1.5 * g, 3), _arbiter(answer(c, g, 3)),
+                               REQUEST)
+        assert ruling == Ruling(Finding.CONFIRMED) and t.stats.caught == (b,)
+        # nobody to arbitrate (or the arbiter met another step): never dropped, the microbatch is redone
+        t, (a, b, c) = _checking_trainer(client)
+        for third in (None, answer(c, g, 4)):
+            ruling = await t.judge(1, "forward", answer(a, g, 3), answer(b, 1.5 * g, 3), _arbiter(third), REQUEST)
+            assert ruling.redo and not t.stats.caught
+        assert t.stats.redone == 2
 
-        t, addrs = _checking_trainer(client)
-        honest, b, c = addrs
-        resend = _scripted(addrs, {honest: [(1, g1)], b: [(1, g1), (1, g1)], c: [(1, g1), (1, g1)]})
-        ruling = await t.check(1, "backward", Answer(honest, 0, g0, 1.0), resend, request, 8, waited=True)
-        assert ruling.finding is Finding.CONFIRMED
-        assert ruling.use is not None and ruling.use.peer_id == honest and ruling.use.step == 1  # its fresh answer
-        assert not t.stats.caught and t.stats.agreements == 1 and t.stats.unconfirmed == 0
-        # a flagged recheck proves nothing of its unflagged answers: its next one is checked first again
-        assert t.ledger.confirmed(honest, "backward") == 0 and t.ledger.confirmed(b, "backward") == 1
 
-        t, addrs = _checking_trainer(client)
-        gone, b, c = addrs
-        t.calls.stages.routers[1].ban(gone, 60.0)  # cannot be asked again
-        resend = _scripted(addrs, {gone: [], b: [(1, g1)], c: [(1, g1)]})  # one opinion: two peers usable
-        ruling = await t.check(1, "backward", Answer(gone, 0, g0, 1.0), resend, request, 9, waited=True)
-        assert ruling == Ruling(Finding.UNCONFIRMED)  # let through: its own answer goes on
-        assert t.stats.rechecks == 1 and t.stats.unconfirmed == 1 and not t.stats.caught
+async def test_a_reply_step_is_checked_not_believed() -> None:
+    """A step ahead of what its own peer reports in a poll made afterwards, or far beyond every
+    stage-mate's, convicts its peer at once (a liar tagging its answers +1000 told 171 lies
+    unreported); a pair at steps one apart asks a third peer and holds the one alone ahead to a
+    fresh poll; an honest peer that is ahead (it stepped first) or behind is never blamed."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, (a, b, c) = _checking_trainer(client, steps={"ab" * 20: 1005, "bc" * 20: 5, "cd" * 20: 6})
+        ruling = await t.judge(1, "forward", answer(a, g, 1005), answer(b, g, 5), _arbiter(), REQUEST)
+        assert ruling.redo and t.stats.caught == (a,)  # it reports 1005 itself: beyond its mates' steps
+        t, (a, b, c) = _checking_trainer(client, steps={"ab" * 20: 5, "bc" * 20: 5, "cd" * 20: 6})
+        ruling = await t.judge(1, "forward", answer(a, g, 1005), answer(b, g, 5), _arbiter(), REQUEST)
+        assert ruling.redo and t.stats.caught == (a,)
+        # one ahead of what it reports: alone ahead in its pair, then held to the poll
+        t, (a, b, c) = _checking_trainer(client, steps={"ab" * 20: 5, "bc" * 20: 5, "cd" * 20: 5})
+        ruling = await t.judge(1, "backward", answer(a, g, 6), answer(b, g, 5), _arbiter(answer(c, g, 5)), REQUEST)
+        assert ruling.redo and t.stats.caught == (a,)
+        # honest: it stepped first (it reports 6), or it is behind: redone, never blamed
+        t, (a, b, c) = _checking_trainer(client, steps={"ab" * 20: 6, "bc" * 20: 5, "cd" * 20: 5})
+        for _ in range(10):
+            assert (await t.judge(1, "forward", answer(a, g, 6), answer(b, g, 5), _arbiter(answer(c, g, 5)),
+                                  REQUEST)).redo
+            assert (await t.judge(1, "forward", answer(b, g, 4), answer(c, g, 5), _arbiter(answer(a, g, 5)),
+                                  REQUEST)).redo
+        assert not t.stats.caught
 
 
 async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_settle_it() -> None:
     """A stage of two whose answers differ every time (one of two lies, which two peers cannot tell
-    apart; or they differ beyond the tolerance, as a bf16 and an fp32 peer did before replies named
-    their precision): each mismatch used to redo the microbatch, for ever (it livelocked the swarm
-    of tests/integration/test_precision.py). Now
-    ``UNSETTLED_LIMIT`` of them are redone, then their answers go on and their first checks stop."""
+    apart; or they differ beyond the tolerance): ``UNSETTLED_LIMIT`` of them are redone, then their
+    answers go on and their first checks stop (each redo forever would livelock the swarm)."""
     g = torch.ones(4, 8)
     async with DataPlaneClient(timeout_s=2) as client:
-        t, addrs = _checking_trainer(client)
-        a, b, gone = addrs
+        t, (a, b, gone) = _checking_trainer(client)
         t.calls.stages.routers[1].ban(gone, 60.0)  # two usable peers: no third opinion
-        resend = _scripted(addrs, {a: [], b: [(0, 1.01 * g)] * UNSETTLED_LIMIT, gone: []})
-        request = (torch.zeros(4, 8),)
-        rulings = [await t.check(1, "backward", Answer(a, 0, g, 1.0), resend, request, k, waited=True)
-                   for k in range(UNSETTLED_LIMIT)]
+        rulings = [await t.judge(1, "backward", answer(a, g), answer(b, 1.01 * g), _arbiter(None), REQUEST)
+                   for _ in range(UNSETTLED_LIMIT)]
         assert rulings[:-1] == [Ruling(Finding.UNSETTLED)] * (UNSETTLED_LIMIT - 1) and all(r.redo for r in rulings[:-1])
         assert rulings[-1] == Ruling(Finding.LET_THROUGH) and not rulings[-1].redo  # their answers go on
         assert t.ledger.gave_up(a, "backward") and t.ledger.gave_up(b, "backward") and not t.stats.caught
@@ -271,50 +287,28 @@ async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_sett
 
 async def test_answers_of_different_precisions_are_never_compared() -> None:
     """bf16 and fp32 answers differ by more than any codec's tolerance: an honest bf16 peer among
-    fp32 stage-mates must not be convicted (it was: the odd one out), nor its microbatches redone.
-    Its answer goes on unconfirmed and its first checks stop; an fp32 peer is checked against the
-    fp32 mate, whatever the bf16 one answered."""
+    fp32 stage-mates must not be convicted, nor its microbatches redone."""
     g = torch.ones(4, 8)
     async with DataPlaneClient(timeout_s=2) as client:
-        t, addrs = _checking_trainer(client)
-        half, b, c = addrs
-        resend = _scripted(addrs, {half: [], b: [(0, g)], c: [(0, g)]}, {half: "bf16"})
-        request = (torch.zeros(4, 8),)
+        t, (half, b, c) = _checking_trainer(client)
         primary = Answer(half, 0, 1.01 * g, 1.0, "bf16")
-        assert await t.check(1, "backward", primary, resend, request, 1, waited=True) == Ruling(Finding.INCOMPARABLE)
-        assert not t.stats.caught and t.stats.mismatches == 0 and t.stats.rechecks == 0
-        assert t.ledger.gave_up(half, "backward") and t.stats.unconfirmed == 1
-
-        t, addrs = _checking_trainer(client)
-        full, mate, half = addrs
-        resend = _scripted(addrs, {full: [], mate: [(0, g)], half: [(0, 1.01 * g)]}, {half: "bf16"})
-        ruling = await t.check(1, "backward", Answer(full, 0, g, 1.0), resend, request, 2, waited=True)
-        assert ruling == Ruling(Finding.CONFIRMED)
-        assert not t.stats.caught and t.stats.agreements == 1 and t.ledger.confirmed(full, "backward") == 1
+        ruling = await t.judge(1, "backward", primary, answer(b, g), _arbiter(), REQUEST)
+        assert ruling == Ruling(Finding.INCOMPARABLE) and not ruling.redo
+        assert not t.stats.caught and t.stats.mismatches == 0 and t.ledger.gave_up(half, "backward")
 
 
 # ---- liars in a real swarm ------------------------------------------------------------------------
 
 
-SPEC = replace(PRESETS["tiny"], name="liars")
-TRAINING = TrainingSpec(target_batch_size=16, lr=3e-3, warmup_steps=2, averaging_timeout_s=5.0)
-FRACTION = 0.75
-
-
-def trainer_config(api: str, name: str, steps: int, fraction: float = FRACTION, seed: int = 0) -> TrainerConfig:
-    return TrainerConfig(api=api, steps=steps, microbatch_size=4, window=4, codec="8bit", val_every=0,
-                         val_batches=2, max_corpus_bytes=1 << 20, name=name, refresh_s=0.5, heartbeat_s=1.0,
-                         request_timeout_s=20.0, verify_fraction=fraction, seed=seed)
-
-
 def bounded_by_fraction(summary: TrainSummary, fraction: float) -> None:
-    """Checks drawn (run or skipped) are a binomial sample of the calls: within 4 sigma of the share;
-    the first answers of each peer (checked always) come on top, one per peer and kind."""
+    """Microbatches paired at random (not for a peer's first answers, nor to settle a mismatch) are
+    a binomial sample of the attempts: within 4 sigma of the share."""
     v = summary.verify
-    drawn = v["checks"] - v["first_checks"] + v["skipped"]  # a peer's first answers are checked on top
-    assert drawn <= v["calls"] * fraction + 4 * math.sqrt(v["calls"] * fraction * (1 - fraction)) + 1, v
-    assert v["arbitrations"] <= v["mismatches"] <= v["checks"]
-    assert v["first_checks"] <= 2 * 6 * 4  # the first forward and backward of six peers, up to the window (4) each
+    drawn = v["paired"] - v["first_checks"] - v["rechecks"]
+    n = summary.microbatches_issued + summary.stale_redos + v["redone"]
+    assert drawn <= n * fraction + 4 * math.sqrt(n * fraction * (1 - fraction)) + 1, v
+    assert v["arbitrations"] <= v["mismatches"] <= v["checks"] + v["liars"]
+    assert v["first_checks"] <= 48  # the first answers of six peers, a window (4) of microbatches at a time
 
 
 async def test_liars_in_a_2x3_swarm_are_caught_reported_and_excluded_while_training_goes_on(

@@ -20,6 +20,7 @@ as tests/integration/test_averaging_faults.py does for its hooks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -28,45 +29,97 @@ import torch
 from swarmd.pipeline.averaging import RoundResult, StageAverager
 from swarmd.pipeline.executor import StageExecutor
 
-__all__ = ["LIES", "SITECUSTOMIZE", "lie_as_leader", "make_liar", "poison_contributions"]
+__all__ = ["AWARE_HONEST_ANSWERS", "LIES", "SITECUSTOMIZE", "lie_as_leader", "make_liar", "poison_contributions"]
 
-LIES = ("scale", "noise", "grad")
+LIES = ("scale", "noise", "grad", "sometimes", "gradnoise", "stale", "ahead", "far", "aware")
+#: How many answers the check-aware liar (``aware``) gives honestly first: a peer's first answers
+#: to each trainer are always checked, so it waits them out.
+AWARE_HONEST_ANSWERS = 12
 
 
 def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: float = 0.5, seed: int = 0) -> None:
-    """Make ``executor`` (this instance only) lie the way ``lie`` names."""
+    """Make ``executor`` (this instance only) lie the way ``lie`` names (issue #29's table):
+
+    * ``scale``: a forward's outputs times ``factor``; ``sometimes``: times 1.05, one forward in three;
+    * ``noise``: a forward's outputs plus Gaussian noise of ``noise`` times their standard deviation;
+    * ``grad``: a backward's input gradients negated and tripled; ``gradnoise``: plus 20 % noise;
+    * ``stale``: lazy, forwards with its start-up weights (never updated) and the current step;
+    * ``ahead`` / ``far``: every answer tagged one step ahead / 1000 steps ahead of the truth;
+    * ``aware``: honest whenever a request looks like a check (flagged ``verify``, a backward of a
+      microbatch whose forward it never ran, or one of its first ``AWARE_HONEST_ANSWERS`` answers),
+      and otherwise tripled, negated input gradients and validation losses times 0.9.
+
+    Parameter gradients stay honest (what it accumulates is the averaging's business)."""
     if lie not in LIES:
         raise ValueError(f"unknown lie {lie!r}; one of {LIES}")
     generator = torch.Generator().manual_seed(seed)
     honest_forward, honest_backward = executor._forward_sync, executor._backward_sync
+    calls = [0]
+    seen: set[int] = set()  # microbatch ids it ran a forward for (the check-aware liar's memory)
+    frozen = copy.deepcopy(executor.module) if lie == "stale" else None
 
-    def forward(inputs: torch.Tensor, targets: torch.Tensor | None, *args: Any) -> Any:
-        result = honest_forward(inputs, targets, *args)
+    def forward(inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, *args: Any) -> Any:
+        result = honest_forward(inputs, targets, mb, *args)
+        calls[0] += 1
         out = result.outputs
+        if lie in ("ahead", "far"):
+            return dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000))
+        if lie == "aware":
+            if mb is not None:
+                seen.add(mb)
+            if targets is not None and calls[0] > AWARE_HONEST_ANSWERS:
+                return dataclasses.replace(result, outputs=out * 0.9)  # a validation loss
+            return result
         if targets is not None:  # a loss (validation): left alone, only activations lie
             return result
-        if lie == "scale":
+        if lie == "stale" and frozen is not None:
+            x, _ = executor._prepare(inputs, None, targets_required=False)
+            with torch.no_grad():
+                out = frozen(x, None).detach().to("cpu", out.dtype)
+        elif lie == "scale":
             out = out * factor
-        else:
+        elif lie == "sometimes":
+            out = out * 1.05 if calls[0] % 3 == 0 else out
+        elif lie == "noise":
             out = out + noise * out.std() * torch.randn(out.shape, generator=generator, dtype=out.dtype)
         return dataclasses.replace(result, outputs=out)
 
-    def backward(*args: Any, **kwargs: Any) -> Any:
-        result = honest_backward(*args, **kwargs)
+    def backward(inputs: torch.Tensor, grad_outputs: torch.Tensor | None, targets: torch.Tensor | None,
+                 step: int | None, mb: int | None, *args: Any, **kwargs: Any) -> Any:
+        result = honest_backward(inputs, grad_outputs, targets, step, mb, *args, **kwargs)
+        calls[0] += 1
+        if lie in ("ahead", "far"):
+            return dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000))
         if result.grad_inputs is None:
             return result
+        if lie == "aware":
+            verify = args[1] if len(args) > 1 else kwargs.get("verify", False)
+            looks_checked = (verify or calls[0] <= AWARE_HONEST_ANSWERS
+                             or (grad_outputs is not None and mb not in seen))
+            seen.discard(mb if mb is not None else -1)
+            if looks_checked:
+                return result
+            return dataclasses.replace(result, grad_inputs=-3.0 * result.grad_inputs)
+        if lie == "gradnoise":
+            g = result.grad_inputs
+            noisy = g + 0.2 * g.std() * torch.randn(g.shape, generator=generator, dtype=g.dtype)
+            return dataclasses.replace(result, grad_inputs=noisy)
         return dataclasses.replace(result, grad_inputs=-3.0 * result.grad_inputs)
 
-    if lie == "grad":
+    if lie in ("grad", "gradnoise"):
         executor._backward_sync = backward  # type: ignore[method-assign]
+    elif lie in ("ahead", "far", "aware"):
+        executor._backward_sync = backward  # type: ignore[method-assign]
+        executor._forward_sync = forward  # type: ignore[method-assign]
     else:
         executor._forward_sync = forward  # type: ignore[method-assign]
 
 
 def poison_contributions(averager: StageAverager, how: str) -> None:
-    """Make ``averager`` send poisoned contributions (``scaled``, ``noisy`` or ``nan``); its executor
+    """Make ``averager`` send poisoned contributions (``scaled``, ``noisy``, ``nan``; ``minus20`` or
+    ``flipped``: its true gradient times -20 or -1, issue 29's table); its executor
     keeps the true gradients, so a refused contribution is restored intact."""
-    if how not in ("scaled", "noisy", "nan"):
+    if how not in ("scaled", "noisy", "nan", "minus20", "flipped"):
         raise ValueError(f"unknown poison {how!r}")
     original = averager._post
 
@@ -75,6 +128,8 @@ def poison_contributions(averager: StageAverager, how: str) -> None:
             g = torch.Generator().manual_seed(own.step)
             if how == "scaled":
                 grads = own.grads * 5000
+            elif how in ("minus20", "flipped"):  # issue 29's table: inside the 64x band, the wrong way
+                grads = own.grads * (-20.0 if how == "minus20" else -1.0)
             elif how == "noisy":
                 grads = own.grads + torch.randn(own.grads.shape, generator=g) * (
                     float(own.grads.norm()) / own.grads.numel() ** 0.5 * 2000)

@@ -1,0 +1,153 @@
+"""Spot checks against each kind of liar of issue #29's table: how soon it is excluded, what the
+checks cost, and the held-out loss against an honest run.
+
+Each run is a fresh swarm of 2 stages x 3 in-process daemons on loopback (``tiny``, target batch
+16, the fixture of tests/adversarial/test_spot_checks.py), one of them patched at start-up to lie
+(``tests.liars``: ``make_liar`` for answers, ``poison_contributions`` for averaging
+contributions), and two asynchronous trainers (microbatch 4, window 4, 8-bit codec) training
+``--steps`` steps with ``--verify-fraction``. Reported per liar (and for an honest run of the same
+seeds):
+
+* ``caught_at`` / ``excluded_at``: the trainers' step count (the most steps either trainer had
+  done) when a trainer first convicted the liar, and when every honest peer excluded it (two
+  independent reports); None: not within the run;
+* ``extra_compute``: samples the checks computed again (their pair's and arbiters' calls) per
+  sample of the microbatches' own calls; ``extra_traffic``: the checks' requests per call;
+* ``val_loss`` and ``vs_honest``: a fresh trainer's held-out loss (16 batches, checks off, routing
+  around excluded peers) after the run, and its ratio to the honest run's;
+* ``honest_blamed``: honest peers any trainer convicted (must be none).
+
+The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
+contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
+``swarmd.pipeline.robust_aggregation`` bounds them once the averaging calls it.
+
+    .venv/bin/python scripts/bench_verify.py --json
+    .venv/bin/python scripts/bench_verify.py --lies aware far --steps 40 --verify-fraction 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.liars import make_liar, poison_contributions  # noqa: E402
+from tests.support.checks import SPEC, TRAINING, trainer_config  # noqa: E402
+from tests.support.swarms import fast_swarm  # noqa: E402
+
+from swarmd.finite import strict_json_dumps  # noqa: E402
+from swarmd.train.events import StepDone, TrainerEvent  # noqa: E402
+from swarmd.train.trainer import Trainer  # noqa: E402
+
+#: The stage each liar serves (input-gradient liars: the last one, whose fused backward answers them).
+STAGE = {"aware": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
+         "minus20": 1, "flipped": 1}
+AVERAGING = ("minus20", "flipped")
+
+
+async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        liar = None
+        if lie is not None:
+            liar = [d for d in daemons if d.stage == STAGE[lie]][1]
+            if lie in AVERAGING:
+                assert liar.averager is not None
+                poison_contributions(liar.averager, lie)
+            else:
+                assert liar.executor is not None
+                make_liar(liar.executor, lie)
+        honest = [d for d in daemons if d is not liar]
+        api = f"http://{daemons[0].status()['api_addr']}"
+        done = [0]
+        marks: dict[str, int | None] = {"caught_at": None, "excluded_at": None}
+
+        def on_event(event: TrainerEvent) -> None:
+            if isinstance(event, StepDone):
+                done[0] = max(done[0], event.done)
+
+        trainers = [Trainer(trainer_config(api, f"t{k}", steps=args.steps, fraction=args.verify_fraction,
+                                           seed=args.seed + k), events=on_event) for k in range(2)]
+
+        async def watch() -> None:
+            while liar is not None:
+                if marks["caught_at"] is None and any(t.checks.liars for t in trainers):
+                    marks["caught_at"] = done[0]
+                if all(liar.peer_id in d.status()["reports"]["excluded"] for d in honest):
+                    marks["excluded_at"] = done[0]
+                    return
+                await asyncio.sleep(0.1)
+
+        watcher = asyncio.create_task(watch())
+        started = time.perf_counter()
+        try:
+            summaries = await asyncio.gather(*(t.run() for t in trainers))
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        wall = time.perf_counter() - started
+        final = await Trainer(dataclasses.replace(trainer_config(api, "val", steps=1, fraction=0.0, seed=99),
+                                                  val_batches=16)).run()
+        mb = trainer_config(api, "x", 1).microbatch_size
+        calls = sum(s.verify["calls"] for s in summaries)
+        caught = {p for s in summaries for p in s.verify["caught"]}
+        return {
+            "lie": lie or "honest",
+            "stage": STAGE.get(lie or "", None),
+            "caught_at": marks["caught_at"],
+            "excluded_at": marks["excluded_at"],
+            "honest_blamed": sorted(p[:12] for p in caught if liar is None or p != liar.peer_id),
+            "extra_compute": round(sum(s.verify["extra_samples"] for s in summaries) / max(1, calls * mb), 4),
+            "extra_traffic": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
+            "paired": sum(s.verify["paired"] for s in summaries),
+            "first_checks": sum(s.verify["first_checks"] for s in summaries),
+            "mismatches": sum(s.verify["mismatches"] for s in summaries),
+            "redone": sum(s.verify["redone"] for s in summaries),
+            "steps": min(s.steps for s in summaries),
+            "val_loss": final.val_loss,
+            "wall_s": round(wall, 1),
+        }
+
+
+async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for _ in range(args.repeats):
+        honest = await one_run(None, args)
+        results.append(honest)
+        for lie in args.lies:
+            row = await one_run(lie, args)
+            if honest["val_loss"] and row["val_loss"]:
+                row["vs_honest"] = round(row["val_loss"] / honest["val_loss"], 4)
+            results.append(row)
+            if not args.json:
+                print(row, flush=True)
+        args.seed += 100
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lies", nargs="+", default=["aware", "far", "ahead", "sometimes", "gradnoise", "stale",
+                                                      "minus20", "flipped"], choices=sorted(STAGE))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--verify-fraction", type=float, default=0.02)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING if args.log else logging.ERROR)
+    load = os.getloadavg()
+    seed = args.seed
+    out = asyncio.run(main(args))
+    args.seed = seed  # the first repeat's (each next one adds 100)
+    report = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],
+              "args": {k: v for k, v in vars(args).items() if k != "json"}, "runs": out}
+    print(strict_json_dumps(report) if args.json else report)
