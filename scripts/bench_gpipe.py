@@ -26,8 +26,12 @@ gives every rate in samples/s, ``ratios`` (swarmd over each GPipe variant), each
 its own ``loopback`` rate, every variant's per-step losses and how far they are from
 ``gpipe_prepost``'s (the same math: float rounding only), and the load average.
 
-Defaults (``tiny``, 2 stages, batch 32 in microbatches of 8, 3 timed steps after 2 warm-up) finish
-in a few minutes on a 2-core machine; the issue's measurement used ``--model small --steps 10``.
+Defaults: ``tiny`` (64 wide, one block per stage: per-call overheads dominate, so it is the hard case
+for swarmd's HTTP hops), 2 stages, batch 32 in microbatches of 8, 3 timed steps after 2 warm-up. Most
+of the time is process start-up: on the loaded 2-core development machine one scenario (four variants)
+took 1-2 minutes, so ``--scenarios loopback`` is the quick run and all five take about ten. The issue's
+own measurement used ``--model small --steps 10 --warmup 3``; take the median of 3 runs on a quiet
+machine before believing a ratio.
 
     sudo .venv/bin/python scripts/bench_gpipe.py --json
     .venv/bin/python scripts/bench_gpipe.py --scenarios loopback --stages 4 --json
