@@ -414,14 +414,15 @@ def print_summary(r: dict[str, Any]) -> None:
     st = r["settings"]
     print(f"model {st['model']}, {st['stages']} stages, batch {st['batch_size']} in microbatches "
           f"{r['microbatch_sizes']}, {st['steps']} timed steps after {st['warmup']} warm-up; "
-          f"load {r['load_average_at_end']}")
+          f"load average {', '.join(f'{x:.2f}' for x in r['load_average_at_end'])}")
     for sc in r["scenarios"]:
         if "skipped" in sc:
             print(f"{sc['scenario']:<10} skipped: {sc['skipped']}")
             continue
         rates = ", ".join(f"{v} {x:.1f}" if x else f"{v} failed" for v, x in sc["samples_per_s"].items())
         ratios = ", ".join(f"{k} {x:.2f}" for k, x in sc["ratios"].items() if x)
-        print(f"{sc['scenario']:<10} samples/s: {rates}\n{'':<10} {ratios}")
+        diffs = ", ".join(f"{v} {d:.1e}" for v, d in sc["losses_max_rel_diff_vs_" + REFERENCE].items() if d is not None)
+        print(f"{sc['scenario']:<10} samples/s: {rates}\n{'':<10} {ratios}\n{'':<10} losses vs {REFERENCE}: {diffs}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -473,8 +474,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     result = report(s, scenarios)
     result["bench_wall_s"] = time.monotonic() - started
-    print(strict_json_dumps(result) if args.json else "", end="\n" if args.json else "")
-    if not args.json:
+    if args.json:
+        print(strict_json_dumps(result))
+    else:
         print_summary(result)
     failed = [f"{sc['scenario']}/{v}" for sc in scenarios for v, r in sc.get("variants", {}).items() if "error" in r]
     if failed:
