@@ -21,7 +21,10 @@ of step W + N (for the GPipe variants, the latest stage to finish each), over th
 Scenarios: ``loopback`` (127.0.0.1, no latency) always; in the network lab (``scripts/netlab.py``:
 one network namespace per stage, root needed, latency added in user space because this kernel has no
 netem) ``rtt50``/``rtt100`` at 50/100 ms RTT and ``rtt50cap``/``rtt100cap`` with every host's egress
-also capped at 100 Mbit/s; those are skipped with the reason when the lab cannot run. The report
+also capped at 100 Mbit/s; those are skipped with the reason when the lab cannot run. In the lab,
+stage k (its daemon, or its GPipe rank) runs in host k, and swarmd's trainer in host 0 beside stage 0,
+as a volunteer runs a trainer beside its own daemon: its calls to stage 0 cross no link, those to the
+other stages cross one each way, while GPipe's activations cross one link per stage boundary. The report
 gives every rate in samples/s, ``ratios`` (swarmd over each GPipe variant), each variant's rate over
 its own ``loopback`` rate, every variant's per-step losses and how far they are from
 ``gpipe_prepost``'s (the same math: float rounding only), and the load average.
