@@ -452,6 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gpipe_child is not None:
         print(strict_json_dumps(gpipe_rank_child(json.loads(args.gpipe_child))))
         return 0
+    from swarmd.pipeline.spec import PRESETS
+
+    if args.model not in PRESETS:
+        p.error(f"--model must be a preset: {', '.join(sorted(PRESETS))}")
     if args.stages < 2 or args.steps < 1 or args.warmup < 1:
         p.error("--stages must be at least 2, --steps and --warmup at least 1")
     if args.batch_size % args.microbatch_size:
