@@ -1,5 +1,11 @@
 """Training throughput of a local swarm against single-process training of the same model.
 
+**The headline comparison is** ``scripts/bench_gpipe.py`` (issue #31): swarmd against GPipe on the
+same machines (``torch.distributed.pipelining``'s GPipe and 1F1B, and a hand-written GPipe), on
+loopback and at 50/100 ms RTT, which is the paper's own anchor (claim C2). Three processes against
+one that owns both cores is not a fair race; this script stays as the swarm's diagnostic: the
+ceiling its stages' compute allows, wire bytes, CPU per process, where a step's time goes.
+
 Two runs of the same training job, one after the other, each in its own process(es):
 
 - **single**: every stage of ``--model`` (a preset, cut by ``--partition``) built with
