@@ -439,6 +439,8 @@ class AllReduceAverager(StageAverager):
 
     async def _on_mean(self, q: ArQuery) -> bytes | None:
         owner = self.owners.get((q.round_id, q.part))
+        if owner is None and q.round_id not in self.members:  # this peer may not have heard of the round yet
+            owner = await self._owner(q.round_id, q.part)
         if owner is not None:
             return await owner.mean_bytes(min(q.wait_s, self.timeout_s + self.reply_slack_s))
         member = self.members.get(q.round_id)
