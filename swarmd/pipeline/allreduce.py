@@ -76,7 +76,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import Counter
 from typing import Any
 
 from swarmd.errors import PeerError, RequestError
@@ -121,7 +120,6 @@ class AllReduceAverager(StageAverager):
         self.coord = Coordinator(self.peer_id)
         self.owners: dict[tuple[str, int], PartOwner] = {}
         self.members: dict[str, MemberRound] = {}  # the last few rounds this peer was a member of
-        self.control_requests: Counter[str] = Counter()  # sent by this peer, by kind
         self.rounds_started = 0
         self._plan_arrived = asyncio.Event()
         self._in_round = False
@@ -267,7 +265,6 @@ class AllReduceAverager(StageAverager):
         stale = {pid: addr for pid, addr in unknown.items() if now - self._probes.get(pid, (-1e9, None))[0]
                  > PROBE_MEMORY_S}
         if stale:
-            self.control_requests["probe"] += len(stale)
             got = await self._poll(stale)
             for pid in stale:
                 self._probes[pid] = (now, got.get(pid))
@@ -452,7 +449,6 @@ class AllReduceAverager(StageAverager):
 
     def checks_status(self) -> dict[str, Any]:
         out = super().checks_status()
-        out["control_requests"] = dict(self.control_requests)
         out["mode"] = "allreduce"
         return out
 

@@ -254,6 +254,7 @@ class StageAverager:
         self.on_round = on_round
         self.rounds_ok = 0
         self.rounds_aborted = 0
+        self.control_requests: Counter[str] = Counter()  # averaging requests without gradients sent, by kind
         self.rounds_refused = 0  # answers of a leader this peer refused to apply
         self.leaders_refused: Counter[str] = Counter()  # by leader peer id
         self.leaders_stalling: Counter[str] = Counter()  # leaders accused of aborting every round, by peer id
@@ -317,6 +318,7 @@ class StageAverager:
             "silent_contributors": self.silent_contributors,
             "excluded": self.suspicions.status(),
             "excluded_by_reports": sorted(self.exclude()),
+            "control_requests": dict(self.control_requests),
         }
         if self.prover is not None:
             out["proofs"] = self.prover.table.status(self._mates)
@@ -478,6 +480,7 @@ class StageAverager:
             ok = not body.away and body.stage == self.executor.stage and body.peer_id in (None, pid)
             return pid, body if ok else None
 
+        self.control_requests["progress"] += len(mates)
         answers = await asyncio.gather(*(one(pid, addr) for pid, addr in mates.items()))
         return {pid: body for pid, body in answers if body is not None}
 
