@@ -313,6 +313,9 @@ def _victim(peers: list[Peer], role: str) -> Peer:
     return peers[-1]  # a member, and the owner of the last part
 
 
+# A peer "killed" in-process leaves sockets its stage-mates had open to it for the garbage collector,
+# which may warn about them during the next kill test: an artefact of killing inside one process.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(("role", "phase"), list(PHASES))
 async def test_a_role_killed_at_a_phase_never_splits_the_stage(role: str, phase: str) -> None:
     from swarmd.pipeline import allreduce_member

@@ -151,9 +151,7 @@ class AllReduceAverager(StageAverager):
         self._leader_view = coordinator
         if coordinator == self.peer_id:
             await self._coordinate(mates)
-        else:
-            step = ex.step
-            self.coord.release_all(step, 0, 1)  # reports held here from when this peer coordinated
+        else:  # (reports still held here from when this peer coordinated run out within hold_s)
             await self._report(coordinator, mates[coordinator])
 
     # ---- member: reporting -------------------------------------------------------------------
@@ -232,10 +230,11 @@ class AllReduceAverager(StageAverager):
             return
         waiting = {pid: r for pid, r in self.coord.waiting(step, digest).items() if pid in mates}
         total = ex.grad_samples + sum(r.samples for r in waiting.values())
-        if total < self.target or not await self._accounted(mates, waiting, step, digest):
+        if total < self.target:
             await self._wait_wake(self.target - (total - ex.grad_samples))
             return
-        if not waiting and await self._newly_listed():
+        if not await self._accounted(mates, waiting, step, digest) or (not waiting and await self._newly_listed()):
+            await self._wait_wake(None)  # hear from the mates first
             return
         members = {pid: mates[pid] for pid in waiting} | {self.peer_id: self._own_addr}
         plan = plan_round(stage=ex.stage, step=step, coordinator=self.peer_id, members=members,
@@ -274,13 +273,16 @@ class AllReduceAverager(StageAverager):
                 return False  # alive at this step: it names another coordinator, or is about to report
         return True
 
-    async def _wait_wake(self, need: int) -> None:
-        """Until a report arrives, this peer's samples reach ``need``, or ``hold_s``."""
+    async def _wait_wake(self, need: int | None) -> None:
+        """Until a report arrives, this peer's samples reach ``need`` (None: a report only), or
+        ``hold_s`` (a quarter of it with ``need`` None: the mates awaited may be between reports)."""
         loop = asyncio.get_running_loop()
-        waits = {loop.create_task(self.coord.wake.wait()),
-                 loop.create_task(self.executor.wait_progress(self.hold_s, samples=max(1, need)))}
+        waits: set[asyncio.Task[bool]] = {loop.create_task(self.coord.wake.wait())}
+        if need is not None:
+            waits.add(loop.create_task(self.executor.wait_progress(self.hold_s, samples=max(1, need))))
         try:
-            await asyncio.wait(waits, timeout=self.hold_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=self.hold_s if need is not None else self.hold_s / 4,
+                               return_when=asyncio.FIRST_COMPLETED)
         finally:
             for t in waits:
                 t.cancel()
@@ -338,18 +340,13 @@ class AllReduceAverager(StageAverager):
         if self.prover is not None and report.peer_id not in self.prover.proven(self._mates):
             return ArReportReply("refused", ex.step, reason="unproven: not a proven stage-mate yet")
         step = ex.step
-        if self._leader_view != self.peer_id or self._in_round or ex.averaging:
-            now_reply: ArReportReply | None = ArReportReply("wait", step, reason="not coordinating now")
-        elif report.step < step:
+        now_reply: ArReportReply | None = None  # held otherwise (also while this peer is in a round, or
+        if report.step < step and self._leader_view == self.peer_id:  # does not coordinate: no report spins)
             steps = self.coord.recent_steps(time.monotonic())
             here = 1 + sum(1 for pid, s in steps.items() if s == step and pid != report.peer_id)
             there = 1 + sum(1 for pid, s in steps.items() if s == report.step and pid != report.peer_id)
-            now_reply = ArReportReply("behind" if here >= there else "wait", step)
-        elif report.step > step:
-            now_reply = ArReportReply("wait", step)
-        else:
-            now_reply = None
-
+            if here >= there:
+                now_reply = ArReportReply("behind", step)
         reply = await self.coord.on_report(report, now_reply, min(report.wait_s, 10.0))
         if reply.status == "wait" and now_reply is None:
             waiting = self.coord.waiting(step, ex.digest)
