@@ -194,7 +194,10 @@ class AllReduceAverager(StageAverager):
                 await asyncio.gather(pending, return_exceptions=True)
 
     async def _call_report(self, addr: str, report: ArReport) -> ArReportReply:
-        frame = await self.client.allreduce(addr, "report", report.encode, timeout_s=report.wait_s + POLL_TIMEOUT_S)
+        # the coordinator answers within wait_s; on a loaded one the answer may come late, and a member that
+        # gave up on it would miss the round's start (its parts never sent: every owner waits the timeout)
+        frame = await self.client.allreduce(addr, "report", report.encode,
+                                            timeout_s=report.wait_s + max(POLL_TIMEOUT_S, self.timeout_s))
         numel = self.executor.grad_numel
         return self.client._read(addr, lambda f: ArReportReply.from_frame(f, numel), frame)
 

@@ -161,7 +161,8 @@ class MemberRound:
     async def _decide(self, rnd: CoordRound, fetches: dict[int, asyncio.Task[Part | None]]) -> None:
         """The coordinator's one decision: collect readies, verify every part by fetching it, decide."""
         av, plan = self.av, self.plan
-        await av.coord.collect(rnd, self._left())
+        # owners heard of the round after this coordinator did: their deadlines are a little later
+        await av.coord.collect(rnd, self._left(min(POLL_S, self.plan.timeout_s / 2)))
         decision = av.coord.decide(rnd, av.target)
         if decision.status == "commit":
             await asyncio.wait(list(fetches.values()), timeout=self._left(1.0) + 1.0)
