@@ -59,22 +59,12 @@ to step alone first reads its listing afresh (``_newly_listed``): mates that beg
 the listing's cache second are polled and proven first (``FIRST_PROOF_WAIT_S``). What remains is a
 mate listed but not proven within that wait; it is not resolved here.
 
-Why one leader per round, not a chunked all-reduce. A reduce-scatter + all-gather (each peer
-owning the reduction of one chunk) spreads the traffic: every peer sends and receives about
-``2 * |grads|`` per round whatever the stage's size, where the leader here receives and sends
-``(n - 1) * |grads|`` each way (``scripts/bench_averaging.py``: 13 MB per round for a peer of a
-``small`` stage with ``none``, 40 MB for the leader of 4 peers, 94 MB of 8; a quarter of that
-with ``8bit``). But the leader's answer is also the round's one atomic decision: everybody
-applies that mean, or nobody does and everybody keeps its gradients. With several chunk owners
-a peer can die after some owners answered and before others did; the peers then disagree on
-whether step ``s`` happened (some applied chunk 1's mean, others aborted), and their parameters
-diverge for good. A chunked version would need a commit protocol on top: owners reduce and hold
-their chunk means; a coordinator collects "chunk ready" from every owner and announces commit
-or abort; a peer applies only once it has *every* chunk and the commit, and a peer that missed
-the commit (or a chunk) must resync from one that applied it rather than apply its own guess.
-It also needs every owner's chunk to survive until all peers fetched it, so a dying owner after
-the commit forces the others to resync. Until stages grow beyond a handful of peers per stage,
-the single leader's O(n) traffic is the cheaper price for a decision that cannot split.
+Why one leader per round. Its answer is the round's one atomic decision: everybody applies that
+mean, or nobody does and everybody keeps its gradients. The price is traffic: the leader receives
+and sends ``(n - 1) * |grads|`` each way (``scripts/bench_averaging.py``). The chunked all-reduce
+of ``swarmd.pipeline.allreduce`` (``TrainingSpec.averaging = "allreduce"``) spreads that to about
+``2 * |grads|`` per peer whatever ``n``, and keeps the one decision with a signed commit protocol
+(its module docstring has the state diagram); this module stays the default.
 
 Members that lie or do not exist (issues #17 and #18). A stage takes part in rounds only with
 stage-mates that *proved themselves* recently (``swarmd.net.proof``: a signed challenge at the
