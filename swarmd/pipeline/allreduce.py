@@ -186,7 +186,10 @@ class AllReduceAverager(StageAverager):
                 return
         except PeerError as exc:
             log.info("stage %d: coordinator %s did not answer a report (%s)", ex.stage, coordinator[:12], exc)
-            self._suspects[coordinator] = time.monotonic() + 5.0
+            if exc.status != 0 or "Timeout" not in exc.error:
+                # unreachable or refusing: report to the next one for a while (a slow one is waited for: two
+                # coordinators at once could each start a round at one step)
+                self._suspects[coordinator] = time.monotonic() + 5.0
             await asyncio.sleep(self.poll_s)
         finally:
             if not pending.done():
@@ -223,7 +226,11 @@ class AllReduceAverager(StageAverager):
         self.coord.wake.clear()
         step, digest, now = ex.step, ex.digest, time.monotonic()
         offenders = self.suspicions.offenders()
-        steps = {pid: s for pid, s in self.coord.recent_steps(now).items() if pid in mates}
+        # where the mates are: by their reports here, else by a recent probe (mates that report to another
+        # coordinator, e.g. those that stepped in a round this peer missed)
+        steps = {pid: p.step for pid, (at, p) in self._probes.items()
+                 if p is not None and pid in mates and now - at <= PROBE_MEMORY_S}
+        steps |= {pid: s for pid, s in self.coord.recent_steps(now).items() if pid in mates}
         ahead = [s for pid, s in steps.items() if s > step and pid not in offenders]
         level = 1 + sum(1 for s in steps.values() if s == step)
         if ahead and len(ahead) >= level and self.on_behind is not None:

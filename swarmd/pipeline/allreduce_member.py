@@ -184,18 +184,21 @@ class MemberRound:
         av.coord.settle(rnd, decision, sig)
 
     async def _await_decision(self) -> None:
+        """The coordinator's decision, long-polled; while it cannot be asked (gone, overloaded), asked of
+        the other members (it is signed: any copy will do). Given up only once the coordinator can no
+        longer commit (it commits within ``commit_grace_s`` of its deadline, earlier than this member's
+        ``reply_slack_s``): a member that restored its gradients while a commit was still possible
+        would stay behind holding samples the others stepped on."""
         av, plan = self.av, self.plan
         coordinator = plan.addr(plan.coordinator)
         while self.decision is None and self._left(av.reply_slack_s) > 0:
-            wait = min(60.0, self._left(av.reply_slack_s))
             av.control_requests["decision"] += 1
             try:
-                got = await self._ask_decision(coordinator, wait)
+                if await self._ask_decision(coordinator, min(60.0, self._left(av.reply_slack_s))) is not None:
+                    return
+                continue
             except PeerError:
-                break
-            if got is not None:
-                return
-        if self.decision is None:  # the coordinator is gone or silent: any member may hold its signed decision
+                pass
             for pid, addr in plan.members:
                 if pid in (av.peer_id, plan.coordinator):
                     continue
@@ -205,6 +208,7 @@ class MemberRound:
                         return
                 except PeerError:
                     continue
+            await asyncio.sleep(min(1.0, self._left(av.reply_slack_s)))
 
     async def _ask_decision(self, addr: str, wait: float) -> Decision | None:
         av, plan = self.av, self.plan
