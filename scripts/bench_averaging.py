@@ -144,7 +144,8 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int) -> dic
             control.append(sum(CONTROL.values()) - ctl0)
         if DEBUG:
             for a in averagers:
-                print([(h["step"], h["status"], h.get("reason")) for h in a.history], file=sys.stderr)
+                print(a.peer_id[:6], [(h["step"], h["status"], h.get("reason")) for h in a.history],
+                      sorted(getattr(a, "members", {})), file=sys.stderr)
         if len({ex.digest for ex in executors}) != 1:
             raise RuntimeError("peers diverged")
     finally:
