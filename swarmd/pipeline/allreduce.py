@@ -65,6 +65,17 @@ part) and non-finite ones (a 422 at the data plane); refused members are named i
 excluded by every member; each part mean lists what it holds, and every member checks the lists
 and its own part against each part mean (``check_answer``) before applying.
 
+Status (2026-12-02): not the default (``TrainingSpec.averaging`` stays ``"leader"``). The in-process
+tests pass (``tests/test_allreduce.py``: bit-identical steps, the leader's mean bit for bit, each role
+killed at each phase), but the 2 stages x 8 daemons run of ``tests/test_allreduce_scale.py`` on a
+machine at load average ~20 forked stages: rounds at one step with 32, 48 and 56 samples were
+committed by different peers of stage 1 while its peers joined and proved one another. Two peers
+that each took itself for the coordinator (each had not yet proven the other: a proof timed out
+under load) started rounds over disjoint members at one step, each group holding a full batch (the
+stage had accumulated several while rounds aborted). ``_accounted`` only asks the mates this
+peer has proven; a coordinator should also wait while a listed mate's first proof is pending or
+failed for load, or a plan should need the acknowledgement of a majority of the listed stage.
+
 Control requests per round (``/metrics``: ``swarmd_averaging_control_requests``): one report per
 member (more only when its samples grow slowly), one "ready" per owner, one decision long-poll per
 member: about ``3n``, instead of every peer polling every other a few times a second.
