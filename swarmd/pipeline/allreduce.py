@@ -72,9 +72,10 @@ machine at load average ~20 forked stages: rounds at one step with 32, 48 and 56
 committed by different peers of stage 1 while its peers joined and proved one another. Two peers
 that each took itself for the coordinator (each had not yet proven the other: a proof timed out
 under load) started rounds over disjoint members at one step, each group holding a full batch (the
-stage had accumulated several while rounds aborted). ``_accounted`` only asks the mates this
-peer has proven; a coordinator should also wait while a listed mate's first proof is pending or
-failed for load, or a plan should need the acknowledgement of a majority of the listed stage.
+stage had accumulated several while rounds aborted). ``_accounted`` asked only the mates this
+peer had proven; it now also asks up to 8 listed but unproven ones (``_unproven_agree``: one that
+is at this step naming another coordinator holds the round up for at most 10 s). Not yet re-run
+at scale; a plan acknowledged by a majority of the listed stage would close the window for good.
 
 Control requests per round (``/metrics``: ``swarmd_averaging_control_requests``): one report per
 member (more only when its samples grow slowly), one "ready" per owner, one decision long-poll per
@@ -116,6 +117,10 @@ HOLD_S = 1.0
 PLAN_WAIT_S = 5.0
 #: Probes of a stage-mate that did not report are reused this long.
 PROBE_MEMORY_S = 2.0
+#: At most this many listed but unproven mates are asked where they stand before a round starts, and
+#: each holds the rounds of one step up at most this long (see ``_unproven_agree``).
+UNPROVEN_PROBES = 8
+UNPROVEN_HOLD_S = 10.0
 
 
 class AllReduceAverager(StageAverager):
@@ -136,6 +141,7 @@ class AllReduceAverager(StageAverager):
         self._in_round = False
         self._share = 1  # samples to gather before reporting again
         self._probes: dict[str, tuple[float, Any]] = {}
+        self._held_up: dict[tuple[str, int], float] = {}  # (unproven mate, step) -> when it first held a round up
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -292,6 +298,32 @@ class AllReduceAverager(StageAverager):
             p = self._probes.get(pid, (0.0, None))[1]
             if p is not None and p.step == step and p.params_digest == digest:
                 return False  # alive at this step: it names another coordinator, or is about to report
+        return await self._unproven_agree(step, digest, now)
+
+    async def _unproven_agree(self, step: int, digest: str, now: float) -> bool:
+        """False while a listed mate this peer has not proven (yet: its first proof may be pending, or
+        have timed out under load) answers that it is at this step with these parameters and takes
+        another peer for the coordinator: it may be coordinating a round of its own at this step, and
+        two rounds at one step would fork the stage. Bounded: such a mate holds rounds up for at most
+        UNPROVEN_HOLD_S per step (a liar answering progress but never its proofs cannot stall the stage)."""
+        if len(self._held_up) > 1024:
+            self._held_up = {k: t for k, t in self._held_up.items() if k[1] >= step}
+        unproven = {pid: addr for pid, addr in self._mates.items()
+                    if pid not in (self.prover.proven(self._mates) if self.prover is not None else self._mates)}
+        if not unproven:
+            return True
+        stale = {pid: addr for pid, addr in list(unproven.items())[:UNPROVEN_PROBES]
+                 if now - self._probes.get(pid, (-1e9, None))[0] > PROBE_MEMORY_S}
+        if stale:
+            got = await self._poll(stale)
+            for pid in stale:
+                self._probes[pid] = (now, got.get(pid))
+        for pid in list(unproven)[:UNPROVEN_PROBES]:
+            p = self._probes.get(pid, (0.0, None))[1]
+            if p is not None and p.step == step and p.params_digest == digest and p.leader not in (None, self.peer_id):
+                first = self._held_up.setdefault((pid, step), now)
+                if now - first <= UNPROVEN_HOLD_S:
+                    return False
         return True
 
     async def _wait_wake(self, need: int | None) -> None:
