@@ -90,7 +90,7 @@ async def test_two_stages_of_eight_lose_nothing_when_a_part_owner_is_killed_mid_
     survivors = [d for d in peers if d is not victim]
     async with httpx.AsyncClient(timeout=5) as client:
         for _ in range(300):  # the stages settle: every survivor of a stage at one step with one digest
-            statuses = {d: (await client.get(f"http://{d.api}/status")).json() for d in survivors}
+            statuses = {d: (await client.get(f"{d.api}/status")).json() for d in survivors}
             views = {}
             for st in statuses.values():
                 views.setdefault(st["stage"], set()).add((st["step"], st["params_digest"]))
