@@ -1,139 +1,197 @@
-"""Traffic and latency of a stage's averaging round, per gradient codec (``--grad-codec``).
+"""Traffic, control requests and latency of a stage's averaging round, per mode and stage size.
 
-Bytes: the exact frames a round sends for one stage of the chosen preset (default ``small``):
-a contributor sends one contribution (``POST /v1/average``) and receives one answer; the round's
-leader receives ``n - 1`` contributions and sends ``n - 1`` answers, so its traffic grows as
-``O(n * |grads|)``. HTTP headers (a few hundred bytes) are not counted.
+``n`` in-process peers of one stage of the chosen preset (default ``small``, stage 0): real
+``StageExecutor``, aiohttp data plane and averager (``leader``: ``StageAverager``; ``allreduce``:
+``AllReduceAverager``), one event loop. Peer ``i`` listens on its own loopback address
+``127.0.0.<i + 2>`` and dials from it, so every socket belongs to one peer by its local address.
 
-Time: ``n`` in-process peers of that stage (real ``StageExecutor``, aiohttp data plane and
-``StageAverager`` on 127.0.0.1, one event loop), each holding a random accumulated gradient;
-the time from "every peer holds its share of the target batch" to "every peer has stepped",
-median over ``--rounds`` rounds. It includes the averagers' progress polling (every 50 ms), the
-encode/decode, the reduction, one optimizer step per peer, all on this machine's cores.
+Bytes are *measured*: every byte the peer's sockets hand to the kernel (``transport.write``) and
+every byte they read (the aiohttp protocols' ``data_received``), HTTP headers included, counted
+per peer for each round. ``max_peer_bytes_per_round`` is the largest, over peers and rounds, of
+``max(bytes sent, bytes received)`` by one peer in one round (each direction is a link's capacity);
+``max_peer_bytes_total_per_round`` the largest sent + received. ``gradient_bytes`` (G) is the
+stage's gradient as float32 (4 bytes a value, whatever the codec).
 
-    .venv/bin/python scripts/bench_averaging.py                 # a table
-    .venv/bin/python scripts/bench_averaging.py --json          # one JSON object
-    .venv/bin/python scripts/bench_averaging.py --peers 2 4 --rounds 5 --preset small
+Control requests: HTTP requests of the averaging protocol that carry no gradients (``GET
+/v1/progress``, ``GET /v1/proof``, and the all-reduce's ``report``, ``ready``, ``decision``),
+counted by every client session's request trace, summed over peers, per round: a mean over the
+measured rounds, each from "every peer holds its share of the batch" to "every peer stepped", plus
+the idle time in between (the leader's stage keeps polling while it waits).
+
+Time: that interval, median over ``--rounds`` rounds (the first, warming up, is not counted).
+
+    .venv/bin/python scripts/bench_averaging.py --json
+    .venv/bin/python scripts/bench_averaging.py --peers 2 4 --modes allreduce --rounds 3 --preset tiny
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
+from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import torch
+from aiohttp import client_proto, web_protocol
 
+from swarmd.dht.identity import Identity
 from swarmd.finite import strict_json_dumps
-from swarmd.net.messages import AverageReply, AverageRequest
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import WireLimits
+from swarmd.pipeline.allreduce import AllReduceAverager
 from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.runtime import StageRuntime
 from swarmd.pipeline.spec import GRAD_CODECS, PRESETS, TrainingSpec
 
-TARGET = 32
+TARGET = 32  # a multiple of every n below 32 would be neater; each peer holds TARGET // n (+1 for the rest)
+ROUND_LIMIT_S = 180.0
+DEBUG = False
+CONTROL_PATHS = ("/v1/progress", "/v1/proof", "/v1/allreduce/report", "/v1/allreduce/ready", "/v1/allreduce/decision")
+
+SENT: Counter[str] = Counter()  # by local IP
+RECEIVED: Counter[str] = Counter()
+CONTROL: Counter[str] = Counter()  # by path
 
 
-def frame_bytes(numel: int, codec: str) -> dict[str, int]:
-    grads = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    peer_id = "f" * 64  # a peer id's length
-    contribution = AverageRequest(stage=0, peer_id=peer_id, step=12345, samples=8, grads=grads, codec=codec).encode()
-    answer = AverageReply(stage=0, status="ok", step=12345, samples=32, contributors=4, grads=grads).encode(codec)
-    return {"contribution": len(contribution), "answer": len(answer)}
+def _local_ip(transport: Any) -> str:
+    name = transport.get_extra_info("sockname") if transport is not None else None
+    return str(name[0]) if name else "?"
 
 
-async def time_rounds(spec: Any, n: int, codec: str, rounds: int) -> list[float]:
-    training = TrainingSpec(target_batch_size=TARGET, grad_codec=codec, averaging_timeout_s=30.0)
+def install_counters() -> None:
+    """Count every byte through every socket of this process, by the socket's local address."""
+    import asyncio.selector_events as se
+
+    write = se._SelectorSocketTransport.write
+
+    def counted_write(self: Any, data: Any) -> None:
+        SENT[_local_ip(self)] += len(data)
+        write(self, data)
+
+    se._SelectorSocketTransport.write = counted_write  # type: ignore[method-assign]
+    for cls in (client_proto.ResponseHandler, web_protocol.RequestHandler):
+        received = cls.data_received
+
+        def counted(self: Any, data: bytes, _received: Any = received) -> Any:
+            RECEIVED[_local_ip(self.transport)] += len(data)
+            return _received(self, data)
+
+        cls.data_received = counted  # type: ignore[method-assign]
+
+
+async def _trace_request(session: Any, ctx: Any, params: aiohttp.TraceRequestStartParams) -> None:
+    path = params.url.path
+    if path in CONTROL_PATHS:
+        CONTROL[path] += 1
+
+
+async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int) -> dict[str, Any]:
+    training = TrainingSpec(target_batch_size=TARGET, grad_codec=codec, averaging_timeout_s=60.0, averaging=mode)
     executors = [StageExecutor(spec, 0, "cpu", training=training, threads=1) for _ in range(n)]
     runtimes = [StageRuntime(ex) for ex in executors]
     planes = [DataPlane(lambda rt=rt: rt, limits=WireLimits()) for rt in runtimes]
-    addrs = {}
+    addrs: dict[str, str] = {}
+    ips: list[str] = []
+    sessions: list[aiohttp.ClientSession] = []
+    identities: list[Identity] = []
     for i, plane in enumerate(planes):
-        host, port = await plane.start("127.0.0.1", 0)
-        addrs[f"{i:064x}"] = f"{host}:{port}"
+        ip = f"127.0.0.{i + 2}"
+        host, port = await plane.start(ip, 0)
+        identities.append(Identity.generate())
+        addrs[identities[-1].peer_id] = f"{host}:{port}"
+        ips.append(ip)
+        trace = aiohttp.TraceConfig()
+        trace.on_request_start.append(_trace_request)
+        sessions.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(ip, 0), limit=0),
+                                              trace_configs=[trace]))
 
     async def stage_peers(*, fresh: bool = False) -> dict[str, str]:
         return dict(addrs)
 
-    session = aiohttp.ClientSession()
-    averagers = [StageAverager(ex, peer_id=pid, stage_peers=stage_peers, session=session)
-                 for ex, pid in zip(executors, addrs, strict=True)]
+    kind = AllReduceAverager if mode == "allreduce" else StageAverager
+    averagers = [kind(ex, peer_id=ident.peer_id, stage_peers=stage_peers, session=s, identity=ident)
+                 for ex, ident, s in zip(executors, identities, sessions, strict=True)]
     for runtime, averager in zip(runtimes, averagers, strict=True):
         runtime.averager = averager
     tasks = [asyncio.create_task(a.run()) for a in averagers]
     gen = torch.Generator().manual_seed(1)
-    took = []
+    took, peak, peak_total, control = [], 0, 0, []
     try:
-        for r in range(rounds + 1):  # the first round warms up (imports bitsandbytes for 8bit)
-            for ex in executors:
+        for r in range(rounds + 1):  # the first round warms up (connections, imports)
+            for i, ex in enumerate(executors):
                 flat = torch.randn(ex.grad_numel, generator=gen) * 1e-3
-                await ex.add_gradients(flat, TARGET // n)
+                await ex.add_gradients(flat, TARGET // n + (1 if i < TARGET % n else 0))
+            sent0, recv0, ctl0 = Counter(SENT), Counter(RECEIVED), sum(CONTROL.values())
             started = time.perf_counter()
             while not all(ex.step == r + 1 for ex in executors):
+                if time.perf_counter() - started > ROUND_LIMIT_S:
+                    raise RuntimeError(f"{mode} n={n}: round {r} did not complete in {ROUND_LIMIT_S:.0f}s")
                 await asyncio.sleep(0.002)
-            if r:
-                took.append(time.perf_counter() - started)
-        assert len({ex.digest for ex in executors}) == 1, "peers diverged"
+            elapsed = time.perf_counter() - started
+            await asyncio.sleep(0.05)  # the last answers' bytes
+            if not r:
+                continue
+            took.append(elapsed)
+            for ip in ips:
+                s, rcv = SENT[ip] - sent0[ip], RECEIVED[ip] - recv0[ip]
+                peak, peak_total = max(peak, s, rcv), max(peak_total, s + rcv)
+            control.append(sum(CONTROL.values()) - ctl0)
+        if DEBUG:
+            for a in averagers:
+                print(a.peer_id[:6], [(h["step"], h["status"], h.get("reason")) for h in a.history],
+                      sorted(getattr(a, "members", {})), file=sys.stderr)
+        if len({ex.digest for ex in executors}) != 1:
+            raise RuntimeError("peers diverged")
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for a in averagers:
             await a.close()
-        await session.close()
+        for s in sessions:
+            await s.close()
         for plane in planes:
             await plane.close()
         for ex in executors:
             await ex.close()
-    return took
+    grad_bytes = executors[0].grad_numel * 4
+    return {"peers": n, "mode": mode, "codec": codec, "gradient_bytes": grad_bytes,
+            "max_peer_bytes_per_round": peak, "max_peer_bytes_total_per_round": peak_total,
+            "ratio_to_gradient": round(peak / grad_bytes, 3),
+            "control_requests_per_round": round(statistics.mean(control), 1),
+            "round_s_median": round(statistics.median(took), 4)}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    p.add_argument("--peers", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--modes", nargs="+", default=["leader", "allreduce"], choices=["leader", "allreduce"])
+    p.add_argument("--codecs", nargs="+", default=["none"], choices=GRAD_CODECS)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    spec = PRESETS[args.preset]  # its stage 0
-    numel = StageExecutor(spec, 0, "cpu", threads=1).grad_numel
-    out: dict[str, Any] = {"preset": args.preset, "grad_numel": numel, "target_batch_size": TARGET,
-                           "cpus": os.cpu_count(), "torch": torch.__version__, "codecs": {}}
-    for codec in GRAD_CODECS:
-        b = frame_bytes(numel, codec)
-        per_round = b["contribution"] + b["answer"]
-        entry: dict[str, Any] = {
-            "contribution_bytes": b["contribution"],
-            "answer_bytes": b["answer"],
-            "contributor_bytes_per_round": per_round,  # sent + received
-            "leader_bytes_per_round": {str(n): (n - 1) * per_round for n in (2, 4, 8)},
-            "round_s": {},
-        }
-        for n in args.peers:
-            took = asyncio.run(time_rounds(spec, n, codec, args.rounds))
-            entry["round_s"][str(n)] = {"median": round(statistics.median(took), 4), "min": round(min(took), 4),
-                                        "max": round(max(took), 4)}
-        out["codecs"][codec] = entry
+    if max(args.peers) > 250:
+        p.error("at most 250 peers (one loopback address each)")
+    install_counters()
+    spec = replace(PRESETS[args.preset])  # its stage 0
+    results = []
+    for codec in args.codecs:
+        for mode in args.modes:
+            for n in args.peers:
+                results.append(asyncio.run(run_mode(spec, n, mode, codec, args.rounds)))
+                if not args.json:
+                    print(results[-1], flush=True)
+    out = {"preset": args.preset, "target_batch_size": TARGET, "rounds": args.rounds, "torch": torch.__version__,
+           "results": results}
     if args.json:
         print(strict_json_dumps(out, indent=2))
-        print()
-        return 0
-    mib = 2**20
-    print(f"preset {args.preset}, stage 0: {numel} gradient values; target batch {TARGET}")
-    print(f"{'codec':6} {'contrib MiB':>11} {'answer MiB':>10} {'peer MiB/round':>14} "
-          f"{'leader n=2/4/8 MiB':>20}  round time (median s) by peers")
-    for codec, e in out["codecs"].items():
-        leader = "/".join(f"{e['leader_bytes_per_round'][k] / mib:.1f}" for k in ("2", "4", "8"))
-        times = ", ".join(f"n={n}: {v['median']:.3f}" for n, v in e["round_s"].items())
-        print(f"{codec:6} {e['contribution_bytes'] / mib:11.2f} {e['answer_bytes'] / mib:10.2f} "
-              f"{e['contributor_bytes_per_round'] / mib:14.2f} {leader:>20}  {times}")
     return 0
 
 

@@ -279,6 +279,9 @@ class StatusCollector(Collector):
                        "per refusal, summed over leaders)", sum(averaging.leaders_refused.values()))
         yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "
                        "away every round at one step", sum(averaging.leaders_stalling.values()))
+        yield _by("swarmd_averaging_control_requests", "averaging requests without gradients this peer sent (progress "
+                  "polls; the all-reduce's reports, ready reports and decision queries), by kind: per round, divide by "
+                  "swarmd_averaging_rounds", "kind", averaging.control_requests)
         yield _counter("swarmd_averaging_silent_contributors", "expected contributors that never came to a round "
                        "this peer led (then excluded)", averaging.silent_contributors)
         yield _counter("swarmd_averaging_duplicate_microbatches", "microbatch ids found in two contributions of one "

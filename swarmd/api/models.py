@@ -129,6 +129,8 @@ class AveragingInfo(BaseModel):
     excluded: dict[str, Any] = Field(default_factory=dict, description="peer id -> why and until when")
     excluded_by_reports: list[str] = Field(default_factory=list)
     proofs: ProofsInfo | None = None
+    control_requests: dict[str, int] = Field(default_factory=dict, description="averaging requests without "
+                                             "gradients this peer sent, by kind")
 
 
 class MigrationInfo(_Part):

@@ -115,6 +115,9 @@ def build_parser(prog: str = "swarmd", overview: str | None = None) -> argparse.
     founding.add_argument("--grad-codec", choices=("none", "fp16", "8bit", "4bit"), default=None,
                           help="codec of the gradients a stage's peers average (lossy codecs keep the peers "
                           "bit-identical; default: none)")
+    founding.add_argument("--averaging", choices=("leader", "allreduce"), default=None,
+                          help="how a stage's peers average: one leader receives every contribution, or a chunked "
+                          "all-reduce whose per-peer traffic does not grow with the stage (default: leader)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
     p.add_argument("--relay-max-peers", type=non_negative_int, default=8, metavar="N",
@@ -253,6 +256,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "averaging_timeout_s": args.averaging_timeout,
         "delay_updates": args.delay_updates,
         "grad_codec": args.grad_codec,
+        "averaging": args.averaging,
     }
     given = {k: v for k, v in given.items() if v is not None}
     training = TrainingSpec(**given) if given else None

@@ -84,6 +84,7 @@ from swarmd.net.proof import ProofService, Prover
 from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
 from swarmd.peer_state import PeerState
+from swarmd.pipeline.allreduce import AllReduceAverager
 from swarmd.pipeline.averaging import StageAverager
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.migration import Migrator
@@ -329,7 +330,9 @@ class Daemon:
         if self._stopping or runtime is None or runtime.averager is not None:
             return
         assert self.identity is not None and self.session is not None  # set in start() before serving
-        averager = StageAverager(
+        # the training spec picks the round: one leader, or the chunked all-reduce (issue 28)
+        kind = AllReduceAverager if runtime.executor.training.averaging == "allreduce" else StageAverager
+        averager = kind(
             runtime.executor,
             peer_id=self.identity.peer_id,
             stage_peers=self.stage_mates,

@@ -196,6 +196,12 @@ class DataPlaneClient:
         body = await self._get_json(addr, "progress", request.to_query(), timeout_s)
         return self._read(addr, ProgressReply.from_json, body)
 
+    async def allreduce(self, addr: str, op: str, encode: Callable[[], bytes], nbytes: int = 0, *,
+                        timeout_s: float | None = None) -> Frame:
+        """One call of the chunked all-reduce round (``POST /v1/allreduce/<op>``,
+        ``swarmd.pipeline.allreduce_messages``); the decoded answer frame, for the caller to validate."""
+        return await self._post(addr, f"allreduce/{op}", encode, nbytes, timeout_s=timeout_s)
+
     # ---- plumbing --------------------------------------------------------------------------
 
     def _timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:

@@ -17,6 +17,9 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
 - ``POST /v1/average``  a stage-mate's gradient contribution (float32, sent with any codec; the
   swarm's ``grad_codec``); answered with the round's mean, encoded once with that codec for all
   contributors (``swarmd.pipeline.averaging``).
+- ``POST /v1/allreduce/<op>`` the chunked all-reduce round's reports, parts, ready reports,
+  decisions and part means (``swarmd.pipeline.allreduce``, ``swarmd.pipeline.allreduce_messages``),
+  when the swarm's ``TrainingSpec.averaging`` is ``allreduce``.
 - ``POST /v1/reserve`` a trainer's sample reservations for the stage's current step: leases
   from the stage's lease book (``swarmd.pipeline.reservations``), so several trainers together
   never start more than one step's batch.
@@ -189,6 +192,7 @@ class DataPlane:
         self.app.router.add_post("/v1/claim", self._claim)  # exactly once across peers (pipeline/step_protocol.py)
         self.app.router.add_post("/v1/gradients", self._gradients)  # a leaver's hand-over (net/handover.py)
         self.app.router.add_post("/v1/report", self._report)  # misbehaviour reports (pipeline/reports.py)
+        self.app.router.add_post("/v1/allreduce/{op}", self._allreduce)  # chunked all-reduce (pipeline/allreduce.py)
         # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
         self.app.router.add_get("/v1/state", self._state, allow_head=False)
 
@@ -432,6 +436,17 @@ class DataPlane:
         if result.reply is not None:  # the mean, encoded once by the round for all its contributors
             return web.Response(body=result.reply, content_type=CONTENT_TYPE)
         return await self._reply(result.to_reply(req.stage).encode, "none")
+
+    async def _allreduce(self, request: web.Request) -> web.Response:
+        """One request of the chunked all-reduce round (``swarmd.pipeline.allreduce``; the messages
+        are ``swarmd.pipeline.allreduce_messages``): answered by the stage's averager when it runs that round."""
+        runtime = self._current()
+        handle = getattr(runtime.averager, "handle", None)
+        if handle is None:
+            raise Busy("this peer takes no part in all-reduce rounds now")
+        frame = await self._read_frame(request)
+        body = await handle(request.match_info["op"], frame, request.remote or "")
+        return web.Response(body=body, content_type=CONTENT_TYPE)
 
     async def _reserve(self, request: web.Request) -> web.Response:
         """Leases for the stage's current step from its lease book (``swarmd.pipeline.reservations``)."""

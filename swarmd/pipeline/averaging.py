@@ -60,22 +60,12 @@ to step alone first reads its listing afresh (``_newly_listed``): mates that beg
 the listing's cache second are polled and proven first (``FIRST_PROOF_WAIT_S``). What remains is a
 mate listed but not proven within that wait; it is not resolved here.
 
-Why one leader per round, not a chunked all-reduce. A reduce-scatter + all-gather (each peer
-owning the reduction of one chunk) spreads the traffic: every peer sends and receives about
-``2 * |grads|`` per round whatever the stage's size, where the leader here receives and sends
-``(n - 1) * |grads|`` each way (``scripts/bench_averaging.py``: 13 MB per round for a peer of a
-``small`` stage with ``none``, 40 MB for the leader of 4 peers, 94 MB of 8; a quarter of that
-with ``8bit``). But the leader's answer is also the round's one atomic decision: everybody
-applies that mean, or nobody does and everybody keeps its gradients. With several chunk owners
-a peer can die after some owners answered and before others did; the peers then disagree on
-whether step ``s`` happened (some applied chunk 1's mean, others aborted), and their parameters
-diverge for good. A chunked version would need a commit protocol on top: owners reduce and hold
-their chunk means; a coordinator collects "chunk ready" from every owner and announces commit
-or abort; a peer applies only once it has *every* chunk and the commit, and a peer that missed
-the commit (or a chunk) must resync from one that applied it rather than apply its own guess.
-It also needs every owner's chunk to survive until all peers fetched it, so a dying owner after
-the commit forces the others to resync. Until stages grow beyond a handful of peers per stage,
-the single leader's O(n) traffic is the cheaper price for a decision that cannot split.
+Why one leader per round. Its answer is the round's one atomic decision: everybody applies that
+mean, or nobody does and everybody keeps its gradients. The price is traffic: the leader receives
+and sends ``(n - 1) * |grads|`` each way (``scripts/bench_averaging.py``). The chunked all-reduce
+of ``swarmd.pipeline.allreduce`` (``TrainingSpec.averaging = "allreduce"``) spreads that to about
+``2 * |grads|`` per peer whatever ``n``, and keeps the one decision with a signed commit protocol
+(its module docstring has the state diagram); this module stays the default.
 
 Members that lie or do not exist (issues #17 and #18). A stage takes part in rounds only with
 stage-mates that *proved themselves* recently (``swarmd.net.proof``: a signed challenge at the
@@ -255,6 +245,7 @@ class StageAverager:
         self.on_round = on_round
         self.rounds_ok = 0
         self.rounds_aborted = 0
+        self.control_requests: Counter[str] = Counter()  # averaging requests without gradients sent, by kind
         self.rounds_refused = 0  # answers of a leader this peer refused to apply
         self.leaders_refused: Counter[str] = Counter()  # by leader peer id
         self.leaders_stalling: Counter[str] = Counter()  # leaders accused of aborting every round, by peer id
@@ -318,6 +309,7 @@ class StageAverager:
             "silent_contributors": self.silent_contributors,
             "excluded": self.suspicions.status(),
             "excluded_by_reports": sorted(self.exclude()),
+            "control_requests": dict(self.control_requests),
         }
         if self.prover is not None:
             out["proofs"] = self.prover.table.status(self._mates)
@@ -479,6 +471,7 @@ class StageAverager:
             ok = not body.away and body.stage == self.executor.stage and body.peer_id in (None, pid)
             return pid, body if ok else None
 
+        self.control_requests["progress"] += len(mates)
         answers = await asyncio.gather(*(one(pid, addr) for pid, addr in mates.items()))
         return {pid: body for pid, body in answers if body is not None}
 

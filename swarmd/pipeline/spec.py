@@ -57,6 +57,8 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 #: How a stage's averaging traffic carries gradients (codecs of ``swarmd.net.codecs``).
 GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit", "4bit")
+#: How a stage averages its gradients (TrainingSpec.averaging): one leader, or a chunked all-reduce.
+AVERAGING_MODES: tuple[str, ...] = ("leader", "allreduce")
 
 Scalar = bool | int | float | str
 
@@ -448,7 +450,7 @@ _TRAINING_FLOAT_BOUNDS: Mapping[str, tuple[float, float, bool, bool]] = MappingP
 )
 
 _TRAINING_CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "grad_codec": GRAD_CODECS}
+    {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "grad_codec": GRAD_CODECS, "averaging": AVERAGING_MODES}
 )
 
 
@@ -479,6 +481,10 @@ class TrainingSpec:
     # back (one of GRAD_CODECS). Lossy codecs keep the peers bit-identical: the leader encodes
     # the mean once and every peer, the leader included, applies the decoded mean.
     grad_codec: str = "none"
+    # how a stage's peers average (one of AVERAGING_MODES): "leader", one peer receives every
+    # contribution and answers everyone (swarmd.pipeline.averaging); "allreduce", a chunked
+    # all-reduce with one atomic decision (swarmd.pipeline.allreduce), per-peer traffic ~2 x |grads|
+    averaging: str = "leader"
 
     def __post_init__(self) -> None:
         for name, (low, high) in _TRAINING_INT_BOUNDS.items():
@@ -536,8 +542,13 @@ class TrainingSpec:
         return hashlib.sha256(f"{TRAINING_DIGEST_VERSION}\n{payload}".encode("ascii")).hexdigest()
 
     def to_dict(self) -> dict[str, Scalar]:
-        """Every field as an int, float, bool or str: what the swarm record's ``training`` holds."""
-        return dataclasses.asdict(self)
+        """Every field as an int, float, bool or str: what the swarm record's ``training`` holds.
+        ``averaging`` is left out when it is the default ``leader``, so swarms founded before it
+        existed keep their digest (and peers of older builds can read the record)."""
+        out = dataclasses.asdict(self)
+        if out["averaging"] == "leader":
+            del out["averaging"]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, strict: bool = False) -> TrainingSpec:

@@ -20,8 +20,8 @@ import pathlib
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -51,34 +51,9 @@ from swarmd.pipeline.round_checks import (
     tensor_digest,
 )
 from swarmd.pipeline.runtime import StageRuntime
-from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from swarmd.pipeline.spec import TrainingSpec
+from tests.support.averaging import MICRO, ONE, Feeder, Peer, text_batch, wait_for
 from tests.support.liars import lie_as_leader, poison_contributions
-
-ONE = replace(PRESETS["tiny"], name="one", n_stages=1, layers_per_stage=1)
-MICRO = 4
-_TEXT = torch.tensor(list(b"".join(p.read_bytes() for p in sorted(pathlib.Path(asyncio.__file__).parent.glob("*.py")))),
-                     dtype=torch.long)
-
-
-def text_batch(rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = [rng.randrange(len(_TEXT) - ONE.seq_len - 1) for _ in range(n)]
-    x = torch.stack([_TEXT[s:s + ONE.seq_len] for s in starts])
-    y = torch.stack([_TEXT[s + 1:s + ONE.seq_len + 1] for s in starts])
-    return x, y
-
-
-async def wait_for(condition: Callable[[], Awaitable[Any] | Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.02)
-
 
 # ---- the pure rules --------------------------------------------------------------------------------
 
@@ -180,20 +155,6 @@ def test_suspicions_grow_on_repeat_on_a_fake_clock() -> None:
 # ---- a stage of real averagers in one process -------------------------------------------------------
 
 
-@dataclass
-class Peer:
-    identity: Identity
-    ex: StageExecutor
-    plane: DataPlane
-    averager: StageAverager
-    addr: str
-    given: int = 0  # samples given to it
-
-    @property
-    def pid(self) -> str:
-        return self.identity.peer_id
-
-
 @contextlib.asynccontextmanager
 async def stage(n: int, *, target: int, codec: str = "none", extra: dict[str, str] | None = None,
                 timeout_s: float = 5.0, unlisted_s: float = 0.0) -> AsyncIterator[list[Peer]]:
@@ -251,18 +212,6 @@ async def averaging_running(peers: list[Peer]) -> AsyncIterator[None]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class Feeder:
-    """Real text microbatches, backpropagated on a chosen peer at its current step."""
-
-    def __init__(self) -> None:
-        self.rng = random.Random(0)
-
-    async def __call__(self, peer: Peer, n: int = MICRO) -> None:
-        x, y = text_batch(self.rng, n)
-        await peer.ex.backward(x, None, y, step=peer.ex.step)
-        peer.given += n
 
 
 def ok_rounds(peers: list[Peer]) -> dict[int, int]:

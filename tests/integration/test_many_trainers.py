@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import time
-import zlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,22 +26,14 @@ from swarmd.net.messages import ReserveRequest
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from swarmd.train import trainer as trainer_module
 from swarmd.train.swarm_client import SwarmClient
-from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
+from swarmd.train.trainer import Trainer, TrainSummary
 from tests.support.rounds import ok_rounds
 from tests.support.swarms import swarm
+from tests.support.trainers import MICRO, trainer_config
 
 SPEC = replace(PRESETS["tiny"], name="many")
 TARGET = 32
-MICRO = 8
 TRAINING = TrainingSpec(target_batch_size=TARGET, lr=1e-3, warmup_steps=1, averaging_timeout_s=5.0)
-
-
-def trainer_config(api: str, name: str, steps: int, **kw: Any) -> TrainerConfig:
-    # a seed that is the same in every run (str hash() is salted per process: each run would draw other data)
-    return TrainerConfig(api=api, steps=steps, microbatch_size=MICRO, window=4, codec="none",
-                         seed=zlib.crc32(name.encode()) % 997, val_every=0, val_batches=1, max_corpus_bytes=1 << 20,
-                         name=name, refresh_s=0.5, heartbeat_s=1.0, request_timeout_s=20.0, stage_wait_timeout_s=60.0,
-                         **kw)
 
 
 def strict(summary: TrainSummary) -> dict[str, Any]:

@@ -489,7 +489,7 @@ def test_digest_is_the_literal_and_sensitive_to_every_field() -> None:
         "target_batch_size": 33, "optimizer": "lamb", "lr": 1.1e-3, "beta1": 0.8, "beta2": 0.999,
         "eps": 1e-6, "weight_decay": 0.0, "warmup_steps": 11, "schedule": "linear",
         "total_steps": 10_001, "min_lr_ratio": 0.0, "clip_norm": 0.0, "delay_updates": True,
-        "averaging_timeout_s": 31.0, "grad_codec": "fp16",
+        "averaging_timeout_s": 31.0, "grad_codec": "fp16", "averaging": "allreduce",
     }
     assert set(changed) == {f.name for f in dataclasses.fields(TrainingSpec)}
     digests = {TrainingSpec(**{name: value}).digest for name, value in changed.items()}
