@@ -33,6 +33,7 @@ SERVE_SAMPLES: dict[str, tuple[Any, list[str]]] = {
     "delay-updates": (True, ["--delay-updates"]),
     "averaging-timeout": (12.5, ["--averaging-timeout", "12.5"]),
     "grad-codec": ("8bit", ["--grad-codec", "8bit"]),
+    "averaging": ("allreduce", ["--averaging", "allreduce"]),
     "host": ("0.0.0.0", ["--host", "0.0.0.0"]),
     "port": (31330, ["--port", "31330"]),
     "api-host": ("::1", ["--api-host", "::1"]),

@@ -156,7 +156,14 @@ async def test_no_stage_is_reset_while_its_state_exists_anywhere(tmp_path: Path)
         # it leaves (withdrawn at once); peer1 moves to the empty stage 1 by hand: its own checkpoint, not step 0
         assert fresh.stop() == 0
         async with httpx.AsyncClient(base_url=holder.api) as c:
-            r = await c.post("/migrate", json={"stage": 1})
+            # right after a peer left, a DHT lookup can miss a record the nodes still hold (seen in CI: the holder's
+            # view of stage 0 without the founder, then without itself): the move is refused as emptying stage 0,
+            # and asked again once the view has the founder back (a user would do the same); at most 10 s
+            for _ in range(50):
+                r = await c.post("/migrate", json={"stage": 1})
+                if r.status_code != 409 or "last one serving" not in r.text:
+                    break
+                await asyncio.sleep(0.2)
             assert r.status_code == 202, (r.text, json.dumps((await c.get("/swarm")).json()["stages"]))
             for _ in range(300):
                 moved = holder.status()
