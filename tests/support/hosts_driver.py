@@ -35,8 +35,7 @@ async def main(spec: dict[str, Any]) -> dict[str, Any]:
     config = TrainerConfig(api=spec["api"], api_token=spec.get("token"), steps=spec["steps"], sync=True,
                            codec=spec.get("codec", "none"),
                            microbatch_size=4, window=4, val_every=0, max_corpus_bytes=1 << 20, seed=0,
-                           stage_wait_timeout_s=60.0,
-                           verify_fraction=0.0)  # compared with single-process training: no paired samples
+                           stage_wait_timeout_s=60.0)
     summary = await Trainer(config, on_step=on_step).run()
     await asyncio.sleep(spec.get("settle_s", 0.0))
     return {"summary": summary.to_json(), "killed_at": killed[0] if killed else None}
