@@ -10,6 +10,7 @@ register); each ``/status`` is read from inside its own host (a host behind NAT 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,11 @@ from tests.support.swarms import TINY, TRAINING, reference_run
 
 DRIVER = Path(__file__).resolve().parent.parent / "support" / "hosts_driver.py"
 TOKEN = "lab-test-token-0123456789abcdef"
+DRIVE_TIMEOUT_S = 90  # one drive of a test; each test's own timeout is 120 s (setup.cfg)
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 class Swarm:
@@ -65,12 +71,17 @@ class Swarm:
               codec: str = "none") -> dict[str, Any]:
         spec = {"api": self.api(0), "token": TOKEN, "steps": steps, "codec": codec, "settle_s": settle_s,
                 "kill": [self.daemons[kill[0]].pid, kill[1]] if kill else None}
-        done = self.lab.run(0, [sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
-                            timeout=300)
+        try:  # bounded below the test's own timeout, so a hang reports the daemons' logs
+            done = self.lab.run(0, [sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
+                                timeout=DRIVE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"the driver hung for {DRIVE_TIMEOUT_S} s: {_text(e.stderr)[-4000:]}\n{self.logs()}")
         if done.returncode != 0:
-            logs = "\n".join(f"--- host {h} ---\n{d.log_tail(3000)}" for h, d in self.daemons.items())
-            raise AssertionError(f"the driver failed ({done.returncode}): {done.stderr[-4000:]}\n{logs}")
+            raise AssertionError(f"the driver failed ({done.returncode}): {done.stderr[-4000:]}\n{self.logs()}")
         return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def logs(self) -> str:
+        return "\n".join(f"--- host {h} ---\n{d.log_tail(3000)}" for h, d in self.daemons.items())
 
     def status(self, host: int) -> dict[str, Any]:
         """Host ``host``'s ``/status``, read from inside that host (a host behind NAT cannot be dialled)."""
