@@ -48,6 +48,7 @@ import torch
 from swarmd.errors import MalformedFrame, RequestError, WrongStage
 from swarmd.finite import all_finite
 from swarmd.net.codecs import CODECS
+from swarmd.net.token_ids import narrow, widen
 from swarmd.net.wire import Frame, WireLimits, encode_frame
 
 __all__ = [
@@ -229,7 +230,9 @@ class ForwardRequest:
             meta["model"] = self.model
         if self.mb is not None:
             meta["mb"] = self.mb
-        tensors = {"inputs": self.inputs} if self.targets is None else {"inputs": self.inputs, "targets": self.targets}
+        tensors = {"inputs": narrow(self.inputs)}  # token ids travel narrow (swarmd.net.token_ids)
+        if self.targets is not None:
+            tensors["targets"] = narrow(self.targets)
         return encode_frame(self.KIND, meta, tensors, self.codec)
 
     @classmethod
@@ -239,8 +242,9 @@ class ForwardRequest:
         stage = _stage(meta)
         _check_target(stage, meta.get("model"), target)
         codec = _codec(meta)
-        return cls(stage=stage, inputs=_required(frame.tensors, "inputs"), targets=frame.tensors.get("targets"),
-                   model=_model(meta.get("model")), codec=codec, mb=_microbatch_id(meta))
+        return cls(stage=stage, inputs=widen(_required(frame.tensors, "inputs")),
+                   targets=widen(frame.tensors.get("targets")), model=_model(meta.get("model")), codec=codec,
+                   mb=_microbatch_id(meta))
 
 
 @dataclass(frozen=True)
@@ -347,11 +351,11 @@ class BackwardRequest:
             meta["attempt"] = self.attempt
         if self.inputs is None and self.mb is None:
             raise ValueError("a backward without inputs must name the microbatch whose forward the peer kept")
-        tensors = {} if self.inputs is None else {"inputs": self.inputs}
+        tensors = {} if self.inputs is None else {"inputs": narrow(self.inputs)}
         if self.grad_outputs is not None:
             tensors["grad_outputs"] = self.grad_outputs
         if self.targets is not None:
-            tensors["targets"] = self.targets
+            tensors["targets"] = narrow(self.targets)
         return encode_frame(self.KIND, meta, tensors, self.codec)
 
     @classmethod
@@ -361,7 +365,7 @@ class BackwardRequest:
         stage = _stage(meta)
         _check_target(stage, meta.get("model"), target)
         codec = _codec(meta)
-        inputs = frame.tensors.get("inputs")
+        inputs = widen(frame.tensors.get("inputs"))
         mb = _microbatch_id(meta)
         if inputs is None and mb is None:
             raise RequestError("a backward without 'inputs' must name (meta.mb) the microbatch whose forward "
@@ -372,7 +376,7 @@ class BackwardRequest:
         if not isinstance(verify, bool):
             raise RequestError(f"meta.verify must be true or false, got {verify!r:.40}")
         return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
-                   targets=frame.tensors.get("targets"), model=_model(meta.get("model")), codec=codec, step=step,
+                   targets=widen(frame.tensors.get("targets")), model=_model(meta.get("model")), codec=codec, step=step,
                    mb=mb, deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta))
 
 

@@ -92,6 +92,7 @@ ALLOWED_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
         "bfloat16": torch.bfloat16,
         "int64": torch.int64,
         "int32": torch.int32,
+        "int16": torch.int16,  # token ids of vocabularies up to 32768 (swarmd.net.token_ids)
         "uint8": torch.uint8,
         "bool": torch.bool,
     }

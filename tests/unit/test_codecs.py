@@ -26,7 +26,8 @@ from swarmd.net.codecs import (
     get_codec,
 )
 
-ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.uint8,
+              torch.bool]
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6)
 
@@ -54,7 +55,7 @@ def any_tensor(draw: st.DrawFn) -> torch.Tensor:
         return torch.from_numpy(draw(hnp.arrays(np.bool_, shape)))
     if dtype.is_floating_point:  # any float32 bit pattern, NaN and inf included, then cast
         return torch.from_numpy(draw(hnp.arrays(np.float32, shape, elements=st.floats(width=32)))).to(dtype)
-    np_dtype = {torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8}[dtype]
+    np_dtype = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8}[dtype]
     return torch.from_numpy(draw(hnp.arrays(np_dtype, shape)))
 
 

@@ -90,7 +90,7 @@ def _decodes_or_raises_typed(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -
 
 def test_constants() -> None:
     assert WIRE_VERSION == 1 and CONTENT_TYPE == "application/x-msgpack"
-    assert set(ALLOWED_DTYPES) == {"float32", "float16", "bfloat16", "int64", "int32", "uint8", "bool"}
+    assert set(ALLOWED_DTYPES) == {"float32", "float16", "bfloat16", "int64", "int32", "int16", "uint8", "bool"}
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS))
@@ -172,7 +172,7 @@ def test_meta_round_trip(kind: str, meta: dict[str, Any]) -> None:
         ("k", {}, {"": torch.ones(1)}, "none", TypeError),
         ("k", {}, {"x": [1.0]}, "none", TypeError),
         ("k", {}, {"x": torch.ones(2, dtype=torch.float64)}, "none", UnsupportedDtype),
-        ("k", {}, {"x": torch.ones(2, dtype=torch.int16)}, "none", UnsupportedDtype),
+        ("k", {}, {"x": torch.ones(2, dtype=torch.int8)}, "none", UnsupportedDtype),
         ("k", {}, {"x": torch.ones(2)}, "zstd", UnknownCodec),
     ],
 )
