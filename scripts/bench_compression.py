@@ -82,6 +82,10 @@ CONFIGS: dict[str, Setup] = {
     "bottleneck+8bit": Setup("8bit", "8bit", bottleneck=4),
     "bottleneck+4bit": Setup("4bit", "4bit", bottleneck=4),
     "bottleneck/8+4bit": Setup("4bit", "4bit", bottleneck=8),
+    # averaging's own bytes cut too: 2-bit gradients with error feedback (issue 30)
+    "4bit+grad2bit": Setup("4bit", "2bit"),
+    "bottleneck+4bit+grad2bit": Setup("4bit", "2bit", bottleneck=4),
+    "bottleneck/8+4bit+grad2bit": Setup("4bit", "2bit", bottleneck=8),
 }
 BASELINE = "fp32"
 BOUNDARY = ("/v1/forward", "/v1/backward")
@@ -190,9 +194,12 @@ async def one_run(args: argparse.Namespace, name: str, setup: Setup, seed: int, 
 
 
 def token_bytes_per_sample(spec: ModelSpec) -> int:
-    """Token-id bytes a trained sample sends (int64, never compressed): the first stage's forward
-    and backward inputs and the last stage's targets, ``seq_len`` ids each."""
-    return 3 * spec.seq_len * 8
+    """Token-id bytes a trained sample sends (never compressed; in the narrowest integer dtype
+    holding the vocabulary, ``swarmd.net.token_ids``): the first stage's forward inputs (its
+    backward omits the inputs it kept) and the last stage's targets with its fused forward +
+    backward, ``seq_len`` ids each."""
+    width = 1 if spec.vocab_size <= 256 else 2 if spec.vocab_size <= 2**15 else 4
+    return 2 * spec.seq_len * width
 
 
 async def run_all(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The randomized Hadamard rotation and 4-bit packing behind the ``4bit`` codec, as pure torch.
+"""The randomized Hadamard rotation and the 4-/2-bit packing behind the ``4bit`` and ``2bit`` codecs, as pure torch.
 
 Quantizing a block to 4 bits loses most where a few large values (activation outliers) set the
 block's scale and squeeze every other value into one or two of the 16 levels. TAH-Quant
@@ -23,7 +23,18 @@ import math
 
 import torch
 
-__all__ = ["fwht", "pack_levels", "pack_nibbles", "rotate", "signs", "tail_size", "unpack_nibbles", "unrotate"]
+__all__ = [
+    "fwht",
+    "pack_crumbs",
+    "pack_levels",
+    "pack_nibbles",
+    "rotate",
+    "signs",
+    "tail_size",
+    "unpack_crumbs",
+    "unpack_nibbles",
+    "unrotate",
+]
 
 _SIGNS_LABEL = b"swarmd.4bit.signs/1\n"
 
@@ -123,3 +134,21 @@ def unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
     low = packed.bitwise_and(15)
     high = packed.bitwise_right_shift(4)
     return torch.stack((low, high), dim=1).view(-1)[:count]
+
+
+_CRUMB_WEIGHTS = torch.tensor([1.0, 4.0, 16.0, 64.0])
+
+
+def pack_crumbs(levels: torch.Tensor) -> torch.Tensor:
+    """2-bit codes held as whole floats in [0, 3] (flat) to bytes holding four each (the first in
+    the lowest two bits); a count that is not a multiple of four is padded with zero codes."""
+    rest = levels.numel() % 4
+    if rest:
+        levels = torch.cat([levels, levels.new_zeros(4 - rest)])
+    return (levels.view(-1, 4) @ _CRUMB_WEIGHTS).to(torch.uint8)
+
+
+def unpack_crumbs(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` 2-bit codes of :func:`pack_crumbs`' bytes, as uint8."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    return packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(3).view(-1)[:count]

@@ -1,0 +1,250 @@
+"""The 2-bit Hadamard codec for error-fed gradient averaging: its packing, its documented error
+bound, what error feedback makes of it, and every refusal of bad input."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from swarmd.errors import LimitExceeded, MalformedFrame, UnsupportedDtype
+from swarmd.net import hadamard
+from swarmd.net.codecs import (
+    CODECS,
+    TWO_BIT_BLOCKSIZES,
+    TWO_BIT_DEFAULT_BLOCKSIZE,
+    TWO_BIT_SLACK,
+    EncodedTensor,
+    TwoBitCodec,
+)
+from swarmd.net.limits import WireLimits
+from swarmd.net.wire import decode_frame, encode_frame
+from swarmd.pipeline.error_feedback import ErrorFeedback, needs_feedback
+
+CODEC = CODECS["2bit"]
+
+
+def _round_trip(codec: TwoBitCodec, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    enc = codec.encode(t)
+    enc = EncodedTensor(bytes(enc.payload), enc.absmax, enc.blocksize)  # real bytes, as from the wire
+    out = codec.decode(enc, dtype or t.dtype, tuple(t.shape))
+    assert out.dtype == (dtype or t.dtype) and tuple(out.shape) == tuple(t.shape)
+    return out
+
+
+def _blocks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """The codec's blocks of a flat tensor: full ones, then the zero-padded tail."""
+    full = flat.numel() // size
+    out = list(flat[: full * size].view(full, size)) if full else []
+    tail = hadamard.tail_size(flat.numel(), size)
+    if tail:
+        rest = flat[full * size :]
+        out.append(torch.cat([rest, rest.new_zeros(tail - rest.numel())]))
+    return out
+
+
+def _check_bound(t: torch.Tensor, size: int = TWO_BIT_DEFAULT_BLOCKSIZE) -> None:
+    """Assert the documented bound per rotated value, and the block bound it implies."""
+    codec = CODEC if size == TWO_BIT_DEFAULT_BLOCKSIZE else TwoBitCodec(size)
+    flat = t.reshape(-1).float()
+    out = _round_trip(codec, t).reshape(-1).float()
+    for x, x_hat in zip(_blocks(flat, size), _blocks(out, size), strict=True):
+        n = x.numel()
+        y = hadamard.rotate(x.double().float().unsqueeze(0)).double().squeeze(0)
+        s = float(y.norm()) / n**0.5
+        valid = min(n, flat.numel())  # padding positions are not decoded: compare the block's own values
+        err = (x.double() - x_hat.double())[:valid]
+        # per rotated value: s / 2 inside [-2s, 2s], |y| - 1.5 s beyond (plus float32 slack)
+        per_value = torch.where(y.abs() <= 2 * s, torch.full_like(y, s / 2), y.abs() - 1.5 * s)
+        block_bound = float(per_value.square().sum().sqrt()) + TWO_BIT_SLACK * s * n**0.5 + 1e-30
+        assert float(err.norm()) <= block_bound * (1 + 1e-5)
+        assert float(err.norm()) <= 1.25**0.5 * float(x.double().norm()) * (1 + 1e-5) + TWO_BIT_SLACK * s * n**0.5
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 4, 5, 127, 1000])
+def test_crumbs_round_trip(count: int) -> None:
+    codes = torch.randint(0, 4, (count,), generator=torch.Generator().manual_seed(count), dtype=torch.uint8)
+    packed = hadamard.pack_crumbs(codes.float())
+    assert packed.dtype == torch.uint8 and packed.numel() == (count + 3) // 4
+    assert torch.equal(hadamard.unpack_crumbs(packed, count), codes)
+
+
+@pytest.mark.parametrize("size", [1, 5, 127, 128, 129, 1000, 4099])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 1e20])
+@pytest.mark.parametrize("kind", ["gaussian", "outliers", "uniform"])
+@pytest.mark.parametrize("blocksize", [16, 128, 1024])
+def test_two_bit_within_bound(size: int, seed: int, scale: float, kind: str, blocksize: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(size, generator=g)
+    if kind == "outliers":
+        t[:: 97] *= 30.0
+    elif kind == "uniform":
+        t = torch.rand(size, generator=g) * 2 - 1
+    _check_bound(t * scale, blocksize)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hnp.arrays(np.float32, st.integers(1, 300), elements=st.floats(-1e6, 1e6, width=32)))
+def test_two_bit_within_bound_for_any_finite_values(values: np.ndarray) -> None:
+    _check_bound(torch.from_numpy(values.copy()))
+
+
+def test_a_spike_hidden_in_a_hadamard_row_is_the_worst_case() -> None:
+    """The one input the rotation cannot spread: a row of ``D H`` rotates into a single value, and
+    the whole block is lost to within the documented 1.25."""
+    n = TWO_BIT_DEFAULT_BLOCKSIZE
+    spike = torch.zeros(1, n)
+    spike[0, 3] = 1.0
+    x = hadamard.unrotate(spike).reshape(-1)
+    out = _round_trip(CODEC, x)
+    ratio = float((x - out).norm() / x.norm())
+    assert 1.0 < ratio <= 1.25**0.5 + 1e-4
+
+
+def test_gaussian_error_is_far_below_the_worst_case() -> None:
+    t = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+    for size, limit in ((16, 0.37), (128, 0.36), (1024, 0.36)):
+        rel = float((t - _round_trip(TwoBitCodec(size), t)).norm() / t.norm())
+        assert 0.3 < rel < limit, (size, rel)
+    outliers = t.clone()
+    outliers[::97] *= 30.0
+    assert float((outliers - _round_trip(CODEC, outliers)).norm() / outliers.norm()) < 0.37
+
+
+def test_error_feedback_carries_what_two_bits_drop() -> None:
+    """A steady gradient sent through 2 bits for many rounds: with feedback, the sum of what the
+    leader received differs from the true sum by one residual only; without, it drifts."""
+    assert needs_feedback("2bit")
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    fed, plain = ErrorFeedback(True), ErrorFeedback(False)
+    got_fed, got_plain = torch.zeros_like(g), torch.zeros_like(g)
+    rounds = 50
+    for _ in range(rounds):
+        for ef, total in ((fed, got_fed), (plain, got_plain)):
+            sent = ef.compensate(g.clone())
+            decoded = _round_trip(CODEC, sent)
+            ef.keep(sent, decoded)
+            total += decoded
+    true = g * rounds
+    assert fed.residual is not None
+    assert torch.allclose(got_fed + fed.residual, true, atol=1e-3)
+    # one residual's worth (it settles near twice one round's error), not 50 rounds' worth
+    assert float((got_fed - true).norm()) < 3 * float(g.norm()) < 0.06 * float(true.norm())
+    assert float((got_plain - true).norm()) > 0.25 * float(true.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_two_bit_decodes_into_half_dtypes(dtype: torch.dtype) -> None:
+    t = torch.randn(300).to(dtype)
+    out = _round_trip(CODEC, t)
+    assert out.dtype == dtype and float((t.float() - out.float()).norm() / t.float().norm()) < 0.4
+
+
+def test_blocks_of_zeros_and_of_non_finite_values() -> None:
+    t = torch.randn(3 * 128)
+    t[:128] = 0.0
+    t[130] = float("inf")
+    t[300] = float("nan")
+    out = _round_trip(CODEC, t)
+    assert torch.equal(out[:128], torch.zeros(128))
+    assert bool(out[128:].isnan().all())
+
+
+def test_frame_size_is_a_sixteenth_of_float32_plus_the_scales() -> None:
+    t = torch.randn(8, 64, 16)  # 8192 values: 64 blocks of 128
+    enc = CODEC.encode(t)
+    assert len(bytes(enc.payload)) == 8192 // 4 and enc.absmax is not None and len(enc.absmax) == 64 * 4
+    body = encode_frame("average", {}, {"grads": t}, "2bit")
+    assert len(body) < 8192 * 4 / 14  # about 14x fewer bytes than float32, framing included
+
+
+def test_encoding_is_deterministic() -> None:
+    """The leader encodes the mean once and contributors re-derive their own decoded bytes: the
+    same input must give the same bytes, every time."""
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    first = CODEC.encode(t)
+    again = CODEC.encode(t.clone())
+    assert bytes(first.payload) == bytes(again.payload) and first.absmax == again.absmax
+
+
+def _valid(shape: tuple[int, ...] = (3, 50)) -> EncodedTensor:
+    enc = CODEC.encode(torch.randn(shape))
+    return EncodedTensor(bytes(enc.payload), enc.absmax, enc.blocksize)
+
+
+@pytest.mark.parametrize(
+    ("absmax", "blocksize", "match"),
+    [
+        (None, 128, "scale"),
+        (b"\x00" * 8, None, "blocksize"),
+        (b"", 128, "absmax bytes"),
+        (b"\x00" * 4, 128, "absmax bytes"),
+        (b"\x00" * 12, 128, "absmax bytes"),
+        (b"\x00" * 8, 0, "blocksize must be one of"),
+        (b"\x00" * 8, 100, "blocksize must be one of"),
+        (b"\x00" * 8, 4096, "blocksize must be one of"),
+        (b"\x00" * 8, -128, "blocksize must be one of"),
+        (b"\x00" * 8, 2**70, "blocksize must be one of"),
+    ],
+)
+def test_side_data_is_checked(absmax: bytes | None, blocksize: int | None, match: str) -> None:
+    payload = _valid().payload  # 150 values: one block of 128 and a tail of 32
+    with pytest.raises(MalformedFrame, match=match):
+        CODEC.decode(EncodedTensor(payload, absmax, blocksize), torch.float32, (3, 50))
+
+
+@pytest.mark.parametrize("shape", [(3, 60), (2, 50), (200,), (0,), (-3, -50)])
+def test_payload_for_another_shape(shape: tuple[int, ...]) -> None:
+    with pytest.raises(MalformedFrame):
+        CODEC.decode(_valid(), torch.float32, shape)
+
+
+def test_integers_are_refused() -> None:
+    with pytest.raises(TypeError, match="codec 'none'"):
+        CODEC.encode(torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(UnsupportedDtype, match="codec 'none'"):
+        CODEC.decode(_valid(), torch.int32, (3, 50))
+
+
+def test_codec_refuses_unsupported_blocksize() -> None:
+    with pytest.raises(ValueError, match="blocksize"):
+        TwoBitCodec(100)
+    assert set(TWO_BIT_BLOCKSIZES) >= {16, 128, 1024}
+
+
+def test_wire_limits_apply_before_decoding() -> None:
+    frame = encode_frame("average", {}, {"x": torch.randn(10, 100)}, "2bit")
+    with pytest.raises(LimitExceeded, match="elements"):
+        decode_frame(frame, WireLimits(max_elements=999))
+    assert decode_frame(frame, WireLimits(max_elements=1000)).tensors["x"].shape == (10, 100)
+
+
+@settings(max_examples=100, deadline=None)
+@given(payload=st.binary(max_size=80), absmax=st.binary(max_size=16), blocksize=st.integers(-10, 2000),
+       shape=st.lists(st.integers(0, 40), max_size=3))
+def test_hostile_side_data_raises_only_malformed_frame(payload: bytes, absmax: bytes, blocksize: int,
+                                                       shape: list[int]) -> None:
+    try:
+        out = CODEC.decode(EncodedTensor(payload, absmax, blocksize), torch.float32, tuple(shape))
+    except MalformedFrame:
+        return
+    assert tuple(out.shape) == tuple(shape)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("a", b"\x00" * 4, "absmax bytes"),  # one block's scale for a tensor of two blocks
+    ("b", 4096, "blocksize must be one of"),
+    ("p", b"\x00", "payload bytes"),
+])
+def test_a_tampered_frame_is_a_clear_error(field: str, value: object, match: str) -> None:
+    """The same refusals through the wire layer, as a peer meets them (a 4xx, never a crash)."""
+    frame = msgpack.unpackb(encode_frame("average", {"stage": 1}, {"x": torch.randn(3, 50)}, "2bit"), raw=False)
+    frame["tensors"][0][field] = value
+    with pytest.raises(MalformedFrame, match=match) as caught:
+        decode_frame(msgpack.packb(frame, use_bin_type=True))
+    assert caught.value.http_status < 500
