@@ -83,6 +83,9 @@ CONFIGS: dict[str, Setup] = {
     "bottleneck+4bit": Setup("4bit", "4bit", bottleneck=4),
     "bottleneck/8+4bit": Setup("4bit", "4bit", bottleneck=8),
     # averaging's own bytes cut too: 2-bit gradients with error feedback (issue 30)
+    "4bit+grad3bit": Setup("4bit", "3bit"),
+    "bottleneck+4bit+grad3bit": Setup("4bit", "3bit", bottleneck=4),
+    "bottleneck/8+4bit+grad3bit": Setup("4bit", "3bit", bottleneck=8),
     "4bit+grad2bit": Setup("4bit", "2bit"),
     "bottleneck+4bit+grad2bit": Setup("4bit", "2bit", bottleneck=4),
     "bottleneck/8+4bit+grad2bit": Setup("4bit", "2bit", bottleneck=8),

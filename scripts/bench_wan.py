@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--microbatch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=4, help="the trainer's microbatches in flight (default: 4)")
     p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit", "4bit"), default="8bit")
-    p.add_argument("--grad-codec", choices=("none", "fp16", "8bit", "4bit", "2bit"), default="none",
+    p.add_argument("--grad-codec", choices=("none", "fp16", "8bit", "4bit", "3bit", "2bit"), default="none",
                    help="the swarm's codec for gradients between a stage's peers when they average (default: none)")
     p.add_argument("--delay-updates", action="store_true",
                    help="the swarm uses delayed parameter updates: stages keep serving while they average "

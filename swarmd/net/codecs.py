@@ -35,15 +35,16 @@ Codecs (``CODECS``, looked up with :func:`get_codec`):
     ``-1, -13/15, ..., 13/15, 1``. The frame carries half a byte per (padded) element plus one
     float32 absmax per block: about 7.1x fewer bytes than float32 at block size 64.
 
-``2bit``
+``3bit`` / ``2bit``
     For averaged gradients, which carry error feedback (:mod:`swarmd.pipeline.error_feedback`):
     the ``4bit`` codec's rotated blocks (``blocksize`` a power of two, default 128, and the same
     short tail block), each divided by its *root mean square* ``s`` (not its absmax) and rounded
-    to the nearest of four levels ``-1.5 s, -0.5 s, 0.5 s, 1.5 s`` (the uniform 4-level
-    quantizer of a unit Gaussian has its levels within 0.5% of these: after the rotation a
-    block's values are close to Gaussian). The frame carries a quarter of a byte per (padded)
-    element plus one float32 ``s`` per block (in the ``a`` field): 2.25 bits per value at block
-    size 128, about 14x fewer bytes than float32.
+    to the nearest of ``L = 2**bits`` evenly spaced levels ``(c - (L - 1) / 2) * step * s``:
+    ``step`` 0.586 for 3 bits, 1.0 for 2 bits, the spacings of the uniform 8- and 4-level
+    quantizers of a unit Gaussian (Max 1960: 0.5860, 0.9957), which a rotated block's values
+    resemble. The frame carries the codes as ``bits`` bit planes (:func:`hadamard.pack_bits`)
+    plus one float32 ``s`` per block (in the ``a`` field): 3.25 / 2.25 bits per value at block
+    size 128, about 9.8x / 14x fewer bytes than float32.
 
 The 8-bit error bound
 ---------------------
@@ -96,21 +97,21 @@ throughout, blocks of zeros as zeros; the rotation sums a block in float32, so a
 beyond about ``3e38 / blocksize`` overflows and decodes as ``nan`` too (the stage refuses
 non-finite values; no activation or gradient comes near).
 
-The 2-bit error bound
----------------------
-With ``y = H D x / sqrt(n)`` a block's rotated values and ``s = ||y||_2 / sqrt(n)``, nearest
-rounding to ``(c - 1.5) s`` errs, per rotated value::
+The 2- and 3-bit error bound
+----------------------------
+With ``y = H D x / sqrt(n)`` a block's rotated values, ``s = ||y||_2 / sqrt(n)`` and ``d = step *
+s``, nearest rounding errs, per rotated value::
 
-    |y_i - dec_i| <= s / 2          where |y_i| <= 2 s
-    |y_i - dec_i|  = |y_i| - 1.5 s  where |y_i| >  2 s
+    |y_i - dec_i| <= d / 2                    where |y_i| <= L d / 2
+    |y_i - dec_i|  = |y_i| - (L - 1) d / 2    beyond (clipped to the outermost level)
 
-(plus float32 slack of the rotations, ``TWO_BIT_SLACK`` of ``s``), so over the block, the
-rotation being orthonormal, ``||x - decode(encode(x))||_2**2 <= n s**2 / 4 + sum over the large
-values of (|y_i| - 1.5 s)**2 <= 1.25 ||x||_2**2``: the worst case (one rotated value holding the
-whole block's norm, which the rotation makes a one-in-a-Hadamard-row accident) loses the block;
-on Gaussian values the relative RMS error is 0.35 (``tests/unit/test_codec_2bit.py``). This is
-a coarse codec: it is meant for gradients averaged with error feedback, whose residual carries
-what one round dropped into the next, not for activations.
+(plus float32 slack of the rotations, ``RMS_SLACK`` of ``s``), so over the block, the rotation
+being orthonormal, ``||x - decode(encode(x))||_2**2 <= n d**2 / 4 + sum of the clipped errors**2
+<= (step**2 / 4 + 1) ||x||_2**2``: 1.086 for 3 bits, 1.25 for 2. The worst case (one rotated
+value holding the whole block's norm, which the rotation makes a one-in-a-Hadamard-row accident)
+loses the block; on Gaussian values the relative RMS error is 0.19 / 0.35
+(``tests/unit/test_codec_rms.py``). These are coarse codecs, meant for gradients averaged with
+error feedback, whose residual carries what one round dropped into the next; not for activations.
 
 Conventions shared by all codecs:
 
@@ -152,12 +153,13 @@ __all__ = [
     "FOUR_BIT_BLOCKSIZES",
     "FOUR_BIT_DEFAULT_BLOCKSIZE",
     "FOUR_BIT_REL_ERROR",
-    "TWO_BIT_BLOCKSIZES",
-    "TWO_BIT_DEFAULT_BLOCKSIZE",
-    "TWO_BIT_SLACK",
+    "RMS_BLOCKSIZES",
+    "RMS_DEFAULT_BLOCKSIZE",
+    "RMS_SLACK",
     "Codec",
     "EncodedTensor",
     "FourBitCodec",
+    "ThreeBitCodec",
     "TwoBitCodec",
     "eight_bit_error_bound",
     "get_codec",
@@ -183,10 +185,10 @@ FOUR_BIT_BLOCKSIZES: frozenset[int] = frozenset({16, 32, 64, 128, 256, 512, 1024
 FOUR_BIT_REL_ERROR = 1.0 / 15.0 + 2.0**-12
 _FOUR_BIT_HALF_LEVELS = 7.5  # codes 0..15 stand for code / 7.5 - 1
 
-TWO_BIT_DEFAULT_BLOCKSIZE = 128
-TWO_BIT_BLOCKSIZES: frozenset[int] = FOUR_BIT_BLOCKSIZES
-# float32 rounding of the rotations and of the scale, relative to s (see "The 2-bit error bound")
-TWO_BIT_SLACK = 2.0**-10
+RMS_DEFAULT_BLOCKSIZE = 128
+RMS_BLOCKSIZES: frozenset[int] = FOUR_BIT_BLOCKSIZES
+# float32 rounding of the rotations and of the scale, relative to s (see "The 2- and 3-bit error bound")
+RMS_SLACK = 2.0**-10
 
 
 @dataclass(frozen=True)
@@ -194,8 +196,8 @@ class EncodedTensor:
     """What a codec produces: the main bytes plus the side data the decoder needs."""
 
     payload: bytes | memoryview
-    absmax: bytes | None = None  # 8bit, 4bit: float32 absmax per block, little-endian; 2bit: its RMS
-    blocksize: int | None = None  # 8bit, 4bit and 2bit only
+    absmax: bytes | None = None  # 8bit, 4bit: float32 absmax per block, little-endian; 3bit, 2bit: its RMS
+    blocksize: int | None = None  # 8bit, 4bit, 3bit and 2bit only
 
 
 class Codec(abc.ABC):
@@ -386,15 +388,17 @@ class FourBitCodec(Codec):
         return values.to(dtype).reshape(shape)
 
 
-class TwoBitCodec(Codec):
-    """A sixteenth of the bytes of float32 plus a scale per block: Hadamard-rotated blocks, four
-    levels at +-0.5 and +-1.5 times the block's RMS. For error-fed gradient averaging."""
+class _RmsCodec(Codec):
+    """Hadamard-rotated blocks, each scaled by its RMS ``s`` and rounded to ``2**bits`` evenly
+    spaced levels ``(c - (2**bits - 1) / 2) * step * s``; for error-fed gradient averaging (see
+    "The 2- and 3-bit error bound")."""
 
-    name = "2bit"
+    bits: ClassVar[int]
+    step: ClassVar[float]  # the level spacing, in units of the block's RMS
 
-    def __init__(self, blocksize: int = TWO_BIT_DEFAULT_BLOCKSIZE) -> None:
-        if blocksize not in TWO_BIT_BLOCKSIZES:
-            raise ValueError(f"blocksize must be one of {sorted(TWO_BIT_BLOCKSIZES)}, got {blocksize}")
+    def __init__(self, blocksize: int = RMS_DEFAULT_BLOCKSIZE) -> None:
+        if blocksize not in RMS_BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {sorted(RMS_BLOCKSIZES)}, got {blocksize}")
         self.blocksize = blocksize
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
@@ -405,17 +409,17 @@ class TwoBitCodec(Codec):
         levels: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
         if full:
-            lv, sc = _quantize_rotated_2bit(flat[: full * size].view(full, size))
+            lv, sc = self._quantize(flat[: full * size].view(full, size))
             levels.append(lv)
             scales.append(sc)
         if tail:
             rest = flat[full * size :]
-            lv, sc = _quantize_rotated_2bit(torch.cat([rest, rest.new_zeros(tail - rest.numel())]).view(1, tail))
+            lv, sc = self._quantize(torch.cat([rest, rest.new_zeros(tail - rest.numel())]).view(1, tail))
             levels.append(lv)
             scales.append(sc)
         if not levels:
             return EncodedTensor(payload=b"", absmax=b"", blocksize=size)
-        packed = hadamard.pack_crumbs(levels[0] if len(levels) == 1 else torch.cat(levels))
+        packed = hadamard.pack_bits(levels[0] if len(levels) == 1 else torch.cat(levels), self.bits)
         return EncodedTensor(payload=_bytes_view(packed), absmax=_bytes_view(torch.cat(scales)).tobytes(),
                              blocksize=size)
 
@@ -423,21 +427,22 @@ class TwoBitCodec(Codec):
         self._check_decodable(dtype)
         size = enc.blocksize
         if size is None or enc.absmax is None:
-            raise MalformedFrame("a 2bit tensor needs its blocksize ('b') and per-block scale ('a')")
-        if size not in TWO_BIT_BLOCKSIZES:
+            raise MalformedFrame(f"a {self.name} tensor needs its blocksize ('b') and per-block scale ('a')")
+        if size not in RMS_BLOCKSIZES:
             raise MalformedFrame(
-                f"2bit blocksize must be one of {sorted(TWO_BIT_BLOCKSIZES)}, the frame says {size}"
+                f"{self.name} blocksize must be one of {sorted(RMS_BLOCKSIZES)}, the frame says {size}"
             )
         numel = _numel(shape)
         full, tail = numel // size, hadamard.tail_size(numel, size)
         count = full * size + tail
-        _check_length("payload", enc.payload, (count + 3) // 4, self.name, shape)
+        _check_length("payload", enc.payload, self.bits * ((count + 7) // 8), self.name, shape)
         _check_length("absmax", enc.absmax, (full + (1 if tail else 0)) * 4, self.name, shape)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         packed = torch.frombuffer(bytearray(enc.payload), dtype=torch.uint8)
         scales = torch.frombuffer(bytearray(enc.absmax), dtype=torch.float32)
-        levels = hadamard.unpack_crumbs(packed, count).float().sub_(1.5)
+        middle = (2**self.bits - 1) / 2
+        levels = hadamard.unpack_bits(packed, count, self.bits).float().sub_(middle).mul_(self.step)
         parts: list[torch.Tensor] = []
         if full:
             rows = levels[: full * size].view(full, size).mul_(scales[:full].unsqueeze(1))
@@ -448,26 +453,45 @@ class TwoBitCodec(Codec):
         values = parts[0] if len(parts) == 1 else torch.cat(parts)
         return values.to(dtype).reshape(shape)
 
+    def _quantize(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (as floats in [0, 2**bits), flat, unpacked) and the float32 RMS per row of float32
+        ``blocks`` ``[rows, n]``, after the rotation. The RMS is taken as ``absmax * rms(y / absmax)``
+        so that large finite values do not overflow its squares. Rows of zeros keep scale 0; rows
+        holding ``inf``/``nan`` get scale ``nan`` (they decode as ``nan`` throughout)."""
+        rotated = hadamard.rotate(blocks)
+        absmax = rotated.abs().amax(dim=1)
+        usable = torch.isfinite(absmax) & (absmax > 0)
+        if not bool(usable.all()):
+            rotated = torch.where(usable.unsqueeze(1), rotated, torch.zeros_like(rotated))
+        divisor = torch.where(usable, absmax, torch.ones_like(absmax))
+        unit = rotated.div_(divisor.unsqueeze(1))
+        scale = unit.square().mean(dim=1).sqrt_().mul_(divisor)
+        scale = torch.where(usable, scale, torch.zeros_like(scale))
+        scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, math.nan))
+        ratio = torch.where(usable, divisor / torch.where(usable, scale * self.step, torch.ones_like(scale)),
+                            torch.ones_like(scale))
+        # the nearest of (c - middle) * step * s: bins of width step * s around the levels
+        top = 2**self.bits - 1
+        levels = unit.mul_(ratio.unsqueeze(1)).add_((top + 1) / 2).floor_().clamp_(0, top)
+        return levels.reshape(-1), scale
 
-def _quantize_rotated_2bit(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-bit codes (as floats in [0, 3], flat, unpacked) and the float32 RMS per row of float32
-    ``blocks`` ``[rows, n]``, after the rotation. The RMS is taken as ``absmax * rms(y / absmax)``
-    so that large finite values do not overflow its squares. Rows of zeros keep scale 0; rows
-    holding ``inf``/``nan`` get scale ``nan`` (they decode as ``nan`` throughout)."""
-    rotated = hadamard.rotate(blocks)
-    absmax = rotated.abs().amax(dim=1)
-    usable = torch.isfinite(absmax) & (absmax > 0)
-    if not bool(usable.all()):
-        rotated = torch.where(usable.unsqueeze(1), rotated, torch.zeros_like(rotated))
-    divisor = torch.where(usable, absmax, torch.ones_like(absmax))
-    unit = rotated.div_(divisor.unsqueeze(1))
-    scale = unit.square().mean(dim=1).sqrt_().mul_(divisor)
-    scale = torch.where(usable, scale, torch.zeros_like(scale))
-    scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, math.nan))
-    ratio = torch.where(usable, divisor / torch.where(usable, scale, torch.ones_like(scale)), torch.ones_like(scale))
-    # the nearest of (c - 1.5) s, c = 0..3: bins (-inf, -s), [-s, 0), [0, s), [s, inf)
-    levels = unit.mul_(ratio.unsqueeze(1)).add_(2.0).floor_().clamp_(0, 3)
-    return levels.reshape(-1), scale
+
+class TwoBitCodec(_RmsCodec):
+    """A sixteenth of the bytes of float32 plus a scale per block: four levels at +-0.5 and +-1.5
+    times the block's RMS. For error-fed gradient averaging."""
+
+    name = "2bit"
+    bits = 2
+    step = 1.0
+
+
+class ThreeBitCodec(_RmsCodec):
+    """Three bits a value plus a scale per block: eight levels 0.586 times the block's RMS apart.
+    For error-fed gradient averaging."""
+
+    name = "3bit"
+    bits = 3
+    step = 0.586
 
 
 def _quantize_rotated(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -526,7 +550,8 @@ def eight_bit_error_bound() -> float:
 
 _REGISTRY: dict[str, Codec] = {
     codec.name: codec
-    for codec in (NoneCodec(), Fp16Codec(), Bf16Codec(), EightBitCodec(), FourBitCodec(), TwoBitCodec())
+    for codec in (NoneCodec(), Fp16Codec(), Bf16Codec(), EightBitCodec(), FourBitCodec(), ThreeBitCodec(),
+                  TwoBitCodec())
 }
 CODECS: Mapping[str, Codec] = MappingProxyType(_REGISTRY)
 

@@ -1,4 +1,4 @@
-"""The randomized Hadamard rotation and the 4-/2-bit packing behind the ``4bit`` and ``2bit`` codecs, as pure torch.
+"""The randomized Hadamard rotation and the packing behind the ``4bit``, ``3bit`` and ``2bit`` codecs, as pure torch.
 
 Quantizing a block to 4 bits loses most where a few large values (activation outliers) set the
 block's scale and squeeze every other value into one or two of the 16 levels. TAH-Quant
@@ -25,13 +25,13 @@ import torch
 
 __all__ = [
     "fwht",
-    "pack_crumbs",
+    "pack_bits",
     "pack_levels",
     "pack_nibbles",
     "rotate",
     "signs",
     "tail_size",
-    "unpack_crumbs",
+    "unpack_bits",
     "unpack_nibbles",
     "unrotate",
 ]
@@ -136,19 +136,27 @@ def unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
     return torch.stack((low, high), dim=1).view(-1)[:count]
 
 
-_CRUMB_WEIGHTS = torch.tensor([1.0, 4.0, 16.0, 64.0])
+
+_BIT_WEIGHTS = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0])
 
 
-def pack_crumbs(levels: torch.Tensor) -> torch.Tensor:
-    """2-bit codes held as whole floats in [0, 3] (flat) to bytes holding four each (the first in
-    the lowest two bits); a count that is not a multiple of four is padded with zero codes."""
-    rest = levels.numel() % 4
+def pack_bits(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """``bits``-bit codes held as whole floats in [0, 2**bits) (flat) as ``bits`` bit planes, the
+    lowest first, each plane eight codes a byte (the first code in the lowest bit) and zero-padded
+    to whole bytes: ``bits * ceil(count / 8)`` bytes."""
+    rest = levels.numel() % 8
     if rest:
-        levels = torch.cat([levels, levels.new_zeros(4 - rest)])
-    return (levels.view(-1, 4) @ _CRUMB_WEIGHTS).to(torch.uint8)
+        levels = torch.cat([levels, levels.new_zeros(8 - rest)])
+    codes = levels.to(torch.uint8)
+    planes = [codes.bitwise_right_shift(b).bitwise_and_(1).float().view(-1, 8) @ _BIT_WEIGHTS for b in range(bits)]
+    return torch.cat(planes).to(torch.uint8)
 
 
-def unpack_crumbs(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """The first ``count`` 2-bit codes of :func:`pack_crumbs`' bytes, as uint8."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-    return packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(3).view(-1)[:count]
+def unpack_bits(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The first ``count`` codes of :func:`pack_bits`' bytes (``bits`` planes), as uint8."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    planes = packed.view(bits, -1).unsqueeze(2).bitwise_right_shift(shifts).bitwise_and_(1).view(bits, -1)
+    codes = planes[0].clone()
+    for b in range(1, bits):
+        codes.add_(planes[b].bitwise_left_shift(b))
+    return codes[:count]

@@ -2,7 +2,7 @@
 
 A stage's peers average their gradients every step (SWARM, section 3.2), and with a lossy
 ``grad_codec`` each contribution reaches the leader as ``D(Q(g))``, not ``g``. The ``8bit``,
-``4bit`` and ``2bit`` codecs round to the *nearest* level, deterministically, so the error is not noise that
+``4bit``, ``3bit`` and ``2bit`` codecs round to the *nearest* level, deterministically, so the error is not noise that
 averages out: a small, steady gradient component that always rounds the same way is lost at
 every step. Error feedback (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error
 Feedback Fixes SignSGD") keeps the dropped part and adds it to the next contribution::
@@ -36,7 +36,7 @@ __all__ = ["FED_CODECS", "ErrorFeedback", "needs_feedback"]
 #: Grad codecs whose error accumulates (deterministic rounding to a coarse grid relative to a
 #: block's absmax). fp16/bf16 round each value to within 2**-11 / 2**-8 of itself, far below
 #: the gradient noise; ``none`` is exact.
-FED_CODECS: frozenset[str] = frozenset({"8bit", "4bit", "2bit"})
+FED_CODECS: frozenset[str] = frozenset({"8bit", "4bit", "3bit", "2bit"})
 
 
 def needs_feedback(grad_codec: str) -> bool:
