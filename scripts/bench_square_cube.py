@@ -17,12 +17,21 @@ computing per byte it sends. This script measures both sides for one pre-norm bl
 - ``bytes``: per codec, the exact wire frames (``swarmd.net.wire.encode_frame``: payload,
   header, 8-bit absmax) crossing one stage boundary per microbatch. ``paper`` counts what
   SWARM's Table 1 counts, the activations forward plus the gradients backward (two
-  ``batch x seq x d_model`` tensors). ``swarmd`` counts what swarmd's stateless backward sends:
-  the backward request carries the stage inputs again, so three such tensors. Rows ``b/K+codec``
-  are a compression-aware boundary (``ModelSpec.boundary_dim = d_model / K``, issue 30): the same
+  ``batch x seq x d_model`` tensors). ``swarmd`` counts what a middle stage's peer receives in
+  swarmd (each direction of its link carries as much): the same two tensors since issue 30 (a
+  backward to the peer that kept its forward omits the inputs; before, three), plus its share of
+  the stage's gradient averaging per microbatch: a contributor sends its gradients and receives the
+  mean once per step (``--grad-codec`` frames of the block's parameters), and a step of
+  ``--samples-per-step`` samples over ``--peers-per-stage`` peers gives each peer
+  ``samples / (peers * batch)`` microbatches to spread that over. Rows ``b/K+codec`` are a
+  compression-aware boundary (``ModelSpec.boundary_dim = d_model / K``, issue 30): the same
   block's frames ``d_model / K`` wide; the block's compute is taken unchanged (the two boundary
   projections add ``2 * d_model * d_model / K`` multiply-adds per token to the block's ~``12 *
-  d_model**2``, 4% at K = 4).
+  d_model**2``, 4% at K = 4). A row's grad codec is its activation codec unless it names one
+  (``+g3bit``: 3-bit averaging, ``+g2bit``: 2-bit).
+
+``--compute-s D=SECONDS ...`` takes a block's compute time from an earlier (quieter) run instead
+of timing it: the bytes are exact frames and do not depend on the machine's load, the compute does.
 
 Utilization of the stage at a link bandwidth ``B`` (bits/s), for each codec and accounting::
 
@@ -58,8 +67,11 @@ from swarmd.pipeline.model import build_stage
 from swarmd.pipeline.spec import ModelSpec
 
 CODECS = ("none", "fp16", "8bit", "4bit")
-#: Compression-aware boundaries (ModelSpec.boundary_dim, issue 30): (label, codec, d_model / width).
-BOTTLENECKS = (("b/4+8bit", "8bit", 4), ("b/4+4bit", "4bit", 4), ("b/8+4bit", "4bit", 8))
+#: Compression-aware boundaries (ModelSpec.boundary_dim, issue 30) and coarser averaging:
+#: (label, activation codec, d_model / width, grad codec).
+BOTTLENECKS = (("b/4+8bit", "8bit", 4, "8bit"), ("b/4+4bit", "4bit", 4, "4bit"), ("b/8+4bit", "4bit", 8, "4bit"),
+               ("b/4+4bit+g3bit", "4bit", 4, "3bit"), ("b/8+4bit+g3bit", "4bit", 8, "3bit"),
+               ("b/4+4bit+g2bit", "4bit", 4, "2bit"))
 BANDWIDTHS_MBIT = (100, 500)
 STAGE = 1  # the middle of three stages: one bare block
 
@@ -98,27 +110,40 @@ def frame_bytes(spec: ModelSpec, batch: int, codec: str, width: int | None = Non
     return len(encode_frame("forward", {"stage": STAGE, "step": 0}, {"inputs": t}, codec))
 
 
+def grad_frame_bytes(params: int, codec: str) -> int:
+    """Bytes of one averaging frame carrying ``params`` float32 gradients with ``codec``."""
+    t = torch.randn(params, generator=torch.Generator().manual_seed(2)) * 1e-3
+    return len(encode_frame("average", {"stage": STAGE, "step": 0, "samples": 1}, {"grads": t}, codec))
+
+
 def utilization(compute_s: float, nbytes: int, mbit: float) -> dict[str, float]:
     transfer = 8 * nbytes / (mbit * 1e6)
     return {"transfer_s": round(transfer, 5), "utilization": round(compute_s / (compute_s + transfer), 3),
             "utilization_overlap": round(compute_s / max(compute_s, transfer), 3)}
 
 
-def measure(d_model: int, seq: int, batch: int, repeats: int) -> dict[str, Any]:
+def measure(d_model: int, args: argparse.Namespace) -> dict[str, Any]:
+    seq, batch = args.seq, args.batch
     spec = block_spec(d_model, seq)
-    took = compute_seconds(spec, batch, repeats)
+    given = dict(args.compute_s or {})
+    took = [given[d_model]] if d_model in given else compute_seconds(spec, batch, args.repeats)
     compute = min(took)  # other processes only ever add time
+    params = sum(p.numel() for p in build_stage(spec, STAGE).parameters())
+    microbatches = max(1.0, args.samples_per_step / (args.peers_per_stage * batch))  # per peer and step
     entry: dict[str, Any] = {
         "d_model": d_model, "n_heads": spec.n_heads, "d_ff": spec.d_ff, "seq": seq, "batch": batch,
-        "params": sum(p.numel() for p in build_stage(spec, STAGE).parameters()),
-        "compute_s": round(compute, 4), "compute_s_median": round(statistics.median(took), 4), "codecs": {},
+        "params": params, "compute_s": round(compute, 4), "compute_s_median": round(statistics.median(took), 4),
+        "compute_given": d_model in given, "microbatches_per_peer_step": microbatches, "codecs": {},
     }
-    rows = [(codec, codec, 1) for codec in CODECS] + list(BOTTLENECKS)
-    for label, codec, divisor in rows:
+    rows = [(codec, codec, 1, codec) for codec in CODECS] + list(BOTTLENECKS)
+    for label, codec, divisor, grad_codec in rows:
         one = frame_bytes(spec, batch, codec, d_model // divisor)
-        accountings = {"paper": 2 * one, "swarmd": 3 * one}
+        # the boundary projections' parameters are averaged too
+        averaged = params + (2 * d_model * (d_model // divisor) if divisor > 1 else 0)
+        averaging = round(grad_frame_bytes(averaged, grad_codec) / microbatches)
+        accountings = {"paper": 2 * one, "swarmd": 2 * one + averaging}
         entry["codecs"][label] = {
-            "frame_bytes": one,
+            "frame_bytes": one, "grad_codec": grad_codec, "averaging_bytes_per_microbatch": averaging,
             **{f"bytes_{name}": n for name, n in accountings.items()},
             "at_mbit": {str(mbit): {name: utilization(compute, n, mbit) for name, n in accountings.items()}
                         for mbit in BANDWIDTHS_MBIT},
@@ -133,13 +158,18 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--samples-per-step", type=int, default=256, help="a step's batch over the whole stage")
+    p.add_argument("--peers-per-stage", type=int, default=2)
+    p.add_argument("--compute-s", type=_given, nargs="+", metavar="D=SECONDS",
+                   help="a block's compute time from an earlier run (not timed here)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     machine, own, started = machine_cpu_s(), time.process_time(), time.perf_counter()
-    blocks = [measure(d, args.seq, args.batch, args.repeats) for d in args.d_models]
+    blocks = [measure(d, args) for d in args.d_models]
     other = (machine_cpu_s() - machine - (time.process_time() - own)) / (time.perf_counter() - started)
-    out: dict[str, Any] = {"threads": args.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+    out: dict[str, Any] = {"samples_per_step": args.samples_per_step, "peers_per_stage": args.peers_per_stage,
+                           "load_average": [round(x, 2) for x in os.getloadavg()], "threads": args.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
                            "bandwidths_mbit": list(BANDWIDTHS_MBIT),
                            # CPU the rest of the machine used per second: above ~0.1, compute_s is unreliable
                            "other_processes_cpu_cores": round(max(other, 0.0), 3), "blocks": blocks}
@@ -149,14 +179,23 @@ def main() -> int:
         return 0
     print(f"one block, batch {args.batch} x seq {args.seq}, {args.threads} torch thread(s); "
           "utilization = compute / (compute + transfer), [overlapped: compute / max(compute, transfer)]")
-    print(f"{'d_model':>7} {'compute s':>9} {'codec':>8} {'MiB (paper)':>11} "
+    print(f"{'d_model':>7} {'compute s':>9} {'codec':>15} {'MiB (swarmd)':>12} "
           + " ".join(f"{f'{mbit} Mbit/s':>17}" for mbit in BANDWIDTHS_MBIT))
     for b in out["blocks"]:
         for codec, e in b["codecs"].items():
-            cells = " ".join(f"{e['at_mbit'][str(m)]['paper']['utilization']:7.3f} "
-                             f"[{e['at_mbit'][str(m)]['paper']['utilization_overlap']:6.3f}]" for m in BANDWIDTHS_MBIT)
-            print(f"{b['d_model']:7} {b['compute_s']:9.3f} {codec:>8} {e['bytes_paper'] / 2**20:11.2f} {cells}")
+            cells = " ".join(f"{e['at_mbit'][str(m)]['swarmd']['utilization']:7.3f} "
+                             f"[{e['at_mbit'][str(m)]['swarmd']['utilization_overlap']:6.3f}]" for m in BANDWIDTHS_MBIT)
+            print(f"{b['d_model']:7} {b['compute_s']:9.3f} {codec:>15} {e['bytes_swarmd'] / 2**20:12.2f} {cells}")
     return 0
+
+
+def _given(text: str) -> tuple[int, float]:
+    """``D=SECONDS`` of ``--compute-s``."""
+    d_model, _, seconds = text.partition("=")
+    try:
+        return int(d_model), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected D_MODEL=SECONDS, got {text!r}") from None
 
 
 if __name__ == "__main__":
