@@ -37,14 +37,16 @@ Codecs (``CODECS``, looked up with :func:`get_codec`):
 
 ``3bit`` / ``2bit``
     For averaged gradients, which carry error feedback (:mod:`swarmd.pipeline.error_feedback`):
-    the ``4bit`` codec's rotated blocks (``blocksize`` a power of two, default 128, and the same
-    short tail block), each divided by its *root mean square* ``s`` (not its absmax) and rounded
-    to the nearest of ``L = 2**bits`` evenly spaced levels ``(c - (L - 1) / 2) * step * s``:
-    ``step`` 0.586 for 3 bits, 1.0 for 2 bits, the spacings of the uniform 8- and 4-level
-    quantizers of a unit Gaussian (Max 1960: 0.5860, 0.9957), which a rotated block's values
-    resemble. The frame carries the codes as ``bits`` bit planes (:func:`hadamard.pack_bits`)
-    plus one float32 ``s`` per block (in the ``a`` field): 3.25 / 2.25 bits per value at block
-    size 128, about 9.8x / 14x fewer bytes than float32.
+    the ``4bit`` codec with fewer levels. Rotated blocks (``blocksize`` a power of two, default
+    128, and the same short tail block), each divided by its absmax and rounded to the nearest of
+    ``L = 2**bits`` evenly spaced levels from -1 to 1 (8 or 4). The frame carries the codes as
+    ``bits`` bit planes (:func:`hadamard.pack_bits`) plus one float32 absmax per block: 3.25 /
+    2.25 bits per value at block size 128, about 9.8x / 14x fewer bytes than float32. (A first
+    version scaled each block by its RMS and clipped the tails, 0.19 / 0.35 relative error instead
+    of 0.23 / 0.55 on Gaussian values; under error feedback the clipped tails piled up in the
+    residual, which grew round after round on a fixed gradient and, in a `small` run, made a
+    contribution an outlier 332x the round's median. The absmax never clips: the residual stays
+    at one round's error.)
 
 The 8-bit error bound
 ---------------------
@@ -99,19 +101,16 @@ non-finite values; no activation or gradient comes near).
 
 The 2- and 3-bit error bound
 ----------------------------
-With ``y = H D x / sqrt(n)`` a block's rotated values, ``s = ||y||_2 / sqrt(n)`` and ``d = step *
-s``, nearest rounding errs, per rotated value::
+As for ``4bit``, with ``L - 1`` steps instead of 15: rounding to levels ``2 / (L - 1)`` apart errs
+by at most ``1 / (L - 1)`` of the rotated block's absmax per rotated value, so for every block of
+``n`` values::
 
-    |y_i - dec_i| <= d / 2                    where |y_i| <= L d / 2
-    |y_i - dec_i|  = |y_i| - (L - 1) d / 2    beyond (clipped to the outermost level)
+    ||x - decode(encode(x))||_2 <= (1 / (L - 1) + FEW_BIT_SLACK) * sqrt(n) * max|H D x / sqrt(n)|
 
-(plus float32 slack of the rotations, ``RMS_SLACK`` of ``s``), so over the block, the rotation
-being orthonormal, ``||x - decode(encode(x))||_2**2 <= n d**2 / 4 + sum of the clipped errors**2
-<= (step**2 / 4 + 1) ||x||_2**2``: 1.086 for 3 bits, 1.25 for 2. The worst case (one rotated
-value holding the whole block's norm, which the rotation makes a one-in-a-Hadamard-row accident)
-loses the block; on Gaussian values the relative RMS error is 0.19 / 0.35
-(``tests/unit/test_codec_rms.py``). These are coarse codecs, meant for gradients averaged with
-error feedback, whose residual carries what one round dropped into the next; not for activations.
+(1/7 for 3 bits, 1/3 for 2). On Gaussian values the relative RMS error is 0.23 / 0.55 at block size
+128 (``tests/unit/test_codec_few_bits.py``). These are coarse codecs, meant for gradients averaged
+with error feedback, whose residual carries what one round dropped into the next; not for
+activations.
 
 Conventions shared by all codecs:
 
@@ -153,9 +152,9 @@ __all__ = [
     "FOUR_BIT_BLOCKSIZES",
     "FOUR_BIT_DEFAULT_BLOCKSIZE",
     "FOUR_BIT_REL_ERROR",
-    "RMS_BLOCKSIZES",
-    "RMS_DEFAULT_BLOCKSIZE",
-    "RMS_SLACK",
+    "FEW_BIT_BLOCKSIZES",
+    "FEW_BIT_DEFAULT_BLOCKSIZE",
+    "FEW_BIT_SLACK",
     "Codec",
     "EncodedTensor",
     "FourBitCodec",
@@ -185,10 +184,10 @@ FOUR_BIT_BLOCKSIZES: frozenset[int] = frozenset({16, 32, 64, 128, 256, 512, 1024
 FOUR_BIT_REL_ERROR = 1.0 / 15.0 + 2.0**-12
 _FOUR_BIT_HALF_LEVELS = 7.5  # codes 0..15 stand for code / 7.5 - 1
 
-RMS_DEFAULT_BLOCKSIZE = 128
-RMS_BLOCKSIZES: frozenset[int] = FOUR_BIT_BLOCKSIZES
-# float32 rounding of the rotations and of the scale, relative to s (see "The 2- and 3-bit error bound")
-RMS_SLACK = 2.0**-10
+FEW_BIT_DEFAULT_BLOCKSIZE = 128
+FEW_BIT_BLOCKSIZES: frozenset[int] = FOUR_BIT_BLOCKSIZES
+# float32 rounding of the rotations, relative to 1 / (L - 1) (see "The 2- and 3-bit error bound")
+FEW_BIT_SLACK = 2.0**-12
 
 
 @dataclass(frozen=True)
@@ -196,7 +195,7 @@ class EncodedTensor:
     """What a codec produces: the main bytes plus the side data the decoder needs."""
 
     payload: bytes | memoryview
-    absmax: bytes | None = None  # 8bit, 4bit: float32 absmax per block, little-endian; 3bit, 2bit: its RMS
+    absmax: bytes | None = None  # 8bit, 4bit: float32 absmax per block, little-endian; 3bit, 2bit too
     blocksize: int | None = None  # 8bit, 4bit, 3bit and 2bit only
 
 
@@ -388,17 +387,15 @@ class FourBitCodec(Codec):
         return values.to(dtype).reshape(shape)
 
 
-class _RmsCodec(Codec):
-    """Hadamard-rotated blocks, each scaled by its RMS ``s`` and rounded to ``2**bits`` evenly
-    spaced levels ``(c - (2**bits - 1) / 2) * step * s``; for error-fed gradient averaging (see
-    "The 2- and 3-bit error bound")."""
+class _FewBitCodec(Codec):
+    """Hadamard-rotated blocks, each divided by its absmax and rounded to ``2**bits`` evenly spaced
+    levels from -1 to 1; for error-fed gradient averaging (see "The 2- and 3-bit error bound")."""
 
     bits: ClassVar[int]
-    step: ClassVar[float]  # the level spacing, in units of the block's RMS
 
-    def __init__(self, blocksize: int = RMS_DEFAULT_BLOCKSIZE) -> None:
-        if blocksize not in RMS_BLOCKSIZES:
-            raise ValueError(f"blocksize must be one of {sorted(RMS_BLOCKSIZES)}, got {blocksize}")
+    def __init__(self, blocksize: int = FEW_BIT_DEFAULT_BLOCKSIZE) -> None:
+        if blocksize not in FEW_BIT_BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {sorted(FEW_BIT_BLOCKSIZES)}, got {blocksize}")
         self.blocksize = blocksize
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
@@ -427,10 +424,10 @@ class _RmsCodec(Codec):
         self._check_decodable(dtype)
         size = enc.blocksize
         if size is None or enc.absmax is None:
-            raise MalformedFrame(f"a {self.name} tensor needs its blocksize ('b') and per-block scale ('a')")
-        if size not in RMS_BLOCKSIZES:
+            raise MalformedFrame(f"a {self.name} tensor needs its blocksize ('b') and per-block absmax ('a')")
+        if size not in FEW_BIT_BLOCKSIZES:
             raise MalformedFrame(
-                f"{self.name} blocksize must be one of {sorted(RMS_BLOCKSIZES)}, the frame says {size}"
+                f"{self.name} blocksize must be one of {sorted(FEW_BIT_BLOCKSIZES)}, the frame says {size}"
             )
         numel = _numel(shape)
         full, tail = numel // size, hadamard.tail_size(numel, size)
@@ -441,8 +438,8 @@ class _RmsCodec(Codec):
             return torch.empty(shape, dtype=dtype)
         packed = torch.frombuffer(bytearray(enc.payload), dtype=torch.uint8)
         scales = torch.frombuffer(bytearray(enc.absmax), dtype=torch.float32)
-        middle = (2**self.bits - 1) / 2
-        levels = hadamard.unpack_bits(packed, count, self.bits).float().sub_(middle).mul_(self.step)
+        half = (2**self.bits - 1) / 2
+        levels = hadamard.unpack_bits(packed, count, self.bits).float().div_(half).sub_(1.0)
         parts: list[torch.Tensor] = []
         if full:
             rows = levels[: full * size].view(full, size).mul_(scales[:full].unsqueeze(1))
@@ -454,44 +451,33 @@ class _RmsCodec(Codec):
         return values.to(dtype).reshape(shape)
 
     def _quantize(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes (as floats in [0, 2**bits), flat, unpacked) and the float32 RMS per row of float32
-        ``blocks`` ``[rows, n]``, after the rotation. The RMS is taken as ``absmax * rms(y / absmax)``
-        so that large finite values do not overflow its squares. Rows of zeros keep scale 0; rows
-        holding ``inf``/``nan`` get scale ``nan`` (they decode as ``nan`` throughout)."""
+        """Codes (as floats in [0, 2**bits), flat, unpacked) and the float32 absmax per row of
+        float32 ``blocks`` ``[rows, n]``, after the rotation (``4bit``'s rule with fewer levels)."""
         rotated = hadamard.rotate(blocks)
         absmax = rotated.abs().amax(dim=1)
         usable = torch.isfinite(absmax) & (absmax > 0)
         if not bool(usable.all()):
             rotated = torch.where(usable.unsqueeze(1), rotated, torch.zeros_like(rotated))
+            absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
         divisor = torch.where(usable, absmax, torch.ones_like(absmax))
-        unit = rotated.div_(divisor.unsqueeze(1))
-        scale = unit.square().mean(dim=1).sqrt_().mul_(divisor)
-        scale = torch.where(usable, scale, torch.zeros_like(scale))
-        scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, math.nan))
-        ratio = torch.where(usable, divisor / torch.where(usable, scale * self.step, torch.ones_like(scale)),
-                            torch.ones_like(scale))
-        # the nearest of (c - middle) * step * s: bins of width step * s around the levels
         top = 2**self.bits - 1
-        levels = unit.mul_(ratio.unsqueeze(1)).add_((top + 1) / 2).floor_().clamp_(0, top)
-        return levels.reshape(-1), scale
+        levels = rotated.div_(divisor.unsqueeze(1)).add_(1.0).mul_(top / 2).round_().clamp_(0, top)
+        return levels.reshape(-1), absmax
 
 
-class TwoBitCodec(_RmsCodec):
-    """A sixteenth of the bytes of float32 plus a scale per block: four levels at +-0.5 and +-1.5
-    times the block's RMS. For error-fed gradient averaging."""
+class TwoBitCodec(_FewBitCodec):
+    """A sixteenth of the bytes of float32 plus an absmax per block: four levels. For error-fed
+    gradient averaging."""
 
     name = "2bit"
     bits = 2
-    step = 1.0
 
 
-class ThreeBitCodec(_RmsCodec):
-    """Three bits a value plus a scale per block: eight levels 0.586 times the block's RMS apart.
-    For error-fed gradient averaging."""
+class ThreeBitCodec(_FewBitCodec):
+    """Three bits a value plus an absmax per block: eight levels. For error-fed gradient averaging."""
 
     name = "3bit"
     bits = 3
-    step = 0.586
 
 
 def _quantize_rotated(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -343,10 +343,7 @@ def test_encode_accepts_strided_and_grad_tensors(name: str) -> None:
     base = torch.randn(6, 8, requires_grad=True)
     t = base.t()[::2]
     out = _round_trip(CODECS[name], t)
-    if name in ("2bit", "3bit"):  # a bound on norms only (tests/unit/test_codec_rms.py)
-        assert float((out - t.detach()).norm()) <= 1.25**0.5 * float(t.detach().norm())
-        return
-    rel = 0.2 if name == "4bit" else 0.05  # 4bit: verify.tolerance's per-element figure
+    rel = {"4bit": 0.2, "3bit": 0.4, "2bit": 1.0}.get(name, 0.05)  # 4bit: verify.tolerance's per-element figure
     assert torch.allclose(out, t.detach(), atol=rel * float(t.detach().abs().max()))
 
 

@@ -1,5 +1,6 @@
 """The 2- and 3-bit Hadamard codecs for error-fed gradient averaging: their packing, their
-documented error bound, what error feedback makes of them, and every refusal of bad input."""
+documented error bound, what error feedback makes of them (a bounded residual), and every
+refusal of bad input."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from swarmd.net import hadamard
 from swarmd.net.codecs import (
     Codec,
     CODECS,
-    RMS_BLOCKSIZES,
-    RMS_DEFAULT_BLOCKSIZE,
-    RMS_SLACK,
+    FEW_BIT_BLOCKSIZES,
+    FEW_BIT_DEFAULT_BLOCKSIZE,
+    FEW_BIT_SLACK,
     EncodedTensor,
     ThreeBitCodec,
     TwoBitCodec,
@@ -29,8 +30,6 @@ from swarmd.pipeline.error_feedback import ErrorFeedback, needs_feedback
 
 CODEC = CODECS["2bit"]
 KINDS = {"2bit": TwoBitCodec, "3bit": ThreeBitCodec}
-#: the documented worst case of ||error||**2 / ||x||**2 per block: step**2 / 4 + 1
-WORST = {"2bit": 1.25, "3bit": 0.586**2 / 4 + 1}
 
 
 def _round_trip(codec: Codec, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -52,25 +51,23 @@ def _blocks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
     return out
 
 
-def _check_bound(t: torch.Tensor, name: str = "2bit", size: int = RMS_DEFAULT_BLOCKSIZE) -> None:
-    """Assert the documented bound per rotated value, and the block bound it implies."""
+def _check_bound(t: torch.Tensor, name: str = "2bit", size: int = FEW_BIT_DEFAULT_BLOCKSIZE) -> float:
+    """Assert the documented per-block bound; return the largest error / bound ratio seen."""
     codec = KINDS[name](size)
-    step, levels = codec.step, 2**codec.bits
-    flat = t.reshape(-1).float()
-    out = _round_trip(codec, t).reshape(-1).float()
+    rel = 1.0 / (2**codec.bits - 1) + FEW_BIT_SLACK
+    flat = t.reshape(-1).double()
+    out = _round_trip(codec, t).reshape(-1).double()
+    worst = 0.0
     for x, x_hat in zip(_blocks(flat, size), _blocks(out, size), strict=True):
         n = x.numel()
-        y = hadamard.rotate(x.unsqueeze(0)).double().squeeze(0)
-        s = float(y.norm()) / n**0.5
-        valid = min(n, flat.numel())  # padding positions are not decoded: compare the block's own values
-        err = (x.double() - x_hat.double())[:valid]
-        # per rotated value: step * s / 2 inside the outermost bins, |y| - the outermost level beyond
-        inner = levels / 2 * step * s
-        per_value = torch.where(y.abs() <= inner, torch.full_like(y, step * s / 2),
-                                y.abs() - (levels - 1) / 2 * step * s)
-        slack = RMS_SLACK * s * n**0.5 + 1e-30
-        assert float(err.norm()) <= float(per_value.square().sum().sqrt()) * (1 + 1e-5) + slack
-        assert float(err.norm()) <= WORST[name] ** 0.5 * float(x.double().norm()) * (1 + 1e-5) + slack
+        absmax_y = float(hadamard.rotate(x.float().unsqueeze(0)).abs().max())
+        valid = min(n, flat.numel())  # padding positions are not decoded
+        err = float((x - x_hat)[:valid].norm())
+        bound = rel * n**0.5 * absmax_y
+        assert err <= bound * (1 + 1e-6) + 1e-30, (err, bound)
+        if bound > 0:
+            worst = max(worst, err / bound)
+    return worst
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -106,24 +103,21 @@ def test_within_bound_for_any_finite_values(name: str, values: np.ndarray) -> No
     _check_bound(torch.from_numpy(values.copy()), name)
 
 
-def test_a_spike_hidden_in_a_hadamard_row_is_the_worst_case() -> None:
-    """The one input the rotation cannot spread: a row of ``D H`` rotates into a single value, and
-    the whole block is lost to within the documented 1.25."""
-    n = RMS_DEFAULT_BLOCKSIZE
-    spike = torch.zeros(1, n)
-    spike[0, 3] = 1.0
-    x = hadamard.unrotate(spike).reshape(-1)
-    out = _round_trip(CODEC, x)
-    ratio = float((x - out).norm() / x.norm())
-    assert 1.0 < ratio <= 1.25**0.5 + 1e-4
+@pytest.mark.parametrize("name", ["2bit", "3bit"])
+def test_the_bound_is_nearly_reached(name: str) -> None:
+    g = torch.Generator().manual_seed(7)
+    assert _check_bound(torch.randn(1 << 14, generator=g), name) > 0.3
 
 
-@pytest.mark.parametrize(("name", "low", "high"), [("2bit", 0.3, 0.37), ("3bit", 0.16, 0.2)])
-def test_gaussian_error_is_far_below_the_worst_case(name: str, low: float, high: float) -> None:
+@pytest.mark.parametrize("name", ["2bit", "3bit"])
+def test_gaussian_error_is_far_below_the_worst_case(name: str) -> None:
+    """Relative RMS error on Gaussian values by block size (the absmax grows with the block)."""
+    expected = {"2bit": {16: 0.40, 128: 0.55, 1024: 0.68}, "3bit": {16: 0.17, 128: 0.23, 1024: 0.29}}[name]
     t = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
-    for size in (16, 128, 1024):
-        rel = float((t - _round_trip(KINDS[name](size), t)).norm() / t.norm())
-        assert low < rel < high, (size, rel)
+    for size, rel in expected.items():
+        got = float((t - _round_trip(KINDS[name](size), t)).norm() / t.norm())
+        assert abs(got - rel) < 0.02, (size, got)
+    high = expected[FEW_BIT_DEFAULT_BLOCKSIZE] + 0.02
     outliers = t.clone()
     outliers[::97] *= 30.0
     assert float((outliers - _round_trip(CODECS[name], outliers)).norm() / outliers.norm()) < high
@@ -147,16 +141,32 @@ def test_error_feedback_carries_what_few_bits_drop(name: str) -> None:
     true = g * rounds
     assert fed.residual is not None
     assert torch.allclose(got_fed + fed.residual, true, atol=1e-3)
-    # one residual's worth (it settles near twice one round's error), not 50 rounds' worth
-    assert float((got_fed - true).norm()) < 3 * float(g.norm()) < 0.06 * float(true.norm())
+    # one residual's worth, not 50 rounds' worth
+    assert float((got_fed - true).norm()) < float(g.norm()) < 0.02 * float(true.norm())
     assert float((got_plain - true).norm()) > 0.1 * float(true.norm())
+
+
+@pytest.mark.parametrize("name", ["2bit", "3bit"])
+def test_the_residual_stays_at_one_rounds_error(name: str) -> None:
+    """The absmax never clips, so the residual of a fixed gradient does not pile up round after
+    round (a first, RMS-scaled version's grew from 0.19 to 0.41 of the gradient in 8 rounds)."""
+    g = torch.randn(1 << 14, generator=torch.Generator().manual_seed(4))
+    g[::101] *= 20.0  # heavy tails, as gradients have
+    ef = ErrorFeedback(True)
+    sizes = []
+    for _ in range(20):
+        sent = ef.compensate(g.clone())
+        ef.keep(sent, _round_trip(CODECS[name], sent))
+        assert ef.residual is not None
+        sizes.append(float(ef.residual.norm() / g.norm()))
+    assert max(sizes[10:]) < 1.2 * sizes[0] and max(sizes) < (0.7 if name == "2bit" else 0.3), sizes
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_two_bit_decodes_into_half_dtypes(dtype: torch.dtype) -> None:
     t = torch.randn(300).to(dtype)
     out = _round_trip(CODEC, t)
-    assert out.dtype == dtype and float((t.float() - out.float()).norm() / t.float().norm()) < 0.4
+    assert out.dtype == dtype and float((t.float() - out.float()).norm() / t.float().norm()) < 0.6
 
 
 def test_blocks_of_zeros_and_of_non_finite_values() -> None:
@@ -195,7 +205,7 @@ def _valid(shape: tuple[int, ...] = (3, 50)) -> EncodedTensor:
 @pytest.mark.parametrize(
     ("absmax", "blocksize", "match"),
     [
-        (None, 128, "scale"),
+        (None, 128, "absmax"),
         (b"\x00" * 8, None, "blocksize"),
         (b"", 128, "absmax bytes"),
         (b"\x00" * 4, 128, "absmax bytes"),
@@ -231,7 +241,7 @@ def test_codec_refuses_unsupported_blocksize() -> None:
         TwoBitCodec(100)
     with pytest.raises(ValueError, match="blocksize"):
         ThreeBitCodec(100)
-    assert set(RMS_BLOCKSIZES) >= {16, 128, 1024}
+    assert set(FEW_BIT_BLOCKSIZES) >= {16, 128, 1024}
 
 
 def test_wire_limits_apply_before_decoding() -> None:
