@@ -169,7 +169,8 @@ def main() -> int:
     blocks = [measure(d, args) for d in args.d_models]
     other = (machine_cpu_s() - machine - (time.process_time() - own)) / (time.perf_counter() - started)
     out: dict[str, Any] = {"samples_per_step": args.samples_per_step, "peers_per_stage": args.peers_per_stage,
-                           "load_average": [round(x, 2) for x in os.getloadavg()], "threads": args.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                           "load_average": [round(x, 2) for x in os.getloadavg()],
+                           "threads": args.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
                            "bandwidths_mbit": list(BANDWIDTHS_MBIT),
                            # CPU the rest of the machine used per second: above ~0.1, compute_s is unreliable
                            "other_processes_cpu_cores": round(max(other, 0.0), 3), "blocks": blocks}

@@ -44,7 +44,8 @@ async def train(codec: str) -> tuple[list[float], list[set[tuple[int, int, str]]
         assert all(d.executor.training.grad_codec == codec for d in daemons)  # joiners took it from the swarm
         # error feedback: the quantizing codecs leave each stage's contributor a residual per round
         fed = sum(d.executor._feedback.rounds_kept for d in daemons)
-        assert fed >= (STEPS * 2 if codec in ("8bit", "4bit", "3bit") else 0) and (fed == 0) == (codec in ("none", "fp16"))
+        fed_codec = codec in ("8bit", "4bit", "3bit")
+        assert fed >= (STEPS * 2 if fed_codec else 0) and (fed == 0) == (codec in ("none", "fp16"))
     return summary.step_losses, seen
 
 

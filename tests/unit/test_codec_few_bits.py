@@ -15,11 +15,11 @@ from hypothesis.extra import numpy as hnp
 from swarmd.errors import LimitExceeded, MalformedFrame, UnsupportedDtype
 from swarmd.net import hadamard
 from swarmd.net.codecs import (
-    Codec,
     CODECS,
     FEW_BIT_BLOCKSIZES,
     FEW_BIT_DEFAULT_BLOCKSIZE,
     FEW_BIT_SLACK,
+    Codec,
     EncodedTensor,
     ThreeBitCodec,
     TwoBitCodec,
