@@ -41,12 +41,16 @@ Codecs (``CODECS``, looked up with :func:`get_codec`):
     128, and the same short tail block), each divided by its absmax and rounded to the nearest of
     ``L = 2**bits`` evenly spaced levels from -1 to 1 (8 or 4). The frame carries the codes as
     ``bits`` bit planes (:func:`hadamard.pack_bits`) plus one float32 absmax per block: 3.25 /
-    2.25 bits per value at block size 128, about 9.8x / 14x fewer bytes than float32. (A first
-    version scaled each block by its RMS and clipped the tails, 0.19 / 0.35 relative error instead
-    of 0.23 / 0.55 on Gaussian values; under error feedback the clipped tails piled up in the
-    residual, which grew round after round on a fixed gradient and, in a `small` run, made a
-    contribution an outlier 332x the round's median. The absmax never clips: the residual stays
-    at one round's error.)
+    2.25 bits per value at block size 128, about 9.8x / 14x fewer bytes than float32. Error
+    feedback is safe only where the codec shrinks what it is given: ``4bit`` does in the worst
+    case (a block's error is at most ``sqrt(64) / 15 = 0.53`` of its norm), ``3bit`` at block 128
+    does not (``sqrt(128) / 7 = 1.62``: a block whose rotated values are one spike and zeros) but
+    did in every run measured, and ``2bit`` (``sqrt(128) / 3 = 3.77``) did not: in `small` runs
+    with 2 peers per stage a contributor's residual grew round after round until the leader
+    refused it as an outlier (300x the median), which neither 2 bits without error feedback nor
+    4 bits with it did. ``2bit`` is experimental: do not average with it. (A first version scaled
+    each block by its RMS and clipped the tails, 0.19 / 0.35 relative error; error feedback piled
+    the clipped tails up even on a fixed gradient.)
 
 The 8-bit error bound
 ---------------------
