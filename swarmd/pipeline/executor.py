@@ -36,7 +36,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,6 +52,7 @@ from swarmd.pipeline.optimizer_state import load_optimizer_state_tensors, optimi
 from swarmd.pipeline.precision import LossScale, autocast, check_precision
 from swarmd.pipeline.reservations import LeaseBook
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+from swarmd.pipeline.stage_worker import StageWorker
 from swarmd.pipeline.step_protocol import GradientAccumulator, StepProtocol, Verdict, judge_backward
 from swarmd.pipeline.throughput import ThroughputEMA
 
@@ -164,9 +165,9 @@ class StageExecutor:
         self._pending = 0
         self._threads = threads
         self._progressed: asyncio.Event | None = None  # set (and replaced) when the progress changes
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"swarmd-stage{stage}")
+        # a round's hooks run before queued microbatches (swarmd.pipeline.stage_worker says why)
+        self._pool = StageWorker(f"swarmd-stage{stage}", initializer=self._init_worker)
         self._closed = False
-        self._pool.submit(self._init_worker).result()
 
     # ---- introspection (from the progress snapshot) ---------------------------------------
 
@@ -352,24 +353,24 @@ class StageExecutor:
 
     async def take_contribution(self) -> Contribution:
         """Move the accumulated gradients out for averaging; refuse backwards until settled."""
-        return await self._run(self._take_contribution_sync)
+        return await self._run(self._take_contribution_sync, urgent=True)
 
     async def restore_contribution(self, contribution: Contribution) -> None:
         """The round failed: put the gradients back and accept backwards again."""
-        await self._run(lambda: self._restore_contribution_sync(contribution))
+        await self._run(lambda: self._restore_contribution_sync(contribution), urgent=True)
 
     async def keep_residual(self, sent: torch.Tensor | None, decoded: torch.Tensor | None) -> None:
         """The round applied this peer's contribution ``sent`` as the leader decoded it: keep what
         the codec dropped for the next contribution (:mod:`swarmd.pipeline.error_feedback`)."""
-        await self._run(lambda: self._feedback.keep(sent, decoded))
+        await self._run(lambda: self._feedback.keep(sent, decoded), urgent=True)
 
     async def apply_average(self, mean_grads: torch.Tensor, step: int) -> float:
         """Apply the stage-wide mean gradient as the update from ``step`` to ``step + 1``."""
-        return await self._run(lambda: self._apply_average_sync(mean_grads, step))
+        return await self._run(lambda: self._apply_average_sync(mean_grads, step), urgent=True)
 
     async def snapshot_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """A consistent copy of parameters, optimizer state and step, for a joining peer."""
-        return await self._run(self._snapshot_state_sync)
+        return await self._run(self._snapshot_state_sync, urgent=True)
 
     async def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Adopt a neighbour's snapshot (parameters, optimizer state, step); drops local gradients.
@@ -392,7 +393,7 @@ class StageExecutor:
         if self._threads:
             torch.set_num_threads(self._threads)
 
-    async def _run(self, fn: Callable[[], T]) -> T:
+    async def _run(self, fn: Callable[[], T], *, urgent: bool = False) -> T:
         if self._closed:
             raise RuntimeError("executor is closed")
         self._pending += 1
@@ -405,7 +406,7 @@ class StageExecutor:
                 self._cpu_s += time.thread_time() - started
                 self._published = self._snapshot_now()
 
-        future = self._pool.submit(job)
+        future = self._pool.submit(job, urgent=urgent)
         try:
             return await asyncio.wrap_future(future)
         finally:
@@ -558,14 +559,14 @@ class StageExecutor:
 
         cached: CachedForward | None
         if held is not None:  # spent whether it counts or not (a repeat, a spot check's): the entry was its inputs
-            cached = held
+            cached = held if held.out is not None else None  # no graph (an update came between): recompute
         else:
             cached = None if self.module.is_last or not first else self._cache.take(mb, x, current)
         loss: float | None = None
         while True:  # once, unless fp16's loss scale overflows: then again at half the scale
             scale = self.loss_scale.scale if self.loss_scale is not None else None
             try:
-                if cached is not None:
+                if cached is not None and cached.out is not None and cached.leaf is not None:
                     leaf = cached.leaf
                     run(self._scaled(cached.out, g, batch, scale, leaf))
                 else:
@@ -667,7 +668,9 @@ class StageExecutor:
         finally:
             self._grads.reinstate(held)
         self._digest = params_digest(self.module)
-        self._cache.clear()  # every saved graph holds the old parameters
+        # every saved graph holds the old parameters; under delayed updates a backward one step old
+        # still counts, so its forward's inputs stay (it recomputes rather than asking for them again)
+        self._cache.clear(keep_inputs=self._steps.delay_updates)
         self._steps.finish_update()
         return norm
 
