@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -56,6 +56,7 @@ from swarmd.pipeline.reservations import LeaseBook
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.pipeline.stage_passes import BackwardResult, ForwardResult, StagePasses
 from swarmd.pipeline.stage_updates import Contribution, StageUpdates
+from swarmd.pipeline.stage_worker import StageWorker
 from swarmd.pipeline.step_protocol import GradientAccumulator, StepProtocol
 from swarmd.pipeline.throughput import ThroughputEMA
 
@@ -147,9 +148,9 @@ class StageExecutor:
         self._pending = 0
         self._threads = threads
         self._progressed: asyncio.Event | None = None  # set (and replaced) when the progress changes
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"swarmd-stage{stage}")
+        # a round's hooks run before queued microbatches (swarmd.pipeline.stage_worker says why)
+        self._pool = StageWorker(f"swarmd-stage{stage}", initializer=self._init_worker)
         self._closed = False
-        self._pool.submit(self._init_worker).result()
 
     # ---- introspection (from the progress snapshot) ---------------------------------------
 
@@ -335,24 +336,24 @@ class StageExecutor:
 
     async def take_contribution(self) -> Contribution:
         """Move the accumulated gradients out for averaging; refuse backwards until settled."""
-        return await self._run(self._take_contribution_sync)
+        return await self._run(self._take_contribution_sync, urgent=True)
 
     async def restore_contribution(self, contribution: Contribution) -> None:
         """The round failed: put the gradients back and accept backwards again."""
-        await self._run(lambda: self.updates.restore_contribution(contribution))
+        await self._run(lambda: self.updates.restore_contribution(contribution), urgent=True)
 
     async def keep_residual(self, sent: torch.Tensor | None, decoded: torch.Tensor | None) -> None:
         """The round applied this peer's contribution ``sent`` as the leader decoded it: keep what
         the codec dropped for the next contribution (:mod:`swarmd.pipeline.error_feedback`)."""
-        await self._run(lambda: self.updates.keep_residual(sent, decoded))
+        await self._run(lambda: self.updates.keep_residual(sent, decoded), urgent=True)
 
     async def apply_average(self, mean_grads: torch.Tensor, step: int) -> float:
         """Apply the stage-wide mean gradient as the update from ``step`` to ``step + 1``."""
-        return await self._run(lambda: self._apply_average_sync(mean_grads, step))
+        return await self._run(lambda: self._apply_average_sync(mean_grads, step), urgent=True)
 
     async def snapshot_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """A consistent copy of parameters, optimizer state and step, for a joining peer."""
-        return await self._run(self.updates.snapshot_state)
+        return await self._run(self.updates.snapshot_state, urgent=True)
 
     async def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Adopt a neighbour's snapshot (parameters, optimizer state, step); drops local gradients.
@@ -375,7 +376,7 @@ class StageExecutor:
         if self._threads:
             torch.set_num_threads(self._threads)
 
-    async def _run(self, fn: Callable[[], T]) -> T:
+    async def _run(self, fn: Callable[[], T], *, urgent: bool = False) -> T:
         if self._closed:
             raise RuntimeError("executor is closed")
         self._pending += 1
@@ -388,7 +389,7 @@ class StageExecutor:
                 self._cpu_s += time.thread_time() - started
                 self._published = self._snapshot_now()
 
-        future = self._pool.submit(job)
+        future = self._pool.submit(job, urgent=urgent)
         try:
             return await asyncio.wrap_future(future)
         finally:

@@ -190,14 +190,14 @@ class StagePasses:
 
         cached: CachedForward | None
         if held is not None:  # spent whether it counts or not (a repeat, a spot check's): the entry was its inputs
-            cached = held
+            cached = held if held.out is not None else None  # no graph (an update came between): recompute
         else:
             cached = None if self.module.is_last or not first else self._cache.take(mb, x, current)
         loss: float | None = None
         while True:  # once, unless fp16's loss scale overflows: then again at half the scale
             scale = self.loss_scale.scale if self.loss_scale is not None else None
             try:
-                if cached is not None:
+                if cached is not None and cached.out is not None and cached.leaf is not None:
                     leaf = cached.leaf
                     run(self._scaled(cached.out, g, batch, scale, leaf))
                 else:

@@ -107,7 +107,9 @@ class StageUpdates:
         finally:
             self._grads.reinstate(held)
         self.digest = params_digest(self.module)
-        self._cache.clear()  # every saved graph holds the old parameters
+        # every saved graph holds the old parameters; under delayed updates a backward one step old
+        # still counts, so its forward's inputs stay (it recomputes rather than asking for them again)
+        self._cache.clear(keep_inputs=self._steps.delay_updates)
         self._steps.finish_update()
         return norm
 
