@@ -105,16 +105,17 @@ from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import AverageReply, AverageRequest, ProgressReply
 from swarmd.net.wire import Frame, decode_frame, encode_frame
 from swarmd.pipeline.executor import Contribution, StageExecutor
+from swarmd.pipeline.hostile_contributions import HostileWatch
 from swarmd.pipeline.round_checks import (
     StallWatch,
     Suspicions,
     Used,
     check_answer,
-    outliers,
     per_sample_norm,
     tensor_digest,
 )
 from swarmd.pipeline.round_patience import RoundPatience
+from swarmd.pipeline.round_reduction import HOSTILE_EXCLUSION_S, reduce_contributions
 from swarmd.pipeline.step_protocol import repeated_microbatches
 
 if TYPE_CHECKING:
@@ -191,6 +192,9 @@ class _OpenRound:
     digests: dict[str, str] = field(default_factory=dict)  # of the contributions' gradients, as decoded here
     refused: dict[str, str] = field(default_factory=dict)  # contributions the reduction refused, and why
     refused_samples: int = 0  # their samples (kept by their senders)
+    convicted: dict[str, str] = field(default_factory=dict)  # peers the reduction convicted (round_reduction)
+    clipped: tuple[str, ...] = ()  # contributions whose influence the robust mean cut
+    struck: tuple[str, ...] = ()  # contributions counted for their samples but left out of the mean
     closed: bool = False  # reduced: the mean is fixed, a contribution arriving now is turned away
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future[RoundResult] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -252,6 +256,10 @@ class StageAverager:
         self.stalls = StallWatch()
         self.contributions_refused: Counter[str] = Counter()  # by reason (outlier, unproven, unsigned, ...)
         self.refused_samples = 0  # samples of contributions this leader refused
+        self.hostile = HostileWatch()  # strikes of the contributions this peer scored as leader (issue #29)
+        self.hostile_convictions: Counter[str] = Counter()  # peers convicted of hostile contributions
+        self.contributions_clipped = 0  # contributions whose influence the robust mean cut, in rounds led
+        self.contributions_struck = 0  # contributions left out of the mean as hostile-looking, in rounds led
         # microbatch ids two contributions to a round this peer led both held: counted twice, seen
         # (the exactly-once rule's last resort, swarmd.pipeline.step_protocol)
         self.duplicate_microbatches = 0
@@ -305,6 +313,9 @@ class StageAverager:
             "leaders_stalling": dict(self.leaders_stalling),
             "contributions_refused": dict(self.contributions_refused),
             "refused_samples": self.refused_samples,
+            "hostile_convictions": dict(self.hostile_convictions),
+            "contributions_clipped": self.contributions_clipped,
+            "contributions_struck": self.contributions_struck,
             "duplicate_microbatches": self.duplicate_microbatches,
             "silent_contributors": self.silent_contributors,
             "excluded": self.suspicions.status(),
@@ -529,7 +540,9 @@ class StageAverager:
             if result.status == "ok":
                 self.patience.observe({p: d for p, d in arrivals.items() if p != self.peer_id})
             for pid, why in sorted(rnd.refused.items()):
-                self._refuse_contributor(pid, why, rnd.step)
+                if pid not in rnd.convicted:
+                    self._refuse_contributor(pid, why, rnd.step)
+            self._convict(rnd)
             self.refused_samples += rnd.refused_samples
             late = time.monotonic() - rnd.deadline
             if result.status == "ok" and late > COMMIT_GRACE_S:
@@ -554,7 +567,8 @@ class StageAverager:
                 await self.executor.restore_contribution(own)
                 self.rounds_aborted += 1
             self._record(result, self.peer_id, missing=sorted(rnd.expected - set(rnd.contributions)),
-                         refused=dict(rnd.refused), started=started)
+                         refused=dict(rnd.refused), started=started, clipped=rnd.clipped, struck=rnd.struck,
+                         convicted=rnd.convicted)
             rnd.result.set_result(result)
             return result
         except BaseException as exc:
@@ -567,6 +581,21 @@ class StageAverager:
         finally:
             self._round = None
 
+    def _convict(self, rnd: _OpenRound) -> None:
+        """Exclude the peers this round's reduction convicted of hostile contributions
+        (``hostile_contributions``), as long as the trainers' reports exclude a peer at first."""
+        self.contributions_clipped += len(rnd.clipped)
+        self.contributions_struck += len(rnd.struck)
+        for pid, why in sorted(rnd.convicted.items()):
+            self.hostile_convictions[pid] += 1
+            period = self.suspicions.accuse(pid, why, base_s=HOSTILE_EXCLUSION_S)
+            if self.prover is not None:
+                self.prover.table.forget(pid)
+            dropped = "dropped from" if pid in rnd.refused else "kept, clipped, in"
+            log.warning("stage %d step %d: convicted %s of hostile contributions (%s); its contribution %s this "
+                        "round; excluded from this peer's rounds for %.0fs", self.executor.stage, rnd.step,
+                        pid[:12], why, dropped, period)
+
     def _accuse_silent(self, rnd: _OpenRound, arrived: set[str]) -> None:
         """Exclude the expected contributors that never came (issue #18: a proof shows a peer holds
         its identity, not that it will contribute), with the growing periods of the round checks."""
@@ -578,42 +607,35 @@ class StageAverager:
                        pid[:12], period)
 
     def _reduce(self, rnd: _OpenRound) -> RoundResult:
-        """Refuse outliers, sum, divide, encode the answer (off the event loop: called in a thread)."""
+        """Refuse outliers, take the robust mean, score the contributions, encode the answer
+        (``swarmd.pipeline.round_reduction``; off the event loop: called in a thread)."""
         own = rnd.contributions.get(self.peer_id)
         if set(rnd.contributions) <= {self.peer_id} and own is not None and own.samples >= self.target:
             return self._reduce_alone(rnd, own)
         if own is not None and self.peer_id not in rnd.digests:
             rnd.digests[self.peer_id] = tensor_digest(own.grads)
-        norms = {pid: per_sample_norm(c.grads, c.samples) for pid, c in rnd.contributions.items()}
-        bad = outliers({pid: (norms[pid], c.samples) for pid, c in rnd.contributions.items()}, self.peer_id)
-        bad.pop(self.peer_id, None)  # the leader computed its own gradients: it does not refuse them
-        for pid, why in bad.items():
-            rnd.refused[pid] = f"outlier: {why}"
-            rnd.refused_samples += rnd.contributions.pop(pid).samples
-        used = tuple(Used(pid, c.samples, rnd.digests.get(pid, ""), norms[pid])
-                     for pid, c in sorted(rnd.contributions.items()))
-        total = sum(c.samples for c in rnd.contributions.values())
-        if total < self.target:
+        ex = self.executor
+        red = reduce_contributions(rnd.contributions, rnd.digests, leader=self.peer_id, target=self.target,
+                                   numel=ex.grad_numel, watch=self.hostile)
+        for pid, why in red.refused.items():
+            rnd.refused[pid] = why
+            rnd.contributions.pop(pid)
+        rnd.refused_samples += red.refused_samples
+        rnd.convicted, rnd.clipped, rnd.struck = dict(red.convicted), red.clipped, red.struck
+        if red.scores:
+            log.debug("stage %d step %d: contribution scores %s", ex.stage, rnd.step,
+                      {pid[:8]: (round(sc.far, 2), round(sc.cos, 3)) for pid, sc in red.scores.items()})
+        used, total, mean = red.used, red.total, red.mean
+        if mean is None and total < self.target:
             log.warning(
                 "stage %d step %d: only %d of %d samples arrived from %d peer(s)%s; round aborted, gradients kept",
-                self.executor.stage, rnd.step, total, self.target, len(rnd.contributions),
-                f" ({len(bad)} refused)" if bad else "",
+                ex.stage, rnd.step, total, self.target, len(rnd.contributions),
+                f" ({len(red.refused)} refused)" if red.refused else "",
             )
+        elif mean is None:  # cannot happen with finite contributions; never apply it
+            log.error("stage %d step %d: the mean gradient is not finite; round aborted", ex.stage, rnd.step)
+        if mean is None:
             return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
-        # Summed in float64, in a fixed order (the same sum whatever the arrival order). Every
-        # contribution is finite float32 and carries at least one sample per gradient it sums, so
-        # the mean is bounded by the largest contribution: float32 sums of huge finite gradients
-        # could overflow to Inf, this cannot.
-        summed = torch.zeros(self.executor.grad_numel, dtype=torch.float64)
-        for pid in sorted(rnd.contributions):
-            grads = rnd.contributions[pid].grads
-            if grads is not None:
-                summed += grads
-        mean = (summed / total).to(torch.float32)
-        if not all_finite(mean):  # cannot happen with the checks above; never apply it
-            log.error("stage %d step %d: the mean gradient is not finite; round aborted", self.executor.stage, rnd.step)
-            return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
-        ex = self.executor
         if set(rnd.contributions) <= {self.peer_id}:  # a lone peer: nobody to answer, nothing to encode
             return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, used=used)
         codec = _wire_codec(mean, ex.training.grad_codec)
@@ -871,7 +893,8 @@ class StageAverager:
 
     def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
                 reason: str | None = None, refused: dict[str, str] | None = None,
-                started: float | None = None) -> None:
+                started: float | None = None, clipped: tuple[str, ...] = (), struck: tuple[str, ...] = (),
+                convicted: dict[str, str] | None = None) -> None:
         """Keep the round in ``last_round``/``history`` (``duration_s``: from taking this peer's
         contribution to the outcome, leader or contributor) and tell ``on_round``."""
         self.last_round = {
@@ -886,6 +909,12 @@ class StageAverager:
             self.last_round["reason"] = reason
         if refused:
             self.last_round["refused"] = refused
+        if clipped:
+            self.last_round["clipped"] = list(clipped)  # contributions whose influence the robust mean cut
+        if struck:
+            self.last_round["struck"] = list(struck)  # counted for their samples, left out of the mean
+        if convicted:
+            self.last_round["convicted"] = convicted  # peers convicted of hostile contributions by this round
         if leader == self.peer_id and result.used is not None:
             self.last_round["used"] = {u.peer_id: u.samples for u in result.used}  # whose samples the mean holds
         if started is not None:
