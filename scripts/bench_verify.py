@@ -19,7 +19,12 @@ seeds):
 
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
-``swarmd.pipeline.robust_aggregation`` bounds them once the averaging calls it.
+the leader's reduction bounds and scores them (``swarmd.pipeline.round_reduction``), and their
+``excluded_at`` is when a leader convicted them (``hostile_contributions``). Each such liar is its
+stage's largest peer id, so it never leads (a leader's own contribution is not scored). ``clipped``
+and ``struck``: contributions the honest leaders' robust mean clipped, and left out of the mean
+(their samples counted), over ``rounds`` rounds; ``honest_blamed`` includes honest peers convicted
+by a leader.
 
     .venv/bin/python scripts/bench_verify.py --json
     .venv/bin/python scripts/bench_verify.py --lies aware far --steps 40 --verify-fraction 0.02
@@ -58,7 +63,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         liar = None
         if lie is not None:
             liar = [d for d in daemons if d.stage == STAGE[lie]][1]
-            if lie in AVERAGING:
+            if lie in AVERAGING:  # the largest id of its stage: a liar that leads is not scored (SECURITY.md)
+                liar = max((d for d in daemons if d.stage == STAGE[lie]), key=lambda d: d.peer_id or "")
                 assert liar.averager is not None
                 poison_contributions(liar.averager, lie)
             else:
@@ -83,6 +89,10 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                 if all(liar.peer_id in d.status()["reports"]["excluded"] for d in honest):
                     marks["excluded_at"] = done[0]
                     return
+                if lie in AVERAGING and any(liar.peer_id in d.averager.hostile_convictions for d in honest
+                                            if d.averager is not None):
+                    marks["excluded_at"] = done[0]  # convicted by its leader (hostile_contributions)
+                    return
                 await asyncio.sleep(0.1)
 
         watcher = asyncio.create_task(watch())
@@ -98,12 +108,18 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         mb = trainer_config(api, "x", 1).microbatch_size
         calls = sum(s.verify["calls"] for s in summaries)
         caught = {p for s in summaries for p in s.verify["caught"]}
+        averagers = [d.averager for d in honest if d.averager is not None]
+        convicted = {p for a in averagers for p in a.hostile_convictions}
         return {
             "lie": lie or "honest",
             "stage": STAGE.get(lie or "", None),
             "caught_at": marks["caught_at"],
             "excluded_at": marks["excluded_at"],
-            "honest_blamed": sorted(p[:12] for p in caught if liar is None or p != liar.peer_id),
+            "honest_blamed": sorted(p[:12] for p in caught | convicted if liar is None or p != liar.peer_id),
+            # the honest leaders' robust averaging: contributions clipped, and left out of the mean
+            "clipped": sum(a.contributions_clipped for a in averagers),
+            "struck": sum(a.contributions_struck for a in averagers),
+            "rounds": sum(a.rounds_ok for a in averagers),
             "extra_compute": round(sum(s.verify["extra_samples"] for s in summaries) / max(1, calls * mb), 4),
             "extra_traffic": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
             "paired": sum(s.verify["paired"] for s in summaries),

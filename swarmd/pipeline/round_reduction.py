@@ -86,10 +86,13 @@ def _robust(contributions: Mapping[str, Contribution], leader: str) -> RobustMea
 
 
 def reduce_contributions(contributions: Mapping[str, Contribution], digests: Mapping[str, str], *, leader: str,
-                         target: int, numel: int, watch: HostileWatch | None = None) -> Reduction:
+                         target: int, numel: int, watch: HostileWatch | None = None,
+                         score: bool = False) -> Reduction:
     """Reduce one round's ``contributions`` (peer id -> contribution; ``digests``: of their gradients as
     decoded here) on its ``leader`` (see the module docstring). ``watch``: the leader's strikes,
-    updated by this round (None: no scoring). Pure but for ``watch``; call it off the event loop."""
+    updated by this round (None: no convictions, and no scoring unless ``score``: a part's owner of the
+    chunked all-reduce leaves struck slices out but convicts nobody). Pure but for ``watch``; call it
+    off the event loop."""
     kept = dict(contributions)
     refused: dict[str, str] = {}
     refused_samples = 0
@@ -102,11 +105,11 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
     scores: dict[str, Score] = {}
     convicted: dict[str, str] = {}
     struck: set[str] = set()
-    if watch is not None:
+    if watch is not None or score:
         scores = score_round([Weighted(pid, c.grads, c.samples) for pid, c in sorted(kept.items())
                               if c.samples > 0 and c.grads is not None], leader)
         struck = {pid for pid, score in scores.items() if score.strike() is not None}
-        convicted = watch.observe(scores)
+        convicted = watch.observe(scores) if watch is not None else {}
         total = sum(c.samples for c in kept.values())
         for pid, why in sorted(convicted.items()):
             samples = kept[pid].samples
