@@ -26,7 +26,12 @@ and ``struck``: contributions the honest leaders' robust mean clipped, and left 
 (their samples counted), over ``rounds`` rounds; ``honest_blamed`` includes honest peers convicted
 by a leader.
 
+With ``--plain-averaging`` the leaders average as before issue 29 (the plain sample-weighted mean
+of every contribution inside the 64x band: no robust mean, no scores, no convictions), to measure
+what the robust rule changes (``--lies`` with no liar: honest runs only).
+
     .venv/bin/python scripts/bench_verify.py --json
+    .venv/bin/python scripts/bench_verify.py --lies --steps 40 --repeats 3 [--plain-averaging]
     .venv/bin/python scripts/bench_verify.py --lies aware far --steps 40 --verify-fraction 0.02
 """
 
@@ -56,6 +61,25 @@ from swarmd.train.trainer import Trainer  # noqa: E402
 STAGE = {"aware": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
          "minus20": 1, "flipped": 1}
 AVERAGING = ("minus20", "flipped")
+
+
+def plain_averaging() -> None:
+    """Make every leader in this process average as before issue 29 (see the module docstring)."""
+    from swarmd.pipeline import averaging_leader, round_reduction
+
+    original = round_reduction.reduce_contributions
+
+    def plain(contributions: Any, digests: Any, *, leader: str, target: int, numel: int, watch: Any = None,
+              score: bool = False) -> round_reduction.Reduction:
+        red = original(contributions, digests, leader=leader, target=target, numel=numel)
+        if red.mean is not None and red.robust:
+            used = {u.peer_id for u in red.used}
+            red.mean = round_reduction.plain_mean({p: c for p, c in contributions.items() if p in used}, numel,
+                                                  red.total)
+            red.robust = False
+        return red
+
+    averaging_leader.reduce_contributions = plain  # type: ignore[assignment]
 
 
 async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
@@ -150,18 +174,21 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lies", nargs="+", default=["aware", "far", "ahead", "sometimes", "gradnoise", "stale",
+    parser.add_argument("--lies", nargs="*", default=["aware", "far", "ahead", "sometimes", "gradnoise", "stale",
                                                       "minus20", "flipped"], choices=sorted(STAGE))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--verify-fraction", type=float, default=0.02)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plain-averaging", action="store_true", help="average as before issue 29 (plain mean)")
     parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if args.log else logging.ERROR)
     load = os.getloadavg()
     seed = args.seed
+    if args.plain_averaging:
+        plain_averaging()
     out = asyncio.run(main(args))
     args.seed = seed  # the first repeat's (each next one adds 100)
     report = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],
