@@ -189,6 +189,9 @@ class RoundLeader(AveragerCore):
         if red.scores:
             log.debug("stage %d step %d: contribution scores %s", ex.stage, rnd.step,
                       {pid[:8]: (round(sc.far, 2), round(sc.cos, 3)) for pid, sc in red.scores.items()})
+        if red.robust or red.struck:
+            log.debug("stage %d step %d: the robust rule moved the mean by %.4g of its norm (clipped %d, struck %d)",
+                      ex.stage, rnd.step, red.moved, len(red.clipped), len(red.struck))
         used, total, mean = red.used, red.total, red.mean
         if mean is None and total < self.target:
             log.warning(

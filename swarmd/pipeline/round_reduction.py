@@ -61,6 +61,7 @@ class Reduction:
     scores: dict[str, Score] = field(default_factory=dict)
     robust: bool = False  # the mean is CenteredClip's (or anchored_mean's), not the plain one
     struck: tuple[str, ...] = ()  # contributions counted for their samples but left out of the mean
+    moved: float = 0.0  # |mean - plain mean| / |plain mean| when the rule changed the mean (robust or struck)
 
 
 def plain_mean(contributions: Mapping[str, Contribution], numel: int, total: int) -> torch.Tensor:
@@ -133,4 +134,8 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
         out.mean, out.robust = robust.mean, True
     if not all_finite(out.mean):  # cannot happen with finite contributions; never apply it
         out.mean = None
+    elif out.robust or out.struck:  # how far the rule moved the mean from the plain one (for the log)
+        plain = plain_mean(kept, numel, total).to(torch.float64)
+        scale = float(torch.linalg.vector_norm(plain))
+        out.moved = float(torch.linalg.vector_norm(out.mean.to(torch.float64) - plain)) / scale if scale else 0.0
     return out
