@@ -83,7 +83,7 @@ def plain_averaging() -> None:
 
 
 async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=args.peers_per_stage) as daemons:
         liar = None
         if lie is not None:
             liar = [d for d in daemons if d.stage == STAGE[lie]][1]
@@ -182,6 +182,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plain-averaging", action="store_true", help="average as before issue 29 (plain mean)")
+    parser.add_argument("--peers-per-stage", type=int, default=3, help="peers serving each of the 2 stages")
     parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if args.log else logging.ERROR)
