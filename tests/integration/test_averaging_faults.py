@@ -51,6 +51,8 @@ if _CTL:
     if os.environ.get("SWARMD_TEST_REPLY_SLACK_S"):
         _round.REPLY_SLACK_S = float(os.environ["SWARMD_TEST_REPLY_SLACK_S"])
         _round.COMMIT_GRACE_S = _round.REPLY_SLACK_S / 3
+        # ... and their re-exports, which the chunked all-reduce imports when the daemon starts
+        _averaging.REPLY_SLACK_S, _averaging.COMMIT_GRACE_S = _round.REPLY_SLACK_S, _round.COMMIT_GRACE_S
 
     # these tests hold a round open with a frozen contributor and are about the averaging timeout
     # itself, so the leader waits it out as it did before issue #18's patience (which gives up on a
