@@ -18,8 +18,10 @@ Rule of a round, for the peers of one stage at step ``s``:
    settles) and sends them, with its sample count, to the leader's ``POST /v1/average``. A peer
    with no samples sends its count only: it still receives the update.
 3. **Reduction.** The leader waits for every peer of its view at step ``s`` (itself included),
-   at most ``averaging_timeout_s``. It sums the contributions in peer-id order (so the result
-   does not depend on arrival order) and divides by the total sample count. If the total is
+   at most ``averaging_timeout_s``. It sums the contributions in float64 in peer-id order (so
+   the result does not depend on arrival order) and divides by the total sample count, or, when
+   a contribution lies far from the others, takes their robust mean instead (issue #29:
+   ``swarmd.pipeline.round_reduction``, below). If the total is
    below the target (a peer died holding gradients), the round is *aborted*: everyone puts its
    gradients back and the stage keeps accumulating; nothing is lost and no step is taken on
    too small a batch. Once the leader reduces, the round is *closed*: a contribution arriving
@@ -73,8 +75,12 @@ announced address) and whose ``/v1/progress`` shows the same step *and* the same
 only they are polled, waited for, or chosen as leader, so a fake record with the smallest peer
 id, pointing at a port that never answers, costs one bounded challenge in a background task and
 never a round. Contributions are signed with the contributor's identity and refused unless they
-come from a proven, non-excluded stage-mate. The leader refuses outlier contributions and
-publishes what it used; contributors check the answer before applying it
+come from a proven, non-excluded stage-mate. The leader refuses outlier contributions, bounds
+what any other one can move the mean by (a sample-weighted CenteredClip; with two contributions
+one clipped step around its own gradient), leaves out of the mean a contribution far from or
+against its own gradient, and convicts and excludes a peer that keeps sending such ones
+(issue #29: ``round_reduction``, ``robust_aggregation``, ``hostile_contributions``); it
+publishes what it used, and contributors check the answer before applying it
 (``swarmd.pipeline.round_checks`` has the rules and why). A refused answer is not applied (the
 contributor keeps its gradients for the next round) and its leader is excluded for a growing
 period; so is the sender of a refused contribution, and a leader that keeps aborting rounds while
