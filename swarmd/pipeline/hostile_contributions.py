@@ -24,8 +24,14 @@ robust mean could be steered that way: a contribution inside the clipping radius
 
 A round is a **strike** against ``i`` when ``far > FAR_FACTOR`` or ``cos < -AGAINST_COS``. A struck
 contribution is **dropped from that round's mean** (its samples still count toward the target, so
-the round is not aborted for it: ``swarmd.pipeline.round_reduction``), and a peer is **convicted**
-when ``STRIKES`` of its last ``WINDOW`` scored rounds were strikes. Why these numbers: in an honest
+the round is not aborted for it: ``swarmd.pipeline.round_reduction``): a sign-flipped contribution
+moves nothing, round after round. A peer is **convicted** (and excluded) when ``STRIKES`` of its
+last ``WINDOW`` scored rounds were *far* strikes. Direction alone never convicts: an honest
+peer's gradients point against its stage-mates' when a liar on the next stage feeds it negated
+input gradients (the check-aware liar of issue #29's table, tripled and negated: in a 2x3 run two
+honest stage-0 peers were convicted by direction, then excluded), and from the contributions alone
+a victim cannot be told from a liar; such contributions are left out, which is what they deserve,
+and their senders are not punished. Why these numbers: in an honest
 2x3 run of the ``tiny`` preset for 40 steps (``scripts/bench_verify.py``; ``swarmd.pipeline.averaging``
 logs each round's scores at DEBUG) the 163 scored contributions had ``far`` at most 1.28 and
 ``cos`` with median 0.64 but as low as -0.28 late in training, where the gradients grow noisy (5
@@ -72,11 +78,18 @@ class Score:
     cos: float
 
     def strike(self) -> str | None:
-        """Why this round counts against the contribution (None: it does not)."""
+        """Why this contribution is left out of this round's mean (None: it is not)."""
         if self.far > FAR_FACTOR:
-            return f"{self.far:.1f} times the honest distance from the leader's own gradient (over {FAR_FACTOR:g})"
+            return self.far_strike()
         if self.cos < -AGAINST_COS:
             return f"cosine {self.cos:.3f} with the leader's own gradient (below -{AGAINST_COS:g})"
+        return None
+
+    def far_strike(self) -> str | None:
+        """Why this round counts toward a conviction (None: it does not): only a far contribution does
+        (see the module docstring's "Convicted")."""
+        if self.far > FAR_FACTOR:
+            return f"{self.far:.1f} times the honest distance from the leader's own gradient (over {FAR_FACTOR:g})"
         return None
 
 
@@ -124,7 +137,7 @@ class HostileWatch:
         convicted = {}
         for pid, score in sorted(scores.items()):
             history = self._history.pop(pid, None) or deque(maxlen=self.window)
-            history.append(score.strike())
+            history.append(score.far_strike())
             self._history[pid] = history
             strikes = [why for why in history if why is not None]
             if len(strikes) >= self.strikes:

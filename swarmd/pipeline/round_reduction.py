@@ -16,10 +16,11 @@ leader), in the order it runs:
 3. **Consequences** (``hostile_contributions``): every other contribution is scored against the
    leader's own; a struck one (far from it, or pointing against it) is left out of this round's
    mean while its samples still count toward the target, so the round is never aborted for it
-   and its sender applies the mean like everyone. A peer struck ``STRIKES`` times in its last
-   ``WINDOW`` rounds is convicted: its contribution is turned away when the others still hold
-   the target (its sender keeps it), else counted and left out as a struck one. The caller
-   excludes the peer (``round_checks.Suspicions``, ``HOSTILE_EXCLUSION_S``).
+   and its sender applies the mean like everyone. A peer struck as *far* ``STRIKES`` times in its
+   last ``WINDOW`` rounds is convicted (direction alone never convicts: see there): its
+   contribution is turned away when the others still hold the target (its sender keeps it), else
+   counted and left out as a struck one. The caller excludes the peer (``round_checks.Suspicions``,
+   ``HOSTILE_EXCLUSION_S``).
 
 Deterministic: contributions are taken in peer-id order and reduced in float64, so the mean does
 not depend on arrival order; the leader computes it once and every peer applies that answer.

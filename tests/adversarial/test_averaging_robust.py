@@ -1,8 +1,9 @@
 """Averaging liars of issue #29's table in a real 2-stage x 3-peer swarm (in-process daemons on
 loopback): a stage peer whose contribution is its true gradient times -20 (inside the 64x outlier
 band), or sign-flipped. The leader's robust mean bounds what the contribution does to the step
-(``swarmd.pipeline.robust_aggregation``); its scores convict the peer within a few rounds
-(``swarmd.pipeline.hostile_contributions``), which is then excluded and reported; the honest peers
+(``swarmd.pipeline.robust_aggregation``); its scores leave the contribution out of the mean
+within a few rounds and convict the -20x one, which is then excluded and reported (direction
+alone never convicts: ``swarmd.pipeline.hostile_contributions``); the honest peers
 stay bit-identical, nobody honest is convicted, and the held-out loss stays near an honest run's."""
 
 from __future__ import annotations
@@ -74,14 +75,20 @@ async def test_an_averaging_liar_is_bounded_convicted_and_excluded(poison: str) 
         poison_contributions(liar.averager, poison)
         loss = await _train(daemons, seed=0)
         convictions = _convictions(daemons)
-        assert set(convictions) == {liar.peer_id}, convictions  # the liar, and nobody honest
-        assert min(convictions[liar.peer_id]) <= 10  # within 10 steps
         honest = stage1[:-1]
         await _same_params(honest)
         leader = honest[0]
         status = leader.status()["averaging"]
-        assert status["hostile_convictions"] == {liar.peer_id: 1}
-        assert liar.peer_id in status["excluded"]
-        assert status["excluded"][liar.peer_id]["reason"].startswith("hostile")
+        struck = sorted(r["step"] for r in leader.averager.history if liar.peer_id in r.get("struck", ()))
+        assert struck and struck[0] <= 10  # left out of the mean within 10 steps
+        if poison == "minus20":  # far: convicted and excluded
+            assert set(convictions) == {liar.peer_id}, convictions  # the liar, and nobody honest
+            assert min(convictions[liar.peer_id]) <= 10  # within 10 steps
+            assert status["hostile_convictions"] == {liar.peer_id: 1}
+            assert liar.peer_id in status["excluded"]
+            assert status["excluded"][liar.peer_id]["reason"].startswith("hostile")
+        else:  # against the others, not far: left out of the mean every round it points the wrong way, never convicted
+            assert not convictions, convictions
+            assert status["contributions_struck"] >= len(struck) >= 3
         # -20x ruined training (3.10x the honest held-out loss) before the robust mean: now near honest
         assert loss <= 1.05 * honest_loss, (loss, honest_loss)

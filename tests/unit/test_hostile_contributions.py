@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,6 +96,10 @@ def test_a_peer_is_convicted_at_strikes_in_its_window_and_starts_afresh() -> Non
     convicted = watch.observe({"q": bad, "p": good})
     assert list(convicted) == ["q"] and convicted["q"].startswith("hostile")
     assert watch.strikes_of("q") == 0
+    # pointing against the leader's own leaves a contribution out, every time, but never convicts
+    against = Score(far=1.5, cos=-0.9)
+    assert against.strike() is not None and against.far_strike() is None
+    assert all(watch.observe({"r": against}) == {} for _ in range(4 * WINDOW))
 
 
 def held(items: list[Contribution]) -> dict[str, Held]:
@@ -111,9 +116,10 @@ def test_an_honest_round_is_bit_for_bit_the_plain_mean() -> None:
         assert torch.equal(red.mean, plain_mean(contributions, DIM, 16))
 
 
-def test_a_struck_contribution_counts_its_samples_but_moves_nothing() -> None:
+@pytest.mark.parametrize("factor", [-20.0, -1.0])
+def test_a_struck_contribution_counts_its_samples_but_moves_nothing(factor: float) -> None:
     items = honest(5, [8, 4, 4])
-    liar = poisoned(items[2], -20.0)
+    liar = poisoned(items[2], factor)
     red = reduce_contributions(held([items[0], items[1], liar]), {}, leader=items[0].peer_id, target=16,
                                numel=DIM, watch=HostileWatch())
     assert red.mean is not None and red.total == 16 and red.struck == (liar.peer_id,)
@@ -123,7 +129,7 @@ def test_a_struck_contribution_counts_its_samples_but_moves_nothing() -> None:
 
 def test_a_convicted_peer_is_turned_away_when_the_others_hold_the_target_else_left_out() -> None:
     items = honest(6, [8, 8, 4])
-    liar = poisoned(items[2], -1.0)
+    liar = poisoned(items[2], -20.0)
     watch = HostileWatch()
     for _ in range(STRIKES - 1):
         red = reduce_contributions(held([items[0], items[1], liar]), {}, leader=items[0].peer_id, target=16,
