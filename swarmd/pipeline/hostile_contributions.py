@@ -37,7 +37,7 @@ logs each round's scores at DEBUG) the 163 scored contributions had ``far`` at m
 ``cos`` with median 0.64 but as low as -0.28 late in training, where the gradients grow noisy (5
 below -0.05, two of them one peer's in a row): so a strike needs ``cos`` below -0.5, and
 ``far`` above 8. Both liars of issue #29's table score ``cos`` near -0.95 while training moves
-(the first rounds, where they are convicted), the -20x one ``far`` of 8-20 as well. A single
+(the first rounds: left out of the mean), the -20x one ``far`` of 8-20 as well (convicted). A single
 heavy-tailed honest microbatch (round_checks' docstring: one honest contribution at 33x its
 mates' norm) makes one strike (its gradient sits out one round), never four in six. What is not
 caught: a liar that strikes less often than ``STRIKES`` in ``WINDOW`` (its influence stays
