@@ -19,9 +19,19 @@ seeds):
 
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
-``swarmd.pipeline.robust_aggregation`` bounds them once the averaging calls it.
+the leader's reduction bounds and scores them (``swarmd.pipeline.round_reduction``), and their
+``excluded_at`` is when a leader convicted them (``hostile_contributions``). Each such liar is its
+stage's largest peer id, so it never leads (a leader's own contribution is not scored). ``clipped``
+and ``struck``: contributions the honest leaders' robust mean clipped, and left out of the mean
+(their samples counted), over ``rounds`` rounds; ``honest_blamed`` includes honest peers convicted
+by a leader.
+
+With ``--plain-averaging`` the leaders average as before issue 29 (the plain sample-weighted mean
+of every contribution inside the 64x band: no robust mean, no scores, no convictions), to measure
+what the robust rule changes (``--lies`` with no liar: honest runs only).
 
     .venv/bin/python scripts/bench_verify.py --json
+    .venv/bin/python scripts/bench_verify.py --lies --steps 40 --repeats 3 [--plain-averaging]
     .venv/bin/python scripts/bench_verify.py --lies aware far --steps 40 --verify-fraction 0.02
 """
 
@@ -53,12 +63,32 @@ STAGE = {"aware": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahe
 AVERAGING = ("minus20", "flipped")
 
 
+def plain_averaging() -> None:
+    """Make every leader in this process average as before issue 29 (see the module docstring)."""
+    from swarmd.pipeline import averaging_leader, round_reduction
+
+    original = round_reduction.reduce_contributions
+
+    def plain(contributions: Any, digests: Any, *, leader: str, target: int, numel: int, watch: Any = None,
+              score: bool = False) -> round_reduction.Reduction:
+        red = original(contributions, digests, leader=leader, target=target, numel=numel)
+        if red.mean is not None and red.robust:
+            used = {u.peer_id for u in red.used}
+            red.mean = round_reduction.plain_mean({p: c for p, c in contributions.items() if p in used}, numel,
+                                                  red.total)
+            red.robust = False
+        return red
+
+    averaging_leader.reduce_contributions = plain  # type: ignore[assignment]
+
+
 async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=args.peers_per_stage) as daemons:
         liar = None
         if lie is not None:
             liar = [d for d in daemons if d.stage == STAGE[lie]][1]
-            if lie in AVERAGING:
+            if lie in AVERAGING:  # the largest id of its stage: a liar that leads is not scored (SECURITY.md)
+                liar = max((d for d in daemons if d.stage == STAGE[lie]), key=lambda d: d.peer_id or "")
                 assert liar.averager is not None
                 poison_contributions(liar.averager, lie)
             else:
@@ -83,6 +113,10 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                 if all(liar.peer_id in d.status()["reports"]["excluded"] for d in honest):
                     marks["excluded_at"] = done[0]
                     return
+                if lie in AVERAGING and any(liar.peer_id in d.averager.hostile_convictions for d in honest
+                                            if d.averager is not None):
+                    marks["excluded_at"] = done[0]  # convicted by its leader (hostile_contributions)
+                    return
                 await asyncio.sleep(0.1)
 
         watcher = asyncio.create_task(watch())
@@ -98,12 +132,18 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         mb = trainer_config(api, "x", 1).microbatch_size
         calls = sum(s.verify["calls"] for s in summaries)
         caught = {p for s in summaries for p in s.verify["caught"]}
+        averagers = [d.averager for d in honest if d.averager is not None]
+        convicted = {p for a in averagers for p in a.hostile_convictions}
         return {
             "lie": lie or "honest",
             "stage": STAGE.get(lie or "", None),
             "caught_at": marks["caught_at"],
             "excluded_at": marks["excluded_at"],
-            "honest_blamed": sorted(p[:12] for p in caught if liar is None or p != liar.peer_id),
+            "honest_blamed": sorted(p[:12] for p in caught | convicted if liar is None or p != liar.peer_id),
+            # the honest leaders' robust averaging: contributions clipped, and left out of the mean
+            "clipped": sum(a.contributions_clipped for a in averagers),
+            "struck": sum(a.contributions_struck for a in averagers),
+            "rounds": sum(a.rounds_ok for a in averagers),
             "extra_compute": round(sum(s.verify["extra_samples"] for s in summaries) / max(1, calls * mb), 4),
             "extra_traffic": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
             "paired": sum(s.verify["paired"] for s in summaries),
@@ -134,18 +174,22 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lies", nargs="+", default=["aware", "far", "ahead", "sometimes", "gradnoise", "stale",
+    parser.add_argument("--lies", nargs="*", default=["aware", "far", "ahead", "sometimes", "gradnoise", "stale",
                                                       "minus20", "flipped"], choices=sorted(STAGE))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--verify-fraction", type=float, default=0.02)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plain-averaging", action="store_true", help="average as before issue 29 (plain mean)")
+    parser.add_argument("--peers-per-stage", type=int, default=3, help="peers serving each of the 2 stages")
     parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if args.log else logging.ERROR)
     load = os.getloadavg()
     seed = args.seed
+    if args.plain_averaging:
+        plain_averaging()
     out = asyncio.run(main(args))
     args.seed = seed  # the first repeat's (each next one adds 100)
     report = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],

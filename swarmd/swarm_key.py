@@ -1,7 +1,7 @@
 """Private swarms: a pre-shared swarm key (``--swarm-key FILE``) that authenticates every DHT
 datagram and every data-plane request.
 
-(Not to be confused with :func:`swarmd.dht.node.swarm_key`, the DHT key of a swarm's record.)
+(Not to be confused with :func:`swarmd.dht.keys.swarm_key`, the DHT key of a swarm's record.)
 
 Create one with ``head -c 32 /dev/urandom | base64 > swarm.key; chmod 600 swarm.key`` and give the
 same file to every daemon and trainer of the swarm. The file's content (whitespace stripped) is

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
-from swarmd.dht.node import KEY_PREFIX
+from swarmd.dht.keys import KEY_PREFIX
 from swarmd.dht.records import Record, TrainingRecord
 
 __all__ = ["LOCAL_POINTS", "SWARM_POINTS", "SwarmPoint", "TrainingLog", "TrainingPoint", "training_key"]

@@ -275,6 +275,13 @@ class StatusCollector(Collector):
                   "leader, by reason", "reason", averaging.contributions_refused)
         yield _counter("swarmd_averaging_refused_samples", "samples in refused contributions and answers",
                        averaging.refused_samples)
+        yield _counter("swarmd_averaging_contributions_clipped", "contributions whose influence the robust mean "
+                       "(CenteredClip) cut in rounds this peer led", averaging.contributions_clipped)
+        yield _counter("swarmd_averaging_contributions_struck", "contributions left out of the mean (their samples "
+                       "counted) as far from or against the leader's own gradient, in rounds this peer led",
+                       averaging.contributions_struck)
+        yield _counter("swarmd_averaging_hostile_convictions", "stage-mates this peer, leading, convicted of hostile "
+                       "contributions (then excluded; summed over peers)", sum(averaging.hostile_convictions.values()))
         yield _counter("swarmd_averaging_leaders_refused", "leaders' answers this peer refused (each counts once "
                        "per refusal, summed over leaders)", sum(averaging.leaders_refused.values()))
         yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "

@@ -124,6 +124,14 @@ class AveragingInfo(BaseModel):
     leaders_stalling: dict[str, int] = Field(default_factory=dict)
     contributions_refused: dict[str, int] = Field(default_factory=dict)
     refused_samples: int = 0
+    hostile_convictions: dict[str, int] = Field(default_factory=dict, description="peer id -> times this peer, "
+                                                "leading, convicted it of hostile contributions (robust averaging, "
+                                                "issue 29)")
+    contributions_clipped: int = Field(default=0, description="contributions whose influence the robust mean cut "
+                                       "in rounds this peer led")
+    contributions_struck: int = Field(default=0, description="contributions left out of the mean (their samples "
+                                      "counted) as far from or against the leader's own gradient, in rounds this "
+                                      "peer led")
     duplicate_microbatches: int = 0
     silent_contributors: int = 0
     excluded: dict[str, Any] = Field(default_factory=dict, description="peer id -> why and until when")

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from swarmd.dht.node import KEY_PREFIX
+from swarmd.dht.keys import KEY_PREFIX
 from swarmd.dht.records import MAX_RANKS, RanksRecord, sign_record
 from swarmd.errors import SwarmdError
 

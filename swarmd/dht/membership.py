@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmd.dht.identity import Identity
-from swarmd.dht.node import DHTNode, swarm_key
+from swarmd.dht.keys import swarm_key
+from swarmd.dht.node import DHTNode
 from swarmd.dht.records import PeerRecord, SwarmRecord, sign_record
 from swarmd.dht.sources import RateLimiter
 from swarmd.errors import BootstrapError, ConfigError

@@ -7,18 +7,11 @@ whose ``stop`` is synchronous. Here every task (the maintenance loop, each ``get
 the protocol's hand-overs and pings) belongs to the node, and :meth:`DHTNode.stop` cancels and
 awaits all of them before closing the socket.
 
-Lookups
-    ``store`` finds the k closest nodes to the key (``NodeSpiderCrawl``, section 2.3) and sends
-    each a one-record bundle; it also keeps the record itself when it is among the k closest
-    (kademlia's ``Server.set_digest`` rule). ``get`` does not stop at the first value as
-    kademlia's ``ValueSpiderCrawl`` does (which then picks the most common value): it crawls
-    until the k closest nodes have all been asked and merges everything they hold (per subkey,
-    newest wins), with this node's own copy, keeping only the records that replicas of half the
-    source groups that answered hold, and of two or more (a lone replica's extras are its own,
-    e.g. a flooder's). A ``get``
-    therefore costs a full lookup whatever the replicas hold: 22 ``find_value`` RPCs on average
-    in a 100-node DHT (k = 20), and a ``store`` about 40 (a node lookup, then k ``store``
-    RPCs); ``get_stage_peers`` is one ``get`` per bucket, run in parallel. ``scripts/bench_dht.py`` measures these.
+Its parts
+    :mod:`~swarmd.dht.bootstrap` joins through the bootstrap addresses; :mod:`~swarmd.dht.publishing`
+    stores a record on the k closest nodes (and a stage's peer record in a bucket with room);
+    :mod:`~swarmd.dht.lookups` reads a key from every replica and merges what enough of them vouch
+    for; :mod:`~swarmd.dht.keys` names the keys. Here: the socket, the tasks, the public calls.
 
 Sizes and limits (measured; ``tests/integration/test_dht_node.py`` and ``test_dht_records.py`` pin them)
     - a realistic signed PeerRecord (IPv4 + IPv6 address, 64-hex params digest, checkpoint step): 305 bytes;
@@ -47,29 +40,32 @@ an hour (section 2.3).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import ipaddress
 import logging
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from kademlia.crawling import NodeSpiderCrawl, RPCFindResponse, SpiderCrawl
+from kademlia.crawling import NodeSpiderCrawl
 from kademlia.node import Node
 from kademlia.utils import digest
 
+from swarmd.dht.bootstrap import Bootstrap, fmt_addr, key_hint
 from swarmd.dht.identity import Identity
-from swarmd.dht.protocol import DEFAULT_MAX_BULK_RPCS, MAX_BUNDLE_BYTES, DHTProtocol, TaskSet
-from swarmd.dht.records import PeerRecord, Record, RecordCache, bundle_size, decode_bundle, encode_bundle
-from swarmd.dht.sources import DEFAULT_MAX_PER_SOURCE, LOCAL, Grouping, source_group
+from swarmd.dht.keys import DEFAULT_STAGE_BUCKETS, KEY_PREFIX, bucket_of, stage_key, swarm_key
+from swarmd.dht.lookups import find_values, merge_vouched
+from swarmd.dht.protocol import DEFAULT_MAX_BULK_RPCS, MAX_BUNDLE_BYTES, DHTProtocol, TaskSet, gather_all
+from swarmd.dht.publishing import StageBuckets, store_closest
+from swarmd.dht.records import PeerRecord, Record, RecordCache, bundle_size, encode_bundle
+from swarmd.dht.sources import DEFAULT_MAX_PER_SOURCE, Grouping
 from swarmd.dht.storage import DEFAULT_MAX_KEYS, DEFAULT_MAX_SUBKEYS, RecordStorage
-from swarmd.errors import BootstrapError, DHTError, MalformedRecord, RecordError, RecordExpired
+from swarmd.errors import DHTError
 from swarmd.swarm_key import SwarmKey
 
 __all__ = [
     "DEFAULT_STAGE_BUCKETS",
+    "KEY_PREFIX",
     "DHTNode",
     "bucket_of",
     "stage_key",
@@ -78,73 +74,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STAGE_BUCKETS = 4
-KEY_PREFIX = "swarmd/1"
 T = TypeVar("T")
-
-
-def swarm_key(swarm: str) -> str:
-    """The DHT key of a swarm's :class:`~swarmd.dht.records.SwarmRecord`."""
-    return f"{KEY_PREFIX}/{swarm}/swarm"
-
-
-def stage_key(swarm: str, stage: int, bucket: int) -> str:
-    """The DHT key of one bucket of a stage's :class:`~swarmd.dht.records.PeerRecord` s."""
-    return f"{KEY_PREFIX}/{swarm}/stage/{stage}/{bucket}"
-
-
-def bucket_of(peer_id: str, bucket_count: int = DEFAULT_STAGE_BUCKETS) -> int:
-    """The bucket a peer's record goes to first (a hash of its id, so peers spread evenly)."""
-    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % bucket_count
-
-
-async def _gather(*aws: Awaitable[T]) -> list[T]:
-    """``asyncio.gather`` that waits for every awaitable before raising the first error."""
-    results = await asyncio.gather(*aws, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results  # type: ignore[return-value]
-
-
-class MergingValueSpiderCrawl(SpiderCrawl):
-    """A value lookup (section 2.3) that collects the value of every replica among the k closest.
-
-    ``kademlia.crawling.ValueSpiderCrawl`` returns as soon as one round finds a value and keeps
-    the most common one; merged records need them all, so this crawl goes on until every one of
-    the k nearest nodes it knows has been asked, and returns every value (bundle) it received.
-    """
-
-    def __init__(self, protocol: DHTProtocol, node: Node, peers: list[Node], ksize: int, alpha: int) -> None:
-        super().__init__(protocol, node, peers, ksize, alpha)
-        self.values: list[tuple[str, bytes]] = []  # (the answering replica's source group, its bundle)
-
-    async def find(self) -> list[tuple[str, bytes]]:
-        return await self._find(self.protocol.call_find_value)
-
-    async def _nodes_found(self, responses: dict[bytes, tuple[bool, Any]]) -> list[tuple[str, bytes]]:
-        gone = []
-        for peer_id, answer in responses.items():
-            response = RPCFindResponse(answer)
-            if not response.happened():
-                gone.append(peer_id)
-            elif response.has_value():
-                replica = self.nearest.get_node(peer_id)
-                where = (replica.ip, replica.port) if replica is not None else ("?", 0)
-                self.values.append((source_group(where, self.protocol.source_grouping), response.get_value()))
-            else:
-                self.nearest.push(response.get_node_list())
-        self.nearest.remove(gone)
-        if self.nearest.have_contacted_all():
-            return self.values
-        return await self.find()
-
-
-def _fmt(addr: object) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        host = str(addr[0])
-        return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
-    return repr(addr)
 
 
 class DHTNode:
@@ -211,7 +141,7 @@ class DHTNode:
         self._ops = TaskSet("dht operations")  # get/store: their errors go to their callers
         self._background = TaskSet("dht node")
         self._lookup_rejected: Counter[str] = Counter()
-        self._stage_bucket: dict[tuple[str, int], int] = {}
+        self._buckets = StageBuckets(bucket_count)
         self._state = "new"  # new -> running -> stopping -> stopped
         self._stopped = asyncio.Event()
 
@@ -258,7 +188,7 @@ class DHTNode:
         except OSError as exc:
             self._state = "stopped"
             self._stopped.set()
-            raise DHTError(f"cannot bind the DHT's UDP socket to {_fmt((self.host, self.port))}: {exc}") from exc
+            raise DHTError(f"cannot bind the DHT's UDP socket to {fmt_addr((self.host, self.port))}: {exc}") from exc
         self._protocol = protocol
         transport = protocol.transport
         sockname = transport.get_extra_info("sockname")
@@ -268,9 +198,11 @@ class DHTNode:
         self._background.spawn(self._maintain(), name="dht maintenance")
         try:
             if bootstrap:
-                await self._bootstrap(list(bootstrap), deadline_s, backoff_s, max_backoff_s)
+                join = Bootstrap(protocol, self.node, self._address, self._family, rpc_timeout=self.rpc_timeout,
+                                 ksize=self.ksize, alpha=self.alpha, hint=self._key_hint)
+                await join.join(list(bootstrap), deadline_s, backoff_s, max_backoff_s)
             else:
-                log.info("founded a new DHT at %s (peer %s)", _fmt(self._address), self.identity.peer_id)
+                log.info("founded a new DHT at %s (peer %s)", fmt_addr(self._address), self.identity.peer_id)
         except BaseException:
             await self.stop()
             raise
@@ -293,7 +225,7 @@ class DHTNode:
         finally:
             self._state = "stopped"
             self._stopped.set()
-        log.info("DHT node %s stopped", _fmt(self._address))
+        log.info("DHT node %s stopped", fmt_addr(self._address))
 
     async def __aenter__(self) -> DHTNode:
         if self._state == "new":
@@ -336,93 +268,11 @@ class DHTNode:
             if addr not in asked:
                 asked.append(addr)
         asked = asked[:contacts]
-        answers = await _gather(*(protocol.observed_from(addr, timeout=timeout) for addr in asked))
+        answers = await gather_all(*(protocol.observed_from(addr, timeout=timeout) for addr in asked))
         return [(addr, seen[0]) for addr, seen in zip(asked, answers, strict=True) if seen is not None]
 
-    # --- bootstrap -------------------------------------------------------------------------------
-
-    async def _bootstrap(
-        self, addrs: list[tuple[str, int]], deadline_s: float, backoff_s: float, max_backoff_s: float
-    ) -> None:
-        protocol = self._proto()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + deadline_s
-        delay = backoff_s
-        attempt = 0
-        reported = ""  # the failures of the last round that waited a whole rpc_timeout (the last one may not)
-        log.info("joining the DHT through %s (for up to %g s)", ", ".join(_fmt(a) for a in addrs), deadline_s)
-        while True:
-            attempt += 1
-            timeout = min(self.rpc_timeout, max(deadline - loop.time(), 0.05))
-            outcomes = await _gather(*(self._probe(addr, timeout) for addr in addrs))
-            contacts = [node for node, _ in outcomes if node is not None]
-            failures = "; ".join(
-                f"{_fmt(a)}: {why}" for a, (node, why) in zip(addrs, outcomes, strict=True) if node is None
-            )
-            if timeout >= self.rpc_timeout or not reported:
-                reported = failures
-            if contacts:
-                if failures:
-                    log.warning("DHT bootstrap: some addresses failed (%s); joining through the others", failures)
-                await NodeSpiderCrawl(protocol, self.node, contacts, self.ksize, self.alpha).find()
-                log.info(
-                    "joined the DHT at %s through %s; %d contacts",
-                    _fmt(self._address),
-                    ", ".join(str(n) for n in contacts),
-                    len(self.neighbors(10**6)),
-                )
-                return
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise BootstrapError(
-                    f"no DHT bootstrap address answered within {deadline_s:g} s ({attempt} attempts): {reported}; "
-                    "check that a swarmd runs there with that --dht-port, open to UDP from this machine"
-                    + self._key_hint()
-                )
-            wait = min(delay, remaining)
-            log.debug("DHT bootstrap attempt %d failed (%s); retrying in %.1f s", attempt, failures, wait)
-            await asyncio.sleep(wait)
-            delay = min(delay * 2, max_backoff_s)
-
     def _key_hint(self) -> str:
-        """Why a live bootstrap peer may stay silent: the swarm key (its members drop the datagrams
-        of anyone without the same key, unanswered)."""
-        if self._auth is not None and self.swarm_key is not None:
-            refused = sum(self._auth.refused.values())
-            seen = f"; {refused} datagrams from others were refused" if refused else ""
-            return (f" (this node uses --swarm-key {self.swarm_key.source or '(given)'}: the bootstrap peers must "
-                    f"use the same key{seen}; check --swarm-key)")
-        if self._protocol is not None and self._protocol.dropped["private_swarm"]:
-            return " (a peer of a private swarm wrote to this node: give the swarm's --swarm-key)"
-        return " (if the swarm is private, give its --swarm-key)"
-
-    async def _probe(self, addr: object, timeout: float) -> tuple[Node | None, str]:
-        """Ping one bootstrap address: its node, or None and why not."""
-        if not (isinstance(addr, tuple) and len(addr) == 2 and isinstance(addr[0], str)):
-            return None, "not a (host, port) pair"
-        host, port = addr
-        if type(port) is not int or not 0 < port < 65536:
-            return None, f"invalid port {port!r}"
-        try:
-            ip = ipaddress.ip_address(host.strip("[]"))
-            if (ip.version == 6) != (self._family == socket.AF_INET6):
-                return None, f"an IPv{ip.version} address, but this node's socket is {_fmt(self._address)}"
-            sockaddr = (str(ip), port)
-        except ValueError:  # a host name: resolve it off the event loop
-            try:
-                loop = asyncio.get_running_loop()
-                infos = await loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
-            except (OSError, UnicodeError) as exc:
-                return None, f"cannot resolve {host!r}: {exc}"
-            if not infos:
-                return None, f"cannot resolve {host!r}"
-            sockaddr = (str(infos[0][4][0]), int(infos[0][4][1]))
-        node_id = await self._proto().ping_address(sockaddr, timeout=timeout)
-        if node_id is None:
-            return None, f"no answer within {timeout:.1f} s"
-        if node_id == self.node.id:
-            return None, "that is this node itself"
-        return Node(node_id, sockaddr[0], sockaddr[1]), ""
+        return key_hint(self.swarm_key, self._auth, self._protocol)
 
     # --- maintenance -------------------------------------------------------------------------
 
@@ -436,7 +286,7 @@ class DHTNode:
                 target = Node(node_id)
                 nearest = protocol.router.find_neighbors(target, self.alpha)
                 crawls.append(NodeSpiderCrawl(protocol, target, nearest, self.ksize, self.alpha).find())
-            await _gather(*crawls)
+            await gather_all(*crawls)
 
     # --- store and get ---------------------------------------------------------------------------
 
@@ -482,21 +332,8 @@ class DHTNode:
         peer = self._open_own(record)
         if not isinstance(peer, PeerRecord):
             raise ValueError(f"store_peer takes a PeerRecord, got a {type(peer).__name__}")
-        first = self._stage_bucket.get((swarm, peer.stage), bucket_of(peer.peer_id, self.bucket_count))
-        best = 0
-        for i in range(self.bucket_count):
-            bucket = (first + i) % self.bucket_count
-            accepted, refused = await self._run(self._store(digest(stage_key(swarm, peer.stage, bucket)), record))
-            if accepted >= refused:  # most replicas hold it (or nobody answered: no bucket would do better)
-                self._stage_bucket[(swarm, peer.stage)] = bucket
-                return accepted
-            # Most replicas refused a valid record: the bucket is full there. A few that accepted
-            # it (replica sets found by different writers differ a little) are harmless: readers
-            # merge every bucket, newest record per peer.
-            best = max(best, accepted)
-            log.info("stage %d bucket %d of swarm %r is full; trying the next bucket", peer.stage, bucket, swarm)
-        log.warning("every bucket of stage %d of swarm %r is full; record held by %d nodes", peer.stage, swarm, best)
-        return best
+        return await self._buckets.store(
+            swarm, peer, record, lambda dkey, bundle: self._run(self._store(dkey, bundle, prebundled=True)))
 
     async def store_many(self, key: str, records: Sequence[bytes]) -> tuple[int, int]:
         """Merge-store a bundle of signed records (at most :data:`MAX_BUNDLE_BYTES` encoded) under
@@ -510,26 +347,8 @@ class DHTNode:
         return await self._run(self._store(digest(key), encode_bundle(records), prebundled=True))
 
     async def _store(self, dkey: bytes, raw: bytes, *, prebundled: bool = False) -> tuple[int, int]:
-        protocol = self._proto()
-        target = Node(dkey)
         bundle = raw if prebundled else encode_bundle([raw])
-        nearest = protocol.router.find_neighbors(target)
-        closest: list[Node] = []
-        if nearest:
-            found = await NodeSpiderCrawl(protocol, target, nearest, self.ksize, self.alpha).find()
-            closest = [n for n in found if n.id != self.node.id]
-        accepted = refused = 0
-        if len(closest) < self.ksize or self.node.distance_to(target) < max(n.distance_to(target) for n in closest):
-            if self.storage.merge(dkey, bundle).ok:
-                accepted += 1
-            else:
-                refused += 1
-        for answered, ok in await _gather(*(protocol.call_store(n, dkey, bundle) for n in closest)):
-            if answered and ok:
-                accepted += 1
-            elif answered:
-                refused += 1
-        return accepted, refused
+        return await store_closest(self._proto(), self.node, self.storage, dkey, bundle, self.ksize, self.alpha)
 
     async def get(self, key: str) -> dict[str, Record]:
         """The merged view of ``key``: every live, valid record held by this node or any of the
@@ -548,60 +367,11 @@ class DHTNode:
                 if isinstance(r, PeerRecord) and r.stage == stage and (withdrawn or r.listed)}
 
     async def _get_merged(self, dkeys: list[bytes]) -> dict[str, Record]:
-        """Every replica's bundle of each key, merged per subkey (newest wins) over the records that
-        replicas of at least half the source groups that answered with a value hold, and of at least
-        two when two or more answered. A replica can answer a lookup with whatever it likes, so a
-        record only it (or its /24) vouches for is a flooder's own, and is dropped (counted as
-        ``one_replica``); and since each honest replica holds at most its quota of one source's
-        records per key, a flooder that is a replica itself is listed at most about twice that
-        quota per key, whatever it sends to whom. Honest stores reach every replica of the k
-        closest (and ``store_peer`` keeps a record where most accept it), so real records pass."""
-        found = await _gather(*(self._lookup(dkey) for dkey in dkeys))
-        now = self._clock()
-        merged: dict[str, tuple[Record, bytes]] = {}
-        for bundles in found:
-            versions: dict[str, tuple[Record, bytes]] = {}
-            vouchers: dict[str, set[str]] = {}
-            groups = {group for group, _ in bundles}
-            for group, bundle in bundles:
-                try:
-                    raws = decode_bundle(bundle)
-                except MalformedRecord:
-                    self._lookup_rejected[MalformedRecord.reason] += 1
-                    continue
-                for raw in raws:
-                    try:
-                        record = self.cache.open(raw, now=now)
-                    except RecordExpired:
-                        continue  # normal: it expired between the replica's check and ours
-                    except RecordError as exc:
-                        self._lookup_rejected[exc.reason] += 1
-                        continue
-                    vouchers.setdefault(record.subkey, set()).add(group)
-                    held = versions.get(record.subkey)
-                    if held is None or (held[0].timestamp, held[1]) < (record.timestamp, raw):
-                        versions[record.subkey] = (record, raw)
-            needed = max(min(2, len(groups)), (len(groups) + 1) // 2)
-            for subkey, (record, raw) in versions.items():
-                if len(vouchers[subkey]) < needed:
-                    self._lookup_rejected["one_replica"] += 1
-                    continue
-                held = merged.get(subkey)
-                if held is None or (held[0].timestamp, held[1]) < (record.timestamp, raw):
-                    merged[subkey] = (record, raw)
-        return {subkey: record for subkey, (record, _) in merged.items()}
-
-    async def _lookup(self, dkey: bytes) -> list[tuple[str, bytes]]:
+        """Every replica's bundle of each key, merged over what enough replicas vouch for
+        (:func:`~swarmd.dht.lookups.merge_vouched`)."""
         protocol = self._proto()
-        values: list[tuple[str, bytes]] = []
-        local = self.storage.get(dkey)
-        if local is not None:
-            values.append((LOCAL, local))
-        target = Node(dkey)
-        nearest = protocol.router.find_neighbors(target)
-        if nearest:
-            values.extend(await MergingValueSpiderCrawl(protocol, target, nearest, self.ksize, self.alpha).find())
-        return values
+        found = await gather_all(*(find_values(protocol, self.storage, dkey, self.ksize, self.alpha) for dkey in dkeys))
+        return merge_vouched(found, self.cache, self._clock(), self._lookup_rejected)
 
     # --- introspection ---------------------------------------------------------------------------
 
@@ -620,7 +390,7 @@ class DHTNode:
         dropped = dict(sorted(protocol.dropped.items())) if protocol is not None else {}
         return {
             "peer_id": self.identity.peer_id,
-            "address": _fmt(self._address) if self._address else None,
+            "address": fmt_addr(self._address) if self._address else None,
             "state": self._state,
             "routing_table_size": sum(len(b) for b in protocol.router.buckets) if protocol is not None else 0,
             "stored_keys": len(self.storage),
@@ -637,5 +407,5 @@ class DHTNode:
         }
 
     def __repr__(self) -> str:
-        where = _fmt(self._address) if self._address else "unbound"
+        where = fmt_addr(self._address) if self._address else "unbound"
         return f"DHTNode(peer_id={self.identity.peer_id[:12]}..., {where}, {self._state})"

@@ -72,9 +72,9 @@ import logging
 import os
 import socket
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 from kademlia.node import Node
@@ -176,6 +176,18 @@ class TaskSet:
 
     def __len__(self) -> int:
         return len(self._tasks)
+
+
+T = TypeVar("T")
+
+
+async def gather_all(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather`` that waits for every awaitable before raising the first error."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
 
 
 # --- shapes of requests and answers (remote input: checked, never asserted) ---------------------

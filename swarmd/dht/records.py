@@ -221,8 +221,36 @@ def _hex_bytes(name: str, value: object, size: int | None = None) -> str:
 # --- the records ---------------------------------------------------------------------------------
 
 
+class _Expiring:
+    """What every record has: when it was published (``timestamp``; newer wins per subkey) and
+    when it is dropped (``expiry``), both unix times."""
+
+    __slots__ = ()
+    timestamp: float
+    expiry: float
+
+    def _check_lifetime(self) -> None:
+        """The last check of every record's ``__post_init__``: both times floats, the expiry not
+        before the timestamp (ints stored as floats)."""
+        ts, exp = _check_times(self.timestamp, self.expiry)
+        object.__setattr__(self, "timestamp", ts)
+        object.__setattr__(self, "expiry", exp)
+
+
+class _OnePerPeer(_Expiring):
+    """A record published by a peer about itself or its daemon, signed by it: one per peer under its key."""
+
+    __slots__ = ()
+    peer_id: str
+
+    @property
+    def subkey(self) -> str:
+        """The record's slot under its DHT key: its publisher's peer id (a peer's, or a daemon's)."""
+        return self.peer_id
+
+
 @dataclass(frozen=True, slots=True)
-class PeerRecord:
+class PeerRecord(_OnePerPeer):
     """One peer serving one stage: what a router or rebalancer needs to know about it."""
 
     TYPE: ClassVar[str] = "p"
@@ -271,14 +299,7 @@ class PeerRecord:
             ):
                 raise _bad("params_digest", self.params_digest, "None or lowercase hex of even length")
         _check_str("version", self.version, MAX_VERSION_CHARS)
-        ts, exp = _check_times(self.timestamp, self.expiry)
-        object.__setattr__(self, "timestamp", ts)
-        object.__setattr__(self, "expiry", exp)
-
-    @property
-    def subkey(self) -> str:
-        """The record's slot under a DHT key: one per peer."""
-        return self.peer_id
+        self._check_lifetime()
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -342,7 +363,7 @@ class PeerRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class SwarmRecord:
+class SwarmRecord(_Expiring):
     """A swarm's identity card: the model every stage builds and the training settings."""
 
     TYPE: ClassVar[str] = "s"
@@ -359,9 +380,7 @@ class SwarmRecord:
         object.__setattr__(self, "spec", _check_scalar_map("spec", self.spec))
         object.__setattr__(self, "training", _check_scalar_map("training", self.training))
         _check_peer_id("founder", self.founder)
-        ts, exp = _check_times(self.timestamp, self.expiry)
-        object.__setattr__(self, "timestamp", ts)
-        object.__setattr__(self, "expiry", exp)
+        self._check_lifetime()
 
     def __hash__(self) -> int:
         return hash((self.swarm, self.founder, self.timestamp, self.expiry))
@@ -394,7 +413,7 @@ class SwarmRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class TrainingRecord:
+class TrainingRecord(_OnePerPeer):
     """What the trainers registered with one daemon reported lately (``swarmd.training_summary``):
     a swarm-level loss curve is the merge of every daemon's record, read by any daemon."""
 
@@ -420,14 +439,7 @@ class TrainingRecord:
             if value is not None:
                 object.__setattr__(self, name, _check_float(name, value))
         object.__setattr__(self, "samples_per_s", _check_float("samples_per_s", self.samples_per_s))
-        ts, exp = _check_times(self.timestamp, self.expiry)
-        object.__setattr__(self, "timestamp", ts)
-        object.__setattr__(self, "expiry", exp)
-
-    @property
-    def subkey(self) -> str:
-        """The record's slot under the swarm's training key: one per daemon."""
-        return self.peer_id
+        self._check_lifetime()
 
     def _body(self) -> dict[str, Any]:
         return {"i": bytes.fromhex(self.peer_id), "n": self.step, "c": self.samples, "l": self.loss,
@@ -453,7 +465,7 @@ MAX_RANKS = 64  # trainers' ranks one daemon's RanksRecord may claim
 
 
 @dataclass(frozen=True, slots=True)
-class RanksRecord:
+class RanksRecord(_OnePerPeer):
     """The data-shard ranks the trainers registered with one daemon hold (``swarmd.api.trainer_ranks``):
     read by every daemon, so ranks stay unique across the swarm, not per daemon."""
 
@@ -469,14 +481,7 @@ class RanksRecord:
         object.__setattr__(self, "ranks", _check_pairs(
             "ranks", self.ranks, MAX_RANKS, "rank", lambda v: _check_int("rank", v, 0, 2**31 - 1),
             "claimed_at", lambda v: _check_float("claimed_at", v)))
-        ts, exp = _check_times(self.timestamp, self.expiry)
-        object.__setattr__(self, "timestamp", ts)
-        object.__setattr__(self, "expiry", exp)
-
-    @property
-    def subkey(self) -> str:
-        """The record's slot under the swarm's ranks key: one per daemon."""
-        return self.peer_id
+        self._check_lifetime()
 
     def _body(self) -> dict[str, Any]:
         return {"i": bytes.fromhex(self.peer_id), "k": [list(p) for p in self.ranks], "t": self.timestamp,

@@ -81,8 +81,8 @@ class CachedForward:
     """A captured forward stored under its microbatch id, until its backward."""
 
     inputs: torch.Tensor  # the prepared inputs the forward ran on (for the equality check)
-    leaf: torch.Tensor
-    out: torch.Tensor
+    leaf: torch.Tensor | None  # None: the graph was dropped at an update, the inputs kept (delayed updates)
+    out: torch.Tensor | None
     step: int  # the optimizer step the parameters were at
     nbytes: int
     created: float  # on the cache's clock
@@ -189,7 +189,7 @@ class ActivationCache:
             return None
         self._expire(self._clock())
         entry = self._pop(mb, evicted=False)
-        if entry is None or entry.step != step:
+        if entry is None or entry.step != step or entry.out is None:
             self.misses += 1
             if entry is not None:
                 self.evictions += 1
@@ -205,7 +205,8 @@ class ActivationCache:
 
     def take_held(self, mb: int, step: int, source: str = "") -> CachedForward | None:
         """The entry of ``mb`` for a backward at ``step`` from ``source`` that omitted its inputs,
-        removed; None: the sender must resend them (counted in ``unheld``).
+        removed; None: the sender must resend them (counted in ``unheld``). An entry whose graph
+        was dropped (:meth:`clear` with ``keep_inputs``) has ``out`` None: recompute from its inputs.
 
         An entry of another step is dropped (its graph is stale); one kept for another source
         stays (a stranger naming the id neither uses nor spends it).
@@ -226,11 +227,26 @@ class ActivationCache:
         self.held += 1
         return entry
 
-    def clear(self) -> None:
-        """The parameters changed: every saved graph is stale."""
-        self.evictions += len(self._entries)
-        self._entries.clear()
-        self.nbytes = 0
+    def clear(self, *, keep_inputs: bool = False) -> None:
+        """The parameters changed: every saved graph is stale.
+
+        ``keep_inputs`` (delayed updates: a backward one step old still counts, into the next
+        update): keep each entry's inputs, drop its graph, so that backward recomputes from them
+        instead of asking its sender to resend them across the network. Entries already without
+        a graph (two updates old: their backwards are refused as stale) go.
+        """
+        if not keep_inputs:
+            self.evictions += len(self._entries)
+            self._entries.clear()
+            self.nbytes = 0
+            return
+        for mb, entry in list(self._entries.items()):
+            if entry.out is None:
+                self._pop(mb, evicted=True)
+            else:
+                nbytes = _inputs_bytes(entry.inputs)
+                self.nbytes += nbytes - entry.nbytes
+                self._entries[mb] = dataclasses.replace(entry, leaf=None, out=None, nbytes=nbytes)
 
     def _pop(self, mb: int, *, evicted: bool) -> CachedForward | None:
         entry = self._entries.pop(mb, None)
@@ -246,6 +262,10 @@ class ActivationCache:
             if now - entry.created <= self.ttl_s:
                 break
             self._pop(mb, evicted=True)
+
+
+def _inputs_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

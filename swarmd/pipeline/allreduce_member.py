@@ -7,31 +7,60 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import torch
 
-from swarmd.dht.identity import peer_id_of, verify
+from swarmd.dht.identity import Identity, peer_id_of, verify
 from swarmd.errors import Busy, PeerError, SwarmdError
-from swarmd.pipeline.allreduce_coordinator import CoordRound
+from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.allreduce_coordinator import Coordinator, CoordRound
 from swarmd.pipeline.allreduce_messages import ArAck, ArDecisionReply, ArPart, ArQuery, ArReady, read_mean
+from swarmd.pipeline.allreduce_owner import PartOwner
 from swarmd.pipeline.allreduce_plan import Decision, RoundPlan, part_digest, part_message
 from swarmd.pipeline.averaging import RoundResult, _as_decoded, _wire_codec
-from swarmd.pipeline.executor import Contribution
-from swarmd.pipeline.round_checks import Used, check_answer, per_sample_norm, tensor_digest
-
-if TYPE_CHECKING:
-    from swarmd.pipeline.allreduce import AllReduceAverager
+from swarmd.pipeline.executor import Contribution, StageExecutor
+from swarmd.pipeline.round_checks import Suspicions, Used, check_answer, per_sample_norm, tensor_digest
 
 log = logging.getLogger(__name__)
 
 Part = tuple[torch.Tensor, list[Any]]  # a part mean (decoded float32) and its used list (wire form)
 
 
+class RoundHost(Protocol):
+    """What a member's round uses of the peer's averager (``AllReduceAverager`` is one): its stage,
+    identity and client, the round's coordinator and part owners, and its books of rounds."""
+
+    executor: StageExecutor
+    peer_id: str
+    identity: Identity | None
+    client: DataPlaneClient
+    coord: Coordinator
+    owners: dict[tuple[str, int], PartOwner]
+    control_requests: Counter[str]
+    commit_grace_s: float
+    reply_slack_s: float
+    rounds_ok: int
+    rounds_aborted: int
+    on_behind: Callable[[int], Awaitable[None]] | None
+    suspicions: Suspicions
+
+    @property
+    def target(self) -> int: ...
+
+    def _refuse_contributor(self, peer_id: str, why: str, step: int) -> None: ...
+
+    def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
+                reason: str | None = None, refused: dict[str, str] | None = None,
+                started: float | None = None) -> None: ...
+
+
 class MemberRound:
     """One round, on one member (``rnd``: this peer's coordinator state when it coordinates)."""
 
-    def __init__(self, av: AllReduceAverager, plan: RoundPlan, rnd: CoordRound | None) -> None:
+    def __init__(self, av: RoundHost, plan: RoundPlan, rnd: CoordRound | None) -> None:
         self.av = av
         self.plan = plan
         self.rnd = rnd

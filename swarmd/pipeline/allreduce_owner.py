@@ -1,9 +1,19 @@
 """The owner of one part of a chunked all-reduce round (``swarmd.pipeline.allreduce``).
 
 Owner ``j`` receives part ``j`` of every member's gradients, refuses outliers among them (the
-checks of ``swarmd.pipeline.round_checks``, on the part's per-sample norms), reduces the rest in
-float64 in peer-id order, encodes the mean once with the swarm's codec and keeps those bytes: every
-member fetches and decodes exactly them, so the part means, hence the peers, stay bit-identical.
+checks of ``swarmd.pipeline.round_checks``, on the part's per-sample norms), reduces the rest with
+the leader's rule applied to the part (``swarmd.pipeline.round_reduction``: slices far from or
+against the owner's own slice left out, a CenteredClip of three or more, an anchored step with two;
+the plain float64 sum in peer-id order when nothing is clipped), encodes the mean once with the
+swarm's codec and keeps those bytes: every member fetches and decodes exactly them, so the part
+means, hence the peers, stay bit-identical.
+
+Bounded influence per part: one member's slice moves part ``j``'s mean by at most that part's
+bound (``robust_aggregation``), so the whole mean by at most the root of the sum of the parts'
+squared bounds. What is left: nobody is convicted here (each owner sees one part, and a
+conviction would need the coordinator to gather the owners' strikes), so a hostile member is
+bounded and left out round after round but not excluded; and a member whose part's owner is
+itself is scored by nobody on that part.
 It reports a :class:`~swarmd.pipeline.allreduce_plan.Ready` to the coordinator whether it could
 reduce (digest of the decoded mean) or not (missing or refused members: the round aborts).
 """
@@ -19,7 +29,9 @@ import torch
 from swarmd.net.wire import decode_frame
 from swarmd.pipeline.allreduce_messages import encode_mean
 from swarmd.pipeline.allreduce_plan import Ready, RoundPlan, part_digest, reduce_part
+from swarmd.pipeline.executor import Contribution
 from swarmd.pipeline.round_checks import Used, outliers, per_sample_norm, tensor_digest
+from swarmd.pipeline.round_reduction import reduce_contributions
 
 
 class PartOwner:
@@ -42,6 +54,8 @@ class PartOwner:
         self.encoded: bytes | None = None  # the mean as every member fetches it
         self.mean: torch.Tensor | None = None  # decoded from ``encoded``
         self.ready: Ready | None = None
+        self.clipped: tuple[str, ...] = ()  # slices whose influence the part's robust mean cut
+        self.struck: tuple[str, ...] = ()  # slices left out of the part's mean (far from or against the owner's)
 
     def add(self, peer_id: str, samples: int, grads: torch.Tensor | None, digest: str | None = None) -> str | None:
         """A member's slice (``digest``: its tensor_digest, computed when None); why it is turned away."""
@@ -88,7 +102,10 @@ class PartOwner:
         samples = tuple(sorted((pid, s) for pid, (s, _) in parts.items()))
         if missing or refused:
             return Ready(plan.round_id, self.part, self.owner, "", samples, missing, tuple(sorted(refused.items())))
-        mean, _ = reduce_part(parts, self.size)
+        red = reduce_contributions({pid: Contribution(step=0, samples=s, grads=g) for pid, (s, g) in parts.items()},
+                                   {}, leader=self.owner, target=0, numel=self.size, score=True)
+        mean = red.mean if red.mean is not None else reduce_part(parts, self.size)[0]
+        self.clipped, self.struck = red.clipped, red.struck
         codec = self.codec
         if codec == "fp16" and mean.numel() and float(mean.abs().max()) > 65504.0:
             codec = "none"  # float16 would overflow: this part travels uncompressed (its frame says so)

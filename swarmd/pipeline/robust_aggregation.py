@@ -9,8 +9,10 @@ pure function (no I/O, no clock): the round's leader calls it, the others apply 
 
 The rule. Contribution ``i`` holds the gradient *sum* ``G_i`` over ``n_i`` samples; its mean is
 ``g_i = G_i / n_i`` and its weight ``w_i = n_i / sum(n)``. Start at ``v_0``, the weighted
-coordinate-wise median of the ``g_i``; pick ``tau`` (default ``TAU_FACTOR`` times the weighted
-median of ``|g_i - v_0|``); then ``L`` times::
+coordinate-wise median of the ``g_i``; pick ``tau`` (default ``TAU_FACTOR`` times the lower
+median of the distances ``|g_i - v_0|``, each contribution counted once: weighted by samples, a
+peer holding half the samples would sit at distance 0 from ``v_0`` and make ``tau`` 0, so that
+its gradient alone became the mean); then ``L`` times::
 
     v <- v + sum_i w_i * clip(g_i - v, tau),    clip(x, tau) = x * min(1, tau / |x|)
 
@@ -31,10 +33,20 @@ within the others' range in every coordinate, so ``v_0`` moves by at most ``D_j`
 iteration ``F(v) = v - grad Phi(v)``, with ``Phi`` the weighted sum of the Huber losses of the
 distances, has a symmetric Jacobian with eigenvalues in ``[0, 1]``, so it never increases the
 distance between two points; (3) changing ``g_j`` changes ``F`` by at most ``2 w_j tau``, and
-changing ``tau`` by ``(1 - w_j) |tau_a - tau_b|`` for the others. And ``tau`` itself, a weighted
-median of distances, stays within the others' distances to ``v_0`` while ``w_j < 1/2``. A liar
+changing ``tau`` by ``(1 - w_j) |tau_a - tau_b|`` for the others. And ``tau`` itself, the lower
+median of three or more distances, stays within the range of the others' distances to ``v_0``. A liar
 holding half a stage's samples or more is not bounded: a majority of a stage can do anything
 (docs/SECURITY.md).
+
+Two contributions. With two, neither is a majority by count, and a median of two is either of
+them: :func:`robust_mean` cannot tell which one lies. A round's leader trusts its own gradient (it
+computed it), so a round of the leader and one other uses :func:`anchored_mean`: one CenteredClip
+step from the leader's per-sample mean ``a`` with radius ``tau = ANCHOR_FACTOR * |a|``,
+``v = a + sum_{j != a} w_j clip(g_j - a, tau)``. Unclipped (an honest round, as a rule), that is
+the plain weighted mean; whatever the others send, ``|v - a| <= (1 - w_a) tau`` (each replaced
+contribution moves ``v`` by at most ``2 w_j tau``), and with ``ANCHOR_FACTOR = 1``
+``<v, a> >= w_a |a|^2 >= 0``: a -20x or sign-flipped contribution can shrink the leader's step,
+never turn it around.
 
 Determinism. Contributions are taken in peer-id order and every sum runs in float64 in that
 order, so the same contributions given in any order give a bit-identical result on one build.
@@ -49,7 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CHUNK", "ITERATIONS", "TAU_FACTOR", "Contribution", "RobustMean", "influence_bound", "robust_mean"]
+__all__ = ["ANCHOR_FACTOR", "CHUNK", "ITERATIONS", "TAU_FACTOR", "Contribution", "RobustMean", "anchored_mean",
+           "influence_bound", "robust_mean"]
 
 #: CenteredClip iterations: the bound grows with them (``2 L w_j tau``); the fixed point is
 #: approached geometrically, and an honest round (all within ``tau``) is the mean after the first.
@@ -57,6 +70,9 @@ ITERATIONS = 3
 #: The clipping radius, as a multiple of the weighted median distance of the contributions to
 #: the coordinate-wise median: honest contributions' distances are alike, so 2x clips none of them.
 TAU_FACTOR = 2.0
+#: The radius of :func:`anchored_mean`, as a multiple of the anchor's own per-sample norm: 1 keeps
+#: the mean on the anchor's side whatever the others send (see there).
+ANCHOR_FACTOR = 1.0
 #: Coordinates handled at once by the median (bounds its memory: contributions x CHUNK x 8 bytes).
 CHUNK = 1 << 20
 
@@ -72,12 +88,15 @@ class Contribution:
 
 @dataclass(frozen=True)
 class RobustMean:
-    """The round's mean gradient per sample (float32, flat), the clipping radius used, and the peers
-    whose contribution was still further than ``tau`` from it (their influence was cut)."""
+    """The round's mean gradient per sample (float32, flat), the clipping radius used, the peers
+    whose contribution was still further than ``tau`` from it (their influence was cut), and
+    ``exact``: no contribution was clipped in any iteration, so ``mean`` is the plain weighted mean
+    up to float64 rounding (a caller may then use its own plain sum, bit for bit what it was)."""
 
     mean: torch.Tensor
     tau: float
     clipped: tuple[str, ...]
+    exact: bool = False
 
 
 def _checked(contributions: Sequence[Contribution]) -> list[Contribution]:
@@ -131,20 +150,49 @@ def robust_mean(contributions: Sequence[Contribution], *, tau: float | None = No
     means = [c.grads.detach().to(torch.float64) / c.samples for c in ordered]
     v = weighted_median(means, weights)
     if tau is None:
-        distances = [torch.tensor([_norm(g - v)], dtype=torch.float64) for g in means]
-        tau = TAU_FACTOR * float(weighted_median(distances, weights)[0])
+        distances = sorted(_norm(g - v) for g in means)
+        tau = TAU_FACTOR * distances[(len(distances) - 1) // 2]
     if tau < 0 or tau != tau:
         raise ValueError("tau must be a non-negative number")
+    exact = True
     for _ in range(iterations):
         step = torch.zeros_like(v)
         for g, w in zip(means, weights, strict=True):
             d = g - v
             n = _norm(d)
             scale = w if n <= tau else w * tau / n
+            exact = exact and n <= tau
             step.add_(d, alpha=scale)
         v = v + step
     clipped = tuple(c.peer_id for c, g in zip(ordered, means, strict=True) if _norm(g - v) > tau)
-    return RobustMean(mean=v.to(torch.float32), tau=tau, clipped=clipped)
+    return RobustMean(mean=v.to(torch.float32), tau=tau, clipped=clipped, exact=exact and not clipped)
+
+
+def anchored_mean(contributions: Sequence[Contribution], anchor: str, *,
+                  factor: float = ANCHOR_FACTOR) -> RobustMean:
+    """One CenteredClip step from the contribution of ``anchor`` (a round's leader: its own gradient),
+    with radius ``factor`` times its per-sample norm (the module docstring's "Two contributions").
+    ``clipped``: the others further than the radius from it; ``exact``: none was."""
+    ordered = _checked(contributions)
+    total = sum(c.samples for c in ordered)
+    by_id = {c.peer_id: c for c in ordered}
+    if anchor not in by_id:
+        raise ValueError("the anchor must be one of the contributions")
+    a = by_id[anchor].grads.detach().to(torch.float64) / by_id[anchor].samples
+    tau = factor * _norm(a)
+    step = torch.zeros_like(a)
+    clipped = []
+    for c in ordered:
+        if c.peer_id == anchor:
+            continue
+        d = c.grads.detach().to(torch.float64) / c.samples - a
+        n = _norm(d)
+        w = c.samples / total
+        if n > tau:
+            clipped.append(c.peer_id)
+            w = w * tau / n
+        step.add_(d, alpha=w)
+    return RobustMean(mean=(a + step).to(torch.float32), tau=tau, clipped=tuple(clipped), exact=not clipped)
 
 
 def influence_bound(others: Sequence[Contribution], samples: int, tau_a: float, tau_b: float,

@@ -38,14 +38,18 @@ contributor can compute from what it sent. A contributor refuses the answer when
   or the samples listed do not sum to the round's total;
 - the listed norms fail the leader's own outlier rule (a leader cannot inflate the others'
   norms to hide a big mean without making the contributor's own entry an outlier);
-- the mean ``m`` breaks the triangle inequality that holds for every true weighted mean
-  ``m = sum_j w_j g_j`` (``w_j = n_j / N``): ``||m|| <= sum_j w_j r_j`` and
-  ``||m - g_i|| <= sum_{j != i} w_j (r_j + r_i)``, with a slack for the codec of the answer
-  (:data:`ANSWER_SLACK`). With three or more contributors this is the "mean far from every
-  contribution" test of the issue, made exact: an honest leader never fails it, and a lying one
-  is held to a mean no larger than the published (and self-checked) norms allow. A lie inside
-  those bounds (e.g. a sign flip in a noise-dominated round) is not detected here; the
-  optimizer's clipping bounds its effect, and SECURITY.md says so.
+- the mean ``m`` leaves the box that holds every mean the leader may take: the plain weighted
+  mean, and the robust one (``swarmd.pipeline.robust_aggregation``, issue #29), both lie in every
+  coordinate between the contributions' smallest and largest value (CenteredClip starts at their
+  coordinate-wise median and each iteration is a convex combination of its point and the
+  contributions). So ``|m_k| <= max_j |g_jk|`` and ``|m_k - g_ik| <= max_j |g_jk - g_ik|``, which
+  give ``||m||^2 <= sum_j r_j^2`` and ``||m - g_i||^2 <= sum_{j != i} (r_j + r_i)^2`` over the
+  contributions with samples, with a slack for the codec of the answer (:data:`ANSWER_SLACK`).
+  An honest leader never fails it, and a lying one is held to a mean no larger than the published
+  (and self-checked) norms allow. These bounds are looser than the weighted mean's triangle
+  inequality (``||m|| <= sum_j w_j r_j``, used before the robust mean) by up to ``sqrt(n)``: the
+  price of letting the leader clip. A lie inside them (e.g. a sign flip in a noise-dominated
+  round) is not detected here; the optimizer's clipping bounds its effect, and SECURITY.md says so.
 
 A refused answer is not applied: the contributor keeps its gradients (and their samples) for
 the next round, and the leader is excluded from leading for a growing period
@@ -228,13 +232,16 @@ def check_answer(
     slack = 1.0 + ANSWER_SLACK.get(codec, 0.5)
     m = mean.to(torch.float64)
     m_norm = float(torch.linalg.vector_norm(m))
-    bound = sum((u.samples / total) * listed_norms[u.peer_id][0] for u in used)
+    holding = [u for u in used if u.samples > 0]
+    # the mean lies, coordinate by coordinate, between the contributions' smallest and largest value
+    # (a weighted mean does, and so does the robust one: see the module docstring)
+    bound = math.sqrt(sum(listed_norms[u.peer_id][0] ** 2 for u in holding))
     if m_norm > slack * bound + 1e-12:
         return f"the mean's norm {m_norm:.3g} exceeds what the contributions allow ({bound:.3g})"
     if own_grads is not None and own.samples > 0:
         dist = float(torch.linalg.vector_norm(m - own_grads.to(torch.float64) / own.samples))
-        far = sum((u.samples / total) * (listed_norms[u.peer_id][0] + own.norm)
-                  for u in used if u.peer_id != own.peer_id)
+        far = math.sqrt(sum((listed_norms[u.peer_id][0] + own.norm) ** 2
+                            for u in holding if u.peer_id != own.peer_id))
         # the mean's own encoding error may add up to (slack - 1) * ||m|| to the distance
         if dist > far * (1.0 + 1e-3) + (slack - 1.0) * m_norm + 1e-12:
             return (f"the mean lies {dist:.3g} from this peer's gradient, "
@@ -259,14 +266,17 @@ class Suspicions:
         self.clock = clock
         self._entries: dict[str, tuple[int, float, str]] = {}  # peer id -> (offences, until, last reason)
 
-    def accuse(self, peer_id: str, reason: str) -> float:
-        """Record an offence; returns the exclusion's length in seconds."""
+    def accuse(self, peer_id: str, reason: str, *, base_s: float | None = None) -> float:
+        """Record an offence; returns the exclusion's length in seconds. ``base_s``: a first offence's
+        period for this kind of offence (default the watch's; it doubles on repeat all the same, and
+        ``max_s`` does not cap it below ``base_s``)."""
         now = self.clock()
         count, until, _ = self._entries.pop(peer_id, (0, now, ""))
         if now > until + self.memory_s:
             count = 0
         count += 1
-        period = min(self.max_s, self.base_s * 2 ** (count - 1))
+        base = self.base_s if base_s is None else base_s
+        period = min(max(self.max_s, base), base * 2 ** (count - 1))
         self._entries[peer_id] = (count, max(until, now + period), reason)
         while len(self._entries) > self.max_peers:
             self._entries.pop(next(iter(self._entries)))

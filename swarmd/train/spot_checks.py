@@ -38,6 +38,9 @@ forwards). The first stage's backward answers no tensor: its step and sample cou
 
 Each check ends in a typed :class:`Ruling`; the peer convicted is banned for ``LIAR_BAN_S`` and a
 signed report (``swarmd.pipeline.reports``) goes to every listed peer.
+
+Its parts: ``swarmd.train.pairing`` draws which microbatches run paired and sends a pair's calls;
+this module judges the answers; ``swarmd.train.convictions`` bans and reports a convicted peer.
 """
 
 from __future__ import annotations
@@ -48,25 +51,21 @@ import enum
 import logging
 import random
 import secrets
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
-from swarmd.dht.identity import Identity
-from swarmd.errors import PeerError
 from swarmd.net.client import DataPlaneClient
-from swarmd.net.messages import BackwardReply, ForwardReply, ReportRequest
-from swarmd.pipeline.reports import MisbehaviourReport, digest_tensor_bytes
+from swarmd.net.messages import BackwardReply, ForwardReply
+from swarmd.train.convictions import Convictions, Kind
+from swarmd.train.pairing import CheckTally, Pairing, check_nbytes
 from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageCalls, StepMoved
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
-    LIAR_BAN_S,
     Answer,
     CheckLedger,
-    SpotChecker,
     Verdict,
     VerifyStats,
     arbitrate,
@@ -79,7 +78,6 @@ __all__ = ["OPINION_ATTEMPTS", "Finding", "Ruling", "SpotChecks", "Unsettled"]
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["forward", "backward"]
 R = TypeVar("R")
 #: Asks a third peer (not one of the given ids) for its answer to the checked request; None when nobody answered.
 Arbiter = Callable[[frozenset[str]], Awaitable[Answer | None]]
@@ -124,41 +122,6 @@ _UNSETTLED = Ruling(Finding.UNSETTLED)
 _UNCHECKED = Ruling(Finding.UNCHECKED)
 
 
-def _evidence(request: tuple[torch.Tensor, ...], answers: Sequence[Answer]) -> tuple[str, dict[str, str]]:
-    """The digests a report carries: of the request's tensors, and of each peer's answer (its step too)."""
-
-    def raw(t: torch.Tensor) -> bytes:
-        return t.detach().contiguous().cpu().numpy().tobytes()
-
-    request_digest = digest_tensor_bytes(*(raw(t) for t in request))
-    digests = {
-        a.peer_id: digest_tensor_bytes(raw(a.tensor) if a.tensor is not None else b"",
-                                       repr((a.loss, a.step)).encode())
-        for a in answers
-    }
-    return request_digest, digests
-
-
-class _CheckTally:
-    """A check's requests (the pair's half, an arbiter's): the checks' extra traffic."""
-
-    def __init__(self, stats: VerifyStats, nbytes: int) -> None:
-        self.stats, self.nbytes = stats, nbytes
-
-    def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None:
-        self.stats.extra_requests += 1
-        self.stats.extra_samples += samples
-        self.stats.extra_bytes += self.nbytes
-
-    def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
-               timeout_s: float) -> None:
-        pass  # the ban itself is the router's
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def forward_answer(served: Served[ForwardReply]) -> Answer:
     r = served.reply
     return Answer(served.peer_id, r.step, r.outputs, r.loss, r.precision)
@@ -183,63 +146,27 @@ class SpotChecks:
         self.fraction = fraction
         self.timing = timing
         self._tolerance = tolerance(codec)
-        self._checker = SpotChecker(fraction, rng if rng is not None else random.Random(secrets.randbits(64)))
         self._patience = Patience(tries=OPINION_ATTEMPTS, waits=False, busy_pause_s=timing.opinion_busy_retry_s)
+        self.pairing = Pairing(calls, stats=stats, ledger=self.ledger, fraction=fraction, timing=timing,
+                               rng=rng if rng is not None else random.Random(secrets.randbits(64)),
+                               patience=self._patience)
+        self.convictions = Convictions(calls, client, stats=stats, timing=timing)
         self._stage_steps = stage_steps
-        self._identity: Identity | None = None  # ephemeral: signs this trainer's reports
 
-    # ---- which microbatches run paired -----------------------------------------------------------
+    # ---- which microbatches run paired (swarmd.train.pairing) ------------------------------------
 
     def pairs(self) -> bool:
-        """Whether the next microbatch (or validation batch) runs paired: drawn with probability
-        ``fraction``, and always while a usable peer of a stage with a second one has no answer of
-        each kind confirmed yet. Drawn before its first call: a peer's own answers change nothing."""
-        paired = self._pairs()
-        self.stats.paired += int(paired)
-        return paired
-
-    def _pairs(self) -> bool:
-        if self.fraction == 0.0:
-            return False
-        routers = self.calls.stages.routers
-        if not any(r.usable_count > 1 for r in routers):
-            return False
-        if any(self.ledger.disputed(p.peer_id) for r in routers if r.usable_count > 1 for p in r.snapshot()
-               if p.routable):
-            self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
-            return True
-        last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
-        if any(self.ledger.wants_first_check(p.peer_id, kind) for stage, r in enumerate(routers)
-               if r.usable_count > 1 for p in r.snapshot() if p.routable
-               for kind in (("backward",) if stage == last else ("forward", "backward"))):
-            self.stats.first_checks += 1
-            return True
-        return self._checker.should_check(comparable=True, other_peers=1)
+        """Whether the next microbatch runs paired (:meth:`Pairing.pairs`)."""
+        return self.pairing.pairs()
 
     async def paired(self, stage: int, call: Callable[[How | None], Awaitable[Served[R]]],
                      nbytes: int) -> tuple[Served[R], Served[R]]:
-        """A call's two halves, sent at once: the primary's as any microbatch's call, the pair's to
-        another peer (one free now; else, while the primary's is out, any peer: a stage of one peer
-        serves both halves, unchecked), paid as the checks' traffic."""
-        taken: set[str] | None = set() if self.calls.stages.routers[stage].usable_count > 1 else None
-        first = asyncio.ensure_future(call(How(taken=taken)))
-        try:
-            await asyncio.sleep(0)  # the primary's peer is in ``taken`` before the pair chooses
-            tally = _CheckTally(self.stats, nbytes)
-            try:
-                second = await call(How(patience=self._patience, tally=tally, taken=taken))
-            except CallEnded:
-                second = await call(How(patience=Patience.until_answered(self.timing), tally=tally))
-            return await first, second
-        finally:
-            if not first.done():
-                first.cancel()
-                await asyncio.gather(first, return_exceptions=True)
+        """A call's two halves, sent at once (:meth:`Pairing.paired`)."""
+        return await self.pairing.paired(stage, call, nbytes)
 
     def pair_tally(self, nbytes: int) -> How:
-        """How a pair's backward is sent: as any microbatch's (to the peer that ran its forward), paid
-        as the checks' traffic."""
-        return How(patience=Patience.until_answered(self.timing), tally=_CheckTally(self.stats, nbytes))
+        """How a pair's backward is sent (:meth:`Pairing.pair_tally`)."""
+        return self.pairing.pair_tally(nbytes)
 
     # ---- the verdicts ----------------------------------------------------------------------------
 
@@ -257,7 +184,7 @@ class SpotChecks:
         calls = self.calls
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
-            how = How(patience=self._patience, tally=_CheckTally(self.stats, _nbytes(inputs, targets)),
+            how = How(patience=self._patience, tally=CheckTally(self.stats, check_nbytes(inputs, targets)),
                       exclude=exclude)
             try:
                 return forward_answer(await calls.forward(stage, inputs, targets, mb=secrets.randbits(64), how=how))
@@ -286,11 +213,11 @@ class SpotChecks:
                 self.stats.redone += 1
                 raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
             return reply
-        calls, nbytes = self.calls, _nbytes(*request)
+        calls, nbytes = self.calls, check_nbytes(*request)
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
             mb = secrets.randbits(64)
-            how = How(patience=self._patience, tally=_CheckTally(self.stats, nbytes), exclude=exclude)
+            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes), exclude=exclude)
             try:
                 step = None
                 only = None
@@ -388,7 +315,7 @@ class SpotChecks:
                     else "its stage-mates' steps")
         self.stats.mismatches += 1
         evidence = [Answer(p, s, None) for p, s in sorted(mates.items(), key=lambda item: -item[1])][:2]
-        await self._convict(stage, kind, answer.peer_id, [answer, *evidence], request)
+        await self.convictions.convict(stage, kind, answer.peer_id, [answer, *evidence], request)
         return True
 
     def _unsettled_pair(self, stage: int, kind: Kind, a: str, b: str) -> Ruling:
@@ -418,47 +345,9 @@ class SpotChecks:
             self.stats.redone += 1
             return _UNSETTLED
         self.ledger.clear(a.peer_id for a in answers if a.peer_id != outcome.liar)  # they agreed on the truth
-        await self._convict(stage, kind, outcome.liar, answers, request)
+        await self.convictions.convict(stage, kind, outcome.liar, answers, request)
         primary, second = answers[0], answers[1]
         return Ruling(Finding.OVERRULED, second) if outcome.liar == primary.peer_id else _CONFIRMED
-
-    async def _convict(self, stage: int, kind: Kind, liar: str, answers: list[Answer],
-                       request: tuple[torch.Tensor, ...]) -> None:
-        """Ban ``liar`` for ``LIAR_BAN_S``, say so, and report it to every listed peer."""
-        stats, routers = self.stats, self.calls.stages.routers
-        routers[stage].ban(liar, LIAR_BAN_S)
-        if liar in stats.caught:  # another check that was in flight caught it too: reported already
-            return
-        stats.liars += 1
-        stats.caught = (*stats.caught, liar)
-        if len({a.peer_id for a in answers}) < 2:
-            log.warning("spot check: stage %d peer %s lied about its step; banned for %.0fs (no stage-mate answered "
-                        "the poll: nothing to report it with)", stage, liar[:12], LIAR_BAN_S)
-            return
-        request_digest, answer_digests = await asyncio.to_thread(_evidence, request, answers)
-        step = answers[0].step
-        log.warning("spot check: stage %d peer %s lied (its %s at step %d disagrees with %s); banned for %.0fs "
-                    "and reported (request %s, answers %s)", stage, liar[:12], kind, step,
-                    " and ".join(a.peer_id[:12] for a in answers if a.peer_id != liar) or "its stage's steps",
-                    LIAR_BAN_S, request_digest[:16],
-                    ", ".join(f"{p[:12]}={d[:12]}" for p, d in sorted(answer_digests.items())))
-        if self._identity is None:
-            self._identity = Identity.generate()
-        report = MisbehaviourReport.signed(self._identity, accused=liar, stage=stage, step=max(0, step), kind=kind,
-                                           mb=secrets.randbits(64), request_digest=request_digest,
-                                           answers=answer_digests, at=time.time())
-        body, signature = report.encode()
-        peers = {p.peer_id: p.addr for router in routers for p in router.snapshot() if p.peer_id != liar and p.routable}
-        client, timeout = self.client, self.timing.report_timeout_s
-
-        async def send(addr: str) -> bool:
-            try:
-                return (await client.report(addr, ReportRequest(body, signature), timeout_s=timeout)).accepted
-            except PeerError:
-                return False
-
-        accepted = await asyncio.gather(*(send(addr) for addr in peers.values()))
-        stats.reports_sent += sum(accepted)
 
     async def finish(self) -> None:
         """Checks are waited for by their microbatch: nothing runs in the background."""

@@ -144,19 +144,26 @@ async def test_a_backward_without_inputs_the_peer_does_not_hold_is_refused_uncou
     again = await ex.backward(x, g, step=0, mb=7, source="10.0.0.1")
     assert again.duplicate and ex.grad_samples == B and ex.duplicates == 1
     assert torch.equal(again.grad_inputs, resent.grad_inputs)
-    # an expired entry, and one of an older step (delayed updates accept it): gone, resend
+    # an expired entry: gone, resend
     short = executors(1, activation_cache_ttl_s=0.0)
     assert (await short.forward(x, mb=8)).kept
     await asyncio.sleep(0.01)
     with pytest.raises(InputsNotCached):
         await short.backward(None, g, step=0, mb=8)
+    # one of the step before, under delayed updates (which accept it): its inputs outlive the update,
+    # its graph does not; two updates old, the step rule refuses it before the cache is asked
     delayed = executors(1, training=TrainingSpec(delay_updates=True))
     await delayed.backward(hidden(5), g, step=0)
     await delayed.forward(x, mb=9)
+    await delayed.forward(x, mb=10)
     await step(delayed)
-    with pytest.raises(InputsNotCached):
-        await delayed.backward(None, g, step=0, mb=9)
-    assert delayed.stale_applied == 0 and delayed.grad_samples == 0
+    assert delayed.cache_stats()["entries"] == 2
+    await delayed.backward(None, g, step=0, mb=9)
+    assert delayed.stale_applied == 1 and delayed.grad_samples == B
+    await step(delayed)
+    assert delayed.cache_stats()["entries"] == 0
+    with pytest.raises(StaleStep):
+        await delayed.backward(None, g, step=0, mb=10)
     # a full cache does not keep the forward, and says so: its backward carries the inputs from the start
     full = executors(1, activation_cache_entries=1)
     assert (await full.forward(x, mb=1)).kept and not (await full.forward(x, mb=2)).kept
@@ -258,6 +265,15 @@ async def test_delayed_updates_recompute_a_backward_one_step_old(executors) -> N
     b_ref = await reference.backward(x, g, step=1)
     assert ex.stale_applied == 1 and ex.cache_stats()["hits"] == 0
     assert torch.equal(b.grad_inputs, b_ref.grad_inputs)
+    assert_bit_identical(grads(ex), grads(reference))
+    # and without its inputs: the peer kept them across the update and recomputes from them, bit for bit
+    await ex.forward(x, mb=4)
+    for e in (ex, reference):
+        await step(e)
+    held = await ex.backward(None, g, step=2, mb=4)
+    resent = await reference.backward(x, g, step=2)
+    assert ex.cache_stats()["held"] == 1 and ex.stale_applied == 2
+    assert torch.equal(held.grad_inputs, resent.grad_inputs)
     assert_bit_identical(grads(ex), grads(reference))
 
 
@@ -410,3 +426,15 @@ def test_the_router_prefers_the_forwards_peer_while_usable() -> None:
     router.report_failure("b")
     assert router.choose_preferred("b") == ("a", "A")  # banned
     assert router.choose_preferred("gone") is not None and router.choose_preferred(None) is not None
+
+
+async def test_a_rounds_hooks_run_before_queued_backwards(executors) -> None:
+    # the worker runs a round's hooks ahead of queued microbatches (swarmd.pipeline.stage_worker): a
+    # contribution taken while five backwards wait holds at most the one already running
+    ex = executors(1, training=TrainingSpec(delay_updates=True))
+    queued = [asyncio.create_task(ex.backward(hidden(i), grad_out(i), step=0)) for i in range(5)]
+    await asyncio.sleep(0)  # every backward is submitted to the worker
+    taken = await ex.take_contribution()
+    assert taken.samples <= B
+    await asyncio.gather(*queued)  # delayed updates: they join the next update, nothing is lost
+    assert taken.samples + ex.grad_samples == 5 * B

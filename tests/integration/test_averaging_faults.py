@@ -44,12 +44,15 @@ import asyncio, json, os, signal
 _CTL = os.environ.get("SWARMD_TEST_STOP_CTL")
 if _CTL:
     from swarmd.pipeline import averaging as _averaging
+    from swarmd.pipeline import averaging_round as _round  # the protocol's timing constants live there
 
     # a shorter patience for the leader's answer (and commit grace), so that a test that must
     # outwait it does not take 40 s: the same protocol, scaled down
     if os.environ.get("SWARMD_TEST_REPLY_SLACK_S"):
-        _averaging.REPLY_SLACK_S = float(os.environ["SWARMD_TEST_REPLY_SLACK_S"])
-        _averaging.COMMIT_GRACE_S = _averaging.REPLY_SLACK_S / 3
+        _round.REPLY_SLACK_S = float(os.environ["SWARMD_TEST_REPLY_SLACK_S"])
+        _round.COMMIT_GRACE_S = _round.REPLY_SLACK_S / 3
+        # ... and their re-exports, which the chunked all-reduce imports when the daemon starts
+        _averaging.REPLY_SLACK_S, _averaging.COMMIT_GRACE_S = _round.REPLY_SLACK_S, _round.COMMIT_GRACE_S
 
     # these tests hold a round open with a frozen contributor and are about the averaging timeout
     # itself, so the leader waits it out as it did before issue #18's patience (which gives up on a

@@ -73,7 +73,7 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
         if targets is not None:  # a loss (validation): left alone, only activations lie
             return result
         if lie == "stale" and frozen is not None:
-            x, _ = executor._prepare(inputs, None, targets_required=False)
+            x, _ = executor.passes.prepare(inputs, None, targets_required=False)
             with torch.no_grad():
                 out = frozen(x, None).detach().to("cpu", out.dtype)
         elif lie == "scale":

@@ -186,10 +186,19 @@ function drawTraining(training) {
     (series) => series ? `Samples per second: ${fmt(s.rate[s.rate.length - 1][1])} now` : "Samples per second over time: no data yet");
 }
 
+// a round's status, with the contributions its robust mean clipped and the peers it convicted (issue 29)
+function roundStatus(r) {
+  const notes = [];
+  if (r.clipped && r.clipped.length) notes.push(`${r.clipped.length} clipped`);
+  if (r.struck && r.struck.length) notes.push(`${r.struck.length} left out`);
+  if (r.convicted) notes.push(`convicted ${Object.keys(r.convicted).map((p) => p.slice(0, 8)).join(", ")}`);
+  return notes.length ? `${r.status} (${notes.join("; ")})` : String(r.status);
+}
+
 function drawPeer(status, trainers) {
   const rounds = document.querySelector("#rounds tbody");
   const recent = ((status && status.averaging && status.averaging.recent) || []).slice(-10).reverse();
-  rounds.replaceChildren(...(recent.length ? recent.map((r) => el("tr", {}, el("td", {}, r.step), el("td", {}, r.status),
+  rounds.replaceChildren(...(recent.length ? recent.map((r) => el("tr", {}, el("td", {}, r.step), el("td", {}, roundStatus(r)),
     el("td", { class: "num" }, r.samples), el("td", { class: "num" }, r.contributors),
     el("td", { class: "num" }, r.duration_s === undefined ? "-" : `${fmt(r.duration_s, 2)} s`), el("td", {}, String(r.leader || "").slice(0, 12))))
     : [el("tr", {}, el("td", { colspan: 6, class: "muted" }, "none yet"))]));

@@ -1,0 +1,113 @@
+"""Which microbatches a trainer runs paired, and how a pair's calls are sent (issue #29, item 1).
+
+A spot check is a *paired microbatch* (``swarmd.train.spot_checks`` has the whole story): drawn
+before the microbatch's first call, with probability ``verify_fraction``, and always while a
+usable peer of a stage with a second one has no answer of each kind confirmed yet, or a mismatch
+is not settled. Each call of a paired microbatch is sent twice at once, the pair's half to another
+peer of the stage where it has one; the pair's requests are counted as the checks' traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import torch
+
+from swarmd.errors import PeerError
+from swarmd.train.stage_calls import CallEnded, How, Patience, Served, StageCalls
+from swarmd.train.timing import Timing
+from swarmd.train.verify import CheckLedger, SpotChecker, VerifyStats
+
+__all__ = ["CheckTally", "Pairing", "check_nbytes"]
+
+R = TypeVar("R")
+
+
+class CheckTally:
+    """A check's requests (the pair's half, an arbiter's): the checks' extra traffic."""
+
+    def __init__(self, stats: VerifyStats, nbytes: int) -> None:
+        self.stats, self.nbytes = stats, nbytes
+
+    def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None:
+        self.stats.extra_requests += 1
+        self.stats.extra_samples += samples
+        self.stats.extra_bytes += self.nbytes
+
+    def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
+               timeout_s: float) -> None:
+        pass  # the ban itself is the router's
+
+
+def check_nbytes(*tensors: torch.Tensor | None) -> int:
+    """The bytes a check's request carries (its tensors), counted as the checks' traffic."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Pairing:
+    """Draws which microbatches run paired and sends a pair's two halves."""
+
+    def __init__(self, calls: StageCalls, *, stats: VerifyStats, ledger: CheckLedger, fraction: float,
+                 timing: Timing, rng: random.Random, patience: Patience) -> None:
+        """``patience``: how a pair's half is sent (a busy peer asked again, a broken one banned)."""
+        self.calls = calls
+        self.stats = stats
+        self.ledger = ledger
+        self.fraction = fraction
+        self.timing = timing
+        self._checker = SpotChecker(fraction, rng)
+        self._patience = patience
+
+    def pairs(self) -> bool:
+        """Whether the next microbatch (or validation batch) runs paired: drawn with probability
+        ``fraction``, and always while a usable peer of a stage with a second one has no answer of
+        each kind confirmed yet. Drawn before its first call: a peer's own answers change nothing."""
+        paired = self._pairs()
+        self.stats.paired += int(paired)
+        return paired
+
+    def _pairs(self) -> bool:
+        if self.fraction == 0.0:
+            return False
+        routers = self.calls.stages.routers
+        if not any(r.usable_count > 1 for r in routers):
+            return False
+        if any(self.ledger.disputed(p.peer_id) for r in routers if r.usable_count > 1 for p in r.snapshot()
+               if p.routable):
+            self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
+            return True
+        last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
+        if any(self.ledger.wants_first_check(p.peer_id, kind) for stage, r in enumerate(routers)
+               if r.usable_count > 1 for p in r.snapshot() if p.routable
+               for kind in (("backward",) if stage == last else ("forward", "backward"))):
+            self.stats.first_checks += 1
+            return True
+        return self._checker.should_check(comparable=True, other_peers=1)
+
+    async def paired(self, stage: int, call: Callable[[How | None], Awaitable[Served[R]]],
+                     nbytes: int) -> tuple[Served[R], Served[R]]:
+        """A call's two halves, sent at once: the primary's as any microbatch's call, the pair's to
+        another peer (one free now; else, while the primary's is out, any peer: a stage of one peer
+        serves both halves, unchecked), paid as the checks' traffic."""
+        taken: set[str] | None = set() if self.calls.stages.routers[stage].usable_count > 1 else None
+        first = asyncio.ensure_future(call(How(taken=taken)))
+        try:
+            await asyncio.sleep(0)  # the primary's peer is in ``taken`` before the pair chooses
+            tally = CheckTally(self.stats, nbytes)
+            try:
+                second = await call(How(patience=self._patience, tally=tally, taken=taken))
+            except CallEnded:
+                second = await call(How(patience=Patience.until_answered(self.timing), tally=tally))
+            return await first, second
+        finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+
+    def pair_tally(self, nbytes: int) -> How:
+        """How a pair's backward is sent: as any microbatch's (to the peer that ran its forward), paid
+        as the checks' traffic."""
+        return How(patience=Patience.until_answered(self.timing), tally=CheckTally(self.stats, nbytes))

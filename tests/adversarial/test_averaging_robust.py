@@ -1,0 +1,94 @@
+"""Averaging liars of issue #29's table in a real 2-stage x 3-peer swarm (in-process daemons on
+loopback): a stage peer whose contribution is its true gradient times -20 (inside the 64x outlier
+band), or sign-flipped. The leader's robust mean bounds what the contribution does to the step
+(``swarmd.pipeline.robust_aggregation``); its scores leave the contribution out of the mean
+within a few rounds and convict the -20x one, which is then excluded and reported (direction
+alone never convicts: ``swarmd.pipeline.hostile_contributions``); the honest peers
+stay bit-identical, nobody honest is convicted, and the held-out loss stays near an honest run's."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from swarmd.daemon import Daemon
+from swarmd.train.trainer import Trainer
+from tests.support.checks import SPEC, TRAINING, trainer_config
+from tests.support.liars import poison_contributions
+from tests.support.swarms import fast_swarm
+
+STEPS = 12
+
+
+async def _train(daemons: list[Daemon], seed: int) -> float:
+    """Two asynchronous trainers for STEPS steps (no spot checks: losses are compared), then a fresh
+    trainer's held-out loss."""
+    api = f"http://{daemons[0].status()['api_addr']}"
+    summaries = await asyncio.gather(*(Trainer(trainer_config(api, f"t{k}", steps=STEPS, fraction=0.0,
+                                                              seed=seed + k)).run() for k in range(2)))
+    for summary in summaries:
+        assert summary.microbatches_issued == summary.microbatches_completed
+    final = await Trainer(dataclasses.replace(trainer_config(api, "val", steps=1, fraction=0.0, seed=99),
+                                              val_batches=16)).run()
+    assert final.val_loss is not None
+    return final.val_loss
+
+
+async def _same_params(peers: list[Daemon], timeout_s: float = 30.0) -> None:
+    """The peers reach one step with one params digest (a round may still be settling)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {(d.executor.step, d.executor.digest) for d in peers if d.executor is not None}
+        if len(states) == 1:
+            return
+        assert time.monotonic() < deadline, states
+        await asyncio.sleep(0.1)
+
+
+def _convictions(daemons: list[Daemon]) -> dict[str, list[int]]:
+    """Peer id -> the steps at which some leader convicted it (from the rounds' records)."""
+    out: dict[str, list[int]] = {}
+    for d in daemons:
+        if d.averager is None:
+            continue
+        for rnd in d.averager.history:
+            for pid in rnd.get("convicted", {}):
+                out.setdefault(pid, []).append(rnd["step"])
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("poison", ["minus20", "flipped"])
+async def test_an_averaging_liar_is_bounded_convicted_and_excluded(poison: str) -> None:
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        honest_loss = await _train(daemons, seed=0)
+        assert not _convictions(daemons)  # nobody honest is convicted
+        stage1 = [d for d in daemons if d.stage == 1]
+        await _same_params(stage1)
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        stage1 = sorted((d for d in daemons if d.stage == 1), key=lambda d: d.peer_id or "")
+        liar = stage1[-1]  # the largest id: it never leads while an honest stage-mate serves
+        assert liar.averager is not None and liar.peer_id is not None
+        poison_contributions(liar.averager, poison)
+        loss = await _train(daemons, seed=0)
+        convictions = _convictions(daemons)
+        honest = stage1[:-1]
+        await _same_params(honest)
+        leader = honest[0]
+        status = leader.status()["averaging"]
+        struck = sorted(r["step"] for r in leader.averager.history if liar.peer_id in r.get("struck", ()))
+        assert struck and struck[0] <= 10  # left out of the mean within 10 steps
+        if poison == "minus20":  # far: convicted and excluded
+            assert set(convictions) == {liar.peer_id}, convictions  # the liar, and nobody honest
+            assert min(convictions[liar.peer_id]) <= 10  # within 10 steps
+            assert status["hostile_convictions"] == {liar.peer_id: 1}
+            assert liar.peer_id in status["excluded"]
+            assert status["excluded"][liar.peer_id]["reason"].startswith("hostile")
+        else:  # against the others, not far: left out of the mean every round it points the wrong way, never convicted
+            assert not convictions, convictions
+            assert status["contributions_struck"] >= len(struck) >= 3
+        # -20x ruined training (3.10x the honest held-out loss) before the robust mean: now near honest
+        assert loss <= 1.05 * honest_loss, (loss, honest_loss)
