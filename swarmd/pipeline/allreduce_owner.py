@@ -3,7 +3,7 @@
 Owner ``j`` receives part ``j`` of every member's gradients, refuses outliers among them (the
 checks of ``swarmd.pipeline.round_checks``, on the part's per-sample norms), reduces the rest with
 the leader's rule applied to the part (``swarmd.pipeline.round_reduction``: slices far from or
-against the owner's own slice left out, a CenteredClip of three or more, an anchored step with two;
+against the owner's own slice left out, a CenteredClip of three or more, the plain mean of two;
 the plain float64 sum in peer-id order when nothing is clipped), encodes the mean once with the
 swarm's codec and keeps those bytes: every member fetches and decodes exactly them, so the part
 means, hence the peers, stay bit-identical.

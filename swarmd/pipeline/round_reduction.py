@@ -6,9 +6,8 @@ leader), in the order it runs:
 1. **Outliers** (``round_checks.outliers``): contributions whose per-sample norm lies outside the
    64x band are refused; the leader never refuses its own.
 2. **Bounded influence** (``robust_aggregation.robust_mean``): the sample-weighted CenteredClip of
-   the contributions with samples, when there are three or more; with two, one of them the
-   leader's, ``anchored_mean`` around the leader's own (it trusts what it computed); with two
-   others, only the outlier band holds (docs/SECURITY.md). When it clipped nobody
+   the contributions with samples, when there are three or more; with two, the plain mean, bounded
+   by step 3's scoring and the outlier band (``robust_aggregation`` says why). When it clipped nobody
    in any iteration (an honest round, as a rule) the mean is the plain float64 sum in peer-id
    order divided by the samples, bit for bit what it was before the robust rule; otherwise it is
    the CenteredClip result, within the bound of ``robust_aggregation``'s docstring of what the
@@ -37,7 +36,7 @@ from swarmd.finite import all_finite
 from swarmd.pipeline.executor import Contribution
 from swarmd.pipeline.hostile_contributions import HostileWatch, Score, score_round
 from swarmd.pipeline.robust_aggregation import Contribution as Weighted
-from swarmd.pipeline.robust_aggregation import RobustMean, anchored_mean, robust_mean
+from swarmd.pipeline.robust_aggregation import RobustMean, robust_mean
 from swarmd.pipeline.round_checks import Used, outliers, per_sample_norm
 
 __all__ = ["HOSTILE_EXCLUSION_S", "Reduction", "plain_mean", "reduce_contributions"]
@@ -60,7 +59,7 @@ class Reduction:
     clipped: tuple[str, ...] = ()  # contributions whose influence the robust mean cut
     convicted: dict[str, str] = field(default_factory=dict)  # peers convicted by this round, and why
     scores: dict[str, Score] = field(default_factory=dict)
-    robust: bool = False  # the mean is CenteredClip's (or anchored_mean's), not the plain one
+    robust: bool = False  # the mean is CenteredClip's, not the plain one
     struck: tuple[str, ...] = ()  # contributions counted for their samples but left out of the mean
     moved: float = 0.0  # |mean - plain mean| / |plain mean| when the rule changed the mean (robust or struck)
 
@@ -77,13 +76,11 @@ def plain_mean(contributions: Mapping[str, Contribution], numel: int, total: int
     return (summed / total).to(torch.float32)
 
 
-def _robust(contributions: Mapping[str, Contribution], leader: str) -> RobustMean | None:
+def _robust(contributions: Mapping[str, Contribution]) -> RobustMean | None:
     weighted = [Weighted(pid, c.grads, c.samples) for pid, c in sorted(contributions.items())
                 if c.samples > 0 and c.grads is not None]
     if len(weighted) >= 3:
         return robust_mean(weighted)
-    if len(weighted) == 2 and leader in {w.peer_id for w in weighted}:
-        return anchored_mean(weighted, leader)
     return None
 
 
@@ -124,7 +121,7 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
     used = tuple(Used(pid, c.samples, digests.get(pid, ""), norms[pid]) for pid, c in sorted(kept.items()))
     # struck contributions count their samples (the round is not aborted for them) but move nothing
     influential = {pid: c for pid, c in kept.items() if pid not in struck}
-    robust = _robust(influential, leader)
+    robust = _robust(influential)
     out = Reduction(total, None, used, refused, refused_samples, robust.clipped if robust is not None else (),
                     convicted, scores, struck=tuple(sorted(struck & set(kept))))
     if total < target:
