@@ -165,9 +165,11 @@ def test_the_residual_stays_at_one_rounds_error(name: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_two_bit_decodes_into_half_dtypes(dtype: torch.dtype) -> None:
-    t = torch.randn(300).to(dtype)
+    # seeded: over 600 draws of 300 values (3 blocks) the relative error ranged 0.43-0.69 (median 0.53), so an
+    # unseeded 0.6 bound failed in CI about one run in ten
+    t = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(dtype)
     out = _round_trip(CODEC, t)
-    assert out.dtype == dtype and float((t.float() - out.float()).norm() / t.float().norm()) < 0.6
+    assert out.dtype == dtype and float((t.float() - out.float()).norm() / t.float().norm()) < 0.75
 
 
 def test_blocks_of_zeros_and_of_non_finite_values() -> None:
