@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from typing import IO, Any, cast
 
@@ -59,21 +58,20 @@ import aiohttp
 
 from swarmd.api.app import create_app
 from swarmd.api.metrics import DaemonMetrics
-from swarmd.api.models import TrainerReport
-from swarmd.api.server import EmbeddedUvicorn, embedded_server
+from swarmd.api.server import EmbeddedUvicorn
 from swarmd.api.trainer_ranks import RankBook
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.checkpoint import Checkpointer
 from swarmd.config import Config
 from swarmd.daemon import views
 from swarmd.daemon.announcing import ANNOUNCE_TASK, Announcer, random_jitter
+from swarmd.daemon.control_plane import ControlPlane, TrainingSummary
 from swarmd.daemon.joining import Joining
 from swarmd.daemon.relaying import RELAY_TASK, Relaying
 from swarmd.daemon.stage_state import CHECKPOINT_TASK, StageState
 from swarmd.dht.identity import Identity
 from swarmd.dht.membership import Membership
 from swarmd.dht.node import DHTNode
-from swarmd.dht.records import sign_record
 from swarmd.dht.sources import Grouping
 from swarmd.errors import SwarmdError
 from swarmd.net import codecs, reachability
@@ -94,13 +92,13 @@ from swarmd.pipeline.runtime import StageRuntime
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 from swarmd.state_dir import lock_state_dir
 from swarmd.tasks import TaskSet
-from swarmd.training_summary import TrainingLog, training_key
+from swarmd.training_summary import TrainingLog
 
 __all__ = ["Daemon"]
 
 log = logging.getLogger(__name__)
 
-AVERAGER_TASK, REBALANCE_TASK, API_TASK = "averager", "rebalance", "control-plane"
+AVERAGER_TASK, REBALANCE_TASK = "averager", "rebalance"
 TRAINING_TASK = "training-summary"
 
 
@@ -146,12 +144,13 @@ class Daemon:
         self._proofs = ProofService(lambda: self.identity, lambda: self.data_addr, lambda: self.executor)
         # seeing the swarm: the Prometheus registry, trainers' registrations and ranks, their training log
         self.training_log = TrainingLog(live_s=config.dht.record_ttl_s)
-        self.trainers = TrainerRegistry(on_report=self._on_trainer_report)
+        self.summary = TrainingSummary(self.training_log, swarm=config.swarm, ttl_s=config.dht.record_ttl_s,
+                                       dht=lambda: self.dht, identity=lambda: self.identity)
+        self.trainers = TrainerRegistry(on_report=self.summary.on_report)
         self.ranks = RankBook(self.trainers, dht=lambda: self.dht, identity=lambda: self.identity,
                               swarm=config.swarm, ttl_s=config.dht.record_ttl_s)  # swarmd.api.trainer_ranks
         self.metrics = DaemonMetrics(self)
-        self._api_server: EmbeddedUvicorn | None = None
-        self._api_socket: socket.socket | None = None
+        self.control_plane = ControlPlane(self.tasks, request_timeout_s=config.api.request_timeout_s)
         self._listeners = listeners  # every port, bound first (by the CLI, or _bind_first), then handed on
         self._state_lock: IO[str] | None = None
         self._stopping = False
@@ -298,7 +297,8 @@ class Daemon:
             await self.announce()
             await self.announcer.refresh_coverage()
             self.tasks.spawn(ANNOUNCE_TASK, self.announcer.run, restart=True)
-            self.tasks.spawn(TRAINING_TASK, self._training_summary_loop, restart=True)
+            self.tasks.spawn(TRAINING_TASK, lambda: self.summary.run(self.config.dht.announce_period_s, random_jitter,
+                                                                     self.ranks.publish), restart=True)
             self.start_averaging()
             self.tasks.spawn(REBALANCE_TASK, self.migrator.rebalance_loop, restart=True)
             self.stage_state.start_checkpointing()
@@ -437,7 +437,7 @@ class Daemon:
         if self.session is not None:
             await self.session.close()
         await self.announcer.withdraw()
-        await self._stop_api()
+        await self.control_plane.stop()
         await self.tasks.close()
         if self.dht is not None:
             await self.dht.stop()
@@ -487,61 +487,19 @@ class Daemon:
         self.membership = Membership(self.dht, self.identity, self.config.swarm, ttl_s=dht.record_ttl_s,
                                      evidence=self._untrusted_evidence)
 
-    # ---- seeing the swarm: the training summary; the control plane ------------------------------
-
-    def _on_trainer_report(self, trainer_id: str, report: TrainerReport) -> None:
-        self.training_log.report(trainer_id, steps=[(p.step, p.loss, p.val_loss) for p in report.steps],
-                                 samples=report.samples, samples_per_s=report.samples_per_s)
+    # ---- seeing the swarm: the training summary; the control plane (swarmd.daemon.control_plane) --
 
     async def publish_training_summary(self) -> None:
-        """Publish what this daemon's trainers reported (if any is live), then merge every daemon's
-        record into the swarm's curve."""
-        assert self.dht is not None and self.identity is not None  # started once serving
-        key = training_key(self.config.swarm)
-        record = self.training_log.record(self.identity.peer_id, self.config.dht.record_ttl_s)
-        if record is not None:
-            await self.dht.store(key, sign_record(self.identity, record))
-        self.training_log.merge(await self.dht.get(key))
+        await self.summary.publish()
 
-    async def _training_summary_loop(self) -> None:
-        period = self.config.dht.announce_period_s
-        while True:
-            await asyncio.sleep(period * random_jitter())
-            try:
-                await self.publish_training_summary()
-                await self.ranks.publish()
-            except SwarmdError as exc:
-                log.warning("could not publish or read the swarm's training summary: %s", exc)
-
-    # ---- the control plane ---------------------------------------------------------------------
+    @property
+    def _api_server(self) -> EmbeddedUvicorn | None:
+        return self.control_plane.server
 
     async def _start_api(self) -> None:
         assert self._listeners is not None  # bound first, in start()
         sock = self._listeners.api
-        self._api_socket = sock  # asyncio serves on this very socket; closed after uvicorn stops
         self.api_addr = sock.getsockname()[:2]
         app = create_app(self, self.trainers, api_token=self.config.api.token, metrics=self.metrics,
                          training=self.training_log, ranks=self.ranks)
-        server = self._api_server = embedded_server(app, request_timeout_s=self.config.api.request_timeout_s)
-
-        async def serve() -> None:
-            await server.serve(sockets=[sock])
-            if not self._stopping:
-                raise RuntimeError("the control plane stopped while the daemon was running")
-
-        task = self.tasks.spawn(API_TASK, serve)
-        while not server.started:
-            if task.done():
-                raise RuntimeError("the control plane exited during start-up")
-            await asyncio.sleep(0.01)
-
-    async def _stop_api(self) -> None:
-        if self._api_server is not None:
-            self._api_server.should_exit = True
-            task = self.tasks.get(API_TASK)
-            if task is not None:
-                done, _ = await asyncio.wait({task}, timeout=10)
-                if not done:
-                    log.warning("control plane did not stop within 10s; cancelled")
-        if self._api_socket is not None:
-            self._api_socket.close()
+        await self.control_plane.start(app, sock, stopping=lambda: self._stopping)
