@@ -186,7 +186,6 @@ FOUR_BIT_DEFAULT_BLOCKSIZE = 64
 FOUR_BIT_BLOCKSIZES: frozenset[int] = frozenset({16, 32, 64, 128, 256, 512, 1024})
 # Levels 2/15 apart: half a step, plus float32 slack of the rotations (see the module docstring).
 FOUR_BIT_REL_ERROR = 1.0 / 15.0 + 2.0**-12
-_FOUR_BIT_HALF_LEVELS = 7.5  # codes 0..15 stand for code / 7.5 - 1
 
 FEW_BIT_DEFAULT_BLOCKSIZE = 128
 FEW_BIT_BLOCKSIZES: frozenset[int] = FOUR_BIT_BLOCKSIZES
@@ -329,77 +328,20 @@ class EightBitCodec(Codec):
         return values.to(dtype).reshape(shape)
 
 
-class FourBitCodec(Codec):
-    """An eighth of the bytes of float32 plus an absmax per block; Hadamard-rotated blocks."""
-
-    name = "4bit"
-
-    def __init__(self, blocksize: int = FOUR_BIT_DEFAULT_BLOCKSIZE) -> None:
-        if blocksize not in FOUR_BIT_BLOCKSIZES:
-            raise ValueError(f"blocksize must be one of {sorted(FOUR_BIT_BLOCKSIZES)}, got {blocksize}")
-        self.blocksize = blocksize
-
-    def encode(self, tensor: torch.Tensor) -> EncodedTensor:
-        flat = self._cpu_input(tensor).float().reshape(-1)
-        size = self.blocksize
-        full = flat.numel() // size
-        tail = hadamard.tail_size(flat.numel(), size)
-        packed: list[torch.Tensor] = []  # full blocks hold an even number of codes: packed apart, as one
-        absmaxes: list[torch.Tensor] = []
-        if full:
-            p, a = _quantize_rotated(flat[: full * size].view(full, size))
-            packed.append(p)
-            absmaxes.append(a)
-        if tail:
-            rest = flat[full * size :]
-            p, a = _quantize_rotated(torch.cat([rest, rest.new_zeros(tail - rest.numel())]).view(1, tail))
-            packed.append(p)
-            absmaxes.append(a)
-        if not packed:
-            return EncodedTensor(payload=b"", absmax=b"", blocksize=size)
-        payload = packed[0] if len(packed) == 1 else torch.cat(packed)
-        return EncodedTensor(payload=_bytes_view(payload), absmax=_bytes_view(torch.cat(absmaxes)).tobytes(),
-                             blocksize=size)
-
-    def decode(self, enc: EncodedTensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        self._check_decodable(dtype)
-        size = enc.blocksize
-        if size is None or enc.absmax is None:
-            raise MalformedFrame("a 4bit tensor needs its blocksize ('b') and per-block absmax ('a')")
-        if size not in FOUR_BIT_BLOCKSIZES:
-            raise MalformedFrame(
-                f"4bit blocksize must be one of {sorted(FOUR_BIT_BLOCKSIZES)}, the frame says {size}"
-            )
-        numel = _numel(shape)
-        full, tail = numel // size, hadamard.tail_size(numel, size)
-        count = full * size + tail
-        _check_length("payload", enc.payload, (count + 1) // 2, self.name, shape)
-        _check_length("absmax", enc.absmax, (full + (1 if tail else 0)) * 4, self.name, shape)
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        packed = torch.frombuffer(bytearray(enc.payload), dtype=torch.uint8)
-        absmax = torch.frombuffer(bytearray(enc.absmax), dtype=torch.float32)
-        levels = hadamard.unpack_nibbles(packed, count).float().div_(_FOUR_BIT_HALF_LEVELS).sub_(1.0)
-        parts: list[torch.Tensor] = []
-        if full:
-            rows = levels[: full * size].view(full, size).mul_(absmax[:full].unsqueeze(1))
-            parts.append(hadamard.unrotate(rows).reshape(-1))
-        if tail:
-            row = levels[full * size :].view(1, tail).mul_(absmax[full:])
-            parts.append(hadamard.unrotate(row).reshape(-1)[: numel - full * size])
-        values = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return values.to(dtype).reshape(shape)
-
-
-class _FewBitCodec(Codec):
+class _RotatedBlockCodec(Codec):
     """Hadamard-rotated blocks, each divided by its absmax and rounded to ``2**bits`` evenly spaced
-    levels from -1 to 1; for error-fed gradient averaging (see "The 2- and 3-bit error bound")."""
+    levels from -1 to 1, plus a float32 absmax per block. Rows of zeros keep absmax 0; rows holding
+    ``inf``/``nan`` get absmax ``nan`` (they decode as ``nan`` throughout). The widths differ only in
+    their block sizes and in how the codes are packed (:meth:`_pack`, :meth:`_unpack`)."""
 
     bits: ClassVar[int]
+    blocksizes: ClassVar[frozenset[int]]
+    default_blocksize: ClassVar[int]
 
-    def __init__(self, blocksize: int = FEW_BIT_DEFAULT_BLOCKSIZE) -> None:
-        if blocksize not in FEW_BIT_BLOCKSIZES:
-            raise ValueError(f"blocksize must be one of {sorted(FEW_BIT_BLOCKSIZES)}, got {blocksize}")
+    def __init__(self, blocksize: int | None = None) -> None:
+        blocksize = self.default_blocksize if blocksize is None else blocksize
+        if blocksize not in self.blocksizes:
+            raise ValueError(f"blocksize must be one of {sorted(self.blocksizes)}, got {blocksize}")
         self.blocksize = blocksize
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
@@ -420,7 +362,7 @@ class _FewBitCodec(Codec):
             scales.append(sc)
         if not levels:
             return EncodedTensor(payload=b"", absmax=b"", blocksize=size)
-        packed = hadamard.pack_bits(levels[0] if len(levels) == 1 else torch.cat(levels), self.bits)
+        packed = self._pack(levels[0] if len(levels) == 1 else torch.cat(levels))
         return EncodedTensor(payload=_bytes_view(packed), absmax=_bytes_view(torch.cat(scales)).tobytes(),
                              blocksize=size)
 
@@ -429,21 +371,21 @@ class _FewBitCodec(Codec):
         size = enc.blocksize
         if size is None or enc.absmax is None:
             raise MalformedFrame(f"a {self.name} tensor needs its blocksize ('b') and per-block absmax ('a')")
-        if size not in FEW_BIT_BLOCKSIZES:
+        if size not in self.blocksizes:
             raise MalformedFrame(
-                f"{self.name} blocksize must be one of {sorted(FEW_BIT_BLOCKSIZES)}, the frame says {size}"
+                f"{self.name} blocksize must be one of {sorted(self.blocksizes)}, the frame says {size}"
             )
         numel = _numel(shape)
         full, tail = numel // size, hadamard.tail_size(numel, size)
         count = full * size + tail
-        _check_length("payload", enc.payload, self.bits * ((count + 7) // 8), self.name, shape)
+        _check_length("payload", enc.payload, self._payload_bytes(count), self.name, shape)
         _check_length("absmax", enc.absmax, (full + (1 if tail else 0)) * 4, self.name, shape)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         packed = torch.frombuffer(bytearray(enc.payload), dtype=torch.uint8)
         scales = torch.frombuffer(bytearray(enc.absmax), dtype=torch.float32)
         half = (2**self.bits - 1) / 2
-        levels = hadamard.unpack_bits(packed, count, self.bits).float().div_(half).sub_(1.0)
+        levels = self._unpack(packed, count).float().div_(half).sub_(1.0)
         parts: list[torch.Tensor] = []
         if full:
             rows = levels[: full * size].view(full, size).mul_(scales[:full].unsqueeze(1))
@@ -456,7 +398,7 @@ class _FewBitCodec(Codec):
 
     def _quantize(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes (as floats in [0, 2**bits), flat, unpacked) and the float32 absmax per row of
-        float32 ``blocks`` ``[rows, n]``, after the rotation (``4bit``'s rule with fewer levels)."""
+        float32 ``blocks`` ``[rows, n]``, after the rotation."""
         rotated = hadamard.rotate(blocks)
         absmax = rotated.abs().amax(dim=1)
         usable = torch.isfinite(absmax) & (absmax > 0)
@@ -467,6 +409,54 @@ class _FewBitCodec(Codec):
         top = 2**self.bits - 1
         levels = rotated.div_(divisor.unsqueeze(1)).add_(1.0).mul_(top / 2).round_().clamp_(0, top)
         return levels.reshape(-1), absmax
+
+    @abc.abstractmethod
+    def _pack(self, levels: torch.Tensor) -> torch.Tensor:
+        """uint8 bytes of the flat codes ``levels`` (whole floats in [0, 2**bits))."""
+
+    @abc.abstractmethod
+    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
+        """The first ``count`` codes of :meth:`_pack`'s bytes, as uint8."""
+
+    @abc.abstractmethod
+    def _payload_bytes(self, count: int) -> int:
+        """How many bytes :meth:`_pack` makes of ``count`` codes."""
+
+
+class FourBitCodec(_RotatedBlockCodec):
+    """An eighth of the bytes of float32 plus an absmax per block; Hadamard-rotated blocks, two
+    codes a byte."""
+
+    name = "4bit"
+    bits = 4
+    blocksizes = FOUR_BIT_BLOCKSIZES
+    default_blocksize = FOUR_BIT_DEFAULT_BLOCKSIZE
+
+    def _pack(self, levels: torch.Tensor) -> torch.Tensor:
+        return hadamard.pack_levels(levels)
+
+    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
+        return hadamard.unpack_nibbles(packed, count)
+
+    def _payload_bytes(self, count: int) -> int:
+        return (count + 1) // 2
+
+
+class _FewBitCodec(_RotatedBlockCodec):
+    """``4bit``'s rule with fewer levels, packed as bit planes; for error-fed gradient averaging
+    (see "The 2- and 3-bit error bound")."""
+
+    blocksizes = FEW_BIT_BLOCKSIZES
+    default_blocksize = FEW_BIT_DEFAULT_BLOCKSIZE
+
+    def _pack(self, levels: torch.Tensor) -> torch.Tensor:
+        return hadamard.pack_bits(levels, self.bits)
+
+    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
+        return hadamard.unpack_bits(packed, count, self.bits)
+
+    def _payload_bytes(self, count: int) -> int:
+        return self.bits * ((count + 7) // 8)
 
 
 class TwoBitCodec(_FewBitCodec):
@@ -482,21 +472,6 @@ class ThreeBitCodec(_FewBitCodec):
 
     name = "3bit"
     bits = 3
-
-
-def _quantize_rotated(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed 4-bit codes (two a byte, flat) and float32 absmax per row of float32 ``blocks``
-    ``[rows, n]``, after the rotation. Rows of zeros keep absmax 0; rows holding ``inf``/``nan``
-    get absmax ``nan`` (they decode as ``nan`` throughout)."""
-    rotated = hadamard.rotate(blocks)
-    absmax = rotated.abs().amax(dim=1)
-    usable = torch.isfinite(absmax) & (absmax > 0)
-    if not bool(usable.all()):
-        rotated = torch.where(usable.unsqueeze(1), rotated, torch.zeros_like(rotated))
-        absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
-    divisor = torch.where(usable, absmax, torch.ones_like(absmax))
-    levels = rotated.div_(divisor.unsqueeze(1)).add_(1.0).mul_(_FOUR_BIT_HALF_LEVELS).round_().clamp_(0, 15)
-    return hadamard.pack_levels(levels.reshape(-1)), absmax
 
 
 def _quantize_blockwise(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
