@@ -123,6 +123,10 @@ class RequestError(SwarmdError):
     http_status = 422
 
 
+class NonFinite(RequestError):
+    """A request's tensors hold NaN or Inf (or its gradients overflow to them): refused, never applied."""
+
+
 class WrongStage(SwarmdError):
     """The request targets a stage (or model) this peer does not serve."""
 
@@ -283,16 +287,19 @@ class StateTransferError(SwarmdError):
 
     ``status`` is the HTTP status when the peer refused the download (404, 503, ...) and 0 when
     there was no refusal to report: unreachable, timed out, or a stream that was corrupt,
-    truncated, oversized or rejected by the caller's header check. Never a partial state.
+    truncated, oversized or rejected by the caller's header check. ``unreachable``: the peer could
+    not be connected to, or sent no header before the deadline (a firewall, NAT or a wrong announced
+    address, rather than a bad stream). Never a partial state.
     """
 
     http_status = 502
 
-    def __init__(self, message: str, *, url: str = "", status: int = 0) -> None:
+    def __init__(self, message: str, *, url: str = "", status: int = 0, unreachable: bool = False) -> None:
         super().__init__(f"state download from {url} failed: {message}" if url else message)
         self.url = url
         self.status = status
         self.message = message
+        self.unreachable = unreachable  # no connection, or nothing heard before the deadline
 
 
 def _remote_classes() -> dict[str, type[SwarmdError]]:

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from swarmd.errors import PeerError, RequestError, WrongStage, remote_error
+from swarmd.errors import NonFinite, PeerError, RequestError, WrongStage, remote_error
 from swarmd.net.wire import CONTENT_TYPE, Frame, encode_frame
 
 __all__ = ["GradientsRequest", "HandoverResult", "hand_over", "handover_order", "send_gradients"]
@@ -107,7 +107,7 @@ class GradientsRequest:
         if grads is None or grads.dtype != torch.float32 or grads.dim() != 1 or grads.numel() != grad_numel:
             raise RequestError(f"'grads' must be float32 of shape [{grad_numel}]")
         if not bool(torch.isfinite(grads).all()):
-            raise RequestError("'grads' contain NaN or Inf; refused")
+            raise NonFinite("'grads' contain NaN or Inf; refused")
         return cls(stage=stage, model=model, step=step, samples=samples, peer_id=peer_id, grads=grads)
 
 

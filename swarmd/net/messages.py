@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeGuard
 
 import torch
 
-from swarmd.errors import MalformedFrame, RequestError, WrongStage
+from swarmd.errors import MalformedFrame, NonFinite, RequestError, WrongStage
 from swarmd.finite import all_finite
 from swarmd.net.codecs import CODECS
 from swarmd.net.token_ids import narrow, widen
@@ -492,7 +492,7 @@ class AverageRequest:
             if grads.dtype != torch.float32 or grads.dim() != 1 or (numel is not None and grads.numel() != numel):
                 raise RequestError(f"'grads' must be float32 of shape [{numel if numel is not None else 'N'}]")
             if not all_finite(grads):
-                raise RequestError("'grads' contain NaN or Inf; refused")
+                raise NonFinite("'grads' contain NaN or Inf; refused")
             if not samples:  # the mean divides by samples: gradients of no sample would be weightless
                 raise RequestError("a contribution with 'grads' must count its samples (meta.samples > 0)")
         elif samples:

@@ -426,7 +426,7 @@ class DataPlane:
             checker = runtime.averager
             if checker is not None:
                 signer = await self._in_pool(checker.signer_of, frame)  # hashes the gradients: off the loop
-                checker.note_unreadable(frame, str(exc), signer)
+                checker.note_unreadable(frame, exc, signer)
             raise
         request[CODEC_KEY] = str(frame.meta.get("codec", "none"))  # checked by from_frame: one of CODECS
         averager = runtime.averager

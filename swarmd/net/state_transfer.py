@@ -761,11 +761,13 @@ async def download_state(
         raise
     except asyncio.TimeoutError as exc:
         got = f"{decoder.received_bytes} of {decoder.total_bytes} bytes" if decoder.meta is not None else "no header"
-        raise StateTransferError(f"it did not finish within {timeout_s:g}s ({got} received)", url=url) from exc
+        raise StateTransferError(f"it did not finish within {timeout_s:g}s ({got} received)", url=url,
+                                 unreachable=decoder.meta is None) from exc
     except aiohttp.ClientError as exc:
-        raise StateTransferError(f"{type(exc).__name__}: {exc}", url=url) from exc
+        raise StateTransferError(f"{type(exc).__name__}: {exc}", url=url,
+                                 unreachable=isinstance(exc, aiohttp.ClientConnectorError)) from exc
     except OSError as exc:  # a socket error aiohttp did not wrap
-        raise StateTransferError(f"{type(exc).__name__}: {exc}", url=url) from exc
+        raise StateTransferError(f"{type(exc).__name__}: {exc}", url=url, unreachable=True) from exc
 
 
 async def _download(

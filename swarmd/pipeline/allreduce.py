@@ -91,7 +91,7 @@ import secrets
 import time
 from typing import Any
 
-from swarmd.errors import PeerError, RequestError
+from swarmd.errors import NonFinite, PeerError, RequestError
 from swarmd.net.wire import Frame
 from swarmd.pipeline.allreduce_coordinator import Coordinator, CoordRound, share_of_missing
 from swarmd.pipeline.allreduce_member import MemberRound
@@ -108,6 +108,8 @@ from swarmd.pipeline.allreduce_messages import (
 from swarmd.pipeline.allreduce_owner import PartOwner
 from swarmd.pipeline.allreduce_plan import RoundPlan, choose_coordinator, part_message, plan_round
 from swarmd.pipeline.averaging import COMMIT_GRACE_S, POLL_TIMEOUT_S, REPLY_SLACK_S, StageAverager
+from swarmd.pipeline.failures import timed_out
+from swarmd.pipeline.refusals import Refusal, RefusalKind
 from swarmd.pipeline.round_checks import tensor_digest
 
 log = logging.getLogger(__name__)
@@ -204,7 +206,7 @@ class AllReduceAverager(StageAverager):
                 return
         except PeerError as exc:
             log.info("stage %d: coordinator %s did not answer a report (%s)", ex.stage, coordinator[:12], exc)
-            if exc.status != 0 or "Timeout" not in exc.error:
+            if not timed_out(exc):
                 # unreachable or refusing: report to the next one for a while (a slow one is waited for: two
                 # coordinators at once could each start a round at one step)
                 self._suspects[coordinator] = time.monotonic() + 5.0
@@ -419,14 +421,15 @@ class AllReduceAverager(StageAverager):
         except RequestError as exc:
             signer = await asyncio.to_thread(self._part_signer, frame, owner)
             if signer is not None:
-                owner.refuse(signer, str(exc)[:200])
-                self._refuse_contributor(signer, f"nonfinite: {str(exc)[:120]}", owner.plan.step)
+                kind: RefusalKind = "nonfinite" if isinstance(exc, NonFinite) else "malformed"
+                owner.refuse(signer, Refusal(kind, str(exc)[:200]))
+                self._refuse_contributor(signer, Refusal(kind, str(exc)[:120]), owner.plan.step)
             raise
         digest = await asyncio.to_thread(tensor_digest, req.grads)
         if self.identity is not None and self._part_signer(frame, owner, digest) != req.peer_id:
             return ArAck(False, "bad_signature: a part must be signed by its member for this round and owner")
         if req.peer_id in self.excluded():
-            owner.refuse(req.peer_id, "excluded by this stage")
+            owner.refuse(req.peer_id, Refusal("excluded", "by this stage"))
             return ArAck(False, "excluded: this stage excludes that peer for now")
         why = owner.add(req.peer_id, req.samples, req.grads, digest)
         return ArAck(why is None, why or "")

@@ -22,6 +22,7 @@ from swarmd.pipeline.allreduce_owner import PartOwner
 from swarmd.pipeline.allreduce_plan import Decision, RoundPlan, part_digest, part_message
 from swarmd.pipeline.averaging import RoundResult, _as_decoded, _wire_codec
 from swarmd.pipeline.executor import Contribution, StageExecutor
+from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import Suspicions, Used, check_answer, per_sample_norm, tensor_digest
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class RoundHost(Protocol):
     @property
     def target(self) -> int: ...
 
-    def _refuse_contributor(self, peer_id: str, why: str, step: int) -> None: ...
+    def _refuse_contributor(self, peer_id: str, why: Refusal, step: int) -> None: ...
 
     def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
                 reason: str | None = None, refused: dict[str, str] | None = None,
@@ -267,7 +268,7 @@ class MemberRound:
         d = self.decision
         for pid, bad in (d.refused if d is not None else ()):
             if pid != av.peer_id:
-                av._refuse_contributor(pid, bad, plan.step)
+                av._refuse_contributor(pid, Refusal.from_wire(bad), plan.step)
         if d is None or d.status != "commit":
             if own is not None:
                 await ex.restore_contribution(own)

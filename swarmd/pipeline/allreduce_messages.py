@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from swarmd.errors import RequestError
+from swarmd.errors import NonFinite, RequestError
 from swarmd.finite import all_finite
 from swarmd.net.wire import Frame, encode_frame
 from swarmd.pipeline.allreduce_plan import Decision, Ready, RoundPlan
@@ -164,7 +164,7 @@ class ArPart:
             if grads.dtype != torch.float32 or grads.dim() != 1 or (size is not None and grads.numel() != size):
                 raise RequestError(f"'grads' must be float32 of shape [{size if size is not None else 'N'}]")
             if not all_finite(grads):
-                raise RequestError("'grads' contain NaN or Inf; refused")
+                raise NonFinite("'grads' contain NaN or Inf; refused")
             if not samples:
                 raise RequestError("a part with 'grads' must count its samples (meta.samples > 0)")
         elif samples:

@@ -30,6 +30,7 @@ from swarmd.net.wire import decode_frame
 from swarmd.pipeline.allreduce_messages import encode_mean
 from swarmd.pipeline.allreduce_plan import Ready, RoundPlan, part_digest, reduce_part
 from swarmd.pipeline.executor import Contribution
+from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import Used, outliers, per_sample_norm, tensor_digest
 from swarmd.pipeline.round_reduction import reduce_contributions
 
@@ -48,7 +49,7 @@ class PartOwner:
         self.parts: dict[str, tuple[int, torch.Tensor | None]] = {}
         self.digests: dict[str, str] = {}  # tensor_digest of each member's slice as decoded here
         self.used: list[list[Any]] = []
-        self.refused: dict[str, str] = {}
+        self.refused: dict[str, Refusal] = {}
         self._complete = asyncio.Event()
         self._reduced = asyncio.Event()
         self.encoded: bytes | None = None  # the mean as every member fetches it
@@ -73,7 +74,7 @@ class PartOwner:
             self._complete.set()
         return None
 
-    def refuse(self, peer_id: str, why: str) -> None:
+    def refuse(self, peer_id: str, why: Refusal) -> None:
         """A member's part that could not be read (non-finite, badly signed): the round aborts."""
         if peer_id in self.plan.member_ids and peer_id not in self.parts:
             self.refused[peer_id] = why
@@ -98,10 +99,11 @@ class PartOwner:
         refused = dict(self.refused)
         for pid, why in outliers(norms, self.owner).items():
             if pid != self.owner:  # the owner computed its own gradients: it does not refuse them
-                refused[pid] = f"outlier in part {self.part}: {why}"
+                refused[pid] = Refusal("outlier", f"in part {self.part}: {why}")
         samples = tuple(sorted((pid, s) for pid, (s, _) in parts.items()))
         if missing or refused:
-            return Ready(plan.round_id, self.part, self.owner, "", samples, missing, tuple(sorted(refused.items())))
+            return Ready(plan.round_id, self.part, self.owner, "", samples, missing,
+                         tuple(sorted((pid, str(why)) for pid, why in refused.items())))
         red = reduce_contributions({pid: Contribution(step=0, samples=s, grads=g) for pid, (s, g) in parts.items()},
                                    {}, leader=self.owner, target=0, numel=self.size, score=True)
         mean = red.mean if red.mean is not None else reduce_part(parts, self.size)[0]

@@ -42,8 +42,7 @@ class RoundContributor(AveragerCore):
         started = time.monotonic()
         own = await self.executor.take_contribution()
         try:
-            self._posting_to = leader  # (a parameter would change _post's signature, which test hooks wrap)
-            mine, decoded, result = await self._post(addr, own)
+            mine, decoded, result = await self._post(addr, own, leader)
         except PeerError as exc:
             log.warning("averaging with leader %s failed (%s); keeping the gradients", leader[:12], exc)
             self._suspects[leader] = time.monotonic() + 5.0
@@ -104,12 +103,11 @@ class RoundContributor(AveragerCore):
         return check_answer(own=mine, own_grads=decoded, mean=result.mean_grads, used=result.used,
                             total=result.samples, leader=leader, codec=self.executor.training.grad_codec)
 
-    async def _post(self, addr: str, own: Contribution) -> tuple[Used, torch.Tensor | None, RoundResult]:
-        """Send our contribution to the leader (``_posting_to``) at ``addr``; our entry as it should list it,
-        our gradients as it decodes them, and the round's outcome (PeerError when the leader
-        refused, did not answer in time, or answered something unreadable)."""
+    async def _post(self, addr: str, own: Contribution, leader: str) -> tuple[Used, torch.Tensor | None, RoundResult]:
+        """Send our contribution to ``leader`` at ``addr``; our entry as it should list it, our
+        gradients as it decodes them, and the round's outcome (PeerError when the leader refused, did
+        not answer in time, or answered something unreadable). Tests wrap it to send something else."""
         ex = self.executor
-        leader = self._posting_to
         codec = "none" if own.grads is None else _wire_codec(own.grads, ex.training.grad_codec)
         decoded, digest = await asyncio.to_thread(_as_decoded, own.grads, codec)
         mine = Used(self.peer_id, own.samples, digest, per_sample_norm(decoded, own.samples))

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarmd.dht.identity import peer_id_of, verify
-from swarmd.errors import Busy
+from swarmd.errors import Busy, NonFinite, RequestError
 from swarmd.finite import all_finite
 from swarmd.net.messages import AverageRequest
 from swarmd.net.wire import Frame, decode_frame
 from swarmd.pipeline.executor import Contribution
+from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import (
     Used,
     tensor_digest,
@@ -131,8 +132,8 @@ class RoundLeader(AveragerCore):
                 await self.executor.restore_contribution(own)
                 self.rounds_aborted += 1
             self._record(result, self.peer_id, missing=sorted(rnd.expected - set(rnd.contributions)),
-                         refused=dict(rnd.refused), started=started, clipped=rnd.clipped, struck=rnd.struck,
-                         convicted=rnd.convicted)
+                         refused={pid: str(why) for pid, why in rnd.refused.items()}, started=started,
+                         clipped=rnd.clipped, struck=rnd.struck, convicted=rnd.convicted)
             rnd.result.set_result(result)
             return result
         except BaseException as exc:
@@ -152,7 +153,7 @@ class RoundLeader(AveragerCore):
         self.contributions_struck += len(rnd.struck)
         for pid, why in sorted(rnd.convicted.items()):
             self.hostile_convictions[pid] += 1
-            period = self.suspicions.accuse(pid, why, base_s=HOSTILE_EXCLUSION_S)
+            period = self.suspicions.accuse(pid, str(Refusal("hostile", why)), base_s=HOSTILE_EXCLUSION_S)
             if self.prover is not None:
                 self.prover.table.forget(pid)
             dropped = "dropped from" if pid in rnd.refused else "kept, clipped, in"
@@ -248,10 +249,10 @@ class RoundLeader(AveragerCore):
             raise ValueError(f"a contribution must carry {ex.grad_numel} gradient values, got {grads.numel()}")
         why = await self._admit(peer_id, step, samples, grads, request)
         if why is not None:
-            self.contributions_refused[why.split(":")[0]] += 1
-            self._warn(peer_id, why.split(":")[0], "stage %d step %d: contribution of %s refused (%s)",
+            self.contributions_refused[why.kind] += 1
+            self._warn(peer_id, why.kind, "stage %d step %d: contribution of %s refused (%s)",
                        ex.stage, step, peer_id[:12], why)
-            return _aborted(step, why)
+            return _aborted(step, str(why))
         if step != ex.step:  # stepped while the signature was checked
             return _aborted(step)
         digest = request.digest if request is not None and request.digest is not None else None
@@ -282,27 +283,27 @@ class RoundLeader(AveragerCore):
         return result
 
     async def _admit(self, peer_id: str, step: int, samples: int, grads: torch.Tensor | None,
-                     request: AverageRequest | None) -> str | None:
+                     request: AverageRequest | None) -> Refusal | None:
         """Why a contribution is turned away before it joins a round (None: it may join)."""
         if peer_id in self.excluded():
-            return "excluded: this stage excludes that peer for now"
+            return Refusal("excluded", "this stage excludes that peer for now")
         if self.identity is not None:
             if request is None or request.public_key is None or request.signature is None:
-                return "unsigned: a contribution must be signed with its sender's identity"
+                return Refusal("unsigned", "a contribution must be signed with its sender's identity")
             if peer_id_of(request.public_key) != peer_id:
-                return "bad_signature: the key is not that peer id's"
+                return Refusal("bad_signature", "the key is not that peer id's")
             digest = await asyncio.to_thread(tensor_digest, grads)
             message = contribution_message(self.executor.stage, step, samples, digest, peer_id, self.peer_id)
             if request.digest != digest or not verify(request.public_key, message, request.signature):
-                return "bad_signature: the signature does not cover these gradients for this round"
+                return Refusal("bad_signature", "the signature does not cover these gradients for this round")
         if self.prover is not None:
             mates = await self.stage_peers()
             addr = mates.get(peer_id)
             if addr is None:
-                return "unproven: not a serving stage-mate in the DHT"
+                return Refusal("unproven", "not a serving stage-mate in the DHT")
             if self.prover.table.proof(peer_id, addr) is None:
                 self._prove({peer_id: addr})  # it may prove itself before its next try
-                return "unproven: it has not answered this peer's proof challenge yet"
+                return Refusal("unproven", "it has not answered this peer's proof challenge yet")
         return None
 
     def signer_of(self, frame: Frame) -> str | None:
@@ -320,12 +321,13 @@ class RoundLeader(AveragerCore):
         message = contribution_message(self.executor.stage, step, samples, digest, peer_id, self.peer_id)
         return peer_id if verify(pk, message, sig) else None
 
-    def note_unreadable(self, frame: Frame, why: str, signer: str | None) -> None:
-        """A contribution the data plane refused while decoding it (a 422): non-finite gradients, or a
-        malformed frame. Counted and logged (rate-limited); held against the peer it names only when
-        that peer signed it (``signer``, from :meth:`signer_of`): anyone can send an unsigned frame in
-        another's name."""
-        reason = "nonfinite" if "NaN" in why else "malformed"
+    def note_unreadable(self, frame: Frame, error: RequestError, signer: str | None) -> None:
+        """A contribution the data plane refused while decoding it (a 422): non-finite gradients
+        (``NonFinite``), or a malformed frame. Counted and logged (rate-limited); held against the peer
+        it names only when that peer signed it (``signer``, from :meth:`signer_of`): anyone can send an
+        unsigned frame in another's name."""
+        reason = "nonfinite" if isinstance(error, NonFinite) else "malformed"
+        why = str(error)
         self.contributions_refused[reason] += 1
         peer_id = frame.meta.get("peer_id")
         name = peer_id[:12] if isinstance(peer_id, str) else "?"
@@ -354,10 +356,9 @@ class RoundLeader(AveragerCore):
         except Exception:
             log.exception("averaging round of stage %d failed", self.executor.stage)
 
-    def _refuse_contributor(self, peer_id: str, why: str, step: int) -> None:
-        c = self.contributions_refused
-        c[why.split(":")[0]] += 1
-        period = self.suspicions.accuse(peer_id, why)
+    def _refuse_contributor(self, peer_id: str, why: Refusal, step: int) -> None:
+        self.contributions_refused[why.kind] += 1
+        period = self.suspicions.accuse(peer_id, str(why))
         if self.prover is not None:
             self.prover.table.forget(peer_id)
         self._warn(peer_id, "refused", "stage %d step %d: refused the contribution of %s (%s); excluded from this "

@@ -30,6 +30,7 @@ from swarmd.net.messages import AverageReply, ProgressReply
 from swarmd.net.wire import decode_frame, encode_frame
 from swarmd.pipeline.executor import Contribution, StageExecutor
 from swarmd.pipeline.hostile_contributions import HostileWatch
+from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import (
     StallWatch,
     Suspicions,
@@ -111,7 +112,7 @@ class _OpenRound:
     deadline: float
     contributions: dict[str, Contribution] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # of the contributions' gradients, as decoded here
-    refused: dict[str, str] = field(default_factory=dict)  # contributions the reduction refused, and why
+    refused: dict[str, Refusal] = field(default_factory=dict)  # contributions the reduction refused, and why
     refused_samples: int = 0  # their samples (kept by their senders)
     convicted: dict[str, str] = field(default_factory=dict)  # peers the reduction convicted (round_reduction)
     clipped: tuple[str, ...] = ()  # contributions whose influence the robust mean cut
@@ -219,7 +220,6 @@ class AveragerCore:
         self._mates_samples = 0  # what the stage-mates held at this step, as last polled
         self._mates: dict[str, str] = {}  # the stage-mates last listed (for /status: how many are unproven)
         self._logged: dict[tuple[str, str], float] = {}
-        self._posting_to = ""  # the leader _post sends to
         self._own_addr = ""  # this peer's address, as the stage's records list it
 
     async def close(self) -> None:

@@ -141,7 +141,7 @@ class HostileWatch:
             self._history[pid] = history
             strikes = [why for why in history if why is not None]
             if len(strikes) >= self.strikes:
-                convicted[pid] = (f"hostile: {len(strikes)} of its last {len(history)} contributions struck "
+                convicted[pid] = (f"{len(strikes)} of its last {len(history)} contributions struck "
                                   f"({strikes[-1]})")
                 del self._history[pid]
         while len(self._history) > self.max_peers:

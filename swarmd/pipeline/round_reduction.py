@@ -35,6 +35,7 @@ import torch
 from swarmd.finite import all_finite
 from swarmd.pipeline.executor import Contribution
 from swarmd.pipeline.hostile_contributions import HostileWatch, Score, score_round
+from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.robust_aggregation import Contribution as Weighted
 from swarmd.pipeline.robust_aggregation import RobustMean, robust_mean
 from swarmd.pipeline.round_checks import Used, outliers, per_sample_norm
@@ -54,7 +55,7 @@ class Reduction:
     total: int
     mean: torch.Tensor | None
     used: tuple[Used, ...]
-    refused: dict[str, str] = field(default_factory=dict)  # turned away (outliers, dropped convicts), and why
+    refused: dict[str, Refusal] = field(default_factory=dict)  # turned away (outliers, dropped convicts), and why
     refused_samples: int = 0
     clipped: tuple[str, ...] = ()  # contributions whose influence the robust mean cut
     convicted: dict[str, str] = field(default_factory=dict)  # peers convicted by this round, and why
@@ -93,13 +94,13 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
     chunked all-reduce leaves struck slices out but convicts nobody). Pure but for ``watch``; call it
     off the event loop."""
     kept = dict(contributions)
-    refused: dict[str, str] = {}
+    refused: dict[str, Refusal] = {}
     refused_samples = 0
     norms = {pid: per_sample_norm(c.grads, c.samples) for pid, c in kept.items()}
     bad = outliers({pid: (norms[pid], c.samples) for pid, c in kept.items()}, leader)
     bad.pop(leader, None)  # the leader computed its own gradients: it does not refuse them
     for pid, why in bad.items():
-        refused[pid] = f"outlier: {why}"
+        refused[pid] = Refusal("outlier", why)
         refused_samples += kept.pop(pid).samples
     scores: dict[str, Score] = {}
     convicted: dict[str, str] = {}
@@ -113,7 +114,7 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
         for pid, why in sorted(convicted.items()):
             samples = kept[pid].samples
             if total - samples >= target:  # the others hold the target: turned away, its sender keeps them
-                refused[pid] = why
+                refused[pid] = Refusal("hostile", why)
                 refused_samples += samples
                 total -= samples
                 del kept[pid]

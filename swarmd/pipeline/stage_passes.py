@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from swarmd.errors import InputsNotCached, LimitExceeded, RequestError, RequestTimeout
+from swarmd.errors import InputsNotCached, LimitExceeded, NonFinite, RequestError, RequestTimeout
 from swarmd.finite import all_finite
 from swarmd.pipeline.activation_cache import ActivationCache, CachedForward, capture_forward
 from swarmd.pipeline.model import StageModule
@@ -292,4 +292,4 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
     if not all_finite(t):
-        raise RequestError(f"{what} contain NaN or Inf; refused")
+        raise NonFinite(f"{what} contain NaN or Inf; refused")

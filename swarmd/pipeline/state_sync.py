@@ -142,8 +142,7 @@ async def adopt_state(
         except (SwarmdError, ValueError, KeyError, TypeError) as exc:
             # ValueError/KeyError/TypeError: a state whose tensors or optimizer layout do not fit this stage
             hint = ""
-            if isinstance(exc, StateTransferError) and exc.status == 0 and ("Connect" in exc.message
-                                                                             or "within" in exc.message):
+            if isinstance(exc, StateTransferError) and exc.unreachable:
                 hint = " (could not connect: a firewall or NAT in the way, or a wrong --announce on that peer?)"
             log.warning("state download from %s at %s failed: %s%s; trying the next one",
                         donor.peer_id[:12], donor.data_addr, exc, hint)

@@ -93,7 +93,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from swarmd.errors import Busy, PeerBehind, PeerError, RequestError, RequestTimeout, StaleStep
+from swarmd.errors import Busy, NonFinite, PeerBehind, PeerError, RequestTimeout, StaleStep
 from swarmd.finite import all_finite
 from swarmd.pipeline.delayed_updates import accepts_stale, serves_during_round
 
@@ -428,7 +428,7 @@ class GradientAccumulator:
         summed = [new if old is None or new is None else new.add_(old) for old, new in zip(held, fresh, strict=True)]
         for total in summed:
             if total is not None and not all_finite(total):
-                raise RequestError("the request's gradients overflow to Inf or NaN; refused and not applied")
+                raise NonFinite("the request's gradients overflow to Inf or NaN; refused and not applied")
         if commit is not None:
             commit()
         for p, total in zip(self.params, summed, strict=True):

@@ -424,8 +424,7 @@ async def test_contributions_from_a_stage_mate_not_yet_proven_are_refused_not_lo
         await feed(other)
         own = await other.ex.take_contribution()
         assert leader.averager.prover is not None and leader.averager.prover.proven({other.pid: other.addr}) == {}
-        other.averager._posting_to = leader.pid
-        _, _, result = await other.averager._post(leader.addr, own)
+        _, _, result = await other.averager._post(leader.addr, own, leader.pid)
         assert result.status == "aborted" and result.reason and result.reason.startswith("unproven")
         await other.ex.restore_contribution(own)
         assert other.ex.grad_samples == MICRO and leader.ex.step == 0
@@ -563,7 +562,7 @@ if _CTL:
 
     _original_post = _averaging.StageAverager._post
 
-    async def _post(self, addr, own):  # a poisoned contributor: what it sends, not what it holds
+    async def _post(self, addr, own, leader):  # a poisoned contributor: what it sends, not what it holds
         ctl = _ctl()
         if ctl.get("liar") == self.peer_id and own.grads is not None:
             kind = ctl.get("kind")
@@ -576,7 +575,7 @@ if _CTL:
                 grads = own.grads.clone()
                 grads[::97] = float("nan")
                 own = dataclasses.replace(own, grads=grads)
-        return await _original_post(self, addr, own)
+        return await _original_post(self, addr, own, leader)
 
     _averaging.StageAverager._post = _post
     _original_reduce = _averaging.StageAverager._reduce

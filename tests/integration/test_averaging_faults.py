@@ -77,7 +77,7 @@ if _CTL:
             json.dump(data, f)
         os.replace(tmp, _CTL + ".fired")
 
-    async def _post(self, addr, own):
+    async def _post(self, addr, own, leader):
         try:
             with open(_CTL) as f:
                 ctl = json.load(f)
@@ -96,10 +96,10 @@ if _CTL:
                 await asyncio.sleep(0.02)
             else:
                 _write({"stopped": False, "step": own.step})
-                return await _original(self, addr, own)
+                return await _original(self, addr, own, leader)
             _write({"stopped": True, "step": own.step, "samples": own.samples, "leader_addr": addr})
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen here, holding the contribution
-        return await _original(self, addr, own)
+        return await _original(self, addr, own, leader)
 
     _averaging.StageAverager._post = _post
 

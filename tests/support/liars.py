@@ -123,7 +123,7 @@ def poison_contributions(averager: StageAverager, how: str) -> None:
         raise ValueError(f"unknown poison {how!r}")
     original = averager._post
 
-    async def _post(addr: str, own: Any) -> Any:
+    async def _post(addr: str, own: Any, leader: str) -> Any:
         if own.grads is not None:
             g = torch.Generator().manual_seed(own.step)
             if how == "scaled":
@@ -137,7 +137,7 @@ def poison_contributions(averager: StageAverager, how: str) -> None:
                 grads = own.grads.clone()
                 grads[::97] = float("nan")
             own = dataclasses.replace(own, grads=grads)
-        return await original(addr, own)
+        return await original(addr, own, leader)
 
     averager._post = _post  # type: ignore[method-assign]
 

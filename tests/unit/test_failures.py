@@ -25,6 +25,7 @@ BY_CLASS: dict[str, Action] = {
     "RequestTimeout": Action.BAN,  # 408: the peer did not read our body in time
     "StepMismatch": Action.FATAL,  # 409 of neither direction: nothing to retry
     "RequestError": Action.FATAL,
+    "NonFinite": Action.FATAL,  # 422: NaN or Inf in what we sent (as before it had its own class)
     "WireError": Action.FATAL,
     "MalformedFrame": Action.FATAL,
     "UnsupportedVersion": Action.FATAL,

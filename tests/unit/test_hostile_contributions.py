@@ -86,7 +86,7 @@ def test_a_peer_is_convicted_at_strikes_in_its_window_and_starts_afresh() -> Non
     for _ in range(STRIKES - 1):
         assert watch.observe({"q": bad}) == {}
     convicted = watch.observe({"q": bad, "p": good})
-    assert list(convicted) == ["q"] and convicted["q"].startswith("hostile")
+    assert list(convicted) == ["q"] and convicted["q"].startswith(f"{STRIKES} of its last {STRIKES} contributions struck")
     assert watch.strikes_of("q") == 0
     # pointing against the leader's own leaves a contribution out, every time, but never convicts
     against = Score(far=1.5, cos=-0.9)

@@ -270,6 +270,7 @@ async def test_broken_downloads_raise_a_typed_error_quickly(
             await fetch(url.replace("/v1/state", path), timeout_s=5.0, max_total_bytes=2**30)
     assert time.monotonic() - start < 2.0
     assert info.value.status == status
+    assert not info.value.unreachable  # the peer was there: a refusal or a bad stream, not a connection problem
     assert info.value.url.endswith(path) and url.split("/v1")[0] in str(info.value)
 
 
@@ -280,6 +281,7 @@ async def test_a_snapshot_that_fails_mid_stream_closes_the_connection() -> None:
         with pytest.raises(StateTransferError, match="ClientPayloadError|truncated") as info:
             await fetch(url, timeout_s=5.0)
     assert info.value.status == 0
+    assert not info.value.unreachable
 
 
 async def test_a_peer_that_never_answers_times_out() -> None:
@@ -292,9 +294,10 @@ async def test_a_peer_that_never_answers_times_out() -> None:
     async with serve(silent) as url:
         try:
             start = time.monotonic()
-            with pytest.raises(StateTransferError, match=r"did not finish within 0.3s \(no header received\)"):
+            with pytest.raises(StateTransferError, match=r"did not finish within 0.3s \(no header received\)") as info:
                 await fetch(url, timeout_s=0.3)
             assert time.monotonic() - start < 1.5
+            assert info.value.unreachable  # nothing heard before the deadline: told apart from a stalled stream
         finally:
             release.set()
 
@@ -305,6 +308,7 @@ async def test_an_unreachable_peer_raises_a_typed_error() -> None:
     with pytest.raises(StateTransferError, match="ClientConnectorError") as info:
         await fetch(url, timeout_s=5.0)
     assert info.value.status == 0
+    assert info.value.unreachable
 
 
 async def test_expected_rejecting_the_header_aborts_the_download() -> None:
