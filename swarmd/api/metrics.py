@@ -45,8 +45,10 @@ from swarmd.api.models import (
     ProofsInfo,
     RelayInfo,
     ReportsInfo,
+    StageHealthInfo,
     StateTransferInfo,
     Status,
+    UntrustedInfo,
 )
 from swarmd.api.trainers import TrainerRegistry
 from swarmd.net.server import CODEC_KEY
@@ -125,7 +127,7 @@ class StatusCollector(Collector):
         self._digest_changed = _Changed(clock)
 
     @staticmethod
-    def _coverage(stages: list[dict[str, Any]]) -> Iterator[Metric]:
+    def _coverage(stages: list[StageHealthInfo]) -> Iterator[Metric]:
         """Every stage's health (``swarmd.pipeline.coverage``): alert on ``swarmd_stage_health{health!="ok"}``."""
         health = GaugeMetricFamily("swarmd_stage_health", "1 for each stage's health as the swarm's records show it: "
                                    "ok, thin (one peer), starting, empty (no peer), lost (no peer, no state)",
@@ -133,46 +135,45 @@ class StatusCollector(Collector):
         peers = GaugeMetricFamily("swarmd_stage_peers", "peers of each stage, serving or on their way (pending)",
                                   labels=["stage", "state"])
         for st in stages:
-            stage = str(st["stage"])
-            health.add_metric([stage, str(st["health"])], 1.0)
-            peers.add_metric([stage, "serving"], float(st["serving"]))
-            peers.add_metric([stage, "pending"], float(st["pending"]))
+            stage = str(st.stage)
+            health.add_metric([stage, st.health], 1.0)
+            peers.add_metric([stage, "serving"], float(st.serving))
+            peers.add_metric([stage, "pending"], float(st.pending))
         yield health
         yield peers
 
     def collect(self) -> Iterator[Metric]:
-        s = self._source.status()
-        st = Status.model_validate(s)  # the parts read below are typed (swarmd.api.models)
+        st = Status.model_validate(self._source.status())  # read by field below (swarmd.api.models)
         info = InfoMetricFamily("swarmd_peer", "who this peer is")
-        model = s.get("model") or {}
-        info.add_metric([], {"peer_id": s.get("peer_id") or "", "swarm": s["swarm"], "version": s["version"],
-                             "device": s["device"], "model": model.get("name", ""),
-                             "model_digest": model.get("digest", "")})
+        model = st.model
+        info.add_metric([], {"peer_id": st.peer_id or "", "swarm": st.swarm, "version": st.version,
+                             "device": st.device, "model": model.name if model else "",
+                             "model_digest": model.digest if model else ""})
         yield info
         state = GaugeMetricFamily("swarmd_state", "1 for the state this peer is in", labels=["state"])
         for name in STATES:
-            state.add_metric([name], 1.0 if s["state"] == name else 0.0)
+            state.add_metric([name], 1.0 if st.state == name else 0.0)
         yield state
-        yield _gauge("swarmd_stage", "the pipeline stage this peer serves", s["stage"])
-        yield _gauge("swarmd_stages", "stages of the model", s["n_stages"])
-        yield _gauge("swarmd_throughput_samples_per_second", "forward+backward samples/s (EMA)", s["throughput"])
-        yield _gauge("swarmd_queue_jobs", "compute jobs waiting or running on the stage's worker", s["queue"])
-        yield _gauge("swarmd_in_flight_requests", "data-plane requests being served", s["in_flight"])
-        yield _gauge("swarmd_step", "optimizer steps applied to this stage's parameters", s["step"])
+        yield _gauge("swarmd_stage", "the pipeline stage this peer serves", st.stage)
+        yield _gauge("swarmd_stages", "stages of the model", st.n_stages)
+        yield _gauge("swarmd_throughput_samples_per_second", "forward+backward samples/s (EMA)", st.throughput)
+        yield _gauge("swarmd_queue_jobs", "compute jobs waiting or running on the stage's worker", st.queue)
+        yield _gauge("swarmd_in_flight_requests", "data-plane requests being served", st.in_flight)
+        yield _gauge("swarmd_step", "optimizer steps applied to this stage's parameters", st.step)
         yield _gauge("swarmd_step_age_seconds", "seconds since the step last changed (as seen by scrapes)",
-                     self._step_changed.age((s["stage"], s["step"])))
+                     self._step_changed.age((st.stage, st.step)))
         yield _gauge("swarmd_params_digest_age_seconds", "seconds since the params digest last changed "
-                     "(as seen by scrapes)", self._digest_changed.age(s["params_digest"]))
-        yield _gauge("swarmd_grad_samples", "samples accumulated since the last step", s["grad_samples"])
+                     "(as seen by scrapes)", self._digest_changed.age(st.params_digest))
+        yield _gauge("swarmd_grad_samples", "samples accumulated since the last step", st.grad_samples)
         yield _counter("swarmd_stale_backwards_dropped", "backwards refused: forward at an older step",
-                       s["stale_dropped"])
+                       st.stale_dropped)
         yield _counter("swarmd_stale_backwards_applied", "backwards one step old, applied to the next update",
-                       s["stale_applied"])
-        yield _counter("swarmd_worker_cpu_seconds", "CPU seconds of the stage's worker thread", s["worker_cpu_s"])
+                       st.stale_applied)
+        yield _counter("swarmd_worker_cpu_seconds", "CPU seconds of the stage's worker thread", st.worker_cpu_s)
         yield _by("swarmd_served_requests", "data-plane requests answered, by kind", "kind", st.served.model_dump())
-        yield _counter("swarmd_announcements", "peer records published to the DHT", s["announcements"])
-        yield _by("swarmd_task_crashes", "background task crashes, by task", "task", s["task_crashes"])
-        yield _gauge("swarmd_uptime_seconds", "seconds since the daemon started", s["uptime_s"])
+        yield _counter("swarmd_announcements", "peer records published to the DHT", st.announcements)
+        yield _by("swarmd_task_crashes", "background task crashes, by task", "task", st.task_crashes)
+        yield _gauge("swarmd_uptime_seconds", "seconds since the daemon started", st.uptime_s)
         yield from self._averaging(st.averaging)
         yield from self._checks(st.averaging or AveragingInfo())
         yield from self._reports(st.reports)
@@ -181,7 +182,7 @@ class StatusCollector(Collector):
         yield from self._migration(st.migration)
         yield _by("swarmd_migrations", "moves between stages, by how they ended (refused: a request or a "
                   "rebalancing decision that was checked and refused)", "result",
-                  {r: (s.get("migrations") or {}).get(r, 0) for r in MIGRATION_RESULTS})
+                  {r: st.migrations.get(r, 0) for r in MIGRATION_RESULTS})
         yield from self._state_transfer(st.state_transfer)
         yield from self._precision(st.precision)
         yield from self._checkpoint(st.checkpoint)
@@ -194,8 +195,8 @@ class StatusCollector(Collector):
         yield _gauge("swarmd_reachable", "1 when other members could dial this peer's data plane, 0 when not, "
                      "absent while unknown", {"yes": 1.0, "no": 0.0}.get(reach))
         yield from self._dht(self._source.dht_stats())
-        yield from self._untrusted(s.get("untrusted") or {})
-        yield from self._coverage(s.get("stages") or [])
+        yield from self._untrusted(st.untrusted)
+        yield from self._coverage(st.stages)
         yield from self._training(self._source.training_log)
         trainers = self._source.trainers
         yield _counter("swarmd_trainer_retries", "requests the trainers registered here retried on another peer, "
@@ -247,15 +248,15 @@ class StatusCollector(Collector):
                        "(fp16 only)", (precision.overflows if precision else None) or 0)
 
     @staticmethod
-    def _untrusted(untrusted: Mapping[str, Any]) -> Iterator[Metric]:
+    def _untrusted(untrusted: UntrustedInfo) -> Iterator[Metric]:
         """Fake, unreachable or misbehaving peers (issue 18): left out of views; refused by the DHT storage."""
         yield _by("swarmd_untrusted_peers", "peers left out of this daemon's newest view of the swarm, by reason",
-                  "reason", untrusted.get("dropped") or {}, counter=False)
+                  "reason", untrusted.dropped, counter=False)
         yield _by("swarmd_untrusted_peers_seen", "distinct peers ever left out of this daemon's views, by reason",
-                  "reason", untrusted.get("dropped_peers_total") or {})
-        dht = untrusted.get("dht") or {}
+                  "reason", untrusted.dropped_peers_total)
         yield _counter("swarmd_dht_evicted_records", "DHT records of over-represented sources evicted to make room "
-                       "for a newcomer from a smaller source group (fair share)", dht.get("evicted", 0))
+                       "for a newcomer from a smaller source group (fair share)",
+                       untrusted.dht.evicted if untrusted.dht is not None else 0)
 
     @staticmethod
     def _averaging(averaging: AveragingInfo | None) -> Iterator[Metric]:

@@ -106,19 +106,46 @@ class ProofsInfo(_Part):
     unproven: int = 0
 
 
-class AveragingInfo(BaseModel):
-    """The stage's averaging rounds and their checks (``swarmd.pipeline.averaging``, ``round_checks``).
+class RoundRecord(BaseModel):
+    """One averaging round as this peer saw it (``AveragerCore._record``). The fields every protocol
+    reports are typed; a protocol may add its own (the all-reduce's round id, parts, ...)."""
 
-    A round's record (``last_round``, ``recent``) carries what its protocol reports (status, step,
-    leader, samples, contributors, missing, duration_s, ...): typed here as a mapping, since each
-    averaging protocol adds its own fields; the counters are typed."""
+    model_config = ConfigDict(extra="allow")
+
+    status: str = Field(description="ok | aborted | refused (this peer refused the leader's answer)")
+    step: int
+    leader: str = Field(description="the leader's (or the all-reduce coordinator's) peer id")
+    samples: int
+    contributors: int
+    missing: list[str] = Field(default_factory=list, description="expected contributors that never came")
+    reason: str | None = Field(default=None, description="why it was aborted or refused")
+    refused: dict[str, str] = Field(default_factory=dict, description="peer id -> why its contribution was "
+                                    "turned away (kind: detail)")
+    clipped: list[str] = Field(default_factory=list, description="contributions whose influence the robust mean cut")
+    struck: list[str] = Field(default_factory=list, description="counted for their samples, left out of the mean")
+    convicted: dict[str, str] = Field(default_factory=dict, description="peers convicted of hostile contributions "
+                                      "by this round, and why")
+    used: dict[str, int] | None = Field(default=None, description="whose samples the mean holds (as leader)")
+    duration_s: float | None = None
+
+
+class Exclusion(BaseModel):
+    """A stage-mate this peer leaves out of its rounds for now (``round_checks.Suspicions``)."""
+
+    offences: int
+    excluded_for_s: float
+    reason: str
+
+
+class AveragingInfo(BaseModel):
+    """The stage's averaging rounds and their checks (``swarmd.pipeline.averaging``, ``round_checks``)."""
 
     model_config = ConfigDict(extra="allow")
 
     rounds_ok: int = 0
     rounds_aborted: int = 0
-    last_round: dict[str, Any] | None = None
-    recent: list[dict[str, Any]] = Field(default_factory=list)
+    last_round: RoundRecord | None = None
+    recent: list[RoundRecord] = Field(default_factory=list)
     rounds_refused: int = 0
     leaders_refused: dict[str, int] = Field(default_factory=dict)
     leaders_stalling: dict[str, int] = Field(default_factory=dict)
@@ -134,7 +161,7 @@ class AveragingInfo(BaseModel):
                                       "peer led")
     duplicate_microbatches: int = 0
     silent_contributors: int = 0
-    excluded: dict[str, Any] = Field(default_factory=dict, description="peer id -> why and until when")
+    excluded: dict[str, Exclusion] = Field(default_factory=dict, description="peer id -> why and for how long")
     excluded_by_reports: list[str] = Field(default_factory=list)
     proofs: ProofsInfo | None = None
     control_requests: dict[str, int] = Field(default_factory=dict, description="averaging requests without "
@@ -269,6 +296,53 @@ class ReportsInfo(_Part):
     accused: int = 0
 
 
+class AddressesInfo(BaseModel):
+    """Bound and announced addresses, and how the announced host was chosen (``net/addresses.py``)."""
+
+    data_bound: str | None = None
+    data_announced: str | None = None
+    dht_bound: str | None = None
+    dht_announced: str | None = None
+    how: str | None = Field(default=None, description="flag | bound | observed | route | loopback")
+    observed: list[str] = Field(default_factory=list, description="what DHT contacts saw of this peer's address")
+
+
+class DroppedPeer(BaseModel):
+    """A peer record left out of this daemon's view of the swarm (``dht/membership.py``)."""
+
+    peer_id: str
+    stage: int
+    data_addr: str
+    reason: str
+
+
+class SourceTopRefused(BaseModel):
+    source: str
+    refused: int
+
+
+class DHTSourcesInfo(BaseModel):
+    """What this node's DHT storage refused by source (issue 18: the source quota and fair sharing)."""
+
+    grouping: str | None = None
+    max_per_source: int = 0
+    refused_over_quota: int = 0
+    refused_full: int = 0
+    evicted: int = 0
+    top_refused_sources: list[SourceTopRefused] = Field(default_factory=list)
+    one_replica: int = Field(default=0, description="lookups dropped as held by one replica only")
+
+
+class UntrustedInfo(BaseModel):
+    """Fake, unreachable or misbehaving peers left out of this daemon's views (issue 18)."""
+
+    dropped: dict[str, int] = Field(default_factory=dict, description="peers left out of the newest view, by reason")
+    peers: list[DroppedPeer] = Field(default_factory=list, description="examples")
+    dropped_peers_total: dict[str, int] = Field(default_factory=dict, description="distinct peers ever left out, "
+                                                "by reason")
+    dht: DHTSourcesInfo | None = None
+
+
 class Status(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -342,8 +416,8 @@ class Status(BaseModel):
     data_addr: str | None = Field(description="host:port of the aiohttp data plane")
     api_addr: str | None = Field(description="host:port of this control plane")
     dht_addr: str | None = Field(description="host:port of this peer's DHT node (UDP); others --join it")
-    addresses: dict[str, Any] = Field(
-        default_factory=dict,
+    addresses: AddressesInfo = Field(
+        default_factory=AddressesInfo,
         description="data_bound/data_announced and dht_bound/dht_announced host:port, and how the announced "
         "host was chosen: flag (--announce), bound (a specific --host), observed (two or more DHT contacts agree "
         "on what they see), route (the local address of the route to the bootstrap peer), loopback",
@@ -376,8 +450,8 @@ class Status(BaseModel):
         description="gradients handed over on graceful leave (POST /v1/gradients), in samples: handed_out and "
         "to (this peer, leaving), dropped (nobody took them), handed_in (from leaving stage-mates)",
     )
-    untrusted: dict[str, Any] = Field(
-        default_factory=dict,
+    untrusted: UntrustedInfo = Field(
+        default_factory=UntrustedInfo,
         description="fake, unreachable or misbehaving peers (issue 18): dropped (peers left out of this daemon's "
         "newest view of the swarm, by reason: never_answered, failed_proof, excluded), peers (examples: peer_id, "
         "stage, data_addr, reason), dropped_peers_total (distinct peers ever left out, by reason), and dht: what "
@@ -426,7 +500,7 @@ class SwarmStage(BaseModel):
     health: StageHealthInfo | None = Field(default=None, description="the stage's health, its newest step and how old "
                                            "that report is (None from daemons of older builds)")
     peers: list[SwarmPeer]
-    dropped: list[dict[str, Any]] = Field(
+    dropped: list[DroppedPeer] = Field(
         default_factory=list,
         description="records left out of this view, with the reason (peer_id, stage, data_addr, reason; at most 32)",
     )

@@ -177,22 +177,22 @@ def _auth(host: Host) -> dict[str, Any]:
     }
 
 
-def _addresses(host: Host) -> dict[str, Any]:
+def _addresses(host: Host) -> m.AddressesInfo:
     """Bound and announced addresses, and how the announced host was chosen."""
     dp = host.data_plane
-    return {
-        "data_bound": format_addr(dp.address) if dp is not None else None,
-        "data_announced": host.data_addr,
-        "dht_bound": format_addr(host.dht.address) if host.dht is not None and host.dht.running else None,
-        "dht_announced": host.dht_addr,
-        "how": host.announced.how if host.announced is not None else None,
-        "observed": list(host.announced.observed) if host.announced is not None else [],
-    }
+    return m.AddressesInfo(
+        data_bound=format_addr(dp.address) if dp is not None else None,
+        data_announced=host.data_addr,
+        dht_bound=format_addr(host.dht.address) if host.dht is not None and host.dht.running else None,
+        dht_announced=host.dht_addr,
+        how=host.announced.how if host.announced is not None else None,
+        observed=list(host.announced.observed) if host.announced is not None else [],
+    )
 
 
-def _untrusted(host: Host) -> dict[str, Any]:
+def _untrusted(host: Host) -> m.UntrustedInfo:
     """Peers left out of the views, and what the DHT storage refused, by source."""
     out: dict[str, Any] = host.membership.untrusted() if host.membership is not None else {}
     if host.dht is not None:
         out["dht"] = host.dht.flood_stats()
-    return out
+    return m.UntrustedInfo.model_validate(out)

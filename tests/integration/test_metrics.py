@@ -313,12 +313,12 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
                     "grad_samples": 0, "stale_dropped": 0, "stale_applied": 0, "worker_cpu_s": 0.0, "served": {},
                     "announcements": 1, "task_crashes": {}, "uptime_s": 1.0,
                     "averaging": {"rounds_ok": 2, "rounds_aborted": 1, "rounds_refused": 4,
-                                  "contributions_refused": {"outlier": 2, "nan": 1}, "refused_samples": 24,
+                                  "contributions_refused": {"outlier": 2, "nonfinite": 1}, "refused_samples": 24,
                                   "leaders_refused": {"p4": 2, "p5": 1}, "leaders_stalling": {"p4": 1},
                                   "silent_contributors": 6, "duplicate_microbatches": 7,
                                   "hostile_convictions": {"p6": 2, "p7": 1}, "contributions_clipped": 5,
                                   "contributions_struck": 8,
-                                  "excluded": {"p1": 30.0}, "excluded_by_reports": ["p2", "p3"],
+                                  "excluded": {"p1": {"offences": 1, "excluded_for_s": 30.0, "reason": "outlier: 80x"}}, "excluded_by_reports": ["p2", "p3"],
                                   "proofs": {"proven": 2, "failing": 1, "unproven": 0, "proofs_ok": 9,
                                              "proofs_failed": {"unreachable": 3}}},
                     "reports": {"received": 5, "accepted": 3, "exclusions": 1, "refused": {"duplicate": 2},
@@ -330,7 +330,7 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
     got = samples(DaemonMetrics(Source()).render().decode())
     assert got[("swarmd_averaging_rounds_refused_total", ())] == 4
     assert got[("swarmd_averaging_contributions_refused_total", (("reason", "outlier"),))] == 2
-    assert got[("swarmd_averaging_contributions_refused_total", (("reason", "nan"),))] == 1
+    assert got[("swarmd_averaging_contributions_refused_total", (("reason", "nonfinite"),))] == 1
     assert got[("swarmd_averaging_refused_samples_total", ())] == 24
     assert got[("swarmd_averaging_leaders_refused_total", ())] == 3
     assert got[("swarmd_averaging_leaders_stalling_total", ())] == 1

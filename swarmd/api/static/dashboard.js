@@ -191,7 +191,7 @@ function roundStatus(r) {
   const notes = [];
   if (r.clipped && r.clipped.length) notes.push(`${r.clipped.length} clipped`);
   if (r.struck && r.struck.length) notes.push(`${r.struck.length} left out`);
-  if (r.convicted) notes.push(`convicted ${Object.keys(r.convicted).map((p) => p.slice(0, 8)).join(", ")}`);
+  if (r.convicted && Object.keys(r.convicted).length) notes.push(`convicted ${Object.keys(r.convicted).map((p) => p.slice(0, 8)).join(", ")}`);
   return notes.length ? `${r.status} (${notes.join("; ")})` : String(r.status);
 }
 
@@ -200,7 +200,7 @@ function drawPeer(status, trainers) {
   const recent = ((status && status.averaging && status.averaging.recent) || []).slice(-10).reverse();
   rounds.replaceChildren(...(recent.length ? recent.map((r) => el("tr", {}, el("td", {}, r.step), el("td", {}, roundStatus(r)),
     el("td", { class: "num" }, r.samples), el("td", { class: "num" }, r.contributors),
-    el("td", { class: "num" }, r.duration_s === undefined ? "-" : `${fmt(r.duration_s, 2)} s`), el("td", {}, String(r.leader || "").slice(0, 12))))
+    el("td", { class: "num" }, r.duration_s === undefined || r.duration_s === null ? "-" : `${fmt(r.duration_s, 2)} s`), el("td", {}, String(r.leader || "").slice(0, 12))))
     : [el("tr", {}, el("td", { colspan: 6, class: "muted" }, "none yet"))]));
   const m = status && status.migration;
   const migration = document.getElementById("migration");
