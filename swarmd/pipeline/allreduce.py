@@ -266,6 +266,15 @@ class AllReduceAverager(StageAverager):
         if not await self._accounted(mates, waiting, step, digest) or (not waiting and await self._newly_listed()):
             await self._wait_wake(None)  # hear from the mates first
             return
+        # the reports held now (those above may have been answered "wait" while the mates were asked):
+        # from here to answering them with the plan nothing awaits, so each member planned with hears of it
+        held_now = {pid: r for pid, r in self.coord.waiting(step, digest).items() if pid in mates}
+        if ex.step != step or ex.digest != digest:
+            return
+        if ex.grad_samples + sum(r.samples for r in held_now.values()) < self.target:
+            await self._wait_wake(None)
+            return
+        waiting = held_now
         members = {pid: mates[pid] for pid in waiting} | {self.peer_id: self._own_addr}
         plan = plan_round(stage=ex.stage, step=step, coordinator=self.peer_id, members=members,
                           numel=ex.grad_numel, nonce=secrets.token_hex(4), timeout_s=self.timeout_s)

@@ -65,9 +65,16 @@ class Coordinator:
             held.answer.set_result(reply_now)
             return reply_now
         try:
-            return await asyncio.wait_for(asyncio.shield(held.answer), hold_s)
+            await asyncio.wait_for(asyncio.shield(held.answer), hold_s)
         except asyncio.TimeoutError:
-            return ArReportReply("wait", report.step)
+            pass
+        finally:
+            # Answered "wait" (or its request went away): no longer held, so never planned with. Left
+            # pending, a round planned a moment later counted the member and answered nobody: it never
+            # sent its parts, and every owner waited out the round's timeout before it aborted.
+            if not held.answer.done():
+                held.answer.set_result(ArReportReply("wait", report.step))
+        return held.answer.result()
 
     def waiting(self, step: int, digest: str, now: float | None = None) -> dict[str, ArReport]:
         """Members whose report is held now (they will hear of a start) at ``step`` with ``digest``."""
