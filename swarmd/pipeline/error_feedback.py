@@ -2,9 +2,9 @@
 
 A stage's peers average their gradients every step (SWARM, section 3.2), and with a lossy
 ``grad_codec`` each contribution reaches the leader as ``D(Q(g))``, not ``g``. The ``8bit``,
-``4bit``, ``3bit`` and ``2bit`` codecs round to the *nearest* level, deterministically, so the error is not noise that
-averages out: a small, steady gradient component that always rounds the same way is lost at
-every step. Error feedback (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error
+``4bit``, ``3bit``, ``2bit`` and ``5level`` codecs round to the *nearest* level, deterministically,
+so the error is not noise that averages out: a small, steady gradient component that always rounds
+the same way is lost at every step. Error feedback (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error
 Feedback Fixes SignSGD") keeps the dropped part and adds it to the next contribution::
 
     send  Q(g + e)                    # the compensated gradient, encoded
@@ -12,6 +12,12 @@ Feedback Fixes SignSGD") keeps the dropped part and adds it to the next contribu
 
 so the sum of what the leader received over any number of rounds differs from the sum of the true
 gradients by one residual ``e`` only, whatever the number of rounds.
+
+The residual stays bounded only where the codec shrinks what it is given: if every block's error
+is at most ``r < 1`` of the block's norm, ``||e|| <= r (||g|| + ||e_before||)``, so the residual never
+exceeds ``r / (1 - r)`` of the largest gradient. ``4bit`` (``r = 0.53``) and ``5level`` (0.84) are
+such codecs; ``3bit`` and ``2bit`` are not (1.62 and 3.77 in their worst case), see
+``swarmd.net.codecs``.
 
 Each peer keeps one residual, for its own contributions (it is "per peer": a leader never sees
 another peer's residual). The residual joins the gradients when they are taken out for a round
@@ -36,7 +42,7 @@ __all__ = ["FED_CODECS", "ErrorFeedback", "needs_feedback"]
 #: Grad codecs whose error accumulates (deterministic rounding to a coarse grid relative to a
 #: block's absmax). fp16/bf16 round each value to within 2**-11 / 2**-8 of itself, far below
 #: the gradient noise; ``none`` is exact.
-FED_CODECS: frozenset[str] = frozenset({"8bit", "4bit", "3bit", "2bit"})
+FED_CODECS: frozenset[str] = frozenset({"8bit", "4bit", "3bit", "2bit", "5level"})
 
 
 def needs_feedback(grad_codec: str) -> bool:
