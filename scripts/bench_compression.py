@@ -184,6 +184,8 @@ async def one_run(args: argparse.Namespace, name: str, setup: Setup, seed: int, 
             daemons.append(DaemonProcess([*common, "--join", founder.info["dht_addr"], "--stage",
                                           str(i % spec.n_stages)], workdir, name=f"peer{i}", threads=args.threads))
         await asyncio.gather(*(d.wait_ready_async() for d in daemons[1:]))
+        # joiners download their stage's state when they join: only what comes after counts as disturbing
+        state_before = sum(data_plane_bytes(d.api).get(STATE, 0) for d in daemons)
         counters = Counters(daemons, args.steps)
         config = TrainerConfig(api=founder.api, steps=args.steps, batch_size=args.batch_size,
                                microbatch_size=args.microbatch_size, codec=setup.codec, seed=seed, sync=True,
@@ -200,14 +202,14 @@ async def one_run(args: argparse.Namespace, name: str, setup: Setup, seed: int, 
     boundary = sum(by_endpoint.get(e, 0) for e in BOUNDARY)
     averaging = sum(by_endpoint.get(e, 0) for e in AVERAGING)
     samples = counters.samples or args.steps * args.batch_size
-    state = by_endpoint.get(STATE, 0)
+    state = by_endpoint.get(STATE, 0) - state_before
     return {
         "seed": seed,
         "samples": samples,
         # a stage's round short of samples (the trainer topped the step up) or a peer that downloaded
         # its stage's state mid-run: the run trained something else than the others at equal steps
         "disturbed": samples != args.steps * args.batch_size or state > 0,
-        "state_bytes": state,
+        "state_bytes": state,  # /v1/state during training (a peer that fell behind), not at join
         "bytes": boundary + averaging,
         "boundary_bytes": boundary,
         "averaging_bytes": averaging,
