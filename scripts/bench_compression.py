@@ -216,6 +216,7 @@ async def one_run(args: argparse.Namespace, name: str, setup: Setup, seed: int, 
         "other_data_plane_bytes": sum(by_endpoint.values()) - boundary - averaging,
         "heldout_loss": summary.val_loss,
         "final_train_loss": counters.losses[-1] if counters.losses else None,
+        "step_losses": [round(x, 4) for x in counters.losses],
         "wall_s": round(wall, 1),
     }
 
