@@ -19,6 +19,21 @@ exceeds ``r / (1 - r)`` of the largest gradient. ``4bit`` (``r = 0.53``) and ``5
 such codecs; ``3bit`` and ``2bit`` are not (1.62 and 3.77 in their worst case), see
 ``swarmd.net.codecs``.
 
+**After a gradient spike the residual is capped** at :data:`RESIDUAL_CAP` times the norm of the fresh
+gradients it joins (scaled down, its direction kept; :attr:`ErrorFeedback.rounds_trimmed` counts the
+rounds it happened). A loss spike gives one step gradients a hundred times larger than the next
+one's: in ``small`` (seed 1, 2 peers per stage, ``scripts/bench_compression.py``) stage 0's step 3
+gradients had norm 480-630 and step 4's 2.4-2.6, uncompressed and compressed alike (fp32 spikes
+there too, loss 4.3 -> 7.2 -> 3.9). The residual of the spike step (0.33 of it with ``5level``: 212)
+then made the next contribution 85x its stage-mate's, and the leader refused it as an outlier
+(``round_checks.OUTLIER_FACTOR``, 64x): the round aborted and the trainer topped the step up, in
+every seed-1 run with ``5level``, ``3bit`` and ``2bit`` (not with ``4bit``, whose residual is 0.1 of
+a gradient). Capped, a contribution is at most ``1 + RESIDUAL_CAP`` times its own fresh gradients;
+what the cap drops is the stale part of a spike the optimizer clips anyway (``clip_norm``). Without
+spikes the residual stays below the cap (0.2-1.8 of the fresh gradients in those runs, the high end
+while the loss falls fast in the first steps), so nothing is dropped and the received sum differs
+from the true one by one residual, as above.
+
 Each peer keeps one residual, for its own contributions (it is "per peer": a leader never sees
 another peer's residual). The residual joins the gradients when they are taken out for a round
 (:meth:`ErrorFeedback.compensate`) and is re-formed only when the round succeeded with this
@@ -37,12 +52,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FED_CODECS", "ErrorFeedback", "needs_feedback"]
+__all__ = ["FED_CODECS", "RESIDUAL_CAP", "ErrorFeedback", "needs_feedback"]
 
 #: Grad codecs whose error accumulates (deterministic rounding to a coarse grid relative to a
 #: block's absmax). fp16/bf16 round each value to within 2**-11 / 2**-8 of itself, far below
 #: the gradient noise; ``none`` is exact.
 FED_CODECS: frozenset[str] = frozenset({"8bit", "4bit", "3bit", "2bit", "5level"})
+
+
+#: The residual joins the fresh gradients at most this many times their norm (see the module docstring).
+RESIDUAL_CAP = 2.0
 
 
 def needs_feedback(grad_codec: str) -> bool:
@@ -57,6 +76,7 @@ class ErrorFeedback:
         self.enabled = enabled
         self._residual: torch.Tensor | None = None
         self.rounds_kept = 0  # rounds that left a residual
+        self.rounds_trimmed = 0  # contributions whose residual was scaled down to RESIDUAL_CAP
 
     @property
     def residual(self) -> torch.Tensor | None:
@@ -66,12 +86,19 @@ class ErrorFeedback:
     def compensate(self, grads: torch.Tensor) -> torch.Tensor:
         """``grads + e``, in place in ``grads``; the residual now belongs to the contribution.
 
-        A residual of another size (the stage was rebuilt) is dropped, never added.
+        A residual of another size (the stage was rebuilt) is dropped, never added; one larger than
+        ``RESIDUAL_CAP * ||grads||`` is scaled down to that first.
         """
         residual, self._residual = self._residual, None
         if not self.enabled or residual is None or residual.shape != grads.shape:
             return grads
-        return grads.add_(residual.to(grads.device, grads.dtype))
+        residual = residual.to(grads.device, grads.dtype)
+        norm = float(torch.linalg.vector_norm(residual, dtype=torch.float64))
+        cap = RESIDUAL_CAP * float(torch.linalg.vector_norm(grads, dtype=torch.float64))
+        if norm > cap:
+            self.rounds_trimmed += 1
+            residual = residual * (cap / norm)
+        return grads.add_(residual)
 
     def keep(self, sent: torch.Tensor | None, decoded: torch.Tensor | None) -> None:
         """The round applied ``decoded`` as this peer's contribution ``sent`` (compensated):
