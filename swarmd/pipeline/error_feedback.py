@@ -23,12 +23,12 @@ such codecs; ``3bit`` and ``2bit`` are not (1.62 and 3.77 in their worst case), 
 gradients it joins (scaled down, its direction kept; :attr:`ErrorFeedback.rounds_trimmed` counts the
 rounds it happened). A loss spike gives one step gradients a hundred times larger than the next
 one's: in ``small`` (seed 1, 2 peers per stage, ``scripts/bench_compression.py``) stage 0's step 3
-gradients had norm 480-630 and step 4's 2.4-2.6, uncompressed and compressed alike (fp32 spikes
+gradients had norm 400-630 and step 4's 2.2-3.3, uncompressed and compressed alike (fp32 spikes
 there too, loss 4.3 -> 7.2 -> 3.9). The residual of the spike step (0.33 of it with ``5level``: 212)
 then made the next contribution 85x its stage-mate's, and the leader refused it as an outlier
 (``round_checks.OUTLIER_FACTOR``, 64x): the round aborted and the trainer topped the step up, in
-every seed-1 run with ``5level``, ``3bit`` and ``2bit`` (not with ``4bit``, whose residual is 0.1 of
-a gradient). Capped, a contribution is at most ``1 + RESIDUAL_CAP`` times its own fresh gradients;
+every seed-1 run with ``5level`` (3 of 3) and in some with ``3bit`` and ``2bit`` (not with ``4bit``,
+whose residual is 0.1 of a gradient). See docs/BENCHMARKS.md, issue 30's section on ``small``. Capped, a contribution is at most ``1 + RESIDUAL_CAP`` times its own fresh gradients;
 what the cap drops is the stale part of a spike the optimizer clips anyway (``clip_norm``). Without
 spikes the residual stays below the cap (0.2-1.8 of the fresh gradients in those runs, the high end
 while the loss falls fast in the first steps), so nothing is dropped and the received sum differs
