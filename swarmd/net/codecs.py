@@ -254,8 +254,8 @@ class EncodedTensor:
     """What a codec produces: the main bytes plus the side data the decoder needs."""
 
     payload: bytes | memoryview
-    absmax: bytes | None = None  # 8bit, 4bit: float32 absmax per block, little-endian; 3bit, 2bit too
-    blocksize: int | None = None  # 8bit, 4bit, 3bit and 2bit only
+    absmax: bytes | None = None  # per block, little-endian: float32 (8bit, 4bit, 3bit, 2bit), bfloat16 (5level)
+    blocksize: int | None = None  # 8bit, 4bit, 3bit, 2bit and 5level only
 
 
 class Codec(abc.ABC):
