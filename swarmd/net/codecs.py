@@ -391,7 +391,7 @@ class _RotatedBlockCodec(Codec):
     ``nan`` throughout). The codecs differ only in their block sizes, their levels, their scale's
     dtype and how the codes are packed (:meth:`_pack`, :meth:`_unpack`)."""
 
-    bits: ClassVar[int]  # of the evenly spaced levels (:meth:`_codes`); codecs with other levels override it
+    bits: ClassVar[int]  # 2**bits evenly spaced levels (:meth:`_codes`); unset where a codec has its own levels
     blocksizes: ClassVar[frozenset[int]]
     default_blocksize: ClassVar[int]
     #: How each block's absmax travels: float32 (exact), or bfloat16 rounded *up* (never below the
@@ -551,7 +551,6 @@ class FiveLevelCodec(_RotatedBlockCodec):
     is given (see "The 5-level bound")."""
 
     name = "5level"
-    bits = 3  # unused: the levels are FIVE_LEVELS, not evenly spaced
     blocksizes = FIVE_LEVEL_BLOCKSIZES
     default_blocksize = FIVE_LEVEL_DEFAULT_BLOCKSIZE
     scale_dtype = torch.bfloat16
