@@ -21,19 +21,30 @@ configuration:
 - ``reduction_vs_fp32`` and ``loss_gap_vs_fp32``: against the ``fp32`` configuration (no codec,
   no bottleneck), means over ``--seeds`` (``g`` relative: 0.03 is 3% worse).
 
+A run is **disturbed** when a stage's round came up short (a contribution timed out or was refused,
+and the trainer topped the step up with more samples) or a peer downloaded its stage's state
+(``/v1/state``: it fell behind and adopted a stage-mate's parameters): it then trained something
+else than its seed's other runs at equal steps, and on a loaded machine that happens to any
+configuration, fp32 included. ``--retries K`` runs a disturbed run again (up to K times); the means
+leave a disturbed run out where its configuration has a clean run of the same seed, and each result
+says how many of its runs were disturbed (``disturbed_runs``) and lists those left out
+(``left_out``), so a codec that disturbs its runs shows it.
+
 Each run is a real swarm: ``--peers-per-stage`` daemons per stage started through the CLI
 (``swarmd.local_swarm``), one founder with the model file and ``--grad-codec``, the others joining,
-and a :class:`~swarmd.train.trainer.Trainer` in this process in sync mode (``--batch-size``
-samples per step, spot checks off: ``--verify-fraction 0`` traffic is not compression's subject).
-A configuration names its activation codec (``TrainerConfig.codec``: activations forward and their
-gradients backward), its gradient codec (``TrainingSpec.grad_codec``, with error feedback for
-``8bit`` and ``4bit``) and its boundary width (``ModelSpec.boundary_dim``: ``bottleneck`` is
-``d_model / 4`` or ``--boundary-dim``, ``bottleneck/8`` is ``d_model / 8``).
+and a :class:`~swarmd.train.trainer.Trainer` in this process in sync mode (``--batch-size`` samples
+per step, spot checks off: ``--verify-fraction 0`` traffic is not compression's subject). A
+configuration names its activation codec (``TrainerConfig.codec``: activations forward and their
+gradients backward), its gradient codec (``TrainingSpec.grad_codec``, with error feedback for the
+quantizing codecs: ``8bit``, ``4bit``, ``3bit``, ``2bit``, ``5level``) and its boundary width
+(``ModelSpec.boundary_dim``: ``bottleneck`` is ``d_model / 4`` or ``--boundary-dim``,
+``bottleneck/8`` is ``d_model / 8``).
 
     .venv/bin/python scripts/bench_compression.py --json                      # tiny, 2 seeds
     .venv/bin/python scripts/bench_compression.py --model small --seeds 0 --steps 30
     .venv/bin/python scripts/bench_compression.py --configs fp32 4bit bottleneck+4bit
     .venv/bin/python scripts/bench_compression.py --json --merge seeds01.json seed2.json   # one table
+    .venv/bin/python scripts/bench_compression.py --json --no-baseline --configs 4bit > more.json  # fp32 elsewhere
 
 JSON: ``{"results": [{"config", "bytes_per_sample", "reduction_vs_fp32", "heldout_loss",
 "loss_gap_vs_fp32", ...}], "settings": {...}, "load_average": [...]}``.
@@ -47,6 +58,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,10 +101,15 @@ CONFIGS: dict[str, Setup] = {
     "4bit+grad2bit": Setup("4bit", "2bit"),
     "bottleneck+4bit+grad2bit": Setup("4bit", "2bit", bottleneck=4),
     "bottleneck/8+4bit+grad2bit": Setup("4bit", "2bit", bottleneck=8),
+    # five levels with a zero: 2.58 bits a value, and error feedback cannot amplify it
+    "4bit+grad5level": Setup("4bit", "5level"),
+    "bottleneck+4bit+grad5level": Setup("4bit", "5level", bottleneck=4),
+    "bottleneck/8+4bit+grad5level": Setup("4bit", "5level", bottleneck=8),
 }
 BASELINE = "fp32"
 BOUNDARY = ("/v1/forward", "/v1/backward")
 AVERAGING = ("/v1/average",)
+STATE = "/v1/state"
 CORPUS_BYTES = 4 << 20
 _METRIC = re.compile(r'^swarmd_data_plane_(received|sent)_bytes_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
 
@@ -167,6 +184,8 @@ async def one_run(args: argparse.Namespace, name: str, setup: Setup, seed: int, 
             daemons.append(DaemonProcess([*common, "--join", founder.info["dht_addr"], "--stage",
                                           str(i % spec.n_stages)], workdir, name=f"peer{i}", threads=args.threads))
         await asyncio.gather(*(d.wait_ready_async() for d in daemons[1:]))
+        # joiners download their stage's state when they join: only what comes after counts as disturbing
+        state_before = sum(data_plane_bytes(d.api).get(STATE, 0) for d in daemons)
         counters = Counters(daemons, args.steps)
         config = TrainerConfig(api=founder.api, steps=args.steps, batch_size=args.batch_size,
                                microbatch_size=args.microbatch_size, codec=setup.codec, seed=seed, sync=True,
@@ -183,15 +202,21 @@ async def one_run(args: argparse.Namespace, name: str, setup: Setup, seed: int, 
     boundary = sum(by_endpoint.get(e, 0) for e in BOUNDARY)
     averaging = sum(by_endpoint.get(e, 0) for e in AVERAGING)
     samples = counters.samples or args.steps * args.batch_size
+    state = by_endpoint.get(STATE, 0) - state_before
     return {
         "seed": seed,
         "samples": samples,
+        # a stage's round short of samples (the trainer topped the step up) or a peer that downloaded
+        # its stage's state mid-run: the run trained something else than the others at equal steps
+        "disturbed": samples != args.steps * args.batch_size or state > 0,
+        "state_bytes": state,  # /v1/state during training (a peer that fell behind), not at join
         "bytes": boundary + averaging,
         "boundary_bytes": boundary,
         "averaging_bytes": averaging,
         "other_data_plane_bytes": sum(by_endpoint.values()) - boundary - averaging,
         "heldout_loss": summary.val_loss,
         "final_train_loss": counters.losses[-1] if counters.losses else None,
+        "step_losses": [round(x, 4) for x in counters.losses],
         "wall_s": round(wall, 1),
     }
 
@@ -209,20 +234,37 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {}
     for name in args.configs:
         for seed in args.seeds:
-            with tempfile.TemporaryDirectory(prefix="swarmd-bench-compression-") as tmp:
-                run = await one_run(args, name, CONFIGS[name], seed, Path(tmp))
-            runs.setdefault(name, []).append(run)
-            print(f"{name} seed {seed}: {run['bytes'] / run['samples']:.0f} B/sample, held-out loss "
-                  f"{run['heldout_loss']:.4f} ({run['wall_s']}s)", file=sys.stderr, flush=True)
+            for attempt in range(1 + args.retries):
+                with tempfile.TemporaryDirectory(prefix="swarmd-bench-compression-") as tmp:
+                    try:
+                        run = await one_run(args, name, CONFIGS[name], seed, Path(tmp))
+                    finally:
+                        if args.keep_logs:
+                            keep = args.keep_logs / f"{name.replace('/', '_')}-seed{seed}-{attempt}"
+                            keep.mkdir(parents=True, exist_ok=True)
+                            for log in Path(tmp).glob("*.log"):
+                                shutil.copy(log, keep / log.name)
+                runs.setdefault(name, []).append(run)
+                print(f"{name} seed {seed}: {run['bytes'] / run['samples']:.0f} B/sample, held-out loss "
+                      f"{run['heldout_loss']:.4f} ({run['wall_s']}s){' DISTURBED' if run['disturbed'] else ''}",
+                      file=sys.stderr, flush=True)
+                if not run["disturbed"]:
+                    break
     return summarize(runs, args)
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
     """Means over seeds, against the fp32 runs; ``loss_gap_per_seed`` pairs each run with fp32's of its seed."""
-    base = runs.get(BASELINE)
-    base_by_seed = {r["seed"]: r["heldout_loss"] for r in base or []}
-    base_bps = statistics.mean(r["bytes"] / r["samples"] for r in base) if base else None
-    base_loss = statistics.mean(r["heldout_loss"] for r in base) if base else None
+    disturbed = {name: [r for r in rs if r.get("disturbed")] for name, rs in runs.items()}
+    if not args.keep_disturbed:  # leave out disturbed runs where the configuration has a clean one for the seed
+        runs = {name: [r for r in rs if not r.get("disturbed")
+                       or not any(c["seed"] == r["seed"] and not c.get("disturbed") for c in rs)]
+                for name, rs in runs.items()}
+    base = runs.get(BASELINE) or []
+    base_by_seed = {seed: statistics.mean(r["heldout_loss"] for r in base if r["seed"] == seed)
+                    for seed in {r["seed"] for r in base}}
+    base_bps_by_seed = {seed: statistics.mean(r["bytes"] / r["samples"] for r in base if r["seed"] == seed)
+                        for seed in base_by_seed}
     results = []
     for name, rs in runs.items():
         def per_sample(key: str, rs: list[dict[str, Any]] = rs) -> float:
@@ -230,6 +272,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
 
         bps = statistics.mean(r["bytes"] / r["samples"] for r in rs)
         loss = statistics.mean(r["heldout_loss"] for r in rs)
+        # against fp32 of the same seeds (all of fp32's where it has none of them)
+        paired = sorted({r["seed"] for r in rs} & set(base_by_seed)) or sorted(base_by_seed)
+        base_bps = statistics.mean(base_bps_by_seed[seed] for seed in paired) if paired else None
+        base_loss = statistics.mean(base_by_seed[seed] for seed in paired) if paired else None
         setup = CONFIGS[name]
         spec = spec_for(args, setup, args.seeds[0])
         results.append({
@@ -250,11 +296,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
                 "heldout_loss_stdev": (round(statistics.stdev(r["heldout_loss"] for r in rs), 4)
                                        if len(rs) > 1 else None),
                 "runs": rs,
+                "disturbed_runs": len(disturbed[name]),
+                "left_out": [r for r in disturbed[name] if r not in rs],
             },
         })
     return {
         "results": results,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "merge", "keep_logs")},
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -276,22 +324,33 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="run nothing: summarize the runs of earlier --json outputs together (e.g. other seeds)")
+    p.add_argument("--retries", type=int, default=0,
+                   help="run a disturbed run (short rounds or a state download) again, up to this many times")
+    p.add_argument("--keep-disturbed", action="store_true",
+                   help="average disturbed runs in even where the seed has a clean run (default: left out, listed)")
+    p.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy each run's daemon logs under DIR")
+    p.add_argument("--no-baseline", action="store_true",
+                   help=f"do not add {BASELINE!r} to --configs (its runs come from another JSON, with --merge)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if BASELINE not in args.configs:
+    if BASELINE not in args.configs and not args.no_baseline:
         args.configs.insert(0, BASELINE)
     if args.merge:
         runs: dict[str, list[dict[str, Any]]] = {}
         for path in args.merge:
-            for r in json.loads(path.read_text())["results"]:
-                runs.setdefault(r["config"], []).extend(r["detail"]["runs"])
+            data = json.loads(path.read_text())
+            expected = data["settings"]["steps"] * data["settings"]["batch_size"]
+            for r in data["results"]:
+                for run in r["detail"]["runs"] + r["detail"].get("left_out", []):
+                    run.setdefault("disturbed", run["samples"] != expected)  # JSON from before the flag
+                    runs.setdefault(r["config"], []).append(run)
         args.configs = list(runs)
         args.seeds = sorted({r["seed"] for rs in runs.values() for r in rs})
         result = summarize(runs, args)
         result["merged"] = [str(path) for path in args.merge]
     else:
         result = asyncio.run(run_all(args))
-    if args.json:
+    if args.json or result["results"][0]["reduction_vs_fp32"] is None:
         print(strict_json_dumps(result))
         return
     print(f"{'config':32} {'B/sample':>10} {'reduction':>9} {'held-out':>9} {'gap':>8}")

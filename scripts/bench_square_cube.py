@@ -28,7 +28,7 @@ computing per byte it sends. This script measures both sides for one pre-norm bl
   block's frames ``d_model / K`` wide; the block's compute is taken unchanged (the two boundary
   projections add ``2 * d_model * d_model / K`` multiply-adds per token to the block's ~``12 *
   d_model**2``, 4% at K = 4). A row's grad codec is its activation codec unless it names one
-  (``+g3bit``: 3-bit averaging, ``+g2bit``: 2-bit).
+  (``+g3bit``: 3-bit averaging, ``+g5level``: 5-level, 2.58 bits, ``+g2bit``: 2-bit).
 
 ``--compute-s D=SECONDS ...`` takes a block's compute time from an earlier (quieter) run instead
 of timing it: the bytes are exact frames and do not depend on the machine's load, the compute does.
@@ -71,6 +71,7 @@ CODECS = ("none", "fp16", "8bit", "4bit")
 #: (label, activation codec, d_model / width, grad codec).
 BOTTLENECKS = (("b/4+8bit", "8bit", 4, "8bit"), ("b/4+4bit", "4bit", 4, "4bit"), ("b/8+4bit", "4bit", 8, "4bit"),
                ("b/4+4bit+g3bit", "4bit", 4, "3bit"), ("b/8+4bit+g3bit", "4bit", 8, "3bit"),
+               ("b/4+4bit+g5level", "4bit", 4, "5level"), ("b/8+4bit+g5level", "4bit", 8, "5level"),
                ("b/4+4bit+g2bit", "4bit", 4, "2bit"))
 BANDWIDTHS_MBIT = (100, 500)
 STAGE = 1  # the middle of three stages: one bare block

@@ -112,7 +112,8 @@ def build_parser(prog: str = "swarmd", overview: str | None = None) -> argparse.
                           "stage averages; gradients one step stale are applied to the next update")
     founding.add_argument("--averaging-timeout", type=seconds, default=None, metavar="SECONDS",
                           help="a stage's all-reduce stops waiting for missing peers after this (default: 30)")
-    founding.add_argument("--grad-codec", choices=("none", "fp16", "8bit", "4bit", "3bit", "2bit"), default=None,
+    founding.add_argument("--grad-codec", choices=("none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit"),
+                          default=None,
                           help="codec of the gradients a stage's peers average (lossy codecs keep the peers "
                           "bit-identical; default: none)")
     founding.add_argument("--averaging", choices=("leader", "allreduce"), default=None,

@@ -1,4 +1,5 @@
-"""The randomized Hadamard rotation and the packing behind the ``4bit``, ``3bit`` and ``2bit`` codecs, as pure torch.
+"""The randomized Hadamard rotation and the packing behind the ``4bit``, ``3bit``, ``2bit`` and ``5level`` codecs, as
+pure torch.
 
 Quantizing a block to 4 bits loses most where a few large values (activation outliers) set the
 block's scale and squeeze every other value into one or two of the 16 levels. TAH-Quant
@@ -28,11 +29,15 @@ __all__ = [
     "pack_bits",
     "pack_levels",
     "pack_nibbles",
+    "pack_radix",
+    "radix_bytes",
+    "radix_group",
     "rotate",
     "signs",
     "tail_size",
     "unpack_bits",
     "unpack_nibbles",
+    "unpack_radix",
     "unrotate",
 ]
 
@@ -160,3 +165,58 @@ def unpack_bits(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     for b in range(1, bits):
         codes.add_(planes[b].bitwise_left_shift(b))
     return codes[:count]
+
+
+@functools.lru_cache(maxsize=8)
+def radix_group(base: int) -> tuple[int, int]:
+    """``(codes, nbytes)``: how many base-``base`` digits :func:`pack_radix` puts in how many bytes,
+    the densest choice of at most 7 bytes (a group's number fits an int64): for base 5, 24 codes
+    in 7 bytes (5**24 < 2**56), 2.33 bits a code against log2(5) = 2.32."""
+    if not 2 <= base <= 256:
+        raise ValueError(f"a radix must be between 2 and 256, got {base}")
+    best = (1, 1)
+    for nbytes in range(1, 8):
+        codes = 1
+        while base ** (codes + 1) <= 256**nbytes:
+            codes += 1
+        if codes * best[1] > best[0] * nbytes:
+            best = (codes, nbytes)
+    return best
+
+
+def radix_bytes(count: int, base: int) -> int:
+    """How many bytes :func:`pack_radix` makes of ``count`` codes."""
+    codes, nbytes = radix_group(base)
+    return nbytes * -(-count // codes)
+
+
+@functools.lru_cache(maxsize=8)
+def _radix_powers(base: int) -> torch.Tensor:
+    return torch.tensor([base**i for i in range(radix_group(base)[0])], dtype=torch.int64)
+
+
+def pack_radix(codes: torch.Tensor, base: int) -> torch.Tensor:
+    """Whole-number codes in [0, base) (flat, any dtype) as base-``base`` numbers of
+    :func:`radix_group` digits each (the first code the lowest digit), each number little-endian in
+    ``nbytes`` bytes; the last group is zero-padded: :func:`radix_bytes` bytes."""
+    group, nbytes = radix_group(base)
+    rest = codes.numel() % group
+    ints = codes.to(torch.int64)
+    if rest:
+        ints = torch.cat([ints, ints.new_zeros(group - rest)])
+    numbers = (ints.view(-1, group) * _radix_powers(base)).sum(dim=1)
+    return numbers.view(torch.uint8).view(-1, 8)[:, :nbytes].reshape(-1)
+
+
+def unpack_radix(packed: torch.Tensor, count: int, base: int) -> torch.Tensor:
+    """The first ``count`` codes of :func:`pack_radix`'s bytes, as int64. A group whose number is
+    ``base ** group`` or more was not made by :func:`pack_radix`: ``ValueError``."""
+    group, nbytes = radix_group(base)
+    rows = packed.numel() // nbytes
+    wide = torch.zeros(rows, 8, dtype=torch.uint8)
+    wide[:, :nbytes] = packed[: rows * nbytes].view(rows, nbytes)
+    numbers = wide.view(torch.int64).view(-1)
+    if rows and int(numbers.max()) >= base**group:
+        raise ValueError(f"a group of {nbytes} bytes holds a number of more than {group} base-{base} digits")
+    digits = numbers.unsqueeze(1).div(_radix_powers(base), rounding_mode="floor").remainder_(base)
+    return digits.reshape(-1)[:count]

@@ -56,7 +56,7 @@ TRAINING_DIGEST_VERSION = "swarmd.TrainingSpec/2"  # /2: grad_codec
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 #: How a stage's averaging traffic carries gradients (codecs of ``swarmd.net.codecs``).
-GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit", "4bit", "3bit", "2bit")
+GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit")
 #: How a stage averages its gradients (TrainingSpec.averaging): one leader, or a chunked all-reduce.
 AVERAGING_MODES: tuple[str, ...] = ("leader", "allreduce")
 

@@ -23,8 +23,9 @@ STEPS = 8
 # target batch 16, torch 2.13 CPU): fp16 4.4e-7 (4.113409 vs 4.113407), 8bit 1.3e-4 (4.112854);
 # the margins leave about 20x room for other CPUs and torch builds. With error feedback (issue 30):
 # fp16 9.6e-7 to 9.9e-7, 8bit 6.0e-5 to 6.9e-5, 4bit 2.3e-3 to 3.5e-3 over two runs (its margin
-# leaves 8x room); 3bit 1.16e-2 in one run (4.3x room; its first, RMS-scaled version 1.13e-2).
-GRAD_CODEC_LOSS_MARGIN = {"fp16": 1e-5, "8bit": 3e-3, "4bit": 3e-2, "3bit": 5e-2}
+# leaves 8x room); 3bit 1.16e-2 in one run (4.3x room; its first, RMS-scaled version 1.13e-2); 5level
+# 2.1e-2 to 2.3e-2 in three runs (2.2x room; 2bit, not tested here, 4.2e-2: early steps feel each codec's error).
+GRAD_CODEC_LOSS_MARGIN = {"fp16": 1e-5, "8bit": 3e-3, "4bit": 3e-2, "3bit": 5e-2, "5level": 5e-2}
 
 
 async def train(codec: str) -> tuple[list[float], list[set[tuple[int, int, str]]]]:
@@ -44,13 +45,13 @@ async def train(codec: str) -> tuple[list[float], list[set[tuple[int, int, str]]
         assert all(d.executor.training.grad_codec == codec for d in daemons)  # joiners took it from the swarm
         # error feedback: the quantizing codecs leave each stage's contributor a residual per round
         fed = sum(d.executor._feedback.rounds_kept for d in daemons)
-        fed_codec = codec in ("8bit", "4bit", "3bit")
+        fed_codec = codec in ("8bit", "4bit", "3bit", "5level")
         assert fed >= (STEPS * 2 if fed_codec else 0) and (fed == 0) == (codec in ("none", "fp16"))
     return summary.step_losses, seen
 
 
 async def test_compressed_averaging_keeps_peers_identical_and_the_loss_close() -> None:
-    losses = {codec: await train(codec) for codec in ("none", "fp16", "8bit", "4bit", "3bit")}
+    losses = {codec: await train(codec) for codec in ("none", "fp16", "8bit", "4bit", "3bit", "5level")}
     for codec, (step_losses, seen) in losses.items():
         # after every step, each stage's two peers share one digest
         assert [len({digest for stage, _, digest in at if stage == k}) for at in seen for k in (0, 1)] == [1] * (2 * STEPS)

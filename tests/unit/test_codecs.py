@@ -63,7 +63,7 @@ def any_tensor(draw: st.DrawFn) -> torch.Tensor:
 
 
 def test_registry_names() -> None:
-    assert set(CODECS) == {"none", "fp16", "bf16", "8bit", "4bit", "3bit", "2bit"}
+    assert set(CODECS) == {"none", "fp16", "bf16", "8bit", "4bit", "3bit", "2bit", "5level"}
     for name, codec in CODECS.items():
         assert codec.name == name and get_codec(name) is codec
 
@@ -343,11 +343,11 @@ def test_encode_accepts_strided_and_grad_tensors(name: str) -> None:
     base = torch.randn(6, 8, requires_grad=True)
     t = base.t()[::2]
     out = _round_trip(CODECS[name], t)
-    rel = {"4bit": 0.2, "3bit": 0.4, "2bit": 1.0}.get(name, 0.05)  # 4bit: verify.tolerance's per-element figure
+    rel = {"4bit": 0.2, "3bit": 0.4, "2bit": 1.0, "5level": 0.8}.get(name, 0.05)  # 4bit: verify.tolerance's per-element figure
     assert torch.allclose(out, t.detach(), atol=rel * float(t.detach().abs().max()))
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "8bit", "4bit", "3bit", "2bit"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "8bit", "4bit", "3bit", "2bit", "5level"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
 def test_float_codecs_refuse_integers(name: str, dtype: torch.dtype) -> None:
     with pytest.raises(TypeError, match="codec 'none'"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarmd.net.wire import decode_frame, encode_frame
-from swarmd.pipeline.error_feedback import FED_CODECS, ErrorFeedback, needs_feedback
+from swarmd.pipeline.error_feedback import FED_CODECS, RESIDUAL_CAP, ErrorFeedback, needs_feedback
 from swarmd.pipeline.executor import StageExecutor
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 
@@ -47,6 +47,40 @@ def test_the_received_sum_tracks_the_true_sum(codec: str) -> None:
     assert fed_err <= float(torch.linalg.vector_norm(fed_feedback.residual)) * 1.01 + 1e-3
     assert fed_err < plain_err / 5, (fed_err, plain_err)  # and the gap grows with the rounds
     assert fed_feedback.rounds_kept == 60
+    assert fed_feedback.rounds_trimmed == 0  # steady gradients: the cap never binds
+
+
+@pytest.mark.parametrize("codec", ["5level", "3bit"])
+def test_after_a_spike_the_residual_is_capped(codec: str) -> None:
+    """As in small's seed 1: one step's gradients 200x the next's. The spike's residual would make
+    the next contribution tens of times its fresh gradients (a stage-mate's leader refuses 64x);
+    capped, it is at most 1 + RESIDUAL_CAP times them, in the residual's direction."""
+    gen = torch.Generator().manual_seed(1)
+    spike, after = torch.randn(8192, generator=gen) * 200.0, torch.randn(8192, generator=gen)
+    fb = ErrorFeedback(enabled=True)
+    sent = fb.compensate(spike.clone())
+    fb.keep(sent, _through(codec, sent))
+    assert fb.residual is not None
+    residual = fb.residual.clone()
+    uncapped = float(torch.linalg.vector_norm(after + residual))
+    assert uncapped > 20 * float(torch.linalg.vector_norm(after))  # what the leader would have seen
+    got = fb.compensate(after.clone())
+    assert fb.rounds_trimmed == 1
+    added = got - after
+    after_norm = float(torch.linalg.vector_norm(after))
+    assert float(torch.linalg.vector_norm(added)) == pytest.approx(RESIDUAL_CAP * after_norm, rel=1e-4)
+    assert float(torch.nn.functional.cosine_similarity(added, residual, dim=0)) > 0.9999  # its direction kept
+    assert float(torch.linalg.vector_norm(got)) <= (1 + RESIDUAL_CAP) * after_norm * 1.0001
+
+
+def test_a_residual_under_the_cap_is_added_whole() -> None:
+    fb = ErrorFeedback(enabled=True)
+    fb.keep(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0]))  # residual of norm 5
+    assert torch.equal(fb.compensate(torch.tensor([3.0, 0.0])), torch.tensor([6.0, 4.0]))  # 5 <= 2 * 3: whole
+    assert fb.rounds_trimmed == 0
+    fb.keep(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0]))
+    assert torch.equal(fb.compensate(torch.zeros(2)), torch.zeros(2))  # no fresh gradients: nothing carried
+    assert fb.rounds_trimmed == 1
 
 
 def test_compensate_hands_the_residual_over_once() -> None:
@@ -87,6 +121,7 @@ def test_lossless_rounds_and_bad_residuals_leave_nothing() -> None:
 
 def test_which_codecs_are_fed() -> None:
     assert [c for c in ("none", "fp16", "bf16", "8bit", "4bit") if needs_feedback(c)] == ["8bit", "4bit"]
+    assert needs_feedback("5level") and needs_feedback("3bit") and needs_feedback("2bit")
 
 
 async def test_the_executor_adds_the_residual_to_its_next_contribution() -> None:
