@@ -177,7 +177,8 @@ def trainer_child(s: Settings, api: str) -> dict[str, Any]:
 # ---- one scenario: a lab, a swarm in it, the trainer -------------------------------------------------
 
 
-def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
+def run_scenario(s: Settings, sc: Scenario, workdir: Path,
+                 trainer_timeout_s: float = TRAINER_TIMEOUT_S) -> dict[str, Any]:
     stages = _stages(s.preset)
     hosts = stages * s.peers_per_stage
     daemons: list[DaemonProcess] = []
@@ -203,14 +204,26 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
                 d.wait_ready(300)
             cpu0 = [cpu_seconds(d.pid) for d in daemons]
             api = f"http://{daemons[0].info['api_addr']}"
-            done = lab.run(0, [sys.executable, str(Path(__file__).resolve()), "--trainer-child",
-                               json.dumps({"settings": asdict(s), "api": api})],
-                           capture_output=True, text=True, timeout=TRAINER_TIMEOUT_S)
+            trainer = lab.popen(0, [sys.executable, str(Path(__file__).resolve()), "--trainer-child",
+                                    json.dumps({"settings": asdict(s), "api": api})],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                stdout, stderr = trainer.communicate(timeout=trainer_timeout_s)
+            except subprocess.TimeoutExpired:
+                # what it waits on: every asyncio task's stack (swarmd.train.task_dump), then the daemons' state
+                trainer.send_signal(signal.SIGUSR1)
+                time.sleep(2.0)
+                trainer.kill()
+                stdout, stderr = trainer.communicate()
+                statuses = [host_status(lab, i, d) for i, d in enumerate(daemons)]
+                raise BenchError(f"the trainer did not finish within {trainer_timeout_s:.0f}s; its stderr:\n"
+                                 f"{stderr[-20000:]}\nthe daemons' /status:\n"
+                                 + "\n".join(strict_json_dumps(_stall_view(st)) for st in statuses)) from None
             cpu1 = [cpu_seconds(d.pid) for d in daemons]
             statuses = [host_status(lab, i, d) for i, d in enumerate(daemons)]
-            if done.returncode != 0:
-                raise BenchError(f"the trainer exited with {done.returncode}: {done.stderr[-3000:]}")
-            result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+            if trainer.returncode != 0:
+                raise BenchError(f"the trainer exited with {trainer.returncode}: {stderr[-3000:]}")
+            result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
         except BaseException:
             for d in daemons:
                 print(f"--- {d.name} log (end) ---\n{d.log_tail()}", file=sys.stderr)
@@ -241,18 +254,29 @@ def host_status(lab: netlab.Lab, host: int, d: DaemonProcess) -> dict[str, Any]:
         return {}
 
 
+def _stall_view(st: dict[str, Any]) -> dict[str, Any]:
+    """What a stalled run's daemon says about where it stands (its ``/status``, the parts that matter)."""
+    keys = ("peer_id", "stage", "state", "step", "queue", "in_flight", "grad_samples", "stale_dropped",
+            "stale_applied", "exactly_once", "task_crashes")
+    view = {k: st.get(k) for k in keys}
+    view["peer_id"] = (view["peer_id"] or "")[:12]
+    averaging = st.get("averaging") or {}
+    view["averaging"] = {k: averaging.get(k) for k in ("rounds_ok", "rounds_aborted", "last_round")}
+    return view
+
+
 def _stages(preset: str) -> int:
     from swarmd.pipeline.spec import PRESETS
 
     return PRESETS[preset].n_stages
 
 
-def run(s: Settings, scenarios: Sequence[Scenario]) -> dict[str, Any]:
+def run(s: Settings, scenarios: Sequence[Scenario], trainer_timeout_s: float = TRAINER_TIMEOUT_S) -> dict[str, Any]:
     results = []
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-wan-") as tmp:
         for sc in scenarios:
             print(f"bench_wan: {sc.name} (RTT {sc.rtt_ms:g} ms, rate {sc.rate or 'unlimited'})", file=sys.stderr)
-            results.append(run_scenario(s, sc, Path(tmp)))
+            results.append(run_scenario(s, sc, Path(tmp), trainer_timeout_s))
     base = next((r["samples_per_s"] for r in results if r["scenario"] == "lan"), None)
     for r in results:
         r["ratio"] = r["samples_per_s"] / base if base else None
@@ -305,6 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                    help="one global batch per step, wait for every stage (default: --sync)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--trainer-timeout", type=float, default=TRAINER_TIMEOUT_S, metavar="S",
+                   help="a trainer still running after S seconds has stalled: its asyncio tasks' stacks "
+                   f"(SIGUSR1) and the daemons' state are printed and the run fails (default: {TRAINER_TIMEOUT_S:.0f})")
     p.add_argument("--trainer-child", metavar="JSON", help=argparse.SUPPRESS)  # internal
     args = p.parse_args(argv)
     if args.trainer_child is not None:
@@ -326,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     started = time.monotonic()
     try:
-        result = run(settings, [SCENARIOS[n] for n in args.scenarios])
+        result = run(settings, [SCENARIOS[n] for n in args.scenarios], args.trainer_timeout)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
