@@ -236,6 +236,9 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path,
                      "behind_nat": i in nat, "cpu_s": None if a is None or b is None else b - a,
                      "throughput": st.get("throughput"), "served": st.get("served"),
                      "relay_client": (st.get("relay") or {}).get("client"),
+                     "averaging": _averaging_view(st), "stale_applied": st.get("stale_applied"),
+                     "stale_dropped": st.get("stale_dropped"),
+                     "state_downloads_ok": (st.get("state_transfer") or {}).get("downloads_ok"),
                      "relayed_for_others": {k: v for k, v in ((st.get("relay") or {}).get("server") or {}).items()
                                             if k in ("peers", "requests", "bytes", "over_budget")}}
                     for i, (d, a, b, code, st) in enumerate(zip(daemons, cpu0, cpu1, codes, statuses, strict=True))],
@@ -263,6 +266,18 @@ def _stall_view(st: dict[str, Any]) -> dict[str, Any]:
     averaging = st.get("averaging") or {}
     view["averaging"] = {k: averaging.get(k) for k in ("rounds_ok", "rounds_aborted", "last_round")}
     return view
+
+
+def _averaging_view(st: dict[str, Any]) -> dict[str, Any] | None:
+    """A daemon's averaging rounds in short: how many it stepped in, aborted, and the recent ones (step,
+    status, leader, contributors, missing, seconds), to see a peer left out of its leader's rounds."""
+    averaging = st.get("averaging")
+    if not averaging:
+        return None
+    keep = ("rounds_ok", "rounds_aborted", "silent_contributors", "rounds_refused", "excluded")
+    recent = [[r.get("step"), r.get("status"), (r.get("leader") or "")[:8], r.get("contributors"),
+               [m[:8] for m in r.get("missing") or []], r.get("duration_s")] for r in averaging.get("recent") or []]
+    return {**{k: averaging.get(k) for k in keep}, "recent": recent}
 
 
 def _stages(preset: str) -> int:
