@@ -21,6 +21,15 @@ than that pays one exclusion period (it downloads its stage's state afterwards, 
 fell behind); a fake that never contributed gets only the stage's patience, and pays for every
 return with a longer exclusion.
 
+A leader also waits, before it opens a round, for the contributors of the round it just led
+(:class:`CatchUp`): they are one step behind while its answer is on its way and being applied (a
+second or more over a 100 ms, 100 Mbit/s link). Under delayed updates the leader alone often
+holds a full batch again by the time it stepped; opening then would leave them out, step alone,
+and leave them behind: they resync from it and their samples are dropped, round after round
+(issue 28, bench_wan at wan100: one peer of each stage in 1 round of 10). It waits at most a
+grace (the stage's patience): a contributor that lost the answer resyncs meanwhile, and a peer
+that never contributes is never waited for.
+
 Pure: times are given, nothing sleeps. The averager feeds it and asks it.
 """
 
@@ -30,7 +39,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-__all__ = ["RoundPatience"]
+__all__ = ["CatchUp", "RoundPatience"]
 
 
 class RoundPatience:
@@ -78,3 +87,32 @@ class RoundPatience:
         """The contributors a round that ended waited for in vain. (A round opens only once every
         expected peer's progress names this leader, so an honest one among them was coming.)"""
         return set(expected) - set(arrived) - {leader}
+
+
+class CatchUp:
+    """Whether a leader holds off opening a round for the contributors of its last round that are
+    still applying its answer (pure: the times are passed in)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, frozenset[str]] = (-1, frozenset())  # the step and contributors of the last round led
+        self._since: tuple[int, float] | None = None  # the step it first held off at, and when
+
+    def stepped(self, step: int, contributors: Iterable[str]) -> None:
+        """This peer led the round of ``step`` and applied it, with these contributors (itself aside)."""
+        self._last = (step, frozenset(contributors))
+
+    def behind(self, step: int, mate_steps: Mapping[str, int]) -> frozenset[str]:
+        """The contributors of the last round led (at ``step - 1``) that are still at ``step - 1``."""
+        last_step, contributors = self._last
+        if last_step != step - 1:
+            return frozenset()
+        return frozenset(pid for pid in contributors if mate_steps.get(pid) == step - 1)
+
+    def holds_off(self, step: int, mate_steps: Mapping[str, int], *, now: float, grace_s: float) -> bool:
+        """Whether a round at ``step`` waits: some contributor of the last round is :meth:`behind`, and
+        the leader has not held off at this step for ``grace_s`` yet."""
+        if not self.behind(step, mate_steps):
+            return False
+        if self._since is None or self._since[0] != step:
+            self._since = (step, now)
+        return now - self._since[1] < grace_s
