@@ -90,6 +90,8 @@ class Settings:
     sync: bool = True
     grad_codec: str = "none"  # how the stage's peers send gradients to each other when they average
     delay_updates: bool = False  # the swarm's delayed parameter updates (paper 3.3): averaging overlaps serving
+    val_every: int = 0  # held-out loss every this many steps (0: none); the scenario's val_curve
+    val_batches: int = 4  # microbatches of held-out samples per validation
 
 
 class BenchError(Exception):
@@ -123,11 +125,15 @@ class Window:
     wait_s: float = 0.0
     step_ends: list[float] = field(default_factory=list)
     calls: dict[str, list[float]] = field(default_factory=dict)
+    val_every: int = 0
+    val_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step done, samples, held-out loss)
 
     def observe(self, event: Any) -> None:
         from swarmd.train.events import CallDone, StepDone, StepWait
 
         if isinstance(event, StepDone):
+            if self.val_every and event.done % self.val_every == 0 and event.progress.get("val_loss") is not None:
+                self.val_curve.append((event.done, int(event.progress["samples"]), float(event.progress["val_loss"])))
             if event.done == self.warmup:
                 self.open, self.t0, self.samples0 = True, event.at, int(event.progress["samples"])
             if self.open:
@@ -149,11 +155,15 @@ def trainer_child(s: Settings, api: str) -> dict[str, Any]:
     from swarmd.train.trainer import Trainer, TrainerConfig
 
     torch.set_num_threads(1)
-    window = Window(warmup=s.warmup, last=s.warmup + s.steps)
+    window = Window(warmup=s.warmup, last=s.warmup + s.steps, val_every=s.val_every)
     config = TrainerConfig(api=api, steps=s.warmup + s.steps, batch_size=s.batch_size,
                            microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window,
-                           sync=s.sync, val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench-wan")
+                           sync=s.sync, val_every=s.val_every, val_batches=s.val_batches,
+                           max_corpus_bytes=CORPUS_BYTES, name="bench-wan")
     summary = asyncio.run(Trainer(config, events=window.observe).run())
+    last = window.val_curve[-1][0] if window.val_curve else None
+    if s.val_every and summary.val_loss is not None and last != summary.steps:
+        window.val_curve.append((summary.steps, summary.samples, summary.val_loss))  # the run's last validation
     if window.t1 == 0.0:
         raise BenchError(f"the trainer finished without reaching step {window.last}")
     wall = window.t1 - window.t0
@@ -171,6 +181,9 @@ def trainer_child(s: Settings, api: str) -> dict[str, Any]:
         "stale_redos": summary.stale_redos,
         "topup_microbatches": summary.topup_microbatches,
         "step_losses": summary.step_losses,
+        "samples_total": summary.samples,
+        "val_loss": summary.val_loss,  # the held-out loss at the end of the run
+        "val_curve": window.val_curve,
     }
 
 
@@ -307,6 +320,39 @@ def run(s: Settings, scenarios: Sequence[Scenario], trainer_timeout_s: float = T
             "load_average_1m_at_end": os.getloadavg()[0]}
 
 
+def val_loss_at(curve: Sequence[Sequence[float]], samples: float) -> float | None:
+    """The held-out loss of a ``val_curve`` ((step, samples, loss) points) at ``samples``, linearly
+    interpolated between its points (None outside them)."""
+    points = sorted((p[1], p[2]) for p in curve)
+    for (s0, l0), (s1, l1) in itertools.pairwise(points):
+        if s0 <= samples <= s1:
+            return l0 if s1 == s0 else l0 + (l1 - l0) * (samples - s0) / (s1 - s0)
+    return points[0][1] if len(points) == 1 and points[0][0] == samples else None
+
+
+def compare_loss(reference: dict[str, Any], other: dict[str, Any], scenario: str) -> dict[str, Any]:
+    """The held-out loss of ``other``'s run against ``reference``'s (two ``--json`` results of runs with
+    ``--val-every``) at equal samples: at each of the reference's validations that ``other``'s curve
+    spans, ``other`` interpolated there, and the relative difference (positive: ``other`` is worse)."""
+    def curve(result: dict[str, Any]) -> list[list[float]]:
+        sc = next((x for x in result["scenarios"] if x["scenario"] == scenario), None)
+        if sc is None or not sc.get("val_curve"):
+            raise BenchError(f"no val_curve of scenario {scenario!r} (run with --val-every)")
+        return [list(p) for p in sc["val_curve"]]
+
+    ref, oth = curve(reference), curve(other)
+    points = []
+    for _, samples, ref_loss in ref:
+        loss = val_loss_at(oth, samples)
+        if loss is not None:
+            points.append({"samples": samples, "reference_val_loss": ref_loss, "other_val_loss": loss,
+                           "rel_diff": (loss - ref_loss) / ref_loss})
+    return {"scenario": scenario, "reference": {"settings": reference["settings"], "mode": reference["mode"]},
+            "other": {"settings": other["settings"], "mode": other["mode"]}, "points": points,
+            "last": points[-1] if points else None,
+            "max_abs_rel_diff": max((abs(p["rel_diff"]) for p in points), default=None)}
+
+
 def print_summary(r: dict[str, Any]) -> None:
     st = r["settings"]
     print(f"preset {st['preset']}, {st['peers_per_stage']} peers per stage, batch {st['batch_size']} in "
@@ -347,12 +393,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trainer-timeout", type=float, default=TRAINER_TIMEOUT_S, metavar="S",
                    help="a trainer still running after S seconds has stalled: its asyncio tasks' stacks "
                    f"(SIGUSR1) and the daemons' state are printed and the run fails (default: {TRAINER_TIMEOUT_S:.0f})")
+    p.add_argument("--val-every", type=int, default=0, metavar="K",
+                   help="the held-out loss every K steps (and at the end), reported as each scenario's val_curve "
+                   "(default: 0, none: validation costs the timed window time)")
+    p.add_argument("--val-batches", type=int, default=4, help="microbatches per validation (default: 4)")
+    p.add_argument("--compare-loss", nargs=2, metavar=("REFERENCE", "OTHER"),
+                   help="no run: compare the held-out loss of two --json results (run with --val-every) at equal "
+                   "samples, e.g. --sync against --no-sync --delay-updates; prints JSON")
+    p.add_argument("--compare-scenario", default="lan", help="the scenario --compare-loss compares (default: lan)")
     p.add_argument("--trainer-child", metavar="JSON", help=argparse.SUPPRESS)  # internal
     args = p.parse_args(argv)
     if args.trainer_child is not None:
         spec = json.loads(args.trainer_child)
         print(strict_json_dumps(trainer_child(Settings(**spec["settings"]), spec["api"])))
         return 0
+    if args.compare_loss is not None:
+        try:
+            loaded = [json.loads(Path(f).read_text()) for f in args.compare_loss]
+            print(strict_json_dumps(compare_loss(loaded[0], loaded[1], args.compare_scenario)))
+        except (OSError, ValueError, KeyError, BenchError) as exc:
+            print(f"bench_wan: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.val_every < 0 or args.val_batches < 1:
+        print("bench_wan: --val-every must be at least 0 and --val-batches at least 1", file=sys.stderr)
+        return 2
     problem = netlab.support_problem()
     if problem is not None:
         print(f"bench_wan: {problem}", file=sys.stderr)
@@ -360,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(preset=args.preset, peers_per_stage=args.peers_per_stage, steps=args.steps,
                         warmup=args.warmup, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                         window=args.window, codec=args.codec, sync=args.sync, grad_codec=args.grad_codec,
-                        delay_updates=args.delay_updates)
+                        delay_updates=args.delay_updates, val_every=args.val_every, val_batches=args.val_batches)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the daemons and removes the lab like Ctrl-C does
