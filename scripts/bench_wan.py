@@ -92,6 +92,7 @@ class Settings:
     delay_updates: bool = False  # the swarm's delayed parameter updates (paper 3.3): averaging overlaps serving
     val_every: int = 0  # held-out loss every this many steps (0: none); the scenario's val_curve
     val_batches: int = 4  # microbatches of held-out samples per validation
+    data_shards: int = 16  # an asynchronous trainer draws from one of this many shards at a time (TrainerConfig)
 
 
 class BenchError(Exception):
@@ -158,7 +159,7 @@ def trainer_child(s: Settings, api: str) -> dict[str, Any]:
     window = Window(warmup=s.warmup, last=s.warmup + s.steps, val_every=s.val_every)
     config = TrainerConfig(api=api, steps=s.warmup + s.steps, batch_size=s.batch_size,
                            microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window,
-                           sync=s.sync, val_every=s.val_every, val_batches=s.val_batches,
+                           sync=s.sync, val_every=s.val_every, val_batches=s.val_batches, data_shards=s.data_shards,
                            max_corpus_bytes=CORPUS_BYTES, name="bench-wan")
     summary = asyncio.run(Trainer(config, events=window.observe).run())
     last = window.val_curve[-1][0] if window.val_curve else None
@@ -397,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the held-out loss every K steps (and at the end), reported as each scenario's val_curve "
                    "(default: 0, none: validation costs the timed window time)")
     p.add_argument("--val-batches", type=int, default=4, help="microbatches per validation (default: 4)")
+    p.add_argument("--data-shards", type=int, default=16, metavar="N",
+                   help="an asynchronous trainer draws from one of N shards of the corpus at a time, as "
+                   "`swarmd train` does (default: 16); 1: the whole corpus, as a --sync trainer does (for a loss "
+                   "comparison: the same data)")
     p.add_argument("--compare-loss", nargs=2, metavar=("REFERENCE", "OTHER"),
                    help="no run: compare the held-out loss of two --json results (run with --val-every) at equal "
                    "samples, e.g. --sync against --no-sync --delay-updates; prints JSON")
@@ -415,8 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench_wan: error: {exc}", file=sys.stderr)
             return 2
         return 0
-    if args.val_every < 0 or args.val_batches < 1:
-        print("bench_wan: --val-every must be at least 0 and --val-batches at least 1", file=sys.stderr)
+    if args.val_every < 0 or args.val_batches < 1 or args.data_shards < 1:
+        print("bench_wan: --val-every must be at least 0, --val-batches and --data-shards at least 1", file=sys.stderr)
         return 2
     problem = netlab.support_problem()
     if problem is not None:
@@ -425,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(preset=args.preset, peers_per_stage=args.peers_per_stage, steps=args.steps,
                         warmup=args.warmup, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                         window=args.window, codec=args.codec, sync=args.sync, grad_codec=args.grad_codec,
-                        delay_updates=args.delay_updates, val_every=args.val_every, val_batches=args.val_batches)
+                        delay_updates=args.delay_updates, val_every=args.val_every, val_batches=args.val_batches,
+                        data_shards=args.data_shards)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the daemons and removes the lab like Ctrl-C does
