@@ -50,3 +50,17 @@ def test_the_grace_starts_again_at_each_step() -> None:
     catch_up.stepped(5, {"b"})
     assert catch_up.holds_off(6, {"b": 5}, now=10.0, grace_s=2.0)
     assert not catch_up.holds_off(6, {"b": 5}, now=12.5, grace_s=2.0)
+
+
+def test_a_contributor_that_made_the_leader_wait_in_vain_is_not_waited_for_again_for_a_while() -> None:
+    """A proven contributor that claims to be a step behind for good (a liar, or a frozen peer) costs
+    one grace, not one per round: it is not waited for again for ``forget_after`` rounds."""
+    catch_up = CatchUp(forget_after=3)
+    catch_up.stepped(4, {"b", "c"})
+    assert catch_up.holds_off(5, {"b": 4, "c": 4}, now=0.0, grace_s=2.0)
+    assert not catch_up.holds_off(5, {"b": 4, "c": 5}, now=2.5, grace_s=2.0)  # b never came: in vain
+    for step in (6, 7, 8):
+        catch_up.stepped(step - 1, {"b", "c"})
+        assert catch_up.behind(step, {"b": step - 1, "c": step - 1}) == {"c"}  # c is still waited for
+    catch_up.stepped(8, {"b"})
+    assert catch_up.holds_off(9, {"b": 8}, now=100.0, grace_s=2.0)  # forgotten after 3 rounds: waited for again
