@@ -90,6 +90,9 @@ class Settings:
     sync: bool = True
     grad_codec: str = "none"  # how the stage's peers send gradients to each other when they average
     delay_updates: bool = False  # the swarm's delayed parameter updates (paper 3.3): averaging overlaps serving
+    val_every: int = 0  # held-out loss every this many steps (0: none); the scenario's val_curve
+    val_batches: int = 4  # microbatches of held-out samples per validation
+    data_shards: int = 16  # an asynchronous trainer draws from one of this many shards at a time (TrainerConfig)
 
 
 class BenchError(Exception):
@@ -123,11 +126,15 @@ class Window:
     wait_s: float = 0.0
     step_ends: list[float] = field(default_factory=list)
     calls: dict[str, list[float]] = field(default_factory=dict)
+    val_every: int = 0
+    val_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step done, samples, held-out loss)
 
     def observe(self, event: Any) -> None:
         from swarmd.train.events import CallDone, StepDone, StepWait
 
         if isinstance(event, StepDone):
+            if self.val_every and event.done % self.val_every == 0 and event.progress.get("val_loss") is not None:
+                self.val_curve.append((event.done, int(event.progress["samples"]), float(event.progress["val_loss"])))
             if event.done == self.warmup:
                 self.open, self.t0, self.samples0 = True, event.at, int(event.progress["samples"])
             if self.open:
@@ -149,11 +156,15 @@ def trainer_child(s: Settings, api: str) -> dict[str, Any]:
     from swarmd.train.trainer import Trainer, TrainerConfig
 
     torch.set_num_threads(1)
-    window = Window(warmup=s.warmup, last=s.warmup + s.steps)
+    window = Window(warmup=s.warmup, last=s.warmup + s.steps, val_every=s.val_every)
     config = TrainerConfig(api=api, steps=s.warmup + s.steps, batch_size=s.batch_size,
                            microbatch_size=s.microbatch_size, codec=s.codec, seed=SEED, window=s.window,
-                           sync=s.sync, val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench-wan")
+                           sync=s.sync, val_every=s.val_every, val_batches=s.val_batches, data_shards=s.data_shards,
+                           max_corpus_bytes=CORPUS_BYTES, name="bench-wan")
     summary = asyncio.run(Trainer(config, events=window.observe).run())
+    last = window.val_curve[-1][0] if window.val_curve else None
+    if s.val_every and summary.val_loss is not None and last != summary.steps:
+        window.val_curve.append((summary.steps, summary.samples, summary.val_loss))  # the run's last validation
     if window.t1 == 0.0:
         raise BenchError(f"the trainer finished without reaching step {window.last}")
     wall = window.t1 - window.t0
@@ -171,13 +182,17 @@ def trainer_child(s: Settings, api: str) -> dict[str, Any]:
         "stale_redos": summary.stale_redos,
         "topup_microbatches": summary.topup_microbatches,
         "step_losses": summary.step_losses,
+        "samples_total": summary.samples,
+        "val_loss": summary.val_loss,  # the held-out loss at the end of the run
+        "val_curve": window.val_curve,
     }
 
 
 # ---- one scenario: a lab, a swarm in it, the trainer -------------------------------------------------
 
 
-def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
+def run_scenario(s: Settings, sc: Scenario, workdir: Path,
+                 trainer_timeout_s: float = TRAINER_TIMEOUT_S) -> dict[str, Any]:
     stages = _stages(s.preset)
     hosts = stages * s.peers_per_stage
     daemons: list[DaemonProcess] = []
@@ -203,14 +218,26 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
                 d.wait_ready(300)
             cpu0 = [cpu_seconds(d.pid) for d in daemons]
             api = f"http://{daemons[0].info['api_addr']}"
-            done = lab.run(0, [sys.executable, str(Path(__file__).resolve()), "--trainer-child",
-                               json.dumps({"settings": asdict(s), "api": api})],
-                           capture_output=True, text=True, timeout=TRAINER_TIMEOUT_S)
+            trainer = lab.popen(0, [sys.executable, str(Path(__file__).resolve()), "--trainer-child",
+                                    json.dumps({"settings": asdict(s), "api": api})],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                stdout, stderr = trainer.communicate(timeout=trainer_timeout_s)
+            except subprocess.TimeoutExpired:
+                # what it waits on: every asyncio task's stack (swarmd.train.task_dump), then the daemons' state
+                trainer.send_signal(signal.SIGUSR1)
+                time.sleep(2.0)
+                trainer.kill()
+                stdout, stderr = trainer.communicate()
+                statuses = [host_status(lab, i, d) for i, d in enumerate(daemons)]
+                raise BenchError(f"the trainer did not finish within {trainer_timeout_s:.0f}s; its stderr:\n"
+                                 f"{stderr[-20000:]}\nthe daemons' /status:\n"
+                                 + "\n".join(strict_json_dumps(_stall_view(st)) for st in statuses)) from None
             cpu1 = [cpu_seconds(d.pid) for d in daemons]
             statuses = [host_status(lab, i, d) for i, d in enumerate(daemons)]
-            if done.returncode != 0:
-                raise BenchError(f"the trainer exited with {done.returncode}: {done.stderr[-3000:]}")
-            result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+            if trainer.returncode != 0:
+                raise BenchError(f"the trainer exited with {trainer.returncode}: {stderr[-3000:]}")
+            result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
         except BaseException:
             for d in daemons:
                 print(f"--- {d.name} log (end) ---\n{d.log_tail()}", file=sys.stderr)
@@ -223,6 +250,9 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path) -> dict[str, Any]:
                      "behind_nat": i in nat, "cpu_s": None if a is None or b is None else b - a,
                      "throughput": st.get("throughput"), "served": st.get("served"),
                      "relay_client": (st.get("relay") or {}).get("client"),
+                     "averaging": _averaging_view(st), "stale_applied": st.get("stale_applied"),
+                     "stale_dropped": st.get("stale_dropped"),
+                     "state_downloads_ok": (st.get("state_transfer") or {}).get("downloads_ok"),
                      "relayed_for_others": {k: v for k, v in ((st.get("relay") or {}).get("server") or {}).items()
                                             if k in ("peers", "requests", "bytes", "over_budget")}}
                     for i, (d, a, b, code, st) in enumerate(zip(daemons, cpu0, cpu1, codes, statuses, strict=True))],
@@ -241,18 +271,41 @@ def host_status(lab: netlab.Lab, host: int, d: DaemonProcess) -> dict[str, Any]:
         return {}
 
 
+def _stall_view(st: dict[str, Any]) -> dict[str, Any]:
+    """What a stalled run's daemon says about where it stands (its ``/status``, the parts that matter)."""
+    keys = ("peer_id", "stage", "state", "step", "queue", "in_flight", "grad_samples", "stale_dropped",
+            "stale_applied", "exactly_once", "task_crashes")
+    view = {k: st.get(k) for k in keys}
+    view["peer_id"] = (view["peer_id"] or "")[:12]
+    averaging = st.get("averaging") or {}
+    view["averaging"] = {k: averaging.get(k) for k in ("rounds_ok", "rounds_aborted", "last_round")}
+    return view
+
+
+def _averaging_view(st: dict[str, Any]) -> dict[str, Any] | None:
+    """A daemon's averaging rounds in short: how many it stepped in, aborted, and the recent ones (step,
+    status, leader, contributors, missing, seconds), to see a peer left out of its leader's rounds."""
+    averaging = st.get("averaging")
+    if not averaging:
+        return None
+    keep = ("rounds_ok", "rounds_aborted", "silent_contributors", "rounds_refused", "excluded")
+    recent = [[r.get("step"), r.get("status"), (r.get("leader") or "")[:8], r.get("contributors"),
+               [m[:8] for m in r.get("missing") or []], r.get("duration_s")] for r in averaging.get("recent") or []]
+    return {**{k: averaging.get(k) for k in keep}, "recent": recent}
+
+
 def _stages(preset: str) -> int:
     from swarmd.pipeline.spec import PRESETS
 
     return PRESETS[preset].n_stages
 
 
-def run(s: Settings, scenarios: Sequence[Scenario]) -> dict[str, Any]:
+def run(s: Settings, scenarios: Sequence[Scenario], trainer_timeout_s: float = TRAINER_TIMEOUT_S) -> dict[str, Any]:
     results = []
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-wan-") as tmp:
         for sc in scenarios:
             print(f"bench_wan: {sc.name} (RTT {sc.rtt_ms:g} ms, rate {sc.rate or 'unlimited'})", file=sys.stderr)
-            results.append(run_scenario(s, sc, Path(tmp)))
+            results.append(run_scenario(s, sc, Path(tmp), trainer_timeout_s))
     base = next((r["samples_per_s"] for r in results if r["scenario"] == "lan"), None)
     for r in results:
         r["ratio"] = r["samples_per_s"] / base if base else None
@@ -266,6 +319,39 @@ def run(s: Settings, scenarios: Sequence[Scenario]) -> dict[str, Any]:
     return {"settings": asdict(s), "mode": "sync" if s.sync else "async", "scenarios": results,
             "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
             "load_average_1m_at_end": os.getloadavg()[0]}
+
+
+def val_loss_at(curve: Sequence[Sequence[float]], samples: float) -> float | None:
+    """The held-out loss of a ``val_curve`` ((step, samples, loss) points) at ``samples``, linearly
+    interpolated between its points (None outside them)."""
+    points = sorted((p[1], p[2]) for p in curve)
+    for (s0, l0), (s1, l1) in itertools.pairwise(points):
+        if s0 <= samples <= s1:
+            return l0 if s1 == s0 else l0 + (l1 - l0) * (samples - s0) / (s1 - s0)
+    return points[0][1] if len(points) == 1 and points[0][0] == samples else None
+
+
+def compare_loss(reference: dict[str, Any], other: dict[str, Any], scenario: str) -> dict[str, Any]:
+    """The held-out loss of ``other``'s run against ``reference``'s (two ``--json`` results of runs with
+    ``--val-every``) at equal samples: at each of the reference's validations that ``other``'s curve
+    spans, ``other`` interpolated there, and the relative difference (positive: ``other`` is worse)."""
+    def curve(result: dict[str, Any]) -> list[list[float]]:
+        sc = next((x for x in result["scenarios"] if x["scenario"] == scenario), None)
+        if sc is None or not sc.get("val_curve"):
+            raise BenchError(f"no val_curve of scenario {scenario!r} (run with --val-every)")
+        return [list(p) for p in sc["val_curve"]]
+
+    ref, oth = curve(reference), curve(other)
+    points = []
+    for _, samples, ref_loss in ref:
+        loss = val_loss_at(oth, samples)
+        if loss is not None:
+            points.append({"samples": samples, "reference_val_loss": ref_loss, "other_val_loss": loss,
+                           "rel_diff": (loss - ref_loss) / ref_loss})
+    return {"scenario": scenario, "reference": {"settings": reference["settings"], "mode": reference["mode"]},
+            "other": {"settings": other["settings"], "mode": other["mode"]}, "points": points,
+            "last": points[-1] if points else None,
+            "max_abs_rel_diff": max((abs(p["rel_diff"]) for p in points), default=None)}
 
 
 def print_summary(r: dict[str, Any]) -> None:
@@ -305,12 +391,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                    help="one global batch per step, wait for every stage (default: --sync)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--trainer-timeout", type=float, default=TRAINER_TIMEOUT_S, metavar="S",
+                   help="a trainer still running after S seconds has stalled: its asyncio tasks' stacks "
+                   f"(SIGUSR1) and the daemons' state are printed and the run fails (default: {TRAINER_TIMEOUT_S:.0f})")
+    p.add_argument("--val-every", type=int, default=0, metavar="K",
+                   help="the held-out loss every K steps (and at the end), reported as each scenario's val_curve "
+                   "(default: 0, none: validation costs the timed window time)")
+    p.add_argument("--val-batches", type=int, default=4, help="microbatches per validation (default: 4)")
+    p.add_argument("--data-shards", type=int, default=16, metavar="N",
+                   help="an asynchronous trainer draws from one of N shards of the corpus at a time, as "
+                   "`swarmd train` does (default: 16); 1: the whole corpus, as a --sync trainer does (for a loss "
+                   "comparison: the same data)")
+    p.add_argument("--compare-loss", nargs=2, metavar=("REFERENCE", "OTHER"),
+                   help="no run: compare the held-out loss of two --json results (run with --val-every) at equal "
+                   "samples, e.g. --sync against --no-sync --delay-updates; prints JSON")
+    p.add_argument("--compare-scenario", default="lan", help="the scenario --compare-loss compares (default: lan)")
     p.add_argument("--trainer-child", metavar="JSON", help=argparse.SUPPRESS)  # internal
     args = p.parse_args(argv)
     if args.trainer_child is not None:
         spec = json.loads(args.trainer_child)
         print(strict_json_dumps(trainer_child(Settings(**spec["settings"]), spec["api"])))
         return 0
+    if args.compare_loss is not None:
+        try:
+            loaded = [json.loads(Path(f).read_text()) for f in args.compare_loss]
+            print(strict_json_dumps(compare_loss(loaded[0], loaded[1], args.compare_scenario)))
+        except (OSError, ValueError, KeyError, BenchError) as exc:
+            print(f"bench_wan: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.val_every < 0 or args.val_batches < 1 or args.data_shards < 1:
+        print("bench_wan: --val-every must be at least 0, --val-batches and --data-shards at least 1", file=sys.stderr)
+        return 2
     problem = netlab.support_problem()
     if problem is not None:
         print(f"bench_wan: {problem}", file=sys.stderr)
@@ -318,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(preset=args.preset, peers_per_stage=args.peers_per_stage, steps=args.steps,
                         warmup=args.warmup, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                         window=args.window, codec=args.codec, sync=args.sync, grad_codec=args.grad_codec,
-                        delay_updates=args.delay_updates)
+                        delay_updates=args.delay_updates, val_every=args.val_every, val_batches=args.val_batches,
+                        data_shards=args.data_shards)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the daemons and removes the lab like Ctrl-C does
@@ -326,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     started = time.monotonic()
     try:
-        result = run(settings, [SCENARIOS[n] for n in args.scenarios])
+        result = run(settings, [SCENARIOS[n] for n in args.scenarios], args.trainer_timeout)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

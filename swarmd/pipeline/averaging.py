@@ -12,7 +12,10 @@ Rule of a round, for the peers of one stage at step ``s``:
    ``s`` sum to ``>= target_batch_size`` and every peer that answered names the same leader,
    a round starts. The leader is the smallest peer id among the peers at step ``s`` (directly
    reachable ones first: a relayed peer leads only a stage of relayed peers): a pure function
-   of the view, so peers with the same view agree without talking.
+   of the view, so peers with the same view agree without talking. A leader whose last round's
+   contributors are still one step behind (applying its answer) holds off for a grace
+   (``round_patience.CatchUp``): under delayed updates it often holds a batch alone by then,
+   and a round without them would leave them behind to resync.
 2. **Contribution.** Each peer takes its gradients out of the stage (``StageExecutor
    .take_contribution``; from then on it refuses backwards with ``Busy`` until the round
    settles) and sends them, with its sample count, to the leader's ``POST /v1/average``. A peer
@@ -99,6 +102,7 @@ from swarmd.net.addresses import is_relayed
 from swarmd.pipeline.averaging_contributor import RoundContributor
 from swarmd.pipeline.averaging_leader import RoundLeader
 from swarmd.pipeline.averaging_round import (
+    CATCH_UP_MAX_S,
     COMMIT_GRACE_S,
     FIRST_PROOF_WAIT_MAX,
     FIRST_PROOF_WAIT_S,
@@ -117,6 +121,7 @@ from swarmd.pipeline.averaging_round import (
 )
 
 __all__ = [
+    "CATCH_UP_MAX_S",
     "COMMIT_GRACE_S",
     "FIRST_PROOF_WAIT_MAX",
     "FIRST_PROOF_WAIT_S",
@@ -195,6 +200,10 @@ class StageAverager(RoundLeader, RoundContributor):
                             key=lambda pid: (is_relayed(addrs[pid]), pid))
         self._leader_view = candidates[0] if candidates else self.peer_id
         leader = self._leader_view
+        if leader == self.peer_id and self.catch_up.holds_off(
+                step, {pid: p.step for pid, p in progress.items()}, now=now,
+                grace_s=min(CATCH_UP_MAX_S, self.patience.wait_s(self.timeout_s))):
+            return  # the last round's contributors are still applying its answer: opening now would leave them behind
         leader_progress = progress.get(leader)
         joining_open_round = leader != self.peer_id and leader_progress is not None and leader_progress.round == step
         if not joining_open_round:

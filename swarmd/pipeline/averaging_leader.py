@@ -119,6 +119,7 @@ class RoundLeader(AveragerCore):
                 assert result.mean_grads is not None
                 await self.executor.apply_average(result.mean_grads, rnd.step)
                 self.rounds_ok += 1
+                self.catch_up.stepped(rnd.step, set(rnd.contributions) - {self.peer_id})
                 groups = [c.mbs for _, c in sorted(rnd.contributions.items())]
                 last_step, last_ids = self._led_mbs
                 repeated = repeated_microbatches([*groups, last_ids] if last_step == rnd.step - 1 else groups)

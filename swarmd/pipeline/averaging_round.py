@@ -37,7 +37,7 @@ from swarmd.pipeline.round_checks import (
     Used,
     tensor_digest,
 )
-from swarmd.pipeline.round_patience import RoundPatience
+from swarmd.pipeline.round_patience import CatchUp, RoundPatience
 
 if TYPE_CHECKING:
     from swarmd.net.proof import Prover
@@ -62,6 +62,9 @@ REPLY_SLACK_S = 30.0
 COMMIT_GRACE_S = 10.0
 #: How long one poll of a stage-mate's ``/v1/progress`` may take before it counts as silent.
 POLL_TIMEOUT_S = 2.0
+#: A leader holds off its next round for the contributors of its last one while they apply its answer
+#: (``round_patience.CatchUp``) for the stage's patience, and at most this long.
+CATCH_UP_MAX_S = 10.0
 #: A round does not start while a few stage-mates never challenged before are being proven, at
 #: most this long (once per new identity: a failed one backs off and is not waited for again).
 FIRST_PROOF_WAIT_S = 2.0
@@ -208,6 +211,7 @@ class AveragerCore:
         # (the exactly-once rule's last resort, swarmd.pipeline.step_protocol)
         self.duplicate_microbatches = 0
         self.patience = RoundPatience()  # how long rounds wait for contributors (issue #18)
+        self.catch_up = CatchUp()  # the last round's contributors, still applying its answer, are waited for
         self.silent_contributors = 0  # expected contributors that never came (then excluded)
         self._led_mbs: tuple[int, frozenset[int]] = (-1, frozenset())  # the step and ids of the last round led
         self.last_round: dict[str, Any] | None = None

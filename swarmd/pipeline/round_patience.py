@@ -21,6 +21,17 @@ than that pays one exclusion period (it downloads its stage's state afterwards, 
 fell behind); a fake that never contributed gets only the stage's patience, and pays for every
 return with a longer exclusion.
 
+A leader also waits, before it opens a round, for the contributors of the round it just led
+(:class:`CatchUp`): they are one step behind while its answer is on its way and being applied (a
+second or more over a 100 ms, 100 Mbit/s link). Under delayed updates the leader alone often
+holds a full batch again by the time it stepped; opening then would leave them out, step alone,
+and leave them behind: they resync from it and their samples are dropped, round after round
+(issue 28, bench_wan at wan100: one peer of each stage in 1 round of 10). It waits at most a
+grace (the stage's patience): a contributor that lost the answer resyncs meanwhile, and a peer
+that never contributes is never waited for. One that made it wait in vain (still behind when the
+grace ran out: a liar about its step, or a peer that froze) is not waited for again for the next
+``forget_after`` rounds, so a contributor cannot cost every round a grace.
+
 Pure: times are given, nothing sleeps. The averager feeds it and asks it.
 """
 
@@ -30,7 +41,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-__all__ = ["RoundPatience"]
+__all__ = ["CatchUp", "RoundPatience"]
 
 
 class RoundPatience:
@@ -78,3 +89,40 @@ class RoundPatience:
         """The contributors a round that ended waited for in vain. (A round opens only once every
         expected peer's progress names this leader, so an honest one among them was coming.)"""
         return set(expected) - set(arrived) - {leader}
+
+
+class CatchUp:
+    """Whether a leader holds off opening a round for the contributors of its last round that are
+    still applying its answer (pure: the times are passed in)."""
+
+    def __init__(self, *, forget_after: int = 10) -> None:
+        self.forget_after = forget_after
+        self._last: tuple[int, frozenset[str]] = (-1, frozenset())  # the step and contributors of the last round led
+        self._since: tuple[int, float] | None = None  # the step it first held off at, and when
+        self._vain: dict[str, int] = {}  # contributor -> the step at which the leader waited for it in vain
+
+    def stepped(self, step: int, contributors: Iterable[str]) -> None:
+        """This peer led the round of ``step`` and applied it, with these contributors (itself aside)."""
+        self._last = (step, frozenset(contributors))
+
+    def behind(self, step: int, mate_steps: Mapping[str, int]) -> frozenset[str]:
+        """The contributors of the last round led (at ``step - 1``) that are still at ``step - 1``."""
+        last_step, contributors = self._last
+        if last_step != step - 1:
+            return frozenset()
+        return frozenset(pid for pid in contributors if mate_steps.get(pid) == step - 1
+                         and not 0 <= step - self._vain.get(pid, -2 * self.forget_after) <= self.forget_after)
+
+    def holds_off(self, step: int, mate_steps: Mapping[str, int], *, now: float, grace_s: float) -> bool:
+        """Whether a round at ``step`` waits: some contributor of the last round is :meth:`behind`, and
+        the leader has not held off at this step for ``grace_s`` yet."""
+        behind = self.behind(step, mate_steps)
+        if not behind:
+            return False
+        if self._since is None or self._since[0] != step:
+            self._since = (step, now)
+        if now - self._since[1] < grace_s:
+            return True
+        for pid in behind:  # waited for in vain: not again for a while
+            self._vain[pid] = step
+        return False

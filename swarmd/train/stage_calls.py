@@ -250,6 +250,12 @@ class StageCalls:
                 choice = router.choose_only(only) if only not in avoid else None
             else:
                 choice = router.choose_preferred(prefer, exclude=avoid | ((taken or set()) - {mine}))
+                if choice is None and taken and patience.waits:
+                    # a call that must be answered never waits for the peers its pair took: they stay in
+                    # ``taken`` after the pair's answer, and with its own peer failed (banned, in ``tried``)
+                    # it would wait on them for good (the end-of-run stall of issue 28). Both halves on one
+                    # peer are an unchecked pair (spot_checks: the same peer), as on a stage of one peer.
+                    choice = router.choose_preferred(prefer, exclude=avoid)
             if choice is None:
                 if not patience.waits:
                     break

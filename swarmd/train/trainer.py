@@ -50,6 +50,7 @@ from swarmd.train.summary import StepLedger, TrainSummary
 from swarmd.train.swarm_client import Registration, SwarmClient, TrainerError
 from swarmd.train.swarm_view import SwarmView
 from swarmd.train.sync_steps import SyncSteps, split_batch
+from swarmd.train.task_dump import dump_on_signal
 from swarmd.train.verify import VerifyStats
 
 __all__ = ["TrainSummary", "Trainer", "TrainerConfig", "TrainerError", "split_batch"]
@@ -101,6 +102,12 @@ class Trainer:
     # ---- public ------------------------------------------------------------------------------
 
     async def run(self) -> TrainSummary:
+        """Register, train ``config.steps`` steps, say goodbye. ``kill -USR1`` meanwhile prints every
+        asyncio task's stack to stderr (``swarmd.train.task_dump``: what a stalled trainer waits on)."""
+        with dump_on_signal():
+            return await self._run()
+
+    async def _run(self) -> TrainSummary:
         cfg = self.config
         started = time.monotonic()
         async with client_session(cfg.swarm_key, timeout=aiohttp.ClientTimeout(total=30)) as http, \

@@ -204,3 +204,38 @@ async def test_a_backward_omits_the_inputs_only_where_they_were_kept_and_resends
     calls.client = client = BackwardScript(B=[reply], C=[reply])  # type: ignore[assignment]
     served = await calls.backward(0, inputs, step=0, mb=9, prefer="b", kept_at=None)
     assert client.sent == [(served.addr, True, 0)] and summary.inputs_omitted == 2
+
+
+async def test_a_call_that_must_be_answered_does_not_wait_for_the_peer_its_pair_took() -> None:
+    """Issue 28's end-of-run stall: a paired microbatch's primary half chose ``a``, its pair ``b``; the
+    pair was answered (``b`` stays in ``taken``), then ``a`` failed and was banned. The primary must
+    go to ``b`` (an unchecked pair), not wait for ever for a peer other than ``b``."""
+    calls, summary = await machine({"a": "A", "b": "B"})
+    taken: set[str] = set()
+    pair_answered = asyncio.Event()
+
+    async def fails_after_the_pair() -> str:
+        await pair_answered.wait()
+        raise timed_out("A")
+
+    primary_send = Script(A=[fails_after_the_pair], B=["primary from b"])
+    pair_send = Script(B=["pair from b"])
+    primary = asyncio.ensure_future(calls.call(0, "backward", 4, primary_send, taken=taken))
+    await asyncio.sleep(0)  # the primary chose first, as Pairing.paired lets it
+    pair = await calls.call(0, "backward", 4, pair_send, patience=OPINION, taken=taken)
+    assert (pair.peer_id, primary_send.asked, taken) == ("b", ["A"], {"a", "b"})
+    pair_answered.set()
+    served = await asyncio.wait_for(primary, timeout=30)  # without the fix: a 10 ms wait loop for good
+    assert (served.reply, served.peer_id) == ("primary from b", "b") and primary_send.asked == ["A", "B"]
+    assert router_of(calls).snapshot()[0].banned and summary.bans == 1
+
+
+async def test_an_opinion_still_never_takes_the_peer_its_primary_took() -> None:
+    """The other way round stays as it was: the pair's half (an opinion, which does not wait) ends
+    rather than ask the primary's peer."""
+    calls, _ = await machine({"a": "A", "b": "B"})
+    taken = {"a"}
+    send = Script(B=[timed_out("B")])
+    with pytest.raises(CallEnded) as ended:
+        await calls.call(0, "backward", 4, send, patience=OPINION, taken=taken)
+    assert ended.value.why is Ended.NOBODY and send.asked == ["B"]
