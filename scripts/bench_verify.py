@@ -20,11 +20,14 @@ seeds):
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
 the leader's reduction bounds and scores them (``swarmd.pipeline.round_reduction``), and their
-``excluded_at`` is when a leader convicted them (``hostile_contributions``). Each such liar is its
-stage's largest peer id, so it never leads (a leader's own contribution is not scored). ``clipped``
-and ``struck``: contributions the honest leaders' robust mean clipped, and left out of the mean
-(their samples counted), over ``rounds`` rounds; ``honest_blamed`` includes honest peers convicted
-by a leader.
+``excluded_at`` is when a leader convicted them (``hostile_contributions``); ``routed_out_at`` when
+two of its stage-mates excluded it (the leader, and a stage-mate that seconded the leader's signed
+evidence: ``swarmd.pipeline.accusations``), after which the trainers route nothing to it
+(``swarmd.train.verify.excluded_by_stage``); ``seconded``: accusations the honest peers seconded.
+Each such liar is its stage's largest peer id, so it never leads (a leader's own contribution is
+not scored). ``clipped`` and ``struck``: contributions the honest leaders' robust mean clipped,
+and left out of the mean (their samples counted), over ``rounds`` rounds; ``honest_blamed``
+includes honest peers convicted by a leader or excluded on a stage-mate's accusation.
 
 With ``--plain-averaging`` the leaders average as before issue 29 (the plain sample-weighted mean
 of every contribution inside the 64x band: no robust mean, no scores, no convictions), to measure
@@ -97,7 +100,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         honest = [d for d in daemons if d is not liar]
         api = f"http://{daemons[0].status()['api_addr']}"
         done = [0]
-        marks: dict[str, int | None] = {"caught_at": None, "excluded_at": None}
+        marks: dict[str, int | None] = {"caught_at": None, "excluded_at": None, "routed_out_at": None}
+        mates = [d for d in honest if liar is not None and d.stage == liar.stage]
 
         def on_event(event: TrainerEvent) -> None:
             if isinstance(event, StepDone):
@@ -113,9 +117,12 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                 if all(liar.peer_id in d.status()["reports"]["excluded"] for d in honest):
                     marks["excluded_at"] = done[0]
                     return
-                if lie in AVERAGING and any(liar.peer_id in d.averager.hostile_convictions for d in honest
-                                            if d.averager is not None):
+                if lie in AVERAGING and marks["excluded_at"] is None and any(
+                        liar.peer_id in d.averager.hostile_convictions for d in honest if d.averager is not None):
                     marks["excluded_at"] = done[0]  # convicted by its leader (hostile_contributions)
+                if lie in AVERAGING and sum(1 for d in mates if d.averager is not None
+                                            and liar.peer_id in d.averager.excluded()) >= 2:
+                    marks["routed_out_at"] = done[0]  # two stage-mates name it: trainers stop routing to it
                     return
                 await asyncio.sleep(0.1)
 
@@ -134,11 +141,16 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         caught = {p for s in summaries for p in s.verify["caught"]}
         averagers = [d.averager for d in honest if d.averager is not None]
         convicted = {p for a in averagers for p in a.hostile_convictions}
+        # and the peers a stage-mate excluded on another's accusation (swarmd.pipeline.accusations)
+        convicted |= {p for a in averagers for p, e in a.suspicions.status().items()
+                      if e["reason"].startswith("hostile")}
         return {
             "lie": lie or "honest",
             "stage": STAGE.get(lie or "", None),
             "caught_at": marks["caught_at"],
             "excluded_at": marks["excluded_at"],
+            "routed_out_at": marks["routed_out_at"],
+            "seconded": sum(a.accusations["seconded"] for a in averagers),
             "honest_blamed": sorted(p[:12] for p in caught | convicted if liar is None or p != liar.peer_id),
             # the honest leaders' robust averaging: contributions clipped, and left out of the mean
             "clipped": sum(a.contributions_clipped for a in averagers),
