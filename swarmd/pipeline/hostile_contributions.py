@@ -133,7 +133,8 @@ class HostileWatch:
 
     def observe(self, scores: Mapping[str, Score]) -> dict[str, str]:
         """Record one round's scores; the peers convicted by it (peer id -> why). A convicted peer's
-        history starts afresh (its exclusion is the daemon's business)."""
+        history starts afresh (its exclusion is the daemon's business; the evidence shown to its
+        stage-mates, ``swarmd.pipeline.accusations``)."""
         convicted = {}
         for pid, score in sorted(scores.items()):
             history = self._history.pop(pid, None) or deque(maxlen=self.window)

@@ -18,6 +18,10 @@ trainers all live. One reporter key may file at most ``max_per_reporter`` report
 What is left: a colluding pair of trainers on two hosts can get an honest peer excluded for
 the ban period; see docs/SECURITY.md ("Wrong answers from members").
 
+An ``averaging`` report is a round leader's conviction of hostile contributions, or a stage-mate
+seconding one (``swarmd.pipeline.accusations``): it carries the accused's own signed claims as
+``evidence``, which the daemon checks before counting it; the ledger counts it like any other.
+
 A report is evidence, not proof: it names the request's digest and the digests of the answers
 the reporter got from each peer, which a reader can compare with its own logs, but it cannot be
 checked by recomputation (the answers are not signed by the peers that gave them).
