@@ -113,8 +113,9 @@ def record_scores() -> None:
 def directions(daemons: list[Any], liar: Any) -> dict[str, Any]:
     """Per stage, from SCORED: the most *against* strikes (cosine below -AGAINST_COS) any honest peer had
     in a window of WINDOW scored rounds and the steps where an honest peer reached STRIKES of them,
-    the liar's first such step, and the largest honest ``far``: what a direction rule would convict."""
-    from swarmd.pipeline.hostile_contributions import AGAINST_COS, STRIKES, WINDOW
+    the liar's first such step, the largest honest ``far`` and the most *far* strikes an honest peer had in
+    a window (STRIKES of them convict): what a direction rule would convict, and how near honest peers came."""
+    from swarmd.pipeline.hostile_contributions import AGAINST_COS, FAR_FACTOR, STRIKES, WINDOW
 
     stage_of = {d.peer_id: d.stage for d in daemons}
     out: dict[str, Any] = {}
@@ -123,7 +124,7 @@ def directions(daemons: list[Any], liar: Any) -> dict[str, Any]:
         for leader, step, pid, far, cos in SCORED:
             if stage_of.get(leader) == stage:
                 rows.setdefault(pid, []).append((step, far, cos))
-        honest_max, honest_at, liar_at, far_max = 0, [], None, 0.0
+        honest_max, honest_at, liar_at, far_max, far_strikes = 0, [], None, 0.0, 0
         for pid, scored in rows.items():
             against = [cos < -AGAINST_COS for _, _, cos in scored]
             first = next((scored[i][0] for i in range(len(scored))
@@ -134,10 +135,14 @@ def directions(daemons: list[Any], liar: Any) -> dict[str, Any]:
             honest_max = max(honest_max, max((sum(against[max(0, i - WINDOW + 1): i + 1])
                                               for i in range(len(scored))), default=0))
             far_max = max(far_max, max((far for _, far, _ in scored), default=0.0))
+            far_hits = [far > FAR_FACTOR for _, far, _ in scored]
+            far_strikes = max(far_strikes, max((sum(far_hits[max(0, i - WINDOW + 1): i + 1])
+                                                for i in range(len(scored))), default=0))
             if first is not None:
                 honest_at.append(first)
         out[str(stage)] = {"honest_max_against": honest_max, "honest_reaching": sorted(honest_at),
-                           "liar_reaching": liar_at, "honest_max_far": round(far_max, 2)}
+                           "liar_reaching": liar_at, "honest_max_far": round(far_max, 2),
+                           "honest_max_far_strikes": far_strikes}
     return out
 
 

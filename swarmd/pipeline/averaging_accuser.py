@@ -35,6 +35,18 @@ REPORT_TIMEOUT_S = 5.0
 class RoundAccuser(AveragerCore):
     """Keeps the evidence of far contributions, accuses, and seconds stage-mates' accusations."""
 
+    def convicts(self) -> bool:
+        """Whether this stage's leaders convict (and its peers accuse and second) at all: on the last
+        stage only. An earlier stage's parameter gradients are computed from the input gradients the
+        next stage answered, so a liar there that scales them (caught only by the trainers' spot
+        checks, in time) makes an honest peer's contributions far too: a check-aware liar returning
+        input gradients times -20 got an honest stage-0 peer convicted and seconded
+        (docs/BENCHMARKS.md). The last stage's gradients come from its own loss on the trainer's
+        targets and spot-checked activations. Elsewhere far and opposed contributions are still
+        struck, left out of the mean, every round (``round_reduction``)."""
+        ex = self.executor
+        return ex.stage == ex.spec.n_stages - 1
+
     def _note_claim(self, rnd: _OpenRound, peer_id: str, request: AverageRequest | None) -> None:
         """Keep a signed contribution's claim for this round (the evidence, should it be struck)."""
         if request is None or request.public_key is None or request.signature is None or not request.digest:
@@ -44,7 +56,7 @@ class RoundAccuser(AveragerCore):
 
     def _note_scores(self, rnd: _OpenRound, red: Reduction) -> None:
         """After a reduction (off the loop): keep the claims of far contributions, and this peer's own norm."""
-        for pid, score in sorted(red.scores.items()):
+        for pid, score in sorted(red.scores.items()) if self.convicts() else ():
             signed = rnd.claims.get(pid)
             if signed is not None:
                 self.struck_claims.note(pid, signed[0], signed[1], far=score.far_strike() is not None)
@@ -66,15 +78,17 @@ class RoundAccuser(AveragerCore):
         accused's signed claims are far from this peer's own contributions (``accusations.second``).
         What this peer made of it: ``seconded``, ``not_seconded``, or ``ignored``."""
         accused = report.accused
-        if (report.stage != self.executor.stage or accused == self.peer_id or report.reporter_id == self.peer_id
-                or accused in self.suspicions.excluded()):
+        if (report.stage != self.executor.stage or not self.convicts() or accused == self.peer_id
+                or report.reporter_id == self.peer_id or accused in self.suspicions.excluded()):
             return "ignored"
         why = second(evidence, self.own_norms)
         if why is None:
             self.accusations["not_seconded"] += 1
-            self._warn(accused, "not_seconded", "stage %d: %s accuses %s of hostile contributions (claims %s); not "
+            self._warn(accused, "not_seconded", "stage %d: %s accuses %s of hostile contributions (claims: step, "
+                       "samples, norm[, this peer's round leader, samples, norm, score] %s); not "
                        "seconded: they are not far from this peer's own contributions of those rounds",
-                       self.executor.stage, report.reporter_id[:12], accused[:12], describe(evidence.claims))
+                       self.executor.stage, report.reporter_id[:12], accused[:12],
+                       describe(evidence.claims, self.own_norms))
             return "not_seconded"
         self.accusations["seconded"] += 1
         period = self.suspicions.accuse(accused, why, base_s=HOSTILE_EXCLUSION_S)

@@ -183,7 +183,8 @@ class RoundLeader(RoundAccuser):
             rnd.digests[self.peer_id] = tensor_digest(own.grads)
         ex = self.executor
         red = reduce_contributions(rnd.contributions, rnd.digests, leader=self.peer_id, target=self.target,
-                                   numel=ex.grad_numel, watch=self.hostile)
+                                   numel=ex.grad_numel,
+                                   watch=self.hostile if self.convicts() else None, score=True)
         self._note_scores(rnd, red)
         for pid, why in red.refused.items():
             rnd.refused[pid] = why

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 
 import msgpack
 import pytest
@@ -13,6 +14,7 @@ from swarmd.dht.identity import Identity
 from swarmd.errors import RequestError
 from swarmd.pipeline.accusations import (
     MAX_CLAIMS,
+    SECOND_CLAIMS,
     SPAN,
     Claim,
     Evidence,
@@ -40,7 +42,7 @@ def claims_of(accused: Identity, leader: str, norms: dict[int, float], samples: 
     return tuple(out)
 
 
-def own_history(leader: str, steps: range, norm: float = 1.0, samples: int = 8) -> OwnNorms:
+def own_history(leader: str, steps: Iterable[int], norm: float = 1.0, samples: int = 8) -> OwnNorms:
     own = OwnNorms()
     for step in steps:
         own.note(step, leader, norm, samples)
@@ -115,6 +117,10 @@ def test_a_stage_mate_seconds_far_claims_of_rounds_it_shared() -> None:
                   claims_of(accused, leader.peer_id, {s: 20.0 for s in range(10, 10 + STRIKES)}))
     why = second(ev, own_history(leader.peer_id, range(30)))
     assert why is not None and why.startswith("hostile")
+    # one of the rounds it did not share (turned away late): the others still hold SECOND_CLAIMS far claims
+    assert SECOND_CLAIMS == STRIKES - 1
+    own = own_history(leader.peer_id, [s for s in range(30) if s != 10])
+    assert second(ev, own) is not None
 
 
 @pytest.mark.parametrize("how", ["honest", "too_few", "other_leader", "not_there", "too_spread", "own_larger"])
@@ -125,13 +131,13 @@ def test_a_stage_mate_does_not_second(how: str) -> None:
     if how == "honest":  # the accused's contributions were as large as this peer's own
         norms = dict.fromkeys(norms, 1.3)
     elif how == "too_few":
-        norms = {s: 20.0 for s in range(10, 10 + STRIKES - 1)} | {20: 1.0}
+        norms = {s: 20.0 for s in range(10, 10 + SECOND_CLAIMS - 1)} | {20: 1.0, 21: 1.2}
     elif how == "other_leader":  # this peer contributed to another leader's rounds at those steps
         own = own_history(Identity.generate().peer_id, range(40))
     elif how == "not_there":  # this peer contributed to none of those rounds
         own = own_history(leader.peer_id, range(10))
     elif how == "too_spread":  # rare far claims gathered over a long run
-        norms = {10 + i * SPAN // (STRIKES - 1): 20.0 for i in range(STRIKES)}
+        norms = {10 + i * SPAN // (SECOND_CLAIMS - 1): 20.0 for i in range(SECOND_CLAIMS)}
     else:
         own = own_history(leader.peer_id, range(40), norm=5.0)
     ev = Evidence(leader.peer_id, accused.public_key_bytes, claims_of(accused, leader.peer_id, norms))
