@@ -20,11 +20,14 @@ seeds):
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
 the leader's reduction bounds and scores them (``swarmd.pipeline.round_reduction``), and their
-``excluded_at`` is when a leader convicted them (``hostile_contributions``). Each such liar is its
-stage's largest peer id, so it never leads (a leader's own contribution is not scored). ``clipped``
-and ``struck``: contributions the honest leaders' robust mean clipped, and left out of the mean
-(their samples counted), over ``rounds`` rounds; ``honest_blamed`` includes honest peers convicted
-by a leader.
+``excluded_at`` is when a leader convicted them (``hostile_contributions``); ``routed_out_at`` when
+two of its stage-mates excluded it (the leader, and a stage-mate that seconded the leader's signed
+evidence: ``swarmd.pipeline.accusations``), after which the trainers route nothing to it
+(``swarmd.train.verify.excluded_by_stage``); ``seconded``: accusations the honest peers seconded.
+Each such liar is its stage's largest peer id, so it never leads (a leader's own contribution is
+not scored). ``clipped`` and ``struck``: contributions the honest leaders' robust mean clipped,
+and left out of the mean (their samples counted), over ``rounds`` rounds; ``honest_blamed``
+includes honest peers convicted by a leader or excluded on a stage-mate's accusation.
 
 With ``--plain-averaging`` the leaders average as before issue 29 (the plain sample-weighted mean
 of every contribution inside the 64x band: no robust mean, no scores, no convictions), to measure
@@ -33,6 +36,11 @@ what the robust rule changes (``--lies`` with no liar: honest runs only).
     .venv/bin/python scripts/bench_verify.py --json
     .venv/bin/python scripts/bench_verify.py --lies --steps 40 --repeats 3 [--plain-averaging]
     .venv/bin/python scripts/bench_verify.py --lies aware far --steps 40 --verify-fraction 0.02
+    .venv/bin/python scripts/bench_verify.py --lies flipped aware --steps 40 --repeats 3 --directions --json
+
+``--directions`` adds, per stage, what a rule convicting on direction alone would have done (issue 29,
+the sign-flip liar): the most *against* strikes an honest peer had in any window, the steps where an
+honest peer reached a conviction's count, the liar's first such step, and the largest honest ``far``.
 """
 
 from __future__ import annotations
@@ -82,7 +90,64 @@ def plain_averaging() -> None:
     averaging_leader.reduce_contributions = plain  # type: ignore[assignment]
 
 
+#: (leader, step, peer id, far, cos) of every contribution a leader scored, with ``--directions``
+SCORED: list[tuple[str, int, str, float, float]] = []
+
+
+def record_scores() -> None:
+    """Make every leader in this process record its scores in SCORED (see ``--directions``)."""
+    from swarmd.pipeline import averaging_leader
+
+    original = averaging_leader.reduce_contributions
+
+    def recording(contributions: Any, digests: Any, *, leader: str, target: int, numel: int, watch: Any = None,
+                  score: bool = False) -> Any:
+        red = original(contributions, digests, leader=leader, target=target, numel=numel, watch=watch, score=score)
+        step = next((c.step for c in contributions.values()), -1)
+        SCORED.extend((leader, step, pid, sc.far, sc.cos) for pid, sc in sorted(red.scores.items()))
+        return red
+
+    averaging_leader.reduce_contributions = recording  # type: ignore[assignment]
+
+
+def directions(daemons: list[Any], liar: Any) -> dict[str, Any]:
+    """Per stage, from SCORED: the most *against* strikes (cosine below -AGAINST_COS) any honest peer had
+    in a window of WINDOW scored rounds and the steps where an honest peer reached STRIKES of them,
+    the liar's first such step, the largest honest ``far`` and the most *far* strikes an honest peer had in
+    a window (STRIKES of them convict): what a direction rule would convict, and how near honest peers came."""
+    from swarmd.pipeline.hostile_contributions import AGAINST_COS, FAR_FACTOR, STRIKES, WINDOW
+
+    stage_of = {d.peer_id: d.stage for d in daemons}
+    out: dict[str, Any] = {}
+    for stage in sorted({s for s in stage_of.values() if s is not None}):
+        rows: dict[str, list[tuple[int, float, float]]] = {}
+        for leader, step, pid, far, cos in SCORED:
+            if stage_of.get(leader) == stage:
+                rows.setdefault(pid, []).append((step, far, cos))
+        honest_max, honest_at, liar_at, far_max, far_strikes = 0, [], None, 0.0, 0
+        for pid, scored in rows.items():
+            against = [cos < -AGAINST_COS for _, _, cos in scored]
+            first = next((scored[i][0] for i in range(len(scored))
+                          if sum(against[max(0, i - WINDOW + 1): i + 1]) >= STRIKES), None)
+            if liar is not None and pid == liar.peer_id:
+                liar_at = first
+                continue
+            honest_max = max(honest_max, max((sum(against[max(0, i - WINDOW + 1): i + 1])
+                                              for i in range(len(scored))), default=0))
+            far_max = max(far_max, max((far for _, far, _ in scored), default=0.0))
+            far_hits = [far > FAR_FACTOR for _, far, _ in scored]
+            far_strikes = max(far_strikes, max((sum(far_hits[max(0, i - WINDOW + 1): i + 1])
+                                                for i in range(len(scored))), default=0))
+            if first is not None:
+                honest_at.append(first)
+        out[str(stage)] = {"honest_max_against": honest_max, "honest_reaching": sorted(honest_at),
+                           "liar_reaching": liar_at, "honest_max_far": round(far_max, 2),
+                           "honest_max_far_strikes": far_strikes}
+    return out
+
+
 async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    SCORED.clear()
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=args.peers_per_stage) as daemons:
         liar = None
         if lie is not None:
@@ -97,7 +162,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         honest = [d for d in daemons if d is not liar]
         api = f"http://{daemons[0].status()['api_addr']}"
         done = [0]
-        marks: dict[str, int | None] = {"caught_at": None, "excluded_at": None}
+        marks: dict[str, int | None] = {"caught_at": None, "excluded_at": None, "routed_out_at": None}
+        mates = [d for d in honest if liar is not None and d.stage == liar.stage]
 
         def on_event(event: TrainerEvent) -> None:
             if isinstance(event, StepDone):
@@ -113,9 +179,12 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                 if all(liar.peer_id in d.status()["reports"]["excluded"] for d in honest):
                     marks["excluded_at"] = done[0]
                     return
-                if lie in AVERAGING and any(liar.peer_id in d.averager.hostile_convictions for d in honest
-                                            if d.averager is not None):
+                if lie in AVERAGING and marks["excluded_at"] is None and any(
+                        liar.peer_id in d.averager.hostile_convictions for d in honest if d.averager is not None):
                     marks["excluded_at"] = done[0]  # convicted by its leader (hostile_contributions)
+                if lie in AVERAGING and sum(1 for d in mates if d.averager is not None
+                                            and liar.peer_id in d.averager.excluded()) >= 2:
+                    marks["routed_out_at"] = done[0]  # two stage-mates name it: trainers stop routing to it
                     return
                 await asyncio.sleep(0.1)
 
@@ -134,11 +203,16 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         caught = {p for s in summaries for p in s.verify["caught"]}
         averagers = [d.averager for d in honest if d.averager is not None]
         convicted = {p for a in averagers for p in a.hostile_convictions}
+        # and the peers a stage-mate excluded on another's accusation (swarmd.pipeline.accusations)
+        convicted |= {p for a in averagers for p, e in a.suspicions.status().items()
+                      if e["reason"].startswith("hostile")}
         return {
             "lie": lie or "honest",
             "stage": STAGE.get(lie or "", None),
             "caught_at": marks["caught_at"],
             "excluded_at": marks["excluded_at"],
+            "routed_out_at": marks["routed_out_at"],
+            "seconded": sum(a.accusations["seconded"] for a in averagers),
             "honest_blamed": sorted(p[:12] for p in caught | convicted if liar is None or p != liar.peer_id),
             # the honest leaders' robust averaging: contributions clipped, and left out of the mean
             "clipped": sum(a.contributions_clipped for a in averagers),
@@ -153,6 +227,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "steps": min(s.steps for s in summaries),
             "val_loss": final.val_loss,
             "wall_s": round(wall, 1),
+            **({"directions": directions(daemons, liar)} if args.directions else {}),
         }
 
 
@@ -184,12 +259,16 @@ if __name__ == "__main__":
     parser.add_argument("--plain-averaging", action="store_true", help="average as before issue 29 (plain mean)")
     parser.add_argument("--peers-per-stage", type=int, default=3, help="peers serving each of the 2 stages")
     parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
+    parser.add_argument("--directions", action="store_true", help="per stage, what a rule convicting on direction "
+                        "(STRIKES cosines below -AGAINST_COS in WINDOW rounds) would have convicted")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING if args.log else logging.ERROR)
     load = os.getloadavg()
     seed = args.seed
     if args.plain_averaging:
         plain_averaging()
+    if args.directions:
+        record_scores()
     out = asyncio.run(main(args))
     args.seed = seed  # the first repeat's (each next one adds 100)
     report = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],

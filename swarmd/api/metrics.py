@@ -283,6 +283,9 @@ class StatusCollector(Collector):
                        averaging.contributions_struck)
         yield _counter("swarmd_averaging_hostile_convictions", "stage-mates this peer, leading, convicted of hostile "
                        "contributions (then excluded; summed over peers)", sum(averaging.hostile_convictions.values()))
+        yield _by("swarmd_averaging_accusations", "convictions of hostile contributions shown to the stage-mates "
+                  "as signed evidence (sent), and stage-mates' accusations this peer seconded or not (issue 29)",
+                  "outcome", {k: averaging.accusations.get(k, 0) for k in ("sent", "seconded", "not_seconded")})
         yield _counter("swarmd_averaging_leaders_refused", "leaders' answers this peer refused (each counts once "
                        "per refusal, summed over leaders)", sum(averaging.leaders_refused.values()))
         yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "

@@ -159,6 +159,11 @@ class AveragingInfo(BaseModel):
     contributions_struck: int = Field(default=0, description="contributions left out of the mean (their samples "
                                       "counted) as far from or against the leader's own gradient, in rounds this "
                                       "peer led")
+    accusations: dict[str, int] = Field(default_factory=dict, description="convictions of hostile contributions "
+                                        "shown to the stage-mates as signed evidence, by outcome: sent (this peer "
+                                        "convicted), seconded (a stage-mate's, checked against this peer's own "
+                                        "contributions: the accused is excluded here too), not_seconded, "
+                                        "seconded_sent, accepted_by_mates (their ledgers counted it)")
     duplicate_microbatches: int = 0
     silent_contributors: int = 0
     excluded: dict[str, Exclusion] = Field(default_factory=dict, description="peer id -> why and for how long")

@@ -38,6 +38,7 @@ computes with are the executor's to check: only it knows the model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -442,9 +443,11 @@ class AverageRequest:
 
     ``public_key`` / ``signature`` / ``digest`` (meta ``pk``, ``sig``, ``digest``): the
     contributor's ed25519 key, its signature over the contribution (stage, step, samples,
-    gradients' digest, its peer id, the leader's), and the digest of the gradients as the leader
+    gradients' digest, its peer id, the leader's, ``norm``), and the digest of the gradients as the leader
     will decode them (``swarmd.pipeline.round_checks.tensor_digest``). Optional on the wire; a
-    leader refuses an unsigned contribution (``swarmd.pipeline.averaging``).
+    leader refuses an unsigned contribution (``swarmd.pipeline.averaging``). ``norm`` (meta
+    ``norm``): the gradients' per-sample norm as decoded, signed so that a leader can show the
+    stage-mates how large a convicted peer's contributions were (``swarmd.pipeline.accusations``).
 
     ``mbs`` (tensor ``mbs``, int64 holding the unsigned 64-bit ids' bits): the microbatch ids whose
     gradients the sum holds, so the leader can count an id that two contributions hold
@@ -461,6 +464,7 @@ class AverageRequest:
     signature: bytes | None = None
     digest: str | None = None
     mbs: tuple[int, ...] = ()
+    norm: float = 0.0  # the gradients' per-sample norm, as signed (meta ``norm``)
 
     KIND = "average"
 
@@ -468,7 +472,7 @@ class AverageRequest:
         meta: dict[str, Any] = {"stage": self.stage, "step": self.step, "samples": self.samples,
                                 "peer_id": self.peer_id}
         if self.public_key is not None and self.signature is not None:
-            meta.update(pk=self.public_key, sig=self.signature, digest=self.digest or "")
+            meta.update(pk=self.public_key, sig=self.signature, digest=self.digest or "", norm=float(self.norm))
         tensors = {} if self.grads is None else {"grads": self.grads}
         if self.mbs and len(self.mbs) <= MAX_CONTRIBUTION_MBS:
             tensors["mbs"] = torch.tensor([m - 2**64 if m >= 2**63 else m for m in self.mbs], dtype=torch.int64)
@@ -503,14 +507,17 @@ class AverageRequest:
                 raise RequestError("meta.pk and meta.sig must be a 32-byte ed25519 key and a 64-byte signature")
             if not isinstance(digest, str) or len(digest) not in (0, 64):
                 raise RequestError("meta.digest must be the gradients' 64-hex-character digest (or empty)")
+            norm = meta.get("norm", 0.0)
+            if type(norm) is not float or not math.isfinite(norm) or norm < 0:
+                raise RequestError("meta.norm must be the gradients' per-sample norm (a finite float >= 0)")
         else:
-            digest = None
+            digest, norm = None, 0.0
         ids = frame.tensors.get("mbs")
         if ids is not None and (ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() > MAX_CONTRIBUTION_MBS):
             raise RequestError(f"'mbs' must be int64 of shape [n], n <= {MAX_CONTRIBUTION_MBS} (microbatch ids)")
         mbs = () if ids is None else tuple(m % 2**64 for m in ids.tolist())
         return cls(stage=stage, peer_id=peer_id, step=step, samples=samples, grads=grads,
-                   public_key=pk, signature=sig, digest=digest, mbs=mbs)
+                   public_key=pk, signature=sig, digest=digest, mbs=mbs, norm=norm)
 
 
 @dataclass(frozen=True)

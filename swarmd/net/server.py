@@ -110,6 +110,7 @@ from swarmd.net.messages import (
 )
 from swarmd.net.state_transfer import StateSnapshot, stream_state
 from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, Frame, WireLimits, decode_frame, media_type
+from swarmd.pipeline.accusations import Evidence
 from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
 from swarmd.pipeline.runtime import RuntimeGetter, StageRuntime
 from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
@@ -413,7 +414,14 @@ class DataPlane:
             raise LimitExceeded(f"a report is at most {MAX_REPORT_FRAME_BYTES} bytes")
         req = ReportRequest.from_frame(await self._read_frame(request))
         report = MisbehaviourReport.decode(req.body, req.signature)
+        evidence = None
+        if report.kind == "averaging":  # a leader's conviction: the accused's own signed claims (422 if not)
+            evidence = Evidence.decode(report.evidence)
+            evidence.verify(report.stage, report.accused)
         result = self.reports.add(report, request.remote or "")
+        runtime = self._runtime()
+        if evidence is not None and runtime is not None and runtime.averager is not None and not self._paused:
+            runtime.averager.consider_accusation(report, evidence)  # a stage-mate may second it
         reply = ReportReply(accepted=result.accepted, reason=result.reason, excluded=result.excluded)
         return await self._reply(reply.encode, "none")
 

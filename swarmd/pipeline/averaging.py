@@ -99,6 +99,7 @@ import logging
 import time
 
 from swarmd.net.addresses import is_relayed
+from swarmd.pipeline.accusations import contribution_message
 from swarmd.pipeline.averaging_contributor import RoundContributor
 from swarmd.pipeline.averaging_leader import RoundLeader
 from swarmd.pipeline.averaging_round import (
@@ -116,7 +117,6 @@ from swarmd.pipeline.averaging_round import (
     _as_decoded,
     _OpenRound,
     _wire_codec,
-    contribution_message,
     lone_mean,
 )
 

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     pass
 
 from swarmd.pipeline import averaging_round as shared
-from swarmd.pipeline.averaging_round import AveragerCore, RoundResult, _as_decoded, _wire_codec, contribution_message
+from swarmd.pipeline.accusations import contribution_message
+from swarmd.pipeline.averaging_round import AveragerCore, RoundResult, _as_decoded, _wire_codec
 
 # one logger for the whole protocol, whichever module of it speaks
 log = logging.getLogger("swarmd.pipeline.averaging")
@@ -115,10 +116,11 @@ class RoundContributor(AveragerCore):
         if self.identity is not None:
             key = self.identity.public_key_bytes
             sig = self.identity.sign(contribution_message(ex.stage, own.step, own.samples, digest, self.peer_id,
-                                                          leader))
+                                                          leader, mine.norm))
+        self.own_norms.note(own.step, leader, mine.norm, own.samples)  # to check a leader's accusations with
         request = AverageRequest(stage=ex.stage, peer_id=self.peer_id, step=own.step, samples=own.samples,
                                  grads=own.grads, codec=codec, public_key=key, signature=sig, digest=digest,
-                                 mbs=own.mbs)
+                                 mbs=own.mbs, norm=mine.norm)
         answer = await self.client.average(addr, request, grad_numel=ex.grad_numel,
                                            timeout_s=self.timeout_s + shared.REPLY_SLACK_S)
         try:

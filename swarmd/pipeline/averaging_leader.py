@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -21,10 +22,13 @@ from swarmd.errors import Busy, NonFinite, RequestError
 from swarmd.finite import all_finite
 from swarmd.net.messages import AverageRequest
 from swarmd.net.wire import Frame, decode_frame
+from swarmd.pipeline.accusations import NORM_TOLERANCE, contribution_message
+from swarmd.pipeline.averaging_accuser import RoundAccuser
 from swarmd.pipeline.executor import Contribution
 from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import (
     Used,
+    per_sample_norm,
     tensor_digest,
 )
 from swarmd.pipeline.round_patience import RoundPatience
@@ -36,12 +40,10 @@ if TYPE_CHECKING:
 
 from swarmd.pipeline import averaging_round as shared
 from swarmd.pipeline.averaging_round import (
-    AveragerCore,
     RoundResult,
     _aborted,
     _OpenRound,
     _wire_codec,
-    contribution_message,
     lone_mean,
 )
 
@@ -49,7 +51,7 @@ from swarmd.pipeline.averaging_round import (
 log = logging.getLogger("swarmd.pipeline.averaging")
 
 
-class RoundLeader(AveragerCore):
+class RoundLeader(RoundAccuser):
     """Leading a round: open, admit, settle, reduce, answer."""
 
 
@@ -161,6 +163,7 @@ class RoundLeader(AveragerCore):
             log.warning("stage %d step %d: convicted %s of hostile contributions (%s); its contribution %s this "
                         "round; excluded from this peer's rounds for %.0fs", self.executor.stage, rnd.step,
                         pid[:12], why, dropped, period)
+            self._accuse(pid, rnd.step)  # and show the stage-mates the evidence (averaging_accuser)
 
     def _accuse_silent(self, rnd: _OpenRound, arrived: set[str]) -> None:
         """Exclude the expected contributors that never came (issue #18: a proof shows a peer holds
@@ -182,7 +185,9 @@ class RoundLeader(AveragerCore):
             rnd.digests[self.peer_id] = tensor_digest(own.grads)
         ex = self.executor
         red = reduce_contributions(rnd.contributions, rnd.digests, leader=self.peer_id, target=self.target,
-                                   numel=ex.grad_numel, watch=self.hostile)
+                                   numel=ex.grad_numel,
+                                   watch=self.hostile if self.convicts() else None, score=True)
+        self._note_scores(rnd, red)
         for pid, why in red.refused.items():
             rnd.refused[pid] = why
             rnd.contributions.pop(pid)
@@ -265,6 +270,7 @@ class RoundLeader(AveragerCore):
                                                       mbs=request.mbs if request is not None else ())
             if digest is not None:
                 rnd.digests[peer_id] = digest
+                self._note_claim(rnd, peer_id, request)
             task = asyncio.get_running_loop().create_task(self._settle_owned(rnd), name="swarmd-average")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -276,6 +282,7 @@ class RoundLeader(AveragerCore):
                                                       mbs=request.mbs if request is not None else ())
             if digest is not None:
                 rnd.digests[peer_id] = digest
+                self._note_claim(rnd, peer_id, request)
             rnd.expected.add(peer_id)
             rnd.arrived.set()
         result = await asyncio.shield(rnd.result)
@@ -293,10 +300,14 @@ class RoundLeader(AveragerCore):
                 return Refusal("unsigned", "a contribution must be signed with its sender's identity")
             if peer_id_of(request.public_key) != peer_id:
                 return Refusal("bad_signature", "the key is not that peer id's")
-            digest = await asyncio.to_thread(tensor_digest, grads)
-            message = contribution_message(self.executor.stage, step, samples, digest, peer_id, self.peer_id)
+            digest, norm = await asyncio.to_thread(lambda: (tensor_digest(grads), per_sample_norm(grads, samples)))
+            message = contribution_message(self.executor.stage, step, samples, digest, peer_id, self.peer_id,
+                                           request.norm)
             if request.digest != digest or not verify(request.public_key, message, request.signature):
                 return Refusal("bad_signature", "the signature does not cover these gradients for this round")
+            if not math.isclose(request.norm, norm, rel_tol=NORM_TOLERANCE, abs_tol=1e-30):
+                return Refusal("bad_norm", f"it signed a per-sample norm of {request.norm:.6g}, its gradients' is "
+                               f"{norm:.6g}")
         if self.prover is not None:
             mates = await self.stage_peers()
             addr = mates.get(peer_id)
@@ -313,13 +324,13 @@ class RoundLeader(AveragerCore):
         thread-safe: the data plane calls it on its codec pool (it hashes the gradients)."""
         meta, grads = frame.meta, frame.tensors.get("grads")
         peer_id, pk, sig, digest = meta.get("peer_id"), meta.get("pk"), meta.get("sig"), meta.get("digest")
-        step, samples = meta.get("step"), meta.get("samples")
+        step, samples, norm = meta.get("step"), meta.get("samples"), meta.get("norm")
         if not (isinstance(peer_id, str) and type(pk) is bytes and type(sig) is bytes and isinstance(digest, str)
-                and type(step) is int and type(samples) is int and grads is not None
+                and type(step) is int and type(samples) is int and type(norm) is float and grads is not None
                 and grads.dtype == torch.float32 and grads.dim() == 1 and grads.numel() == self.executor.grad_numel
                 and peer_id_of(pk) == peer_id and tensor_digest(grads) == digest):
             return None
-        message = contribution_message(self.executor.stage, step, samples, digest, peer_id, self.peer_id)
+        message = contribution_message(self.executor.stage, step, samples, digest, peer_id, self.peer_id, norm)
         return peer_id if verify(pk, message, sig) else None
 
     def note_unreadable(self, frame: Frame, error: RequestError, signer: str | None) -> None:

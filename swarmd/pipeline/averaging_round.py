@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import aiohttp
-import msgpack
 import torch
 
 from swarmd.dht.identity import Identity
@@ -28,6 +27,7 @@ from swarmd.errors import PeerError
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import AverageReply, ProgressReply
 from swarmd.net.wire import decode_frame, encode_frame
+from swarmd.pipeline.accusations import Claim, OwnNorms, StruckClaims
 from swarmd.pipeline.executor import Contribution, StageExecutor
 from swarmd.pipeline.hostile_contributions import HostileWatch
 from swarmd.pipeline.refusals import Refusal
@@ -74,13 +74,6 @@ FIRST_PROOF_WAIT_MAX = 8
 #: At most one warning per peer and reason in this many seconds (a liar must not flood the log).
 LOG_EVERY_S = 30.0
 
-_CONTRIBUTION_DOMAIN = b"swarmd-average/1\x00"
-
-
-def contribution_message(stage: int, step: int, samples: int, digest: str, peer_id: str, leader: str) -> bytes:
-    """What a contributor signs: its contribution, and to whom it is sent (so it cannot be replayed
-    to another leader or step)."""
-    return _CONTRIBUTION_DOMAIN + msgpack.packb([stage, step, samples, digest, peer_id, leader], use_bin_type=True)
 
 
 @dataclass(frozen=True)
@@ -115,6 +108,7 @@ class _OpenRound:
     deadline: float
     contributions: dict[str, Contribution] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # of the contributions' gradients, as decoded here
+    claims: dict[str, tuple[bytes, Claim]] = field(default_factory=dict)  # signed contributions: key, claim
     refused: dict[str, Refusal] = field(default_factory=dict)  # contributions the reduction refused, and why
     refused_samples: int = 0  # their samples (kept by their senders)
     convicted: dict[str, str] = field(default_factory=dict)  # peers the reduction convicted (round_reduction)
@@ -207,6 +201,10 @@ class AveragerCore:
         self.hostile_convictions: Counter[str] = Counter()  # peers convicted of hostile contributions
         self.contributions_clipped = 0  # contributions whose influence the robust mean cut, in rounds led
         self.contributions_struck = 0  # contributions left out of the mean as hostile-looking, in rounds led
+        # a conviction's evidence, and what this peer seconds others' with (swarmd.pipeline.accusations)
+        self.struck_claims = StruckClaims()
+        self.own_norms = OwnNorms()
+        self.accusations: Counter[str] = Counter()  # sent, seconded, not_seconded, refused (bad evidence)
         # microbatch ids two contributions to a round this peer led both held: counted twice, seen
         # (the exactly-once rule's last resort, swarmd.pipeline.step_protocol)
         self.duplicate_microbatches = 0
@@ -263,6 +261,7 @@ class AveragerCore:
             "hostile_convictions": dict(self.hostile_convictions),
             "contributions_clipped": self.contributions_clipped,
             "contributions_struck": self.contributions_struck,
+            "accusations": dict(self.accusations),
             "duplicate_microbatches": self.duplicate_microbatches,
             "silent_contributors": self.silent_contributors,
             "excluded": self.suspicions.status(),

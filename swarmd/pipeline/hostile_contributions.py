@@ -31,7 +31,10 @@ peer's gradients point against its stage-mates' when a liar on the next stage fe
 input gradients (the check-aware liar of issue #29's table, tripled and negated: in a 2x3 run two
 honest stage-0 peers were convicted by direction, then excluded), and from the contributions alone
 a victim cannot be told from a liar; such contributions are left out, which is what they deserve,
-and their senders are not punished. Why these numbers: in an honest
+and their senders are not punished. The same holds for distance on any stage but the last: a liar on
+the next stage that returns input gradients times -20 makes an honest peer's contributions far, so
+only the last stage's leaders convict at all (``averaging_accuser.RoundAccuser.convicts``; earlier
+stages strike and leave out). Why these numbers: in an honest
 2x3 run of the ``tiny`` preset for 40 steps (``scripts/bench_verify.py``; ``swarmd.pipeline.averaging``
 logs each round's scores at DEBUG) the 163 scored contributions had ``far`` at most 1.28 and
 ``cos`` with median 0.64 but as low as -0.28 late in training, where the gradients grow noisy (5
@@ -133,7 +136,8 @@ class HostileWatch:
 
     def observe(self, scores: Mapping[str, Score]) -> dict[str, str]:
         """Record one round's scores; the peers convicted by it (peer id -> why). A convicted peer's
-        history starts afresh (its exclusion is the daemon's business)."""
+        history starts afresh (its exclusion is the daemon's business; the evidence shown to its
+        stage-mates, ``swarmd.pipeline.accusations``)."""
         convicted = {}
         for pid, score in sorted(scores.items()):
             history = self._history.pop(pid, None) or deque(maxlen=self.window)

@@ -19,6 +19,7 @@ RefusalKind = Literal[
     "excluded",  # this stage excludes the sender for now (checks, silence, a conviction)
     "unsigned",  # an identity swarm: a contribution must be signed
     "bad_signature",  # the signature does not cover these gradients for this round
+    "bad_norm",  # the per-sample norm it signed is not its gradients'
     "unproven",  # not a serving stage-mate whose proof this peer holds
     "outlier",  # its per-sample norm is outside the round's band
     "hostile",  # convicted of hostile contributions by the leader's scoring

@@ -18,6 +18,10 @@ trainers all live. One reporter key may file at most ``max_per_reporter`` report
 What is left: a colluding pair of trainers on two hosts can get an honest peer excluded for
 the ban period; see docs/SECURITY.md ("Wrong answers from members").
 
+An ``averaging`` report is a round leader's conviction of hostile contributions, or a stage-mate
+seconding one (``swarmd.pipeline.accusations``): it carries the accused's own signed claims as
+``evidence``, which the daemon checks before counting it; the ledger counts it like any other.
+
 A report is evidence, not proof: it names the request's digest and the digests of the answers
 the reporter got from each peer, which a reader can compare with its own logs, but it cannot be
 checked by recomputation (the answers are not signed by the peers that gave them).
@@ -53,8 +57,9 @@ __all__ = [
 
 REPORT_VERSION = 1
 _SIGNING_PREFIX = b"swarmd-misbehaviour-report\x00"
-#: What a report may accuse a peer of: a wrong answer to one of these calls.
-KINDS = ("forward", "backward")
+#: What a report may accuse a peer of: a wrong answer to one of these calls, or hostile averaging
+#: contributions (a round leader's conviction, or a stage-mate seconding it: ``swarmd.pipeline.accusations``).
+KINDS = ("forward", "backward", "averaging")
 MAX_REPORT_BYTES = 2048
 MAX_ANSWERS = 3
 #: A report dated further than this in the future (clock skew), or older than the ledger's
@@ -91,6 +96,8 @@ class MisbehaviourReport:
     ``answers``: ``(peer_id, answer digest)`` of every peer asked (the accused's, the one that
     disagreed with it, the arbiter's), sorted by peer id; the accused is among them.
     ``reporter``: the reporter's raw ed25519 public key; ``at``: unix time of the verdict.
+    ``evidence``: only in an ``averaging`` report (and required there): the accused's signed claims,
+    encoded (``swarmd.pipeline.accusations.Evidence``; checked by the daemon, not here).
     """
 
     accused: str
@@ -103,27 +110,30 @@ class MisbehaviourReport:
     reporter: bytes
     at: float
     signature: bytes = field(default=b"", repr=False)
+    evidence: bytes = field(default=b"", repr=False)
 
     @property
     def reporter_id(self) -> str:
         return peer_id_of(self.reporter)
 
     def _body(self) -> bytes:
-        return msgpack.packb(
-            {"v": REPORT_VERSION, "accused": self.accused, "stage": self.stage, "step": self.step,
-             "kind": self.kind, "mb": self.mb, "request": self.request_digest,
-             "answers": [list(a) for a in self.answers], "reporter": self.reporter, "at": self.at},
-            use_bin_type=True,
-        )
+        fields: dict[str, Any] = {
+            "v": REPORT_VERSION, "accused": self.accused, "stage": self.stage, "step": self.step,
+            "kind": self.kind, "mb": self.mb, "request": self.request_digest,
+            "answers": [list(a) for a in self.answers], "reporter": self.reporter, "at": self.at}
+        if self.evidence:
+            fields["evidence"] = self.evidence
+        return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def signed(
         cls, identity: Identity, *, accused: str, stage: int, step: int, kind: str, mb: int, request_digest: str,
-        answers: Mapping[str, str], at: float,
+        answers: Mapping[str, str], at: float, evidence: bytes = b"",
     ) -> MisbehaviourReport:
         """A report by ``identity``; validated as a receiver would (ValueError-free: RequestError)."""
         unsigned = cls(accused=accused, stage=stage, step=step, kind=kind, mb=mb, request_digest=request_digest,
-                       answers=tuple(sorted(answers.items())), reporter=identity.public_key_bytes, at=at)
+                       answers=tuple(sorted(answers.items())), reporter=identity.public_key_bytes, at=at,
+                       evidence=evidence)
         body = unsigned._body()
         report = cls.decode(body, identity.sign(_SIGNING_PREFIX + body))
         return report
@@ -174,9 +184,12 @@ class MisbehaviourReport:
         at = fields.get("at")
         if type(at) is not float or not math.isfinite(at) or at <= 0:
             raise RequestError("a report's 'at' must be a positive unix time (float)")
+        evidence = fields.get("evidence", b"")
+        if (kind == "averaging") != (type(evidence) is bytes and len(evidence) > 0):
+            raise RequestError("an 'averaging' report must carry its 'evidence' (bytes), and only it")
         report = cls(accused=str(accused), stage=_int(fields, "stage", 0, 2**16), step=_int(fields, "step", 0, 2**53),
                      kind=str(kind), mb=_int(fields, "mb", 0, 2**64 - 1), request_digest=str(request), answers=pairs,
-                     reporter=reporter, at=at, signature=signature)
+                     reporter=reporter, at=at, signature=signature, evidence=evidence)
         if report._body() != body:  # one encoding only: what is signed is exactly what is read
             raise RequestError("a report's body is not in its canonical encoding")
         if not verify(reporter, _SIGNING_PREFIX + body, signature):

@@ -19,7 +19,7 @@ leader), in the order it runs:
    last ``WINDOW`` rounds is convicted (direction alone never convicts: see there): its
    contribution is turned away when the others still hold the target (its sender keeps it), else
    counted and left out as a struck one. The caller excludes the peer (``round_checks.Suspicions``,
-   ``HOSTILE_EXCLUSION_S``).
+   ``HOSTILE_EXCLUSION_S``) and shows its stage-mates the evidence (``averaging_accuser``).
 
 Deterministic: contributions are taken in peer-id order and reduced in float64, so the mean does
 not depend on arrival order; the leader computes it once and every peer applies that answer.

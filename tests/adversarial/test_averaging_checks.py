@@ -311,17 +311,21 @@ async def test_fake_records_with_the_smallest_ids_never_lead_nor_hold_up_a_round
                 assert answer.status == "aborted" and answer.reason and answer.reason.startswith("unsigned")
                 forger = Identity.generate()  # signs with its own key, claims a real peer's id
                 digest = tensor_digest(grads)
-                sig = forger.sign(contribution_message(0, leader.ex.step, 8, digest, peers[1].pid, leader.pid))
+                sig = forger.sign(contribution_message(0, leader.ex.step, 8, digest, peers[1].pid, leader.pid, 0.0))
                 req = replace(req, peer_id=peers[1].pid, public_key=forger.public_key_bytes, signature=sig,
                               digest=digest)
                 answer = await client.average(leader.addr, req, grad_numel=leader.ex.grad_numel)
                 assert answer.status == "aborted" and answer.reason and answer.reason.startswith("bad_signature")
-                sig = forger.sign(contribution_message(0, leader.ex.step, 8, digest, forger.peer_id, leader.pid))
-                req = replace(req, peer_id=forger.peer_id, signature=sig)  # signed, but not a proven stage-mate
+                sig = forger.sign(contribution_message(0, leader.ex.step, 8, digest, forger.peer_id, leader.pid, 1.0))
+                req = replace(req, peer_id=forger.peer_id, signature=sig, norm=1.0)  # signs a norm its zeros lack
+                answer = await client.average(leader.addr, req, grad_numel=leader.ex.grad_numel)
+                assert answer.status == "aborted" and answer.reason and answer.reason.startswith("bad_norm")
+                sig = forger.sign(contribution_message(0, leader.ex.step, 8, digest, forger.peer_id, leader.pid, 0.0))
+                req = replace(req, signature=sig, norm=0.0)  # signed, but not a proven stage-mate
                 answer = await client.average(leader.addr, req, grad_numel=leader.ex.grad_numel)
                 assert answer.status == "aborted" and answer.reason and answer.reason.startswith("unproven")
             assert leader.ex.step == 2 and leader.averager.contributions_refused == {
-                "unsigned": 1, "bad_signature": 1, "unproven": 1}
+                "unsigned": 1, "bad_signature": 1, "bad_norm": 1, "unproven": 1}
     finally:
         await runner.cleanup()
         for w in held:

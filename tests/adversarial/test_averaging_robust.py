@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import time
 
+import aiohttp
 import pytest
 
 from swarmd.daemon import Daemon
@@ -92,3 +93,46 @@ async def test_an_averaging_liar_is_bounded_convicted_and_excluded(poison: str) 
             assert status["contributions_struck"] >= len(struck) >= 3
         # -20x ruined training (3.10x the honest held-out loss) before the robust mean: now near honest
         assert loss <= 1.05 * honest_loss, (loss, honest_loss)
+
+
+async def _served(daemon: Daemon) -> float:
+    """The forwards and backwards ``daemon``'s data plane answered 200 (a trainer's calls; the last
+    stage's are fused backwards), from its ``/metrics``."""
+    async with aiohttp.ClientSession() as session, session.get(f"http://{daemon.status()['api_addr']}/metrics") as r:
+        text = await r.text()
+    lines = [f'swarmd_data_plane_requests_total{{endpoint="/v1/{kind}",status="200"}} '
+             for kind in ("forward", "backward")]
+    return sum(float(row[len(line):]) for row in text.splitlines() for line in lines if row.startswith(line))
+
+
+@pytest.mark.timeout(600)
+async def test_a_convicted_averaging_liar_is_seconded_and_the_trainers_stop_routing_to_it() -> None:
+    """Issue #29, item 4: the leader's conviction of a -20x liar reaches its stage-mates as signed
+    evidence (``swarmd.pipeline.accusations``); the honest stage-mate checks it against its own
+    contributions, seconds it, and excludes the liar too, so two of the stage's three peers name it
+    and a trainer routes nothing more to it. Nobody honest is accused."""
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        stage1 = sorted((d for d in daemons if d.stage == 1), key=lambda d: d.peer_id or "")
+        liar, honest = stage1[-1], stage1[:-1]
+        assert liar.averager is not None and liar.peer_id is not None
+        poison_contributions(liar.averager, "minus20")
+        await _train(daemons, seed=0)
+        leader, mate = honest
+        lead, seconding = leader.status()["averaging"], mate.status()["averaging"]
+        assert lead["hostile_convictions"] == {liar.peer_id: 1}
+        assert lead["accusations"].get("sent") == 1, lead["accusations"]
+        assert seconding["accusations"].get("seconded") == 1, seconding["accusations"]
+        assert seconding["excluded"][liar.peer_id]["reason"].startswith("hostile"), seconding["excluded"]
+        assert mate.reports.status()["accepted"] >= 1  # the leader's report, counted in the stage-mate's ledger
+        for d in daemons:  # nobody honest excluded for hostile contributions, anywhere
+            if d.averager is not None and d is not liar:
+                hostile = {p for p, e in d.averager.checks_status()["excluded"].items()
+                           if e["reason"].startswith("hostile")}
+                assert hostile <= {liar.peer_id}, (d.peer_id, hostile)
+        before = [await _served(d) for d in stage1]
+        api = f"http://{daemons[0].status()['api_addr']}"
+        after_run = await Trainer(trainer_config(api, "after", steps=3, fraction=0.0, seed=7)).run()
+        assert after_run.steps >= 3
+        after = [await _served(d) for d in stage1]
+        assert after[-1] == before[-1], (before, after)  # not one call to the convicted liar
+        assert sum(after[:-1]) > sum(before[:-1])  # while its honest stage-mates served the run

@@ -540,6 +540,7 @@ def test_report_refuses_hostile_reports() -> None:
     signed reports are counted (200), and no fuzzed report makes the daemon exclude anyone
     without two of them."""
     from swarmd.dht.identity import Identity
+    from swarmd.pipeline.accusations import Claim, Evidence, answers_of, contribution_message
     from swarmd.pipeline.reports import MisbehaviourReport
 
     accused = "ab" * 20
@@ -574,6 +575,24 @@ def test_report_refuses_hostile_reports() -> None:
         r = p.post_frame("/v1/report", encode_frame("report", dict(zip(("body", "sig"), signed(time.time()),
                                                                         strict=True)), {}, "none"))
         assert r.status_code == 200 and decode_frame(r.content).meta["reason"] == "counted"
+        # an averaging report (a leader's conviction, swarmd.pipeline.accusations) whose claim the accuser
+        # signed itself, not the accused: refused, so a lone accuser cannot show made-up contributions
+        accuser, liar = Identity.generate(), Identity.generate()
+
+        def averaging(signer: Identity) -> bytes:
+            message = contribution_message(0, 5, 8, "33" * 32, liar.peer_id, accuser.peer_id, 20.0)
+            ev = Evidence(accuser.peer_id, liar.public_key_bytes, (Claim(5, 8, "33" * 32, 20.0, signer.sign(message)),))
+            body, sig = MisbehaviourReport.signed(accuser, accused=liar.peer_id, stage=0, step=5, kind="averaging",
+                                                  mb=1, request_digest="00" * 32, at=time.time(),
+                                                  answers=answers_of(ev, liar.peer_id, accuser.peer_id),
+                                                  evidence=ev.encode()).encode()
+            return encode_frame("report", {"body": body, "sig": sig}, {}, "none")
+
+        r = p.post_frame("/v1/report", averaging(accuser))
+        assert r.status_code == 422 and "not signed by the accused" in r.text, r.text
+        r = p.post_frame("/v1/report", averaging(liar))  # the liar's own signature: counted (one reporter)
+        assert r.status_code == 200 and decode_frame(r.content).meta["reason"] == "counted"
+        assert d.daemon.reports.excluded() == frozenset()
 
 
 # The methods aiohttp's HTTP parser (llhttp) knows; it answers any other with its own plain-text
