@@ -52,6 +52,7 @@ import msgpack
 from swarmd.dht.identity import PEER_ID_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, peer_id_of, verify
 from swarmd.errors import RequestError
 from swarmd.pipeline.hostile_contributions import FAR_FACTOR, STRIKES, WINDOW
+from swarmd.pipeline.reports import unpack_bounded
 
 __all__ = ["MAX_CLAIMS", "NORM_TOLERANCE", "SECOND_CLAIMS", "SPAN", "Claim", "Evidence", "OwnNorms", "StruckClaims",
            "contribution_message", "second"]
@@ -111,11 +112,7 @@ class Evidence:
         """Shapes and ranges only (:meth:`verify` checks the signatures); ``RequestError`` naming what is wrong."""
         if type(raw) is not bytes or not 0 < len(raw) <= MAX_EVIDENCE_BYTES:
             raise RequestError(f"an accusation's evidence must be 1..{MAX_EVIDENCE_BYTES} bytes of msgpack")
-        try:
-            fields = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_EVIDENCE_BYTES,
-                                     max_str_len=MAX_EVIDENCE_BYTES, max_array_len=16, max_map_len=4)
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise RequestError(f"an accusation's evidence is not valid msgpack: {exc}") from None
+        fields = unpack_bounded(raw, "an accusation's evidence", MAX_EVIDENCE_BYTES, max_array_len=16, max_map_len=4)
         if not isinstance(fields, dict) or set(fields) != {"leader", "key", "claims"}:
             raise RequestError("an accusation's evidence must be a map of leader, key and claims")
         leader, key, claims = fields["leader"], fields["key"], fields["claims"]

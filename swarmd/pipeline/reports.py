@@ -89,6 +89,16 @@ def _int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     return value
 
 
+def unpack_bounded(raw: bytes, what: str, max_bytes: int, *, max_array_len: int, max_map_len: int) -> object:
+    """Remote msgpack decoded with every length bounded (strings and binaries by ``max_bytes``);
+    ``RequestError`` (422) naming ``what`` when it is not valid msgpack. Shapes are the caller's."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes,
+                               max_array_len=max_array_len, max_map_len=max_map_len)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise RequestError(f"{what} is not valid msgpack: {exc}") from None
+
+
 @dataclass(frozen=True)
 class MisbehaviourReport:
     """One spot check's evidence against one peer, signed by the reporter.
@@ -151,11 +161,7 @@ class MisbehaviourReport:
             raise RequestError(f"a report's body must be 1..{MAX_REPORT_BYTES} bytes of msgpack")
         if type(signature) is not bytes or len(signature) != SIGNATURE_BYTES:
             raise RequestError(f"a report's signature must be {SIGNATURE_BYTES} bytes")
-        try:
-            fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_REPORT_BYTES,
-                                     max_str_len=MAX_REPORT_BYTES, max_array_len=16, max_map_len=16)
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise RequestError(f"a report's body is not valid msgpack: {exc}") from None
+        fields = unpack_bounded(body, "a report's body", MAX_REPORT_BYTES, max_array_len=16, max_map_len=16)
         if not isinstance(fields, dict):
             raise RequestError("a report's body must be a map")
         if fields.get("v") != REPORT_VERSION:
