@@ -14,6 +14,11 @@ process under each of these rules, from the same initial weights and the same mi
   gradient; what delayed updates do to the backwards run during a round);
 - ``predicted``: the same microbatches computed at ``2 x theta_s - theta_(s-1)``, the previous
   parameters moved once more by the last update (weight prediction, as PipeMare and SpecTrain do);
+- ``recomputed``: the same microbatches' forwards at the previous step's parameters, their
+  backwards recomputed at the current ones (each stage but the last; the last one's forward and
+  backward are one call at the current parameters), against the next stage's input gradients of
+  the old forward: what a swarmd stage does with a backward one step old whose graph an update
+  dropped (``swarmd.pipeline.stage_passes``: it recomputes from the kept inputs);
 - ``delayed``: each step's whole gradient applied one update later (the paper's description of
   delayed updates: the update of step ``s`` runs while step ``s + 1`` computes).
 
@@ -45,7 +50,7 @@ from swarmd.pipeline.spec_files import load_spec, with_partition
 from swarmd.train.corpus import Corpus
 from swarmd.train.data import BatchSampler, load_corpus, val_batches
 
-MODES = ("sync", "stale", "predicted", "delayed")
+MODES = ("sync", "stale", "predicted", "recomputed", "delayed")
 CORPUS_BYTES = 8 * 2**20  # the trainer's default
 Params = list[dict[str, torch.Tensor]]
 
@@ -57,6 +62,24 @@ def _run(stages: Sequence[StageModule], params: Params | None, x: torch.Tensor, 
         args = (h,) if k < len(stages) - 1 else (h, y)
         h = stage(*args) if params is None else functional_call(stage, params[k], args)
     return h
+
+
+def _recomputed(stages: Sequence[StageModule], old: Params, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Accumulate the gradients of ``(x, y)`` as a swarm computes a backward one step old: every
+    stage's forward at ``old``, the last stage's forward and backward at the current parameters, then
+    each earlier stage's backward recomputed at the current parameters from its old inputs."""
+    inputs = [x]
+    with torch.no_grad():
+        for k, stage in enumerate(stages[:-1]):
+            inputs.append(functional_call(stage, old[k], (inputs[-1],)))
+    grad: torch.Tensor | None = None
+    for k in range(len(stages) - 1, -1, -1):
+        h = inputs[k].detach().requires_grad_(k > 0)
+        if k == len(stages) - 1:
+            (stages[k](h, y) * x.shape[0]).backward()
+        else:
+            torch.autograd.backward(stages[k](h), grad)
+        grad = h.grad if k > 0 else None
 
 
 def _snapshot(stages: Sequence[StageModule]) -> Params:
@@ -73,7 +96,7 @@ def train(mode: str, args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]
     stages = [build_stage(spec, k) for k in range(spec.n_stages)]
     optimizers = [build_optimizer(training, st.named_parameters()) for st in stages]
     per_step = args.batch_size // args.microbatch_size
-    n_old = round(args.stale_fraction * per_step) if mode in ("stale", "predicted") else 0
+    n_old = round(args.stale_fraction * per_step) if mode in ("stale", "predicted", "recomputed") else 0
     previous: Params | None = None  # the parameters of the step before this one
     before_previous: Params | None = None
     pending: list[list[torch.Tensor]] | None = None  # delayed: the last step's mean gradient
@@ -86,7 +109,9 @@ def train(mode: str, args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]
         else:
             old = previous
         for i, (x, y) in enumerate(microbatches):
-            if i < n_old and old is not None:
+            if i < n_old and old is not None and mode == "recomputed":
+                _recomputed(stages, old, x, y)
+            elif i < n_old and old is not None:
                 leaves = [{n: t.clone().requires_grad_(True) for n, t in d.items()} for d in old]
                 loss = _run(stages, leaves, x, y) * x.shape[0]
                 grads = torch.autograd.grad(loss, [t for d in leaves for t in d.values()])

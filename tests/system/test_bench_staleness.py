@@ -1,7 +1,7 @@
 """scripts/bench_staleness.py at its smallest: the runs start alike and only the staleness rule tells them apart.
 
 Every mode rebuilds the model from the same seed and draws the same microbatches, so with no stale
-microbatch ``stale`` and ``predicted`` must be ``sync`` to the bit, and with some they must not be
+microbatch ``stale``, ``predicted`` and ``recomputed`` must be ``sync`` to the bit, and with some they must not be
 (the one-update-old parameters are really used). How much staleness costs goes in docs/BENCHMARKS.md.
 """
 
@@ -26,10 +26,10 @@ def _bench(tmp_path: Path, *extra: str) -> dict[str, Any]:
 
 
 def test_no_stale_microbatch_is_sync_and_some_are_not(tmp_path: Path) -> None:
-    exact = _bench(tmp_path, "--stale-fraction", "0", "--modes", "sync", "stale", "predicted")
+    exact = _bench(tmp_path, "--stale-fraction", "0", "--modes", "sync", "stale", "predicted", "recomputed")
     assert exact["sync"]["vs_sync"] == 0.0
-    assert exact["stale"]["val_curve"] == exact["sync"]["val_curve"]
-    assert exact["predicted"]["val_curve"] == exact["sync"]["val_curve"]
+    for mode in ("stale", "predicted", "recomputed"):
+        assert exact[mode]["val_curve"] == exact["sync"]["val_curve"], mode
 
     stale = _bench(tmp_path, "--stale-fraction", "0.5")
     sync = stale["sync"]["val_curve"]
@@ -37,6 +37,7 @@ def test_no_stale_microbatch_is_sync_and_some_are_not(tmp_path: Path) -> None:
     # step 1 has no older parameters to use: alike; from step 2 on the stale gradients show
     assert stale["stale"]["val_curve"][0] == sync[0] and stale["stale"]["val_curve"][2] != sync[2]
     assert stale["predicted"]["val_curve"][2] not in (sync[2], stale["stale"]["val_curve"][2])
+    assert stale["recomputed"]["val_curve"][2] not in (sync[2], stale["stale"]["val_curve"][2])
     assert stale["delayed"]["val_curve"][0] != sync[0]  # its first update is the zero one
 
 
