@@ -64,6 +64,8 @@ __all__ = [
     "ClaimRequest",
     "ForwardReply",
     "ForwardRequest",
+    "Hop",
+    "HopResult",
     "InfoLimits",
     "InfoReply",
     "ModelInfo",
@@ -91,6 +93,13 @@ MAX_EXCLUDED = 1024
 MAX_CONTRIBUTION_MBS = 1 << 20
 #: The highest attempt number a backward or claim may carry (a trainer retries a few times).
 MAX_ATTEMPT = 1 << 20
+#: Peer to peer (issue #31): the most next hops a forward may carry, the longest hop address, the
+#: longest wait for a hop, the longest ``origin`` (an IP address) and a reply's ``hop_error``.
+MAX_HOPS = 64
+MAX_HOP_ADDR_LEN = 300
+MAX_HOP_TIMEOUT_MS = 3_600_000
+MAX_ORIGIN_LEN = 64
+MAX_HOP_ERROR_LEN = 200
 
 
 @dataclass(frozen=True)
@@ -214,6 +223,13 @@ class ForwardRequest:
     ``mb`` names the microbatch: the peer keeps the forward's activations under it for the
     backward (``swarmd.pipeline.executor``'s activation cache). ``codec`` is the codec of the
     request's own float tensors and of the reply's.
+
+    Peer to peer (issue #31, meta ``next``, ``peer``, ``origin``; all optional): ``next`` lists the
+    peers of the following stages the trainer chose (:class:`Hop`), so the receiving peer sends its
+    outputs straight to ``next[0]`` (with ``next[1:]``) and answers with the chain's end
+    (:class:`ForwardReply` ``chain``). ``peer``: the peer id the request is meant for (a hop names
+    it: an address now held by another peer refuses it, 409). ``origin``: the trainer's address as
+    the first peer saw it, which a kept forward is tied to instead of the sending peer's.
     """
 
     stage: int
@@ -222,6 +238,9 @@ class ForwardRequest:
     model: str | None = None
     codec: str = "none"
     mb: int | None = None
+    next: tuple[Hop, ...] = ()
+    peer: str | None = None
+    origin: str | None = None
 
     KIND = "forward"
 
@@ -231,6 +250,12 @@ class ForwardRequest:
             meta["model"] = self.model
         if self.mb is not None:
             meta["mb"] = self.mb
+        if self.next:
+            meta["next"] = [hop.to_meta() for hop in self.next]
+        if self.peer is not None:
+            meta["peer"] = self.peer
+        if self.origin is not None:
+            meta["origin"] = self.origin
         tensors = {"inputs": narrow(self.inputs)}  # token ids travel narrow (swarmd.net.token_ids)
         if self.targets is not None:
             tensors["targets"] = narrow(self.targets)
@@ -243,9 +268,16 @@ class ForwardRequest:
         stage = _stage(meta)
         _check_target(stage, meta.get("model"), target)
         codec = _codec(meta)
-        return cls(stage=stage, inputs=widen(_required(frame.tensors, "inputs")),
-                   targets=widen(frame.tensors.get("targets")), model=_model(meta.get("model")), codec=codec,
-                   mb=_microbatch_id(meta))
+        targets = widen(frame.tensors.get("targets"))
+        hops = Hop.list_from_meta(meta.get("next"), stage)
+        if hops and targets is not None:
+            raise RequestError("a forward with targets (the last stage's) has no next hop")
+        mb = _microbatch_id(meta)
+        if hops and mb is None:
+            raise RequestError("a forward with a next hop must name its microbatch (meta.mb)")
+        return cls(stage=stage, inputs=widen(_required(frame.tensors, "inputs")), targets=targets,
+                   model=_model(meta.get("model")), codec=codec, mb=mb, next=hops,
+                   peer=_short_str(meta, "peer", MAX_PEER_ID_LEN), origin=_short_str(meta, "origin", MAX_ORIGIN_LEN))
 
 
 @dataclass(frozen=True)
@@ -256,6 +288,12 @@ class ForwardReply:
     ``kept`` (meta ``kept: true``): the peer keeps the forward's inputs (and graph) under the
     request's ``mb`` for its backward, which may then omit them (:class:`BackwardRequest`). An
     older peer never says so, and an older trainer ignores it: it always resends the inputs.
+
+    Peer to peer (a request with ``next``): ``chain`` (meta ``chain``) holds what each later stage
+    that the outputs went through answered (:class:`HopResult`), in stage order, and ``outputs`` are
+    then the last of them's; ``wait_ms`` how long this peer waited for its next hop's answer;
+    ``hop_error`` (meta ``hop_error``) why the next hop failed, when it did: ``chain`` then ends
+    there and the sender goes on from the next stage itself.
     """
 
     stage: int
@@ -264,6 +302,9 @@ class ForwardReply:
     loss: float | None = None
     precision: str = "fp32"  # what computed it (``--precision``): spot checks compare like with like
     kept: bool = False
+    chain: tuple[HopResult, ...] = ()
+    wait_ms: int = 0
+    hop_error: str | None = None
 
     KIND = "forward_result"
 
@@ -273,6 +314,12 @@ class ForwardReply:
             meta["precision"] = self.precision
         if self.kept:
             meta["kept"] = True
+        if self.chain:
+            meta["chain"] = [hop.to_meta() for hop in self.chain]
+        if self.wait_ms:
+            meta["wait_ms"] = self.wait_ms
+        if self.hop_error is not None:
+            meta["hop_error"] = self.hop_error[:MAX_HOP_ERROR_LEN]
         if self.loss is not None:
             meta["loss"] = self.loss
             return encode_frame(self.KIND, meta, {"loss": self.outputs}, codec)
@@ -290,8 +337,101 @@ class ForwardReply:
         kept = frame.meta.get("kept", False)
         if not isinstance(kept, bool):
             raise MalformedFrame(f"a forward reply's meta.kept must be true or false, got {kept!r:.30}")
+        hop_error = frame.meta.get("hop_error")
+        if hop_error is not None and not isinstance(hop_error, str):
+            raise MalformedFrame(f"a forward reply's meta.hop_error must be a string, got {hop_error!r:.30}")
         return cls(stage=stage, step=step, outputs=outputs, loss=loss, precision=_reply_precision(frame.meta),
-                   kept=kept)
+                   kept=kept, chain=HopResult.list_from_meta(frame.meta.get("chain"), stage),
+                   wait_ms=_reply_int(frame.meta, "wait_ms", 0),
+                   hop_error=None if hop_error is None else hop_error[:MAX_HOP_ERROR_LEN])
+
+
+# ---- peer to peer: a forward's next hops and what they answered (issue #31) --------------------
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A peer of a later stage that a forward's outputs go to directly (the trainer's routing choice):
+    its dialable ``addr`` (``host:port``; never a relayed one, which its stage-mates cannot dial), its
+    ``peer_id``, and how long the sender waits for its answer, the rest of the chain included."""
+
+    stage: int
+    addr: str
+    peer_id: str
+    timeout_ms: int
+
+    def to_meta(self) -> list[Any]:
+        return [self.stage, self.addr, self.peer_id, self.timeout_ms]
+
+    @classmethod
+    def list_from_meta(cls, value: Any, stage: int) -> tuple[Hop, ...]:
+        """``meta.next`` of a forward to ``stage``: hops of stages ``stage+1, stage+2, ...`` in order
+        (RequestError, 422, for anything else)."""
+        if value is None:
+            return ()
+        if not isinstance(value, list) or len(value) > MAX_HOPS:
+            raise RequestError(f"meta.next must list at most {MAX_HOPS} hops")
+        hops = []
+        for i, hop in enumerate(value):
+            if not (isinstance(hop, list) and len(hop) == 4 and _is_int(hop[0]) and isinstance(hop[1], str)
+                    and isinstance(hop[2], str) and _is_int(hop[3])):
+                raise RequestError("each hop of meta.next must be [stage, addr, peer_id, timeout_ms]")
+            hop_stage, addr, peer_id, timeout_ms = hop
+            if hop_stage != stage + 1 + i:
+                raise RequestError(f"hop {i} of meta.next must be for stage {stage + 1 + i}, not {hop_stage!r:.20}")
+            if not 0 < len(addr) <= MAX_HOP_ADDR_LEN or "@" in addr or "/" in addr or ":" not in addr:
+                raise RequestError(f"hop {i} of meta.next needs a direct host:port address, got {addr!r:.60}")
+            if not 0 < len(peer_id) <= MAX_PEER_ID_LEN:
+                raise RequestError(f"hop {i} of meta.next needs a peer id of at most {MAX_PEER_ID_LEN} characters")
+            if not 0 < timeout_ms <= MAX_HOP_TIMEOUT_MS:
+                raise RequestError(f"hop {i} of meta.next needs a timeout in (0, {MAX_HOP_TIMEOUT_MS}] ms")
+            hops.append(cls(stage=hop_stage, addr=addr, peer_id=peer_id, timeout_ms=timeout_ms))
+        return tuple(hops)
+
+
+@dataclass(frozen=True)
+class HopResult:
+    """What the peer of one later stage answered a peer-to-peer forward: what the trainer would have
+    read in its own :class:`ForwardReply` (``step``, ``kept``, ``precision``), the answering
+    ``peer_id`` (the one the hop named) and ``wait_ms``, how long it waited on its own next hop."""
+
+    stage: int
+    step: int
+    peer_id: str
+    kept: bool = False
+    precision: str = "fp32"
+    wait_ms: int = 0
+
+    def to_meta(self) -> list[Any]:
+        return [self.stage, self.step, self.peer_id, self.kept, self.precision, self.wait_ms]
+
+    @classmethod
+    def list_from_meta(cls, value: Any, stage: int) -> tuple[HopResult, ...]:
+        """``meta.chain`` of a forward reply from ``stage``: results of stages ``stage+1, ...`` in
+        order (MalformedFrame, the answering peer's fault, for anything else)."""
+        if value is None:
+            return ()
+        if not isinstance(value, list) or len(value) > MAX_HOPS:
+            raise MalformedFrame(f"a forward reply's meta.chain must list at most {MAX_HOPS} results")
+        results = []
+        for i, item in enumerate(value):
+            if not (isinstance(item, list) and len(item) == 6 and _is_int(item[0]) and _is_int(item[1])
+                    and item[1] >= 0 and isinstance(item[2], str) and len(item[2]) <= MAX_PEER_ID_LEN
+                    and isinstance(item[3], bool) and item[4] in PRECISIONS and _is_int(item[5]) and item[5] >= 0):
+                raise MalformedFrame("each result of a forward reply's meta.chain must be "
+                                     "[stage, step, peer_id, kept, precision, wait_ms]")
+            if item[0] != stage + 1 + i:
+                raise MalformedFrame(f"result {i} of a forward reply's meta.chain must be stage {stage + 1 + i}")
+            results.append(cls(stage=item[0], step=item[1], peer_id=item[2], kept=item[3], precision=str(item[4]),
+                               wait_ms=item[5]))
+        return tuple(results)
+
+
+def _short_str(meta: Mapping[str, Any], key: str, longest: int) -> str | None:
+    value = meta.get(key)
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= longest):
+        raise RequestError(f"meta.{key} must be a string of 1 to {longest} characters, got {value!r:.40}")
+    return value
 
 
 # ---- POST /v1/backward ------------------------------------------------------------------------

@@ -78,15 +78,18 @@ from swarmd.errors import (
     LimitExceeded,
     Migrating,
     PeerBehind,
+    PeerError,
     RequestError,
     RequestTimeout,
     Starting,
     SwarmdError,
     Unauthorized,
     UnsupportedMediaType,
+    WrongStage,
 )
 from swarmd.finite import json_response
 from swarmd.net.addresses import RELAY_ATTACH_PATH, RELAY_HEADER
+from swarmd.net.client import DataPlaneClient
 from swarmd.net.codecs import CODECS
 from swarmd.net.handover import GradientsRequest
 from swarmd.net.messages import (
@@ -97,6 +100,7 @@ from swarmd.net.messages import (
     ClaimRequest,
     ForwardReply,
     ForwardRequest,
+    HopResult,
     InfoLimits,
     InfoReply,
     ModelInfo,
@@ -157,6 +161,7 @@ class DataPlane:
         relay: RelayServer | None = None,
         peer_id: Callable[[], str | None] = lambda: None,
         reports: ReportLedger | None = None,
+        hops: DataPlaneClient | None = None,
     ) -> None:
         """``runtime``: returns the stage this peer serves now (None while it has none).
         ``swarm_key``: a private swarm's key; every request must then carry a valid
@@ -164,8 +169,13 @@ class DataPlane:
         ``relay``: passes requests addressed to peers relayed through this one (``X-Swarm-Relay``
         naming another ``peer_id()`` than this peer's) on to them (``swarmd.net.relay``).
         ``reports``: the daemon's ledger of misbehaviour reports (``POST /v1/report``; without
-        one the endpoint answers 404); its exclusions go out with every progress reply."""
+        one the endpoint answers 404); its exclusions go out with every progress reply.
+        ``hops``: the client a forward's outputs go on to the next stage's peer with (issue #31: peer
+        to peer, signed like the daemon's other requests); without one, a forward carrying a next hop is
+        answered as any other (``hop_error`` says why) and the trainer goes on itself. Not closed here."""
         self.reports = reports
+        self.hops = hops
+        self.hop_stats = {"sent": 0, "failed": 0}  # forwards sent on to a next hop, and those that failed
         self._runtime = runtime
         self.relay = relay
         self.relay_self = peer_id
@@ -351,13 +361,47 @@ class DataPlane:
         runtime = self._current()
         req = ForwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
         request[CODEC_KEY] = req.codec  # validated: one of CODECS (the metrics' codec label)
-        # a kept forward is tied to where it came from: only a backward from there may omit its inputs
-        result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb, source=request.remote or "")
+        me = self.relay_self()
+        if req.peer is not None and me is not None and req.peer != me:  # a hop meant for whoever had this address
+            raise WrongStage(f"this is peer {me[:12]}, not {req.peer[:12]}")
+        # a kept forward is tied to where it came from: only a backward from there may omit its inputs; a hop's
+        # forward to where the trainer's came from (``origin``), since the trainer sends the backward
+        source = req.origin if req.origin is not None else (request.remote or "")
+        result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb, source=source)
         self.served["forward"] += 1
         loss = float(result.outputs) if req.targets is not None else None
         reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss,
                              precision=runtime.executor.precision, kept=result.kept)
+        if req.next:
+            reply = await self._next_hop(req, reply, source)
         return await self._reply(reply.encode, req.codec)
+
+    async def _next_hop(self, req: ForwardRequest, own: ForwardReply, origin: str) -> ForwardReply:
+        """Send this forward's outputs on to the next stage's peer the trainer chose (issue #31) and
+        answer with the chain's end; when that hop fails (unreachable, refused, late, a reply of
+        another stage), with this stage's own outputs and why, so the trainer goes on from there."""
+        hop = req.next[0]
+        started = time.monotonic()
+        if self.hops is None:
+            return dataclasses.replace(own, hop_error="this peer sends no forward to other peers")
+        self.hop_stats["sent"] += 1
+        try:
+            after = await self.hops.forward(hop.addr, hop.stage, own.outputs, codec=req.codec, model=req.model,
+                                            mb=req.mb, next=req.next[1:], peer=hop.peer_id, origin=origin,
+                                            timeout_s=hop.timeout_ms / 1000.0)
+            if after.stage != hop.stage or after.loss is not None:
+                raise PeerError(200, "BadReply", f"{hop.addr} answered a forward of stage {after.stage}, "
+                                                 f"not of stage {hop.stage}")
+        except PeerError as exc:
+            self.hop_stats["failed"] += 1
+            log.info("stage %d: the next hop %s (stage %d) failed (%s); answering the trainer", req.stage,
+                     hop.addr, hop.stage, exc)
+            return dataclasses.replace(own, hop_error=f"{hop.addr}: {exc}",
+                                       wait_ms=int((time.monotonic() - started) * 1e3))
+        first = HopResult(stage=hop.stage, step=after.step, peer_id=hop.peer_id, kept=after.kept,
+                          precision=after.precision, wait_ms=after.wait_ms)
+        return dataclasses.replace(own, outputs=after.outputs, chain=(first, *after.chain), hop_error=after.hop_error,
+                                   wait_ms=int((time.monotonic() - started) * 1e3))
 
     async def _backward(self, request: web.Request) -> web.Response:
         received = time.monotonic()  # the sender's deadline runs from here (exactly once: step_protocol.py)

@@ -239,3 +239,44 @@ async def test_an_opinion_still_never_takes_the_peer_its_primary_took() -> None:
     with pytest.raises(CallEnded) as ended:
         await calls.call(0, "backward", 4, send, patience=OPINION, taken=taken)
     assert ended.value.why is Ended.NOBODY and send.asked == ["B"]
+
+
+# ---- peer to peer: the hops a forward names (issue #31) ---------------------------------------------
+
+
+async def hop_machine(*stages: dict[str, str], proven: set[str]) -> StageCalls:
+    routers = []
+    for k, peers in enumerate(stages):
+        router = StageRouter(k, rng=random.Random(k), timeout_ceiling_s=60.0)
+        router.update_peers(listed(peers, stage=k))
+        for peer_id in peers:
+            if peer_id in proven:
+                router.begin(peer_id)
+                router.report_success(peer_id, 4, 0.5, "forward")  # 0.125 s a sample
+        routers.append(router)
+    client = DataPlaneClient(timeout_s=1)
+    await client.close()
+    return StageCalls(FixedStages(routers), client, model="m", codec="none", summary=TrainSummary(),
+                      timing=Timing(), request_timeout_s=60.0, stage_wait_timeout_s=1.0)
+
+
+async def test_a_forwards_hops_wait_for_the_rest_of_the_chain_and_count_in_flight() -> None:
+    calls = await hop_machine({"a": "A:1"}, {"b": "B:1"}, {"c": "C:1"}, {"d": "D:1"}, proven={"a", "b", "c", "d"})
+    hops = calls._hops(1, 3, 4)
+    assert [(h.stage, h.addr, h.peer_id) for h in hops] == [(1, "B:1", "b"), (2, "C:1", "c"), (3, "D:1", "d")]
+    each = [calls.stages.routers[k].timeout_for(p, 4, "forward", floor_s=calls.timing.timeout_floor("forward", 60.0))
+            for k, p in ((1, "b"), (2, "c"), (3, "d"))]
+    assert [h.timeout_ms for h in hops] == [int(sum(each[i:]) * 1000) for i in range(3)]  # each covers those after
+    assert [calls.stages.routers[k].stats(p).in_flight for k, p in ((1, "b"), (2, "c"), (3, "d"))] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(("stage2", "proven", "expected"), [
+    ({"c": "c@R:1"}, {"b", "c"}, ["b"]),  # a relayed peer: its stage-mates cannot dial it, the trainer calls it
+    ({"c": "C:1"}, {"b"}, ["b"]),  # a peer on probation: its calls are watched from the trainer
+    ({"c": "C:1"}, {"c"}, []),  # the chain stops at the first such stage, whatever follows
+    ({}, {"b"}, ["b"]),  # nobody usable at stage 2
+])
+async def test_a_chain_stops_before_a_peer_it_should_not_dial(stage2: dict[str, str], proven: set[str],
+                                                              expected: list[str]) -> None:
+    calls = await hop_machine({"a": "A:1"}, {"b": "B:1"}, stage2, {"d": "D:1"}, proven=proven | {"a", "d"})
+    assert [h.peer_id for h in calls._hops(1, 3, 4)] == expected
