@@ -151,6 +151,8 @@ class DataPlaneClient:
         timeout_s: float | None = None,
         verify: bool = False,
         attempt: int = 0,
+        peer: str | None = None,
+        origin: str | None = None,
     ) -> BackwardReply:
         """``step``: the step this stage's forward reported for the microbatch (None: no check);
         ``mb``: the id its forward was sent with (a hit in that peer's activation cache; counted
@@ -160,10 +162,11 @@ class DataPlaneClient:
         opinion, computed and answered but never accumulated (``swarmd.train.verify``); ``attempt``:
         this call's number among the attempts at ``mb`` on this stage (exactly once: a claim fences).
         ``inputs`` None: the peer's own of ``mb``, which its forward's reply said it ``kept`` (a peer
-        that lost them refuses with ``InputsNotCached``: send them then)."""
+        that lost them refuses with ``InputsNotCached``: send them then). ``peer``, ``origin``: a fused
+        last hop's (issue #31), as :meth:`forward`'s."""
         request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
                                   codec=codec, step=step, mb=mb, deadline_ms=deadline_ms, verify=verify,
-                                  attempt=attempt)
+                                  attempt=attempt, peer=peer, origin=origin)
         frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets),
                                  timeout_s=timeout_s)
         return self._read(addr, BackwardReply.from_frame, frame)

@@ -229,7 +229,9 @@ class ForwardRequest:
     outputs straight to ``next[0]`` (with ``next[1:]``) and answers with the chain's end
     (:class:`ForwardReply` ``chain``). ``peer``: the peer id the request is meant for (a hop names
     it: an address now held by another peer refuses it, 409). ``origin``: the trainer's address as
-    the first peer saw it, which a kept forward is tied to instead of the sending peer's.
+    the first peer saw it, which a kept forward is tied to instead of the sending peer's. With
+    ``next``, ``targets`` are the last stage's, carried to the chain's last hop when that is the
+    last stage's fused call (``Hop.deadline_ms``); no stage before it computes a loss.
     """
 
     stage: int
@@ -270,8 +272,10 @@ class ForwardRequest:
         codec = _codec(meta)
         targets = widen(frame.tensors.get("targets"))
         hops = Hop.list_from_meta(meta.get("next"), stage)
-        if hops and targets is not None:
-            raise RequestError("a forward with targets (the last stage's) has no next hop")
+        fused = bool(hops) and hops[-1].deadline_ms is not None
+        if hops and (targets is not None) != fused:
+            raise RequestError("a forward with next hops carries targets exactly when its last hop is the last "
+                               "stage's fused call (a hop with a deadline)")
         mb = _microbatch_id(meta)
         if hops and mb is None:
             raise RequestError("a forward with a next hop must name its microbatch (meta.mb)")
@@ -293,7 +297,9 @@ class ForwardReply:
     that the outputs went through answered (:class:`HopResult`), in stage order, and ``outputs`` are
     then the last of them's; ``wait_ms`` how long this peer waited for its next hop's answer;
     ``hop_error`` (meta ``hop_error``) why the next hop failed, when it did: ``chain`` then ends
-    there and the sender goes on from the next stage itself.
+    there and the sender goes on from the next stage itself. ``fused`` (meta ``fused``, tensor
+    ``fused_grad_inputs``): the last stage's answer when the chain ended in its fused forward and
+    backward; ``outputs`` are then empty (nobody needs the last stage's inputs any more).
     """
 
     stage: int
@@ -305,6 +311,7 @@ class ForwardReply:
     chain: tuple[HopResult, ...] = ()
     wait_ms: int = 0
     hop_error: str | None = None
+    fused: BackwardReply | None = None
 
     KIND = "forward_result"
 
@@ -320,6 +327,12 @@ class ForwardReply:
             meta["wait_ms"] = self.wait_ms
         if self.hop_error is not None:
             meta["hop_error"] = self.hop_error[:MAX_HOP_ERROR_LEN]
+        if self.fused is not None:
+            f = self.fused
+            meta["fused"] = {"stage": f.stage, "step": f.step, "samples": f.samples, "accumulated": f.accumulated,
+                             "loss": f.loss, "duplicate": f.duplicate, "precision": f.precision}
+            tensors = {} if f.grad_inputs is None else {"fused_grad_inputs": f.grad_inputs}
+            return encode_frame(self.KIND, meta, tensors, codec)
         if self.loss is not None:
             meta["loss"] = self.loss
             return encode_frame(self.KIND, meta, {"loss": self.outputs}, codec)
@@ -328,6 +341,12 @@ class ForwardReply:
     @classmethod
     def from_frame(cls, frame: Frame) -> ForwardReply:
         stage, step = _reply_fields(frame, cls.KIND)
+        fused = _fused_reply(frame)
+        if fused is not None:
+            return cls(stage=stage, step=step, outputs=torch.empty(0), precision=_reply_precision(frame.meta),
+                       kept=frame.meta.get("kept") is True,
+                       chain=HopResult.list_from_meta(frame.meta.get("chain"), stage),
+                       wait_ms=_reply_int(frame.meta, "wait_ms", 0), fused=fused)
         loss = _reply_float(frame.meta, "loss")
         name = "outputs" if loss is None else "loss"
         outputs = frame.tensors.get(name)
@@ -353,15 +372,21 @@ class ForwardReply:
 class Hop:
     """A peer of a later stage that a forward's outputs go to directly (the trainer's routing choice):
     its dialable ``addr`` (``host:port``; never a relayed one, which its stage-mates cannot dial), its
-    ``peer_id``, and how long the sender waits for its answer, the rest of the chain included."""
+    ``peer_id``, and how long the sender waits for its answer, the rest of the chain included.
+
+    ``deadline_ms`` (the last hop only): the hop is the last stage's fused forward and backward
+    (a :class:`BackwardRequest` with the chain's ``targets``), whose gradient its peer adds only within
+    this long of receiving it (exactly once, as a trainer's own backward: ``deadline_ms`` there)."""
 
     stage: int
     addr: str
     peer_id: str
     timeout_ms: int
+    deadline_ms: int | None = None
 
     def to_meta(self) -> list[Any]:
-        return [self.stage, self.addr, self.peer_id, self.timeout_ms]
+        head = [self.stage, self.addr, self.peer_id, self.timeout_ms]
+        return head if self.deadline_ms is None else [*head, self.deadline_ms]
 
     @classmethod
     def list_from_meta(cls, value: Any, stage: int) -> tuple[Hop, ...]:
@@ -373,10 +398,14 @@ class Hop:
             raise RequestError(f"meta.next must list at most {MAX_HOPS} hops")
         hops = []
         for i, hop in enumerate(value):
-            if not (isinstance(hop, list) and len(hop) == 4 and _is_int(hop[0]) and isinstance(hop[1], str)
-                    and isinstance(hop[2], str) and _is_int(hop[3])):
-                raise RequestError("each hop of meta.next must be [stage, addr, peer_id, timeout_ms]")
-            hop_stage, addr, peer_id, timeout_ms = hop
+            if not (isinstance(hop, list) and len(hop) in (4, 5) and _is_int(hop[0]) and isinstance(hop[1], str)
+                    and isinstance(hop[2], str) and all(_is_int(v) for v in hop[3:])):
+                raise RequestError("each hop of meta.next must be [stage, addr, peer_id, timeout_ms(, deadline_ms)]")
+            hop_stage, addr, peer_id, timeout_ms = hop[:4]
+            deadline_ms = hop[4] if len(hop) == 5 else None
+            if deadline_ms is not None and (i != len(value) - 1 or not 0 <= deadline_ms < timeout_ms):
+                raise RequestError(f"hop {i} of meta.next: only the last hop (a fused forward and backward) has a "
+                                   "deadline, shorter than its timeout")
             if hop_stage != stage + 1 + i:
                 raise RequestError(f"hop {i} of meta.next must be for stage {stage + 1 + i}, not {hop_stage!r:.20}")
             if not 0 < len(addr) <= MAX_HOP_ADDR_LEN or "@" in addr or "/" in addr or ":" not in addr:
@@ -385,7 +414,8 @@ class Hop:
                 raise RequestError(f"hop {i} of meta.next needs a peer id of at most {MAX_PEER_ID_LEN} characters")
             if not 0 < timeout_ms <= MAX_HOP_TIMEOUT_MS:
                 raise RequestError(f"hop {i} of meta.next needs a timeout in (0, {MAX_HOP_TIMEOUT_MS}] ms")
-            hops.append(cls(stage=hop_stage, addr=addr, peer_id=peer_id, timeout_ms=timeout_ms))
+            hops.append(cls(stage=hop_stage, addr=addr, peer_id=peer_id, timeout_ms=timeout_ms,
+                            deadline_ms=deadline_ms))
         return tuple(hops)
 
 
@@ -425,6 +455,17 @@ class HopResult:
             results.append(cls(stage=item[0], step=item[1], peer_id=item[2], kept=item[3], precision=str(item[4]),
                                wait_ms=item[5]))
         return tuple(results)
+
+
+def _fused_reply(frame: Frame) -> BackwardReply | None:
+    """A chained forward reply's ``meta.fused``: the last stage's fused answer, as its own reply."""
+    fused = frame.meta.get("fused")
+    if fused is None:
+        return None
+    if not isinstance(fused, dict):
+        raise MalformedFrame("a forward reply's meta.fused must be a map")
+    tensors = {} if "fused_grad_inputs" not in frame.tensors else {"grad_inputs": frame.tensors["fused_grad_inputs"]}
+    return BackwardReply.from_frame(Frame(BackwardReply.KIND, fused, tensors))
 
 
 def _short_str(meta: Mapping[str, Any], key: str, longest: int) -> str | None:
@@ -473,6 +514,8 @@ class BackwardRequest:
     deadline_ms: int | None = None
     verify: bool = False
     attempt: int = 0
+    peer: str | None = None  # peer to peer (issue #31): as ForwardRequest's, for a fused last hop
+    origin: str | None = None
 
     KIND = "backward"
 
@@ -490,6 +533,10 @@ class BackwardRequest:
             meta["verify"] = True
         if self.attempt:
             meta["attempt"] = self.attempt
+        if self.peer is not None:
+            meta["peer"] = self.peer
+        if self.origin is not None:
+            meta["origin"] = self.origin
         if self.inputs is None and self.mb is None:
             raise ValueError("a backward without inputs must name the microbatch whose forward the peer kept")
         tensors = {} if self.inputs is None else {"inputs": narrow(self.inputs)}
@@ -518,7 +565,8 @@ class BackwardRequest:
             raise RequestError(f"meta.verify must be true or false, got {verify!r:.40}")
         return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
                    targets=widen(frame.tensors.get("targets")), model=_model(meta.get("model")), codec=codec, step=step,
-                   mb=mb, deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta))
+                   mb=mb, deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta),
+                   peer=_short_str(meta, "peer", MAX_PEER_ID_LEN), origin=_short_str(meta, "origin", MAX_ORIGIN_LEN))
 
 
 @dataclass(frozen=True)

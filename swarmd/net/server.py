@@ -70,6 +70,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import torch
 from aiohttp import web
 
 from swarmd.errors import (
@@ -367,9 +368,10 @@ class DataPlane:
         # a kept forward is tied to where it came from: only a backward from there may omit its inputs; a hop's
         # forward to where the trainer's came from (``origin``), since the trainer sends the backward
         source = req.origin if req.origin is not None else (request.remote or "")
-        result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb, source=source)
+        targets = None if req.next else req.targets  # with next hops: the chain's last stage's, carried on
+        result = await runtime.executor.forward(req.inputs, targets, mb=req.mb, source=source)
         self.served["forward"] += 1
-        loss = float(result.outputs) if req.targets is not None else None
+        loss = float(result.outputs) if targets is not None else None
         reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss,
                              precision=runtime.executor.precision, kept=result.kept)
         if req.next:
@@ -386,9 +388,19 @@ class DataPlane:
             return dataclasses.replace(own, hop_error="this peer sends no forward to other peers")
         self.hop_stats["sent"] += 1
         try:
-            after = await self.hops.forward(hop.addr, hop.stage, own.outputs, codec=req.codec, model=req.model,
-                                            mb=req.mb, next=req.next[1:], peer=hop.peer_id, origin=origin,
-                                            timeout_s=hop.timeout_ms / 1000.0)
+            if hop.deadline_ms is not None:  # the last stage's fused forward and backward: counted there, once
+                fused = await self.hops.backward(hop.addr, hop.stage, own.outputs, targets=req.targets,
+                                                 codec=req.codec, model=req.model, mb=req.mb,
+                                                 deadline_ms=hop.deadline_ms, timeout_s=hop.timeout_ms / 1000.0,
+                                                 peer=hop.peer_id, origin=origin)
+                if fused.stage != hop.stage or fused.loss is None:
+                    raise PeerError(200, "BadReply", f"{hop.addr} answered a fused call without its loss")
+                last = HopResult(stage=hop.stage, step=fused.step, peer_id=hop.peer_id, precision=fused.precision)
+                return dataclasses.replace(own, outputs=torch.empty(0), chain=(last,), fused=fused,
+                                           wait_ms=int((time.monotonic() - started) * 1e3))
+            after = await self.hops.forward(hop.addr, hop.stage, own.outputs, req.targets, codec=req.codec,
+                                            model=req.model, mb=req.mb, next=req.next[1:], peer=hop.peer_id,
+                                            origin=origin, timeout_s=hop.timeout_ms / 1000.0)
             if after.stage != hop.stage or after.loss is not None:
                 raise PeerError(200, "BadReply", f"{hop.addr} answered a forward of stage {after.stage}, "
                                                  f"not of stage {hop.stage}")
@@ -401,18 +413,22 @@ class DataPlane:
         first = HopResult(stage=hop.stage, step=after.step, peer_id=hop.peer_id, kept=after.kept,
                           precision=after.precision, wait_ms=after.wait_ms)
         return dataclasses.replace(own, outputs=after.outputs, chain=(first, *after.chain), hop_error=after.hop_error,
-                                   wait_ms=int((time.monotonic() - started) * 1e3))
+                                   fused=after.fused, wait_ms=int((time.monotonic() - started) * 1e3))
 
     async def _backward(self, request: web.Request) -> web.Response:
         received = time.monotonic()  # the sender's deadline runs from here (exactly once: step_protocol.py)
         runtime = self._current()
         req = BackwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
         request[CODEC_KEY] = req.codec
+        me = self.relay_self()
+        if req.peer is not None and me is not None and req.peer != me:  # a fused hop meant for another peer
+            raise WrongStage(f"this is peer {me[:12]}, not {req.peer[:12]}")
         ex = runtime.executor
         deadline = None if req.deadline_ms is None else received + req.deadline_ms / 1000.0
+        # a fused hop counts for the trainer's address (``origin``), whose claim may fence it (step_protocol.py)
         result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb,
                                    deadline=deadline, verify=req.verify, attempt=req.attempt,
-                                   source=request.remote or "")
+                                   source=req.origin if req.origin is not None else (request.remote or ""))
         self.served["backward"] += 1
         reply = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
                               grad_inputs=result.grad_inputs, loss=result.loss, duplicate=result.duplicate,

@@ -8,6 +8,15 @@ backward on a stage goes to the peer that ran its forward while that peer is usa
 activations are still cached (``swarmd.pipeline.executor``), so the forward is not recomputed; any
 other peer serves it statelessly.
 
+Peer to peer (``p2p``, issue #31): an unpaired microbatch's forward to stage 0 names the peers of
+stages ``1..S-2`` the trainer picked, so the activations go from peer to peer and only stage S-2's
+come back (``StageCalls.forward``); each later stage's step, peer and ``kept`` come back with them, so
+the backwards are routed as without it. Where a hop failed, the chain ends there and the trainer goes
+on from the next stage itself. The trainer never sees the hops' inputs: a backward to a hop omits them
+(the hop kept them), and should they be needed after all (that peer lost them or is gone), they are
+computed again through the earlier stages at the same steps (:meth:`Microbatches._recovery`).
+Spot-checked pairs go through the trainer, every stage, as without it.
+
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
 (``stage_calls.Redo``), so ``microbatches_issued == microbatches_completed`` at the end and no
@@ -105,15 +114,23 @@ class Microbatches:
         pair_by: list[str | None] = []
         kept: list[str | None] = []  # per stage: where each half's forward peer kept its inputs (else None)
         pair_kept: list[str | None] = []
-        chain_to = last - 1 if self.p2p and not paired else None
+        # peer to peer, unpaired: up to the last stage's fused call, unless a forward may be sent again to catch
+        # up with the lease's step (the fused call counts: it is never sent twice)
+        chain_to = None if not self.p2p or paired else last if lease_step is None else last - 1
+        fused_served: Served[BackwardReply] | None = None
+        lost_at: str | None = None  # where a chain's fused call went and its answer was lost
         stage = 0
         while stage < last:
             inputs = acts[stage]
             assert inputs is not None  # a stage's forward starts where the trainer holds the inputs
             catch_up = time.monotonic() + self.timing.stage_catch_up_s
             while True:
+                if chain_to is not None and on_forward is not None:
+                    on_forward()  # a chain answers after every stage: the next microbatch need not wait for it
+                    on_forward = None
                 try:
-                    forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, chain_to)
+                    forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, chain_to,
+                                                        y if chain_to == last else None)
                 finally:
                     if on_forward is not None:
                         on_forward()
@@ -130,7 +147,10 @@ class Microbatches:
             kept.append(forward.addr if forward.reply.kept else None)
             pair_kept.append(pair.addr if pair is not None and pair.reply.kept else None)
             # the stages its outputs went on to, peer to peer (as many hops as answered: Served.hops)
-            for hop, result in zip(forward.hops, reply.chain, strict=True):
+            answered = forward.hops[:len(reply.chain)]
+            for hop, result in zip(answered, reply.chain, strict=True):
+                if hop.deadline_ms is not None:  # the last stage's fused call: its answer is reply.fused
+                    continue
                 acts.append(None)
                 steps.append(result.step)
                 served_by.append(hop.peer_id)
@@ -138,13 +158,22 @@ class Microbatches:
                 pair_steps.append(None)
                 pair_by.append(None)
                 pair_kept.append(None)
+            if reply.fused is not None:
+                fused_served = Served(reply.fused, answered[-1].peer_id, 1, answered[-1].addr)
+                break
+            broken = forward.hops[len(reply.chain):]
+            lost_at = broken[0].addr if broken and broken[0].deadline_ms is not None else None
             acts.append(reply.outputs)
             stage = len(acts) - 1
         mbs = (mb, pair_mb if paired else None)
-        top = acts[last]
-        assert top is not None  # the last forward's outputs always come back to the trainer
-        fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (None, None),
-                                                 (None, None))
+        if fused_served is not None:  # the chain ended in the last stage's fused call
+            top, fused, fused_pair = _NOT_SEEN, fused_served, None
+        else:
+            held_top = acts[last]
+            assert held_top is not None  # without a fused end, the last forward's outputs come back to the trainer
+            top = held_top
+            fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (None, None),
+                                                     (None, None), lost_at=lost_at)
         backward = await checks.backward(last, top, None, y, fused, fused_pair)
         if backward.loss is None:
             raise TrainerError(f"stage {last} answered a backward with targets without its loss")
@@ -193,14 +222,16 @@ class Microbatches:
 
     async def _forward(
         self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, pair_mb: int | None,
-        paired: bool = True, chain_to: int | None = None,
+        paired: bool = True, chain_to: int | None = None, fused_targets: torch.Tensor | None = None,
     ) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
         """A forward, and its pair's when ``paired`` (sent at once under ``pair_mb``, to another peer where
         there is one; a validation forward's pair, like any validation forward, carries no id). Unpaired,
-        ``chain_to``: its outputs may go on peer to peer up to that stage (``StageCalls.forward``)."""
+        ``chain_to``: its outputs may go on peer to peer up to that stage (``StageCalls.forward``), ending
+        in the last stage's fused call with ``fused_targets``."""
         calls = self.calls
         if not paired:
-            return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to), None
+            return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to,
+                                       fused_targets=fused_targets), None
 
         def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
             return calls.forward(stage, inputs, targets, mb=mb if how is not None and how.tally is None else pair_mb,
@@ -212,6 +243,7 @@ class Microbatches:
         self, stage: int, inputs: torch.Tensor | None, grad: torch.Tensor | None, targets: torch.Tensor | None,
         steps: tuple[int | None, int | None], mbs: tuple[int, int | None], by: tuple[str | None, str | None],
         kept: tuple[str | None, str | None], recover: Callable[[], Awaitable[torch.Tensor]] | None = None,
+        lost_at: str | None = None,
     ) -> tuple[Served[BackwardReply], Served[BackwardReply] | None]:
         """A backward, and its pair's when ``mbs[1]`` (sent at once, each to the peer that ran its forward;
         the last stage's fused one, with no forward before it, to another peer where there is one).
@@ -220,7 +252,7 @@ class Microbatches:
         calls = self.calls
         if mbs[1] is None:
             return await calls.backward(stage, inputs, grad_outputs=grad, targets=targets, step=steps[0], mb=mbs[0],
-                                        prefer=by[0], kept_at=kept[0], recover=recover), None
+                                        prefer=by[0], kept_at=kept[0], recover=recover, lost_at=lost_at), None
         assert inputs is not None  # a paired microbatch went through the trainer: it holds every stage's inputs
         if stage == self.last:
             def call(how: How | None) -> Awaitable[Served[BackwardReply]]:

@@ -23,6 +23,13 @@ stepped since this microbatch's forward, whose gradient would mix two steps: a :
 :class:`CallEnded` (a :class:`~swarmd.train.swarm_client.TrainerError` saying why: refused, nobody
 to ask, moved on).
 
+Peer to peer (issue #31): a microbatch's forward may name the peers of the next stages
+(:meth:`StageCalls.forward` ``chain_to``, :meth:`StageCalls._hops`: picked by their own routers as
+their calls would be, proven and directly dialable only), and is then one call to the first stage
+that waits for the whole chain; the later stages' answers are credited to their peers from the
+waits each reports, and a broken chain is not a failure of the first peer (its own outputs come
+back, and the caller goes on).
+
 Timeouts follow what the stage's peers take (``StageRouter.timeout_for``); a peer never seen
 answering is on probation, and a forward to it (no side effect) is cut short once overdue by what
 the stage takes *now* (issue #18: a tarpit costs about one typical call). A backward is exactly
@@ -373,8 +380,8 @@ class StageCalls:
     # ---- the kinds of call -----------------------------------------------------------------------
 
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
-                      mb: int | None = None, how: How | None = None,
-                      chain_to: int | None = None) -> Served[ForwardReply]:
+                      mb: int | None = None, how: How | None = None, chain_to: int | None = None,
+                      fused_targets: torch.Tensor | None = None) -> Served[ForwardReply]:
         """A forward through ``stage`` (with ``targets`` on the last stage: its loss too); ``how``: a
         spot check's pair or arbiter (whom to ask, how hard, who pays), else a microbatch's call.
 
@@ -382,7 +389,10 @@ class StageCalls:
         peers of stages ``stage+1 .. chain_to`` (:meth:`_hops`: picked as their own calls would be), so
         the outputs go from peer to peer and the answer holds the last one's outputs, with what each
         answered in ``reply.chain`` (the hops as sent: ``Served.hops``). A chain ends early where a hop
-        failed (``reply.hop_error``), and the caller goes on from there as without one."""
+        failed (``reply.hop_error``), and the caller goes on from there as without one. With
+        ``fused_targets`` (``chain_to`` the last stage), the chain's last hop is that stage's fused
+        forward and backward (``reply.fused``), sent by the peer before it with attempt 0 and a deadline,
+        as the caller's own would be; where that hop failed, the caller settles it (a claim) first."""
         client, codec, model, samples = self.client, self.codec, self.model, inputs.shape[0]
 
         def send(addr: str, timeout: float) -> Awaitable[ForwardReply]:
@@ -393,13 +403,16 @@ class StageCalls:
         sent: dict[str, tuple[Hop, ...]] = {}  # addr -> the hops of the request that answered from there
 
         async def send_chained(addr: str, timeout: float) -> ForwardReply:
-            hops = self._hops(stage + 1, chain_to, samples)
+            hops = self._hops(stage + 1, chain_to, samples, fused=fused_targets is not None)
             if not hops:
                 return await send(addr, timeout)
             outcome: ForwardReply | None = None
+            fusing = fused_targets if hops[-1].deadline_ms is not None else None
             try:
-                reply = await client.forward(addr, stage, inputs, codec=codec, model=model, mb=mb, next=hops,
+                reply = await client.forward(addr, stage, inputs, fusing, codec=codec, model=model, mb=mb, next=hops,
                                              timeout_s=timeout + hops[0].timeout_ms / 1000.0)
+                if (reply.fused is not None) != (len(reply.chain) == len(hops) and fusing is not None):
+                    raise PeerError(200, "BadReply", f"{addr} answered a chain without its fused end, or the reverse")
                 named = [hop.peer_id for hop in hops[:len(reply.chain)]]
                 if len(reply.chain) > len(hops) or [r.peer_id for r in reply.chain] != named:
                     raise PeerError(200, "BadReply", f"{addr} answered for hops it was not sent to")
@@ -411,15 +424,15 @@ class StageCalls:
 
         served = await self._observed(stage, "forward", samples, send, send_proven=send_chained,
                                       own_seconds=lambda reply, t: max(0.0, t - reply.wait_ms / 1000.0))
-        hops = sent.get(served.addr, ())
-        return dataclasses.replace(served, hops=hops[:len(served.reply.chain)])
+        return dataclasses.replace(served, hops=sent.get(served.addr, ()))
 
-    def _hops(self, first: int, last: int, samples: int) -> tuple[Hop, ...]:
+    def _hops(self, first: int, last: int, samples: int, *, fused: bool = False) -> tuple[Hop, ...]:
         """Peers of stages ``first .. last`` for a peer-to-peer forward, each picked as its own call
         would pick it and counted in flight there: the chain stops before a stage whose pick is on
-        probation (its calls are watched from here) or relayed (its stage-mates cannot dial it)."""
-        picked: list[tuple[int, str, str, float]] = []
-        floor = self.timing.timeout_floor("forward", self.request_timeout_s)
+        probation (its calls are watched from here) or relayed (its stage-mates cannot dial it).
+        ``fused``: stage ``last``'s hop is its fused forward and backward, timed as a backward and
+        given the deadline the caller's own backward would have."""
+        picked: list[tuple[int, str, str, float, int | None]] = []
         for stage in range(first, last + 1):
             router = self.stages.routers[stage]
             choice = router.choose()
@@ -429,11 +442,16 @@ class StageCalls:
             if is_relayed(addr) or not router.stats(peer_id).proven:
                 break
             router.begin(peer_id)
-            picked.append((stage, addr, peer_id, router.timeout_for(peer_id, samples, "forward", floor_s=floor)))
+            kind: Kind = "backward" if fused and stage == last else "forward"
+            timeout = router.timeout_for(peer_id, samples, kind,
+                                         floor_s=self.timing.timeout_floor(kind, self.request_timeout_s))
+            deadline = self.timing.backward_deadline_ms(timeout) if kind == "backward" else None
+            picked.append((stage, addr, peer_id, timeout, deadline))
         hops, rest = [], 0.0
-        for stage, addr, peer_id, timeout in reversed(picked):  # each hop's wait covers the hops after it
+        for stage, addr, peer_id, timeout, deadline in reversed(picked):  # each hop's wait covers those after it
             rest += timeout
-            hops.append(Hop(stage=stage, addr=addr, peer_id=peer_id, timeout_ms=max(1, int(rest * 1000))))
+            hops.append(Hop(stage=stage, addr=addr, peer_id=peer_id, timeout_ms=max(1, int(rest * 1000)),
+                            deadline_ms=deadline))
         return tuple(reversed(hops))
 
     def _settled_hops(self, hops: tuple[Hop, ...], samples: int, reply: ForwardReply | None) -> None:
@@ -447,7 +465,8 @@ class StageCalls:
             router = self.stages.routers[hop.stage]
             if i < len(results) and results[i].peer_id == hop.peer_id:
                 own_s = max(0.0, (before_ms - results[i].wait_ms) / 1000.0)
-                router.report_success(hop.peer_id, samples, own_s, "forward")
+                router.report_success(hop.peer_id, samples, own_s,
+                                      "backward" if hop.deadline_ms is not None else "forward")
                 before_ms = results[i].wait_ms
             else:
                 router.release(hop.peer_id)
@@ -459,7 +478,7 @@ class StageCalls:
         self, stage: int, inputs: torch.Tensor | None, *, grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None, step: int | None = None, mb: int | None = None,
         prefer: str | None = None, kept_at: str | None = None, how: How | None = None,
-        recover: Callable[[], Awaitable[torch.Tensor]] | None = None,
+        recover: Callable[[], Awaitable[torch.Tensor]] | None = None, lost_at: str | None = None,
     ) -> Served[BackwardReply]:
         """A backward through ``stage`` (with ``targets`` on the last stage: the fused forward and
         backward), counted exactly once by the stage (``swarmd.pipeline.step_protocol``): the peer
@@ -476,9 +495,14 @@ class StageCalls:
         ``inputs`` None (peer to peer: the forward's inputs went from peer to peer, and the trainer never
         saw them): sent to ``kept_at`` without them; should they be needed after all (that peer is not
         usable, or lost them), ``recover()`` computes them again (``swarmd.train.microbatches``).
+        ``lost_at``: a peer to peer chain sent this backward (the last stage's fused call, attempt 0) to
+        that address and its answer was lost: it is settled there (a claim) before this call's first attempt.
         """
         client, codec, model, timing, s = self.client, self.codec, self.model, self.timing, self.summary
         attempts = BackwardAttempts(mb)
+        if lost_at is not None and mb is not None:
+            attempts.next_attempt()  # attempt 0 went out from the peer before it
+            attempts.lost[lost_at] = attempts.sent
         omit_at = kept_at if mb is not None else None
         held = inputs
 

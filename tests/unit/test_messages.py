@@ -346,6 +346,11 @@ def test_a_forward_with_next_hops_and_its_chained_reply_round_trip() -> None:
     req = ForwardRequest(stage=1, inputs=hidden(), mb=9, next=hops, peer="a" * 64, origin="10.0.0.9")
     back = ForwardRequest.from_frame(wire(req.encode()), TARGET)
     assert (back.next, back.peer, back.origin, back.mb) == (hops, "a" * 64, "10.0.0.9", 9)
+    # a chain ending in the last stage's fused call carries that stage's targets, and its last hop a deadline
+    fused = (hops[0], Hop(stage=3, addr="[::1]:7001", peer_id="c" * 64, timeout_ms=1500, deadline_ms=1200))
+    req = ForwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=9, next=fused)
+    back = ForwardRequest.from_frame(wire(req.encode()), TARGET)
+    assert back.next == fused and back.targets is not None and torch.equal(back.targets, tokens())
     # without them the frame is the one older peers know
     assert set(wire(ForwardRequest(stage=1, inputs=hidden(), mb=9).encode()).meta) == {"stage", "codec", "mb"}
 
@@ -355,6 +360,16 @@ def test_a_forward_with_next_hops_and_its_chained_reply_round_trip() -> None:
     got = ForwardReply.from_frame(wire(reply.encode()))
     assert (got.chain, got.wait_ms, got.hop_error, got.kept) == (chain, 30, "x: gone", True)
     assert ForwardReply.from_frame(wire(ForwardReply(stage=1, step=0, outputs=hidden()).encode())).chain == ()
+    # the fused end's answer: the last stage's backward reply, carried back; no outputs
+    last = BackwardReply(stage=3, step=4, samples=2, accumulated=6, grad_inputs=hidden(), loss=1.5, duplicate=True)
+    ended = ForwardReply.from_frame(wire(ForwardReply(stage=1, step=4, outputs=torch.empty(0), chain=chain,
+                                                      fused=last).encode()))
+    assert ended.fused is not None and ended.outputs.numel() == 0 and ended.chain == chain
+    assert (ended.fused.step, ended.fused.samples, ended.fused.loss, ended.fused.duplicate) == (4, 2, 1.5, True)
+    assert ended.fused.grad_inputs is not None and torch.equal(ended.fused.grad_inputs, last.grad_inputs)
+    # a backward's peer and origin (a fused hop's) round trip, and are absent otherwise
+    hop_back = BackwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=3, peer="p", origin="10.0.0.9")
+    assert BackwardRequest.from_frame(wire(hop_back.encode()), TARGET).origin == "10.0.0.9"
 
 
 def hop(stage: int = 2, addr: Any = "10.0.0.2:7000", peer: Any = "b" * 64, timeout_ms: Any = 1000) -> list[Any]:
@@ -375,6 +390,10 @@ def hop(stage: int = 2, addr: Any = "10.0.0.2:7000", peer: Any = "b" * 64, timeo
     ({"next": [hop(timeout_ms=0)]}, None, "timeout"),
     ({"next": [hop(timeout_ms=True)]}, None, r"\[stage, addr"),
     ({"next": [hop()], "mb": None}, None, "meta.mb"),
+    ({"next": [hop() + [500], hop(stage=3)]}, None, "only the last hop"),
+    ({"next": [hop() + [1000]]}, {"inputs": hidden(), "targets": tokens()}, "shorter than its timeout"),
+    ({"next": [hop() + [500]]}, None, "targets exactly when"),  # a fused end needs the targets
+    ({"next": [hop() + [-1]]}, {"inputs": hidden(), "targets": tokens()}, "deadline"),
     ({"next": [hop()]}, {"inputs": hidden(), "targets": tokens()}, "targets"),
     ({"peer": 5}, None, "meta.peer"),
     ({"origin": "o" * 65}, None, "meta.origin"),
@@ -398,6 +417,9 @@ def test_a_bad_chain_in_a_forward_reply_is_malformed(chain: Any) -> None:
         ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "chain": chain}, {"outputs": hidden()}))
     with pytest.raises(MalformedFrame):
         ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "hop_error": 3}, {"outputs": hidden()}))
+    for fused in ([1], {"stage": 2}, {"stage": 2, "step": 0, "samples": -1}):
+        with pytest.raises(MalformedFrame):
+            ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "fused": fused}, {}))
 
 
 @given(meta=st.dictionaries(st.sampled_from(["stage", "mb", "next", "peer", "origin"]),
