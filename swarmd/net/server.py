@@ -9,6 +9,11 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   ``inputs`` + ``targets``) → ``grad_inputs`` (none on stage 0) and meta ``loss``/``samples``.
   Without ``inputs`` when the forward's reply said ``kept``: the peer uses the inputs it kept
   under ``meta.mb``, or refuses with 409 ``InputsNotCached`` (the sender resends them).
+  Peer to peer (issue #31): a forward whose ``meta.next`` names the following stages' peers is sent
+  on to the first of them (its outputs, the rest of ``next``, ``meta.origin``: the trainer's address),
+  the last hop possibly being the last stage's fused backward; the reply is the chain's end
+  (``meta.chain``, ``meta.fused``), or this stage's own outputs with ``meta.hop_error`` when the hop
+  failed (the trainer goes on from there). A request naming another ``meta.peer`` than this one: 409.
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
 - ``GET /v1/progress``  JSON (``ProgressReply``, one shape): step and samples held, for the
   stage's averaging rounds and for trainers. With
