@@ -124,14 +124,15 @@ class DataPlaneClient:
         next: tuple[Hop, ...] = (),
         peer: str | None = None,
         origin: str | None = None,
+        budget_ms: int | None = None,
     ) -> ForwardReply:
         """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward.
         ``timeout_s``: this call's own bound (a trainer's per-peer timeout), else the client's.
         ``next``, ``peer``, ``origin``: peer to peer (issue #31, :class:`~swarmd.net.messages.ForwardRequest`):
         the peers of the following stages the outputs go on to, the peer id this request is for,
-        and the trainer's address a hop's forward is kept for."""
+        the trainer's address a hop's forward is kept for, and how long the sender waits (with ``next``)."""
         request = ForwardRequest(stage=stage, inputs=inputs, targets=targets, model=model, codec=codec, mb=mb,
-                                 next=next, peer=peer, origin=origin)
+                                 next=next, peer=peer, origin=origin, budget_ms=budget_ms)
         frame = await self._post(addr, "forward", request.encode, _nbytes(inputs, targets), timeout_s=timeout_s)
         return self._read(addr, ForwardReply.from_frame, frame)
 

@@ -53,6 +53,7 @@ from swarmd.net.token_ids import narrow, widen
 from swarmd.net.wire import Frame, WireLimits, encode_frame
 
 __all__ = [
+    "HOP_MARGIN_MS",
     "PRECISIONS",
     "MAX_PROGRESS_WAIT_S",
     "MAX_PEER_ID_LEN",
@@ -100,6 +101,8 @@ MAX_HOP_ADDR_LEN = 300
 MAX_HOP_TIMEOUT_MS = 3_600_000
 MAX_ORIGIN_LEN = 64
 MAX_HOP_ERROR_LEN = 200
+#: What a peer keeps of its own budget to answer its sender after its next hop gave up (peer to peer).
+HOP_MARGIN_MS = 250
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,10 @@ class ForwardRequest:
     the first peer saw it, which a kept forward is tied to instead of the sending peer's. With
     ``next``, ``targets`` are the last stage's, carried to the chain's last hop when that is the
     last stage's fused call (``Hop.deadline_ms``); no stage before it computes a loss.
+    ``budget_ms`` (required with ``next``): how long the sender waits for this request's answer, from
+    when it sent it; the receiver gives its next hop no more than what is left of it, less
+    :data:`HOP_MARGIN_MS` (and a fused hop's deadline as much less), so that whatever a later stage
+    counts, it counts before any sender before it gives up (exactly once, ``swarmd.pipeline.step_protocol``).
     """
 
     stage: int
@@ -243,6 +250,7 @@ class ForwardRequest:
     next: tuple[Hop, ...] = ()
     peer: str | None = None
     origin: str | None = None
+    budget_ms: int | None = None
 
     KIND = "forward"
 
@@ -258,6 +266,8 @@ class ForwardRequest:
             meta["peer"] = self.peer
         if self.origin is not None:
             meta["origin"] = self.origin
+        if self.budget_ms is not None:
+            meta["budget_ms"] = self.budget_ms
         tensors = {"inputs": narrow(self.inputs)}  # token ids travel narrow (swarmd.net.token_ids)
         if self.targets is not None:
             tensors["targets"] = narrow(self.targets)
@@ -279,9 +289,13 @@ class ForwardRequest:
         mb = _microbatch_id(meta)
         if hops and mb is None:
             raise RequestError("a forward with a next hop must name its microbatch (meta.mb)")
+        budget_ms = _optional_count(meta, "budget_ms", "how long the sender waits, in ms")
+        if hops and budget_ms is None:
+            raise RequestError("a forward with next hops must say how long its sender waits (meta.budget_ms)")
         return cls(stage=stage, inputs=widen(_required(frame.tensors, "inputs")), targets=targets,
                    model=_model(meta.get("model")), codec=codec, mb=mb, next=hops,
-                   peer=_short_str(meta, "peer", MAX_PEER_ID_LEN), origin=_short_str(meta, "origin", MAX_ORIGIN_LEN))
+                   peer=_short_str(meta, "peer", MAX_PEER_ID_LEN), origin=_short_str(meta, "origin", MAX_ORIGIN_LEN),
+                   budget_ms=budget_ms)
 
 
 @dataclass(frozen=True)

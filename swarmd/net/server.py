@@ -99,6 +99,7 @@ from swarmd.net.client import DataPlaneClient
 from swarmd.net.codecs import CODECS
 from swarmd.net.handover import GradientsRequest
 from swarmd.net.messages import (
+    HOP_MARGIN_MS,
     AverageRequest,
     BackwardReply,
     BackwardRequest,
@@ -364,6 +365,7 @@ class DataPlane:
     # ---- endpoints -------------------------------------------------------------------------
 
     async def _forward(self, request: web.Request) -> web.Response:
+        received = time.monotonic()  # the sender's budget runs from here (peer to peer: _next_hop)
         runtime = self._current()
         req = ForwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
         request[CODEC_KEY] = req.codec  # validated: one of CODECS (the metrics' codec label)
@@ -380,17 +382,26 @@ class DataPlane:
         reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss,
                              precision=runtime.executor.precision, kept=result.kept)
         if req.next:
-            reply = await self._next_hop(req, reply, source)
+            reply = await self._next_hop(req, reply, source, received)
         return await self._reply(reply.encode, req.codec)
 
-    async def _next_hop(self, req: ForwardRequest, own: ForwardReply, origin: str) -> ForwardReply:
+    async def _next_hop(self, req: ForwardRequest, own: ForwardReply, origin: str, received: float) -> ForwardReply:
         """Send this forward's outputs on to the next stage's peer the trainer chose (issue #31) and
         answer with the chain's end; when that hop fails (unreachable, refused, late, a reply of
-        another stage), with this stage's own outputs and why, so the trainer goes on from there."""
-        hop = req.next[0]
+        another stage), with this stage's own outputs and why, so the trainer goes on from there.
+
+        The hop gets what is left of this request's budget (less ``HOP_MARGIN_MS`` to answer), and a
+        fused hop's deadline as much less: what it counts, it counts before this peer gives up on it."""
         started = time.monotonic()
         if self.hops is None:
             return dataclasses.replace(own, hop_error="this peer sends no forward to other peers")
+        left_ms = (req.budget_ms or 0) - int((started - received) * 1e3) - HOP_MARGIN_MS  # required with next
+        planned = req.next[0]
+        cut = max(0, planned.timeout_ms - left_ms)
+        if cut >= planned.timeout_ms or (planned.deadline_ms is not None and cut > planned.deadline_ms):
+            return dataclasses.replace(own, hop_error=f"no time left for the next hop ({left_ms} ms)")
+        hop = dataclasses.replace(planned, timeout_ms=planned.timeout_ms - cut,
+                                  deadline_ms=None if planned.deadline_ms is None else planned.deadline_ms - cut)
         self.hop_stats["sent"] += 1
         try:
             if hop.deadline_ms is not None:  # the last stage's fused forward and backward: counted there, once
@@ -405,7 +416,7 @@ class DataPlane:
                                            wait_ms=int((time.monotonic() - started) * 1e3))
             after = await self.hops.forward(hop.addr, hop.stage, own.outputs, req.targets, codec=req.codec,
                                             model=req.model, mb=req.mb, next=req.next[1:], peer=hop.peer_id,
-                                            origin=origin, timeout_s=hop.timeout_ms / 1000.0)
+                                            origin=origin, budget_ms=hop.timeout_ms, timeout_s=hop.timeout_ms / 1000.0)
             if after.stage != hop.stage or after.loss is not None:
                 raise PeerError(200, "BadReply", f"{hop.addr} answered a forward of stage {after.stage}, "
                                                  f"not of stage {hop.stage}")

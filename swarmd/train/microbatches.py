@@ -162,7 +162,10 @@ class Microbatches:
                 fused_served = Served(reply.fused, answered[-1].peer_id, 1, answered[-1].addr)
                 break
             broken = forward.hops[len(reply.chain):]
-            lost_at = broken[0].addr if broken and broken[0].deadline_ms is not None else None
+            if broken and broken[-1].deadline_ms is not None:
+                # the chain broke before its fused end answered, which may have counted all the same (a hop that
+                # timed out while the stages after it went on): the trainer sends that call itself, after a claim
+                lost_at, chain_to = broken[-1].addr, last - 1
             acts.append(reply.outputs)
             stage = len(acts) - 1
         mbs = (mb, pair_mb if paired else None)

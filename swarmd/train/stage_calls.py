@@ -53,7 +53,7 @@ import torch
 from swarmd.errors import InputsNotCached, PeerError
 from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
-from swarmd.net.messages import BackwardReply, ClaimRequest, ForwardReply, Hop
+from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimRequest, ForwardReply, Hop
 from swarmd.pipeline.failures import Action, classify, timed_out
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.step_protocol import BackwardAttempts
@@ -409,8 +409,9 @@ class StageCalls:
             outcome: ForwardReply | None = None
             fusing = fused_targets if hops[-1].deadline_ms is not None else None
             try:
+                budget = timeout + (hops[0].timeout_ms + HOP_MARGIN_MS) / 1000.0
                 reply = await client.forward(addr, stage, inputs, fusing, codec=codec, model=model, mb=mb, next=hops,
-                                             timeout_s=timeout + hops[0].timeout_ms / 1000.0)
+                                             budget_ms=int(budget * 1000), timeout_s=budget)
                 if (reply.fused is not None) != (len(reply.chain) == len(hops) and fusing is not None):
                     raise PeerError(200, "BadReply", f"{addr} answered a chain without its fused end, or the reverse")
                 named = [hop.peer_id for hop in hops[:len(reply.chain)]]
@@ -449,7 +450,7 @@ class StageCalls:
             picked.append((stage, addr, peer_id, timeout, deadline))
         hops, rest = [], 0.0
         for stage, addr, peer_id, timeout, deadline in reversed(picked):  # each hop's wait covers those after it
-            rest += timeout
+            rest += timeout + (HOP_MARGIN_MS / 1000.0 if rest else 0.0)  # and each one's margin to answer
             hops.append(Hop(stage=stage, addr=addr, peer_id=peer_id, timeout_ms=max(1, int(rest * 1000)),
                             deadline_ms=deadline))
         return tuple(reversed(hops))

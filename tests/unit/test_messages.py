@@ -343,12 +343,12 @@ def test_other_names_give_a_plain_peer_error(name: str) -> None:
 def test_a_forward_with_next_hops_and_its_chained_reply_round_trip() -> None:
     hops = (Hop(stage=2, addr="10.0.0.2:7000", peer_id="b" * 64, timeout_ms=3000),
             Hop(stage=3, addr="[::1]:7001", peer_id="c" * 64, timeout_ms=1500))
-    req = ForwardRequest(stage=1, inputs=hidden(), mb=9, next=hops, peer="a" * 64, origin="10.0.0.9")
+    req = ForwardRequest(stage=1, inputs=hidden(), mb=9, next=hops, peer="a" * 64, origin="10.0.0.9", budget_ms=4000)
     back = ForwardRequest.from_frame(wire(req.encode()), TARGET)
-    assert (back.next, back.peer, back.origin, back.mb) == (hops, "a" * 64, "10.0.0.9", 9)
+    assert (back.next, back.peer, back.origin, back.mb, back.budget_ms) == (hops, "a" * 64, "10.0.0.9", 9, 4000)
     # a chain ending in the last stage's fused call carries that stage's targets, and its last hop a deadline
     fused = (hops[0], Hop(stage=3, addr="[::1]:7001", peer_id="c" * 64, timeout_ms=1500, deadline_ms=1200))
-    req = ForwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=9, next=fused)
+    req = ForwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=9, next=fused, budget_ms=4000)
     back = ForwardRequest.from_frame(wire(req.encode()), TARGET)
     assert back.next == fused and back.targets is not None and torch.equal(back.targets, tokens())
     # without them the frame is the one older peers know
@@ -395,13 +395,16 @@ def hop(stage: int = 2, addr: Any = "10.0.0.2:7000", peer: Any = "b" * 64, timeo
     ({"next": [hop() + [500]]}, None, "targets exactly when"),  # a fused end needs the targets
     ({"next": [hop() + [-1]]}, {"inputs": hidden(), "targets": tokens()}, "deadline"),
     ({"next": [hop()]}, {"inputs": hidden(), "targets": tokens()}, "targets"),
+    ({"next": [hop()], "budget_ms": None}, None, "budget_ms"),  # a sender that does not say how long it waits
+    ({"next": [hop()], "budget_ms": -1}, None, "budget_ms"),
     ({"peer": 5}, None, "meta.peer"),
     ({"origin": "o" * 65}, None, "meta.origin"),
 ])
 def test_a_bad_next_hop_gets_a_422(meta: dict[str, Any], tensors: Any, words: str) -> None:
-    meta = {"stage": 1, "mb": 3, **meta}
-    if meta["mb"] is None:
-        del meta["mb"]
+    meta = {"stage": 1, "mb": 3, "budget_ms": 1000, **meta}
+    for key in ("mb", "budget_ms"):
+        if meta[key] is None:
+            del meta[key]
     with pytest.raises(RequestError, match=words):
         ForwardRequest.from_frame(forward_frame(meta, tensors), TARGET)
 
@@ -423,7 +426,7 @@ def test_a_bad_chain_in_a_forward_reply_is_malformed(chain: Any) -> None:
 
 
 @given(meta=st.dictionaries(st.sampled_from(["stage", "mb", "next", "peer", "origin"]),
-                            st.none() | st.booleans() | st.integers(-5, 2**64) | st.text(max_size=70)
+                            st.none() | st.booleans() | st.integers(-5, 2**64 - 1) | st.text(max_size=70)
                             | st.lists(st.lists(st.integers(0, 5) | st.text(max_size=8), max_size=5), max_size=3),
                             max_size=5))
 @settings(max_examples=200, deadline=None)

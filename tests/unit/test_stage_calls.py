@@ -13,7 +13,7 @@ import torch
 
 from swarmd.errors import PeerError, remote_error
 from swarmd.net.client import DataPlaneClient
-from swarmd.net.messages import BackwardReply, ClaimReply, ClaimRequest
+from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimReply, ClaimRequest
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.stage_calls import CallEnded, Ended, Patience, StageCalls, StepMoved
 from swarmd.train.summary import TrainSummary
@@ -266,8 +266,13 @@ async def test_a_forwards_hops_wait_for_the_rest_of_the_chain_and_count_in_fligh
     assert [(h.stage, h.addr, h.peer_id) for h in hops] == [(1, "B:1", "b"), (2, "C:1", "c"), (3, "D:1", "d")]
     each = [calls.stages.routers[k].timeout_for(p, 4, "forward", floor_s=calls.timing.timeout_floor("forward", 60.0))
             for k, p in ((1, "b"), (2, "c"), (3, "d"))]
-    assert [h.timeout_ms for h in hops] == [int(sum(each[i:]) * 1000) for i in range(3)]  # each covers those after
+    # each hop's wait covers the hops after it, and each of those one's margin to answer
+    assert [h.timeout_ms for h in hops] == [int(sum(each[i:]) * 1000) + (2 - i) * HOP_MARGIN_MS for i in range(3)]
+    assert all(h.deadline_ms is None for h in hops)
     assert [calls.stages.routers[k].stats(p).in_flight for k, p in ((1, "b"), (2, "c"), (3, "d"))] == [1, 1, 1]
+    fused = calls._hops(1, 3, 4, fused=True)  # the last hop: the last stage's fused call, with its deadline
+    assert [h.deadline_ms is None for h in fused] == [True, True, False]
+    assert fused[-1].deadline_ms == calls.timing.backward_deadline_ms(fused[-1].timeout_ms / 1000)
 
 
 @pytest.mark.parametrize(("stage2", "proven", "expected"), [
