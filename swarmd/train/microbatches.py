@@ -118,7 +118,7 @@ class Microbatches:
         # up with the lease's step (the fused call counts: it is never sent twice)
         chain_to = None if not self.p2p or paired else last if lease_step is None else last - 1
         fused_served: Served[BackwardReply] | None = None
-        lost_at: str | None = None  # where a chain's fused call went and its answer was lost
+        lost_at: list[str] = []  # where chains' fused calls went and their answers were lost
         stage = 0
         while stage < last:
             inputs = acts[stage]
@@ -162,10 +162,13 @@ class Microbatches:
                 fused_served = Served(reply.fused, answered[-1].peer_id, 1, answered[-1].addr)
                 break
             broken = forward.hops[len(reply.chain):]
+            lost_at += forward.unsettled  # earlier attempts at this forward whose chain named a fused end
             if broken and broken[-1].deadline_ms is not None:
                 # the chain broke before its fused end answered, which may have counted all the same (a hop that
                 # timed out while the stages after it went on): the trainer sends that call itself, after a claim
-                lost_at, chain_to = broken[-1].addr, last - 1
+                lost_at.append(broken[-1].addr)
+            if lost_at:
+                chain_to = last - 1
             acts.append(reply.outputs)
             stage = len(acts) - 1
         mbs = (mb, pair_mb if paired else None)
@@ -246,7 +249,7 @@ class Microbatches:
         self, stage: int, inputs: torch.Tensor | None, grad: torch.Tensor | None, targets: torch.Tensor | None,
         steps: tuple[int | None, int | None], mbs: tuple[int, int | None], by: tuple[str | None, str | None],
         kept: tuple[str | None, str | None], recover: Callable[[], Awaitable[torch.Tensor]] | None = None,
-        lost_at: str | None = None,
+        lost_at: Sequence[str] = (),
     ) -> tuple[Served[BackwardReply], Served[BackwardReply] | None]:
         """A backward, and its pair's when ``mbs[1]`` (sent at once, each to the peer that ran its forward;
         the last stage's fused one, with no forward before it, to another peer where there is one).

@@ -138,6 +138,9 @@ class Served(Generic[R]):
     attempts: int
     addr: str = ""  # where the answering peer was dialled
     hops: tuple[Hop, ...] = ()  # a peer-to-peer forward's next hops, as sent (their answers: ``reply.chain``)
+    #: a peer-to-peer forward's earlier attempts that failed after naming a fused hop: where each such hop went
+    #: (it may have counted: the caller settles it before sending the last stage's call itself)
+    unsettled: tuple[str, ...] = ()
 
 
 class CallTally(Protocol):
@@ -401,9 +404,10 @@ class StageCalls:
         if chain_to is None or chain_to <= stage or mb is None or targets is not None or how is not None:
             return await self._observed(stage, "forward", samples, send, how=how)
         sent: dict[str, tuple[Hop, ...]] = {}  # addr -> the hops of the request that answered from there
+        unsettled: list[str] = []  # fused hops of failed attempts (once one failed, no attempt names another)
 
         async def send_chained(addr: str, timeout: float) -> ForwardReply:
-            hops = self._hops(stage + 1, chain_to, samples, fused=fused_targets is not None)
+            hops = self._hops(stage + 1, chain_to, samples, fused=fused_targets is not None and not unsettled)
             if not hops:
                 return await send(addr, timeout)
             outcome: ForwardReply | None = None
@@ -420,12 +424,14 @@ class StageCalls:
                 outcome = reply
             finally:
                 self._settled_hops(hops, samples, outcome)
+                if outcome is None and fusing is not None:
+                    unsettled.append(hops[-1].addr)
             sent[addr] = hops
             return outcome
 
         served = await self._observed(stage, "forward", samples, send, send_proven=send_chained,
                                       own_seconds=lambda reply, t: max(0.0, t - reply.wait_ms / 1000.0))
-        return dataclasses.replace(served, hops=sent.get(served.addr, ()))
+        return dataclasses.replace(served, hops=sent.get(served.addr, ()), unsettled=tuple(unsettled))
 
     def _hops(self, first: int, last: int, samples: int, *, fused: bool = False) -> tuple[Hop, ...]:
         """Peers of stages ``first .. last`` for a peer-to-peer forward, each picked as its own call
@@ -479,7 +485,7 @@ class StageCalls:
         self, stage: int, inputs: torch.Tensor | None, *, grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None, step: int | None = None, mb: int | None = None,
         prefer: str | None = None, kept_at: str | None = None, how: How | None = None,
-        recover: Callable[[], Awaitable[torch.Tensor]] | None = None, lost_at: str | None = None,
+        recover: Callable[[], Awaitable[torch.Tensor]] | None = None, lost_at: Collection[str] = (),
     ) -> Served[BackwardReply]:
         """A backward through ``stage`` (with ``targets`` on the last stage: the fused forward and
         backward), counted exactly once by the stage (``swarmd.pipeline.step_protocol``): the peer
@@ -496,14 +502,14 @@ class StageCalls:
         ``inputs`` None (peer to peer: the forward's inputs went from peer to peer, and the trainer never
         saw them): sent to ``kept_at`` without them; should they be needed after all (that peer is not
         usable, or lost them), ``recover()`` computes them again (``swarmd.train.microbatches``).
-        ``lost_at``: a peer to peer chain sent this backward (the last stage's fused call, attempt 0) to
-        that address and its answer was lost: it is settled there (a claim) before this call's first attempt.
+        ``lost_at``: peer-to-peer chains sent this backward (the last stage's fused call, attempt 0) to
+        these addresses and its answer was lost: it is settled there (a claim) before this call's first attempt.
         """
         client, codec, model, timing, s = self.client, self.codec, self.model, self.timing, self.summary
         attempts = BackwardAttempts(mb)
-        if lost_at is not None and mb is not None:
+        if lost_at and mb is not None:
             attempts.next_attempt()  # attempt 0 went out from the peer before it
-            attempts.lost[lost_at] = attempts.sent
+            attempts.lost.update(dict.fromkeys(lost_at, attempts.sent))
         omit_at = kept_at if mb is not None else None
         held = inputs
 
