@@ -37,6 +37,7 @@ from tests.support.swarms import CORPUS_BYTES, MICRO, TINY, TRAINING, config, re
 SPEC = replace(TINY, name="p2p", n_stages=3)  # stages 0 and 1 forward; stage 2 is the fused forward + backward
 STEPS = 2
 KEY = SwarmKey(b"a private swarm's key, 32 bytes..")
+SPOT_SEED = 0  # with it, some of test_spot_checked_pairs...'s microbatches run paired and some do not
 TENSOR = MICRO * SPEC.seq_len * SPEC.d_model * 4  # one float32 [B, T, d_model] activation
 
 
@@ -97,10 +98,12 @@ def proven(router: StageRouter) -> StageRouter:
 
 @contextlib.asynccontextmanager
 async def microbatches(stage1: dict[str, str], p2p: bool, daemons: list[Daemon], stage2: dict[str, str] | None = None,
+                       *, fraction: float = 0.0, seed: int = 0,
                        ) -> AsyncIterator[tuple[Microbatches, TrainSummary, DataPlaneClient]]:
     """The trainer's microbatch machine over fixed routers: stage 0 is ``daemons``' own, stage 1 lists
     ``stage1`` (``peer_id -> address``: a hop names the peer id, and a peer serves only its own), stage 2
-    ``stage2`` (default: ``daemons``' own)."""
+    ``stage2`` (default: ``daemons``' own). ``fraction``: spot checks' share of paired microbatches
+    (drawn with a ``seed``ed rng)."""
     last = {daemons[2].peer_id: daemons[2].data_addr} if stage2 is None else stage2
     peers = [{daemons[0].peer_id: daemons[0].data_addr}, stage1, last]
     routers = [proven(StageRouter(k, rng=random.Random(k))) for k in range(SPEC.n_stages)]
@@ -112,7 +115,8 @@ async def microbatches(stage1: dict[str, str], p2p: bool, daemons: list[Daemon],
     async with DataPlaneClient() as client:
         calls = StageCalls(FixedStages(routers), client, model=SPEC.digest, codec="none", summary=summary,
                            timing=timing, request_timeout_s=30.0, stage_wait_timeout_s=30.0)
-        checks = SpotChecks(calls, client, stats=VerifyStats(), codec="none", fraction=0.0, window=4, timing=timing)
+        checks = SpotChecks(calls, client, stats=VerifyStats(), codec="none", fraction=fraction, window=4,
+                            timing=timing, rng=random.Random(seed))
         yield (Microbatches(calls, checks, n_stages=SPEC.n_stages, summary=summary, ledger=StepLedger(), timing=timing,
                             p2p=p2p), summary, client)
 
@@ -221,3 +225,22 @@ async def test_a_hop_gets_what_is_left_of_its_senders_budget_or_is_not_sent() ->
         assert late.outputs.shape == x.shape and s1.data_plane is not None and s1.data_plane.hop_stats["sent"] == 0
         ok = await client.forward(s1.data_addr, 1, x, mb=6, next=(hop,), budget_ms=60_000)
         assert ok.hop_error is None and [r.stage for r in ok.chain] == [2] and s1.data_plane.hop_stats["sent"] == 1
+
+
+async def test_spot_checked_pairs_go_through_the_trainer_beside_p2p_microbatches() -> None:
+    n = 4  # microbatches of 4, some paired (their samples count twice): below the stages' target batch
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(1, SPEC) as t1, \
+            running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        async with microbatches({s1.peer_id: s1.data_addr, t1.peer_id: t1.data_addr}, True, daemons,
+                                fraction=0.5, seed=SPOT_SEED) as (mbs, summary, _):
+            for i in range(n):
+                await mbs.run(*batch(i))
+            stats = mbs.checks.stats
+        # a paired microbatch's forwards went through the trainer, each half to its own stage-1 peer, and were
+        # compared there; the unpaired ones went peer to peer; each half counted once on every stage
+        assert 0 < stats.paired < n and stats.checks > 0 and stats.mismatches == 0
+        assert summary.p2p_hops == 2 * (n - stats.paired) and summary.p2p_fallbacks == 0
+        samples = (n + stats.paired) * MICRO
+        assert s0.executor.grad_samples == s2.executor.grad_samples == samples
+        assert s1.executor.grad_samples + t1.executor.grad_samples == samples
