@@ -119,6 +119,7 @@ class Microbatches:
         chain_to = None if not self.p2p or paired else last if lease_step is None else last - 1
         fused_served: Served[BackwardReply] | None = None
         lost_at: list[str] = []  # where chains' fused calls went and their answers were lost
+        prefer: str | None = None  # the peer a chain stopped before (relayed, on probation): asked next
         stage = 0
         while stage < last:
             inputs = acts[stage]
@@ -130,7 +131,7 @@ class Microbatches:
                     on_forward = None
                 try:
                     forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, chain_to,
-                                                        y if chain_to == last else None)
+                                                        y if chain_to == last else None, prefer)
                 finally:
                     if on_forward is not None:
                         on_forward()
@@ -162,6 +163,7 @@ class Microbatches:
                 fused_served = Served(reply.fused, answered[-1].peer_id, 1, answered[-1].addr)
                 break
             broken = forward.hops[len(reply.chain):]
+            prefer = forward.stopped_at if not broken else None
             lost_at += forward.unsettled  # earlier attempts at this forward whose chain named a fused end
             if broken and broken[-1].deadline_ms is not None:
                 # the chain broke before its fused end answered, which may have counted all the same (a hop that
@@ -178,7 +180,7 @@ class Microbatches:
             held_top = acts[last]
             assert held_top is not None  # without a fused end, the last forward's outputs come back to the trainer
             top = held_top
-            fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (None, None),
+            fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (prefer, None),
                                                      (None, None), lost_at=lost_at)
         backward = await checks.backward(last, top, None, y, fused, fused_pair)
         if backward.loss is None:
@@ -229,6 +231,7 @@ class Microbatches:
     async def _forward(
         self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, pair_mb: int | None,
         paired: bool = True, chain_to: int | None = None, fused_targets: torch.Tensor | None = None,
+        prefer: str | None = None,
     ) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
         """A forward, and its pair's when ``paired`` (sent at once under ``pair_mb``, to another peer where
         there is one; a validation forward's pair, like any validation forward, carries no id). Unpaired,
@@ -237,7 +240,7 @@ class Microbatches:
         calls = self.calls
         if not paired:
             return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to,
-                                       fused_targets=fused_targets), None
+                                       fused_targets=fused_targets, prefer=prefer), None
 
         def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
             return calls.forward(stage, inputs, targets, mb=mb if how is not None and how.tally is None else pair_mb,

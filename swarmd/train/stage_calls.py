@@ -141,6 +141,9 @@ class Served(Generic[R]):
     #: a peer-to-peer forward's earlier attempts that failed after naming a fused hop: where each such hop went
     #: (it may have counted: the caller settles it before sending the last stage's call itself)
     unsettled: tuple[str, ...] = ()
+    #: the peer picked for the stage after the chain's end that the chain could not name (relayed, on
+    #: probation): the caller's own call of that stage asks it first, so it is not passed over
+    stopped_at: str | None = None
 
 
 class CallTally(Protocol):
@@ -384,7 +387,7 @@ class StageCalls:
 
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
                       mb: int | None = None, how: How | None = None, chain_to: int | None = None,
-                      fused_targets: torch.Tensor | None = None) -> Served[ForwardReply]:
+                      fused_targets: torch.Tensor | None = None, prefer: str | None = None) -> Served[ForwardReply]:
         """A forward through ``stage`` (with ``targets`` on the last stage: its loss too); ``how``: a
         spot check's pair or arbiter (whom to ask, how hard, who pays), else a microbatch's call.
 
@@ -395,19 +398,21 @@ class StageCalls:
         failed (``reply.hop_error``), and the caller goes on from there as without one. With
         ``fused_targets`` (``chain_to`` the last stage), the chain's last hop is that stage's fused
         forward and backward (``reply.fused``), sent by the peer before it with attempt 0 and a deadline,
-        as the caller's own would be; where that hop failed, the caller settles it (a claim) first."""
+        as the caller's own would be; where that hop failed, the caller settles it (a claim) first.
+        ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before)."""
         client, codec, model, samples = self.client, self.codec, self.model, inputs.shape[0]
 
         def send(addr: str, timeout: float) -> Awaitable[ForwardReply]:
             return client.forward(addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout)
 
         if chain_to is None or chain_to <= stage or mb is None or targets is not None or how is not None:
-            return await self._observed(stage, "forward", samples, send, how=how)
-        sent: dict[str, tuple[Hop, ...]] = {}  # addr -> the hops of the request that answered from there
+            return await self._observed(stage, "forward", samples, send, how=how, prefer=prefer)
+        sent: dict[str, tuple[tuple[Hop, ...], str | None]] = {}  # addr -> the hops of the request answered there
         unsettled: list[str] = []  # fused hops of failed attempts (once one failed, no attempt names another)
 
         async def send_chained(addr: str, timeout: float) -> ForwardReply:
-            hops = self._hops(stage + 1, chain_to, samples, fused=fused_targets is not None and not unsettled)
+            hops, stopped = self._hops(stage + 1, chain_to, samples, fused=fused_targets is not None and not unsettled)
+            sent[addr] = ((), stopped)
             if not hops:
                 return await send(addr, timeout)
             outcome: ForwardReply | None = None
@@ -426,20 +431,25 @@ class StageCalls:
                 self._settled_hops(hops, samples, outcome)
                 if outcome is None and fusing is not None:
                     unsettled.append(hops[-1].addr)
-            sent[addr] = hops
+            sent[addr] = (hops, stopped)
             return outcome
 
-        served = await self._observed(stage, "forward", samples, send, send_proven=send_chained,
+        served = await self._observed(stage, "forward", samples, send, send_proven=send_chained, prefer=prefer,
                                       own_seconds=lambda reply, t: max(0.0, t - reply.wait_ms / 1000.0))
-        return dataclasses.replace(served, hops=sent.get(served.addr, ()), unsettled=tuple(unsettled))
+        hops, stopped = sent.get(served.addr, ((), None))
+        return dataclasses.replace(served, hops=hops, unsettled=tuple(unsettled), stopped_at=stopped)
 
-    def _hops(self, first: int, last: int, samples: int, *, fused: bool = False) -> tuple[Hop, ...]:
+    def _hops(self, first: int, last: int, samples: int, *,
+              fused: bool = False) -> tuple[tuple[Hop, ...], str | None]:
         """Peers of stages ``first .. last`` for a peer-to-peer forward, each picked as its own call
         would pick it and counted in flight there: the chain stops before a stage whose pick is on
-        probation (its calls are watched from here) or relayed (its stage-mates cannot dial it).
+        probation (its calls are watched from here) or relayed (its stage-mates cannot dial it), and
+        that pick comes back with the hops (the caller's call of that stage asks it first: a peer the
+        chain cannot name is not passed over, and one on probation gets its first calls).
         ``fused``: stage ``last``'s hop is its fused forward and backward, timed as a backward and
         given the deadline the caller's own backward would have."""
         picked: list[tuple[int, str, str, float, int | None]] = []
+        stopped: str | None = None
         for stage in range(first, last + 1):
             router = self.stages.routers[stage]
             choice = router.choose()
@@ -447,6 +457,7 @@ class StageCalls:
                 break
             peer_id, addr = choice
             if is_relayed(addr) or not router.stats(peer_id).proven:
+                stopped = peer_id
                 break
             router.begin(peer_id)
             kind: Kind = "backward" if fused and stage == last else "forward"
@@ -459,7 +470,7 @@ class StageCalls:
             rest += timeout + (HOP_MARGIN_MS / 1000.0 if rest else 0.0)  # and each one's margin to answer
             hops.append(Hop(stage=stage, addr=addr, peer_id=peer_id, timeout_ms=max(1, int(rest * 1000)),
                             deadline_ms=deadline))
-        return tuple(reversed(hops))
+        return tuple(reversed(hops)), stopped
 
     def _settled_hops(self, hops: tuple[Hop, ...], samples: int, reply: ForwardReply | None) -> None:
         """A peer-to-peer forward ended (``reply`` None: it failed): the hops that answered are

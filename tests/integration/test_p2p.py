@@ -9,6 +9,7 @@ trainer's own call, with every microbatch counted exactly once on every stage.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import socket
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from swarmd.daemon import Daemon
+from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import Hop
 from swarmd.pipeline.routing import StageRouter
@@ -32,7 +34,7 @@ from swarmd.train.trainer import Trainer, TrainerConfig
 from swarmd.train.verify import VerifyStats
 from tests.conftest import daemon_config, running_daemon
 from tests.support.routing import FixedStages, listed
-from tests.support.swarms import CORPUS_BYTES, MICRO, TINY, TRAINING, config, reference_run
+from tests.support.swarms import CORPUS_BYTES, MICRO, TINY, TRAINING, _config, config, reference_run, started
 
 SPEC = replace(TINY, name="p2p", n_stages=3)  # stages 0 and 1 forward; stage 2 is the fused forward + backward
 STEPS = 2
@@ -244,3 +246,28 @@ async def test_spot_checked_pairs_go_through_the_trainer_beside_p2p_microbatches
         samples = (n + stats.paired) * MICRO
         assert s0.executor.grad_samples == s2.executor.grad_samples == samples
         assert s1.executor.grad_samples + t1.executor.grad_samples == samples
+
+
+async def test_a_relayed_peer_is_never_a_hop_and_still_gets_its_share_from_the_trainer() -> None:
+    # stage 1 has a peer nobody can dial (a wrong --announce, as behind a NAT), served through a relay: a chain
+    # never names it (its stage-mates cannot dial it); where its pick comes up the chain stops before it and the
+    # trainer's own call of stage 1 goes to it, through the relay
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        hidden = ("127.0.0.1", s.getsockname()[1])
+    async with started(_config(0)) as (founder,):
+        join = (founder.dht.address,)
+        async with started(_config(1, join)) as (direct,), started(_config(1, join, announce=hidden)) as (natted,):
+            for _ in range(400):
+                if natted.relayed_addr is not None and natted.reachability.status == "yes":
+                    break
+                await asyncio.sleep(0.05)
+            assert is_relayed(natted.data_addr), "the unreachable peer was not relayed within 20 s"
+            run = TrainerConfig(api=f"http://{founder.status()['api_addr']}", steps=4, sync=True, codec="none",
+                                microbatch_size=4, val_every=0, max_corpus_bytes=1 << 20, verify_fraction=0.0,
+                                p2p=True)
+            summary = await Trainer(run).run()
+            assert summary.steps == 4 and summary.microbatches_issued == summary.microbatches_completed
+            assert summary.p2p_hops > 0 and summary.p2p_fallbacks == 0 and summary.bans == summary.retries == 0
+            assert natted.status()["served"]["backward"] > 0  # its share, through the relay, from the trainer
+            assert founder.data_plane is not None and founder.data_plane.hop_stats["sent"] == summary.p2p_hops
