@@ -76,7 +76,7 @@ from swarmd.dht.sources import Grouping
 from swarmd.errors import SwarmdError
 from swarmd.net import codecs, reachability
 from swarmd.net.addresses import Announced, format_addr, is_wildcard
-from swarmd.net.client import client_session
+from swarmd.net.client import DataPlaneClient, client_session
 from swarmd.net.ports import Listeners, bind_listeners
 from swarmd.net.proof import ProofService, Prover
 from swarmd.net.relay import RelayClient, RelayServer
@@ -276,7 +276,8 @@ class Daemon:
             self.session = client_session(cfg.swarm_key)  # signs requests to stage-mates in a private swarm
             self.data_plane = DataPlane(lambda: self.runtime, limits=cfg.net.limits,
                                         read_timeout_s=cfg.net.read_timeout_s, swarm_key=cfg.swarm_key,
-                                        relay=self.relay_server, peer_id=lambda: self.peer_id, reports=self.reports)
+                                        relay=self.relay_server, peer_id=lambda: self.peer_id, reports=self.reports,
+                                        hops=DataPlaneClient(session=self.session, limits=cfg.net.limits))
             for service in (self._probes, self._proofs, self.stage_state.offers):
                 service.install(self.data_plane.app)
             self.data_plane.app.middlewares.insert(0, self.metrics.data_plane_middleware())  # outermost: sees all
@@ -432,6 +433,8 @@ class Daemon:
             if was_serving:
                 await self.stage_state.leave()
             await self.data_plane.close()
+            if self.data_plane.hops is not None:
+                await self.data_plane.hops.close()  # its codec threads; the session is the daemon's
         if self.runtime is not None:
             await self.runtime.close()
         if self.session is not None:

@@ -35,6 +35,7 @@ from swarmd.net.messages import (
     ClaimRequest,
     ForwardReply,
     ForwardRequest,
+    Hop,
     InfoReply,
     ProgressReply,
     ProgressRequest,
@@ -79,6 +80,10 @@ class DataPlaneClient:
         self._swarm_key = swarm_key
         self._session = session
         self._owns_session = session is None
+        #: bodies sent and received (frames and JSON, HTTP headers not counted): what this client
+        #: costs its machine's link (``scripts/bench_p2p.py``'s trainer bytes per microbatch)
+        self.bytes_sent = 0
+        self.bytes_received = 0
         # threads start on the first submit: a client that only polls progress never has any
         self._codec_pool = ThreadPoolExecutor(max_workers=codec_threads, thread_name_prefix="swarmd-client-codec")
 
@@ -116,10 +121,18 @@ class DataPlaneClient:
         model: str | None = None,
         mb: int | None = None,
         timeout_s: float | None = None,
+        next: tuple[Hop, ...] = (),
+        peer: str | None = None,
+        origin: str | None = None,
+        budget_ms: int | None = None,
     ) -> ForwardReply:
         """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward.
-        ``timeout_s``: this call's own bound (a trainer's per-peer timeout), else the client's."""
-        request = ForwardRequest(stage=stage, inputs=inputs, targets=targets, model=model, codec=codec, mb=mb)
+        ``timeout_s``: this call's own bound (a trainer's per-peer timeout), else the client's.
+        ``next``, ``peer``, ``origin``: peer to peer (issue #31, :class:`~swarmd.net.messages.ForwardRequest`):
+        the peers of the following stages the outputs go on to, the peer id this request is for,
+        the trainer's address a hop's forward is kept for, and how long the sender waits (with ``next``)."""
+        request = ForwardRequest(stage=stage, inputs=inputs, targets=targets, model=model, codec=codec, mb=mb,
+                                 next=next, peer=peer, origin=origin, budget_ms=budget_ms)
         frame = await self._post(addr, "forward", request.encode, _nbytes(inputs, targets), timeout_s=timeout_s)
         return self._read(addr, ForwardReply.from_frame, frame)
 
@@ -139,6 +152,8 @@ class DataPlaneClient:
         timeout_s: float | None = None,
         verify: bool = False,
         attempt: int = 0,
+        peer: str | None = None,
+        origin: str | None = None,
     ) -> BackwardReply:
         """``step``: the step this stage's forward reported for the microbatch (None: no check);
         ``mb``: the id its forward was sent with (a hit in that peer's activation cache; counted
@@ -148,10 +163,11 @@ class DataPlaneClient:
         opinion, computed and answered but never accumulated (``swarmd.train.verify``); ``attempt``:
         this call's number among the attempts at ``mb`` on this stage (exactly once: a claim fences).
         ``inputs`` None: the peer's own of ``mb``, which its forward's reply said it ``kept`` (a peer
-        that lost them refuses with ``InputsNotCached``: send them then)."""
+        that lost them refuses with ``InputsNotCached``: send them then). ``peer``, ``origin``: a fused
+        last hop's (issue #31), as :meth:`forward`'s."""
         request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
                                   codec=codec, step=step, mb=mb, deadline_ms=deadline_ms, verify=verify,
-                                  attempt=attempt)
+                                  attempt=attempt, peer=peer, origin=origin)
         frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets),
                                  timeout_s=timeout_s)
         return self._read(addr, BackwardReply.from_frame, frame)
@@ -213,6 +229,7 @@ class DataPlaneClient:
         self, addr: str, kind: str, encode: Callable[[], bytes], nbytes: int, *, timeout_s: float | None = None
     ) -> Frame:
         body = await self._coded(encode, nbytes)
+        self.bytes_sent += len(body)
         base, relay = dial_target(addr)
         try:
             async with self.session.post(
@@ -224,6 +241,7 @@ class DataPlaneClient:
                 if resp.status != 200:
                     raise await _refusal(resp)
                 payload = await resp.read()
+                self.bytes_received += len(payload)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc
         try:
@@ -238,6 +256,7 @@ class DataPlaneClient:
                                         timeout=self._timeout(timeout_s)) as resp:
                 if resp.status != 200:
                     raise await _refusal(resp)
+                self.bytes_received += len(await resp.read())  # kept by aiohttp: json() reads it again for free
                 try:
                     return await resp.json(content_type=None)
                 except ValueError as exc:

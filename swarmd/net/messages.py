@@ -53,6 +53,7 @@ from swarmd.net.token_ids import narrow, widen
 from swarmd.net.wire import Frame, WireLimits, encode_frame
 
 __all__ = [
+    "HOP_MARGIN_MS",
     "PRECISIONS",
     "MAX_PROGRESS_WAIT_S",
     "MAX_PEER_ID_LEN",
@@ -64,6 +65,8 @@ __all__ = [
     "ClaimRequest",
     "ForwardReply",
     "ForwardRequest",
+    "Hop",
+    "HopResult",
     "InfoLimits",
     "InfoReply",
     "ModelInfo",
@@ -91,6 +94,15 @@ MAX_EXCLUDED = 1024
 MAX_CONTRIBUTION_MBS = 1 << 20
 #: The highest attempt number a backward or claim may carry (a trainer retries a few times).
 MAX_ATTEMPT = 1 << 20
+#: Peer to peer (issue #31): the most next hops a forward may carry, the longest hop address, the
+#: longest wait for a hop, the longest ``origin`` (an IP address) and a reply's ``hop_error``.
+MAX_HOPS = 64
+MAX_HOP_ADDR_LEN = 300
+MAX_HOP_TIMEOUT_MS = 3_600_000
+MAX_ORIGIN_LEN = 64
+MAX_HOP_ERROR_LEN = 200
+#: What a peer keeps of its own budget to answer its sender after its next hop gave up (peer to peer).
+HOP_MARGIN_MS = 250
 
 
 @dataclass(frozen=True)
@@ -214,6 +226,19 @@ class ForwardRequest:
     ``mb`` names the microbatch: the peer keeps the forward's activations under it for the
     backward (``swarmd.pipeline.executor``'s activation cache). ``codec`` is the codec of the
     request's own float tensors and of the reply's.
+
+    Peer to peer (issue #31, meta ``next``, ``peer``, ``origin``; all optional): ``next`` lists the
+    peers of the following stages the trainer chose (:class:`Hop`), so the receiving peer sends its
+    outputs straight to ``next[0]`` (with ``next[1:]``) and answers with the chain's end
+    (:class:`ForwardReply` ``chain``). ``peer``: the peer id the request is meant for (a hop names
+    it: an address now held by another peer refuses it, 409). ``origin``: the trainer's address as
+    the first peer saw it, which a kept forward is tied to instead of the sending peer's. With
+    ``next``, ``targets`` are the last stage's, carried to the chain's last hop when that is the
+    last stage's fused call (``Hop.deadline_ms``); no stage before it computes a loss.
+    ``budget_ms`` (required with ``next``): how long the sender waits for this request's answer, from
+    when it sent it; the receiver gives its next hop no more than what is left of it, less
+    :data:`HOP_MARGIN_MS` (and a fused hop's deadline as much less), so that whatever a later stage
+    counts, it counts before any sender before it gives up (exactly once, ``swarmd.pipeline.step_protocol``).
     """
 
     stage: int
@@ -222,6 +247,10 @@ class ForwardRequest:
     model: str | None = None
     codec: str = "none"
     mb: int | None = None
+    next: tuple[Hop, ...] = ()
+    peer: str | None = None
+    origin: str | None = None
+    budget_ms: int | None = None
 
     KIND = "forward"
 
@@ -231,6 +260,14 @@ class ForwardRequest:
             meta["model"] = self.model
         if self.mb is not None:
             meta["mb"] = self.mb
+        if self.next:
+            meta["next"] = [hop.to_meta() for hop in self.next]
+        if self.peer is not None:
+            meta["peer"] = self.peer
+        if self.origin is not None:
+            meta["origin"] = self.origin
+        if self.budget_ms is not None:
+            meta["budget_ms"] = self.budget_ms
         tensors = {"inputs": narrow(self.inputs)}  # token ids travel narrow (swarmd.net.token_ids)
         if self.targets is not None:
             tensors["targets"] = narrow(self.targets)
@@ -243,9 +280,22 @@ class ForwardRequest:
         stage = _stage(meta)
         _check_target(stage, meta.get("model"), target)
         codec = _codec(meta)
-        return cls(stage=stage, inputs=widen(_required(frame.tensors, "inputs")),
-                   targets=widen(frame.tensors.get("targets")), model=_model(meta.get("model")), codec=codec,
-                   mb=_microbatch_id(meta))
+        targets = widen(frame.tensors.get("targets"))
+        hops = Hop.list_from_meta(meta.get("next"), stage)
+        fused = bool(hops) and hops[-1].deadline_ms is not None
+        if hops and (targets is not None) != fused:
+            raise RequestError("a forward with next hops carries targets exactly when its last hop is the last "
+                               "stage's fused call (a hop with a deadline)")
+        mb = _microbatch_id(meta)
+        if hops and mb is None:
+            raise RequestError("a forward with a next hop must name its microbatch (meta.mb)")
+        budget_ms = _optional_count(meta, "budget_ms", "how long the sender waits, in ms")
+        if hops and budget_ms is None:
+            raise RequestError("a forward with next hops must say how long its sender waits (meta.budget_ms)")
+        return cls(stage=stage, inputs=widen(_required(frame.tensors, "inputs")), targets=targets,
+                   model=_model(meta.get("model")), codec=codec, mb=mb, next=hops,
+                   peer=_short_str(meta, "peer", MAX_PEER_ID_LEN), origin=_short_str(meta, "origin", MAX_ORIGIN_LEN),
+                   budget_ms=budget_ms)
 
 
 @dataclass(frozen=True)
@@ -256,6 +306,14 @@ class ForwardReply:
     ``kept`` (meta ``kept: true``): the peer keeps the forward's inputs (and graph) under the
     request's ``mb`` for its backward, which may then omit them (:class:`BackwardRequest`). An
     older peer never says so, and an older trainer ignores it: it always resends the inputs.
+
+    Peer to peer (a request with ``next``): ``chain`` (meta ``chain``) holds what each later stage
+    that the outputs went through answered (:class:`HopResult`), in stage order, and ``outputs`` are
+    then the last of them's; ``wait_ms`` how long this peer waited for its next hop's answer;
+    ``hop_error`` (meta ``hop_error``) why the next hop failed, when it did: ``chain`` then ends
+    there and the sender goes on from the next stage itself. ``fused`` (meta ``fused``, tensor
+    ``fused_grad_inputs``): the last stage's answer when the chain ended in its fused forward and
+    backward; ``outputs`` are then empty (nobody needs the last stage's inputs any more).
     """
 
     stage: int
@@ -264,6 +322,10 @@ class ForwardReply:
     loss: float | None = None
     precision: str = "fp32"  # what computed it (``--precision``): spot checks compare like with like
     kept: bool = False
+    chain: tuple[HopResult, ...] = ()
+    wait_ms: int = 0
+    hop_error: str | None = None
+    fused: BackwardReply | None = None
 
     KIND = "forward_result"
 
@@ -273,6 +335,18 @@ class ForwardReply:
             meta["precision"] = self.precision
         if self.kept:
             meta["kept"] = True
+        if self.chain:
+            meta["chain"] = [hop.to_meta() for hop in self.chain]
+        if self.wait_ms:
+            meta["wait_ms"] = self.wait_ms
+        if self.hop_error is not None:
+            meta["hop_error"] = self.hop_error[:MAX_HOP_ERROR_LEN]
+        if self.fused is not None:
+            f = self.fused
+            meta["fused"] = {"stage": f.stage, "step": f.step, "samples": f.samples, "accumulated": f.accumulated,
+                             "loss": f.loss, "duplicate": f.duplicate, "precision": f.precision}
+            tensors = {} if f.grad_inputs is None else {"fused_grad_inputs": f.grad_inputs}
+            return encode_frame(self.KIND, meta, tensors, codec)
         if self.loss is not None:
             meta["loss"] = self.loss
             return encode_frame(self.KIND, meta, {"loss": self.outputs}, codec)
@@ -281,6 +355,12 @@ class ForwardReply:
     @classmethod
     def from_frame(cls, frame: Frame) -> ForwardReply:
         stage, step = _reply_fields(frame, cls.KIND)
+        fused = _fused_reply(frame)
+        if fused is not None:
+            return cls(stage=stage, step=step, outputs=torch.empty(0), precision=_reply_precision(frame.meta),
+                       kept=frame.meta.get("kept") is True,
+                       chain=HopResult.list_from_meta(frame.meta.get("chain"), stage),
+                       wait_ms=_reply_int(frame.meta, "wait_ms", 0), fused=fused)
         loss = _reply_float(frame.meta, "loss")
         name = "outputs" if loss is None else "loss"
         outputs = frame.tensors.get(name)
@@ -290,8 +370,123 @@ class ForwardReply:
         kept = frame.meta.get("kept", False)
         if not isinstance(kept, bool):
             raise MalformedFrame(f"a forward reply's meta.kept must be true or false, got {kept!r:.30}")
+        hop_error = frame.meta.get("hop_error")
+        if hop_error is not None and not isinstance(hop_error, str):
+            raise MalformedFrame(f"a forward reply's meta.hop_error must be a string, got {hop_error!r:.30}")
         return cls(stage=stage, step=step, outputs=outputs, loss=loss, precision=_reply_precision(frame.meta),
-                   kept=kept)
+                   kept=kept, chain=HopResult.list_from_meta(frame.meta.get("chain"), stage),
+                   wait_ms=_reply_int(frame.meta, "wait_ms", 0),
+                   hop_error=None if hop_error is None else hop_error[:MAX_HOP_ERROR_LEN])
+
+
+# ---- peer to peer: a forward's next hops and what they answered (issue #31) --------------------
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A peer of a later stage that a forward's outputs go to directly (the trainer's routing choice):
+    its dialable ``addr`` (``host:port``; never a relayed one, which its stage-mates cannot dial), its
+    ``peer_id``, and how long the sender waits for its answer, the rest of the chain included.
+
+    ``deadline_ms`` (the last hop only): the hop is the last stage's fused forward and backward
+    (a :class:`BackwardRequest` with the chain's ``targets``), whose gradient its peer adds only within
+    this long of receiving it (exactly once, as a trainer's own backward: ``deadline_ms`` there)."""
+
+    stage: int
+    addr: str
+    peer_id: str
+    timeout_ms: int
+    deadline_ms: int | None = None
+
+    def to_meta(self) -> list[Any]:
+        head = [self.stage, self.addr, self.peer_id, self.timeout_ms]
+        return head if self.deadline_ms is None else [*head, self.deadline_ms]
+
+    @classmethod
+    def list_from_meta(cls, value: Any, stage: int) -> tuple[Hop, ...]:
+        """``meta.next`` of a forward to ``stage``: hops of stages ``stage+1, stage+2, ...`` in order
+        (RequestError, 422, for anything else)."""
+        if value is None:
+            return ()
+        if not isinstance(value, list) or len(value) > MAX_HOPS:
+            raise RequestError(f"meta.next must list at most {MAX_HOPS} hops")
+        hops = []
+        for i, hop in enumerate(value):
+            if not (isinstance(hop, list) and len(hop) in (4, 5) and _is_int(hop[0]) and isinstance(hop[1], str)
+                    and isinstance(hop[2], str) and all(_is_int(v) for v in hop[3:])):
+                raise RequestError("each hop of meta.next must be [stage, addr, peer_id, timeout_ms(, deadline_ms)]")
+            hop_stage, addr, peer_id, timeout_ms = hop[:4]
+            deadline_ms = hop[4] if len(hop) == 5 else None
+            if deadline_ms is not None and (i != len(value) - 1 or not 0 <= deadline_ms < timeout_ms):
+                raise RequestError(f"hop {i} of meta.next: only the last hop (a fused forward and backward) has a "
+                                   "deadline, shorter than its timeout")
+            if hop_stage != stage + 1 + i:
+                raise RequestError(f"hop {i} of meta.next must be for stage {stage + 1 + i}, not {hop_stage!r:.20}")
+            if not 0 < len(addr) <= MAX_HOP_ADDR_LEN or "@" in addr or "/" in addr or ":" not in addr:
+                raise RequestError(f"hop {i} of meta.next needs a direct host:port address, got {addr!r:.60}")
+            if not 0 < len(peer_id) <= MAX_PEER_ID_LEN:
+                raise RequestError(f"hop {i} of meta.next needs a peer id of at most {MAX_PEER_ID_LEN} characters")
+            if not 0 < timeout_ms <= MAX_HOP_TIMEOUT_MS:
+                raise RequestError(f"hop {i} of meta.next needs a timeout in (0, {MAX_HOP_TIMEOUT_MS}] ms")
+            hops.append(cls(stage=hop_stage, addr=addr, peer_id=peer_id, timeout_ms=timeout_ms,
+                            deadline_ms=deadline_ms))
+        return tuple(hops)
+
+
+@dataclass(frozen=True)
+class HopResult:
+    """What the peer of one later stage answered a peer-to-peer forward: what the trainer would have
+    read in its own :class:`ForwardReply` (``step``, ``kept``, ``precision``), the answering
+    ``peer_id`` (the one the hop named) and ``wait_ms``, how long it waited on its own next hop."""
+
+    stage: int
+    step: int
+    peer_id: str
+    kept: bool = False
+    precision: str = "fp32"
+    wait_ms: int = 0
+
+    def to_meta(self) -> list[Any]:
+        return [self.stage, self.step, self.peer_id, self.kept, self.precision, self.wait_ms]
+
+    @classmethod
+    def list_from_meta(cls, value: Any, stage: int) -> tuple[HopResult, ...]:
+        """``meta.chain`` of a forward reply from ``stage``: results of stages ``stage+1, ...`` in
+        order (MalformedFrame, the answering peer's fault, for anything else)."""
+        if value is None:
+            return ()
+        if not isinstance(value, list) or len(value) > MAX_HOPS:
+            raise MalformedFrame(f"a forward reply's meta.chain must list at most {MAX_HOPS} results")
+        results = []
+        for i, item in enumerate(value):
+            if not (isinstance(item, list) and len(item) == 6 and _is_int(item[0]) and _is_int(item[1])
+                    and item[1] >= 0 and isinstance(item[2], str) and len(item[2]) <= MAX_PEER_ID_LEN
+                    and isinstance(item[3], bool) and item[4] in PRECISIONS and _is_int(item[5]) and item[5] >= 0):
+                raise MalformedFrame("each result of a forward reply's meta.chain must be "
+                                     "[stage, step, peer_id, kept, precision, wait_ms]")
+            if item[0] != stage + 1 + i:
+                raise MalformedFrame(f"result {i} of a forward reply's meta.chain must be stage {stage + 1 + i}")
+            results.append(cls(stage=item[0], step=item[1], peer_id=item[2], kept=item[3], precision=str(item[4]),
+                               wait_ms=item[5]))
+        return tuple(results)
+
+
+def _fused_reply(frame: Frame) -> BackwardReply | None:
+    """A chained forward reply's ``meta.fused``: the last stage's fused answer, as its own reply."""
+    fused = frame.meta.get("fused")
+    if fused is None:
+        return None
+    if not isinstance(fused, dict):
+        raise MalformedFrame("a forward reply's meta.fused must be a map")
+    tensors = {} if "fused_grad_inputs" not in frame.tensors else {"grad_inputs": frame.tensors["fused_grad_inputs"]}
+    return BackwardReply.from_frame(Frame(BackwardReply.KIND, fused, tensors))
+
+
+def _short_str(meta: Mapping[str, Any], key: str, longest: int) -> str | None:
+    value = meta.get(key)
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= longest):
+        raise RequestError(f"meta.{key} must be a string of 1 to {longest} characters, got {value!r:.40}")
+    return value
 
 
 # ---- POST /v1/backward ------------------------------------------------------------------------
@@ -333,6 +528,8 @@ class BackwardRequest:
     deadline_ms: int | None = None
     verify: bool = False
     attempt: int = 0
+    peer: str | None = None  # peer to peer (issue #31): as ForwardRequest's, for a fused last hop
+    origin: str | None = None
 
     KIND = "backward"
 
@@ -350,6 +547,10 @@ class BackwardRequest:
             meta["verify"] = True
         if self.attempt:
             meta["attempt"] = self.attempt
+        if self.peer is not None:
+            meta["peer"] = self.peer
+        if self.origin is not None:
+            meta["origin"] = self.origin
         if self.inputs is None and self.mb is None:
             raise ValueError("a backward without inputs must name the microbatch whose forward the peer kept")
         tensors = {} if self.inputs is None else {"inputs": narrow(self.inputs)}
@@ -378,7 +579,8 @@ class BackwardRequest:
             raise RequestError(f"meta.verify must be true or false, got {verify!r:.40}")
         return cls(stage=stage, inputs=inputs, grad_outputs=frame.tensors.get("grad_outputs"),
                    targets=widen(frame.tensors.get("targets")), model=_model(meta.get("model")), codec=codec, step=step,
-                   mb=mb, deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta))
+                   mb=mb, deadline_ms=deadline_ms, verify=verify, attempt=_attempt(meta),
+                   peer=_short_str(meta, "peer", MAX_PEER_ID_LEN), origin=_short_str(meta, "origin", MAX_ORIGIN_LEN))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   ``inputs`` + ``targets``) → ``grad_inputs`` (none on stage 0) and meta ``loss``/``samples``.
   Without ``inputs`` when the forward's reply said ``kept``: the peer uses the inputs it kept
   under ``meta.mb``, or refuses with 409 ``InputsNotCached`` (the sender resends them).
+  Peer to peer (issue #31): a forward whose ``meta.next`` names the following stages' peers is sent
+  on to the first of them (its outputs, the rest of ``next``, ``meta.origin``: the trainer's address),
+  the last hop possibly being the last stage's fused backward; the reply is the chain's end
+  (``meta.chain``, ``meta.fused``), or this stage's own outputs with ``meta.hop_error`` when the hop
+  failed (the trainer goes on from there). A request naming another ``meta.peer`` than this one: 409.
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
 - ``GET /v1/progress``  JSON (``ProgressReply``, one shape): step and samples held, for the
   stage's averaging rounds and for trainers. With
@@ -70,6 +75,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import torch
 from aiohttp import web
 
 from swarmd.errors import (
@@ -78,18 +84,22 @@ from swarmd.errors import (
     LimitExceeded,
     Migrating,
     PeerBehind,
+    PeerError,
     RequestError,
     RequestTimeout,
     Starting,
     SwarmdError,
     Unauthorized,
     UnsupportedMediaType,
+    WrongStage,
 )
 from swarmd.finite import json_response
 from swarmd.net.addresses import RELAY_ATTACH_PATH, RELAY_HEADER
+from swarmd.net.client import DataPlaneClient
 from swarmd.net.codecs import CODECS
 from swarmd.net.handover import GradientsRequest
 from swarmd.net.messages import (
+    HOP_MARGIN_MS,
     AverageRequest,
     BackwardReply,
     BackwardRequest,
@@ -97,6 +107,7 @@ from swarmd.net.messages import (
     ClaimRequest,
     ForwardReply,
     ForwardRequest,
+    HopResult,
     InfoLimits,
     InfoReply,
     ModelInfo,
@@ -157,6 +168,7 @@ class DataPlane:
         relay: RelayServer | None = None,
         peer_id: Callable[[], str | None] = lambda: None,
         reports: ReportLedger | None = None,
+        hops: DataPlaneClient | None = None,
     ) -> None:
         """``runtime``: returns the stage this peer serves now (None while it has none).
         ``swarm_key``: a private swarm's key; every request must then carry a valid
@@ -164,8 +176,13 @@ class DataPlane:
         ``relay``: passes requests addressed to peers relayed through this one (``X-Swarm-Relay``
         naming another ``peer_id()`` than this peer's) on to them (``swarmd.net.relay``).
         ``reports``: the daemon's ledger of misbehaviour reports (``POST /v1/report``; without
-        one the endpoint answers 404); its exclusions go out with every progress reply."""
+        one the endpoint answers 404); its exclusions go out with every progress reply.
+        ``hops``: the client a forward's outputs go on to the next stage's peer with (issue #31: peer
+        to peer, signed like the daemon's other requests); without one, a forward carrying a next hop is
+        answered as any other (``hop_error`` says why) and the trainer goes on itself. Not closed here."""
         self.reports = reports
+        self.hops = hops
+        self.hop_stats = {"sent": 0, "failed": 0}  # forwards sent on to a next hop, and those that failed
         self._runtime = runtime
         self.relay = relay
         self.relay_self = peer_id
@@ -348,27 +365,86 @@ class DataPlane:
     # ---- endpoints -------------------------------------------------------------------------
 
     async def _forward(self, request: web.Request) -> web.Response:
+        received = time.monotonic()  # the sender's budget runs from here (peer to peer: _next_hop)
         runtime = self._current()
         req = ForwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
         request[CODEC_KEY] = req.codec  # validated: one of CODECS (the metrics' codec label)
-        # a kept forward is tied to where it came from: only a backward from there may omit its inputs
-        result = await runtime.executor.forward(req.inputs, req.targets, mb=req.mb, source=request.remote or "")
+        me = self.relay_self()
+        if req.peer is not None and me is not None and req.peer != me:  # a hop meant for whoever had this address
+            raise WrongStage(f"this is peer {me[:12]}, not {req.peer[:12]}")
+        # a kept forward is tied to where it came from: only a backward from there may omit its inputs; a hop's
+        # forward to where the trainer's came from (``origin``), since the trainer sends the backward
+        source = req.origin if req.origin is not None else (request.remote or "")
+        targets = None if req.next else req.targets  # with next hops: the chain's last stage's, carried on
+        result = await runtime.executor.forward(req.inputs, targets, mb=req.mb, source=source)
         self.served["forward"] += 1
-        loss = float(result.outputs) if req.targets is not None else None
+        loss = float(result.outputs) if targets is not None else None
         reply = ForwardReply(stage=req.stage, step=result.step, outputs=result.outputs, loss=loss,
                              precision=runtime.executor.precision, kept=result.kept)
+        if req.next:
+            reply = await self._next_hop(req, reply, source, received)
         return await self._reply(reply.encode, req.codec)
+
+    async def _next_hop(self, req: ForwardRequest, own: ForwardReply, origin: str, received: float) -> ForwardReply:
+        """Send this forward's outputs on to the next stage's peer the trainer chose (issue #31) and
+        answer with the chain's end; when that hop fails (unreachable, refused, late, a reply of
+        another stage), with this stage's own outputs and why, so the trainer goes on from there.
+
+        The hop gets what is left of this request's budget (less ``HOP_MARGIN_MS`` to answer), and a
+        fused hop's deadline as much less: what it counts, it counts before this peer gives up on it."""
+        started = time.monotonic()
+        if self.hops is None:
+            return dataclasses.replace(own, hop_error="this peer sends no forward to other peers")
+        left_ms = (req.budget_ms or 0) - int((started - received) * 1e3) - HOP_MARGIN_MS  # required with next
+        planned = req.next[0]
+        cut = max(0, planned.timeout_ms - left_ms)
+        if cut >= planned.timeout_ms or (planned.deadline_ms is not None and cut > planned.deadline_ms):
+            return dataclasses.replace(own, hop_error=f"no time left for the next hop ({left_ms} ms)")
+        hop = dataclasses.replace(planned, timeout_ms=planned.timeout_ms - cut,
+                                  deadline_ms=None if planned.deadline_ms is None else planned.deadline_ms - cut)
+        self.hop_stats["sent"] += 1
+        try:
+            if hop.deadline_ms is not None:  # the last stage's fused forward and backward: counted there, once
+                fused = await self.hops.backward(hop.addr, hop.stage, own.outputs, targets=req.targets,
+                                                 codec=req.codec, model=req.model, mb=req.mb,
+                                                 deadline_ms=hop.deadline_ms, timeout_s=hop.timeout_ms / 1000.0,
+                                                 peer=hop.peer_id, origin=origin)
+                if fused.stage != hop.stage or fused.loss is None:
+                    raise PeerError(200, "BadReply", f"{hop.addr} answered a fused call without its loss")
+                last = HopResult(stage=hop.stage, step=fused.step, peer_id=hop.peer_id, precision=fused.precision)
+                return dataclasses.replace(own, outputs=torch.empty(0), chain=(last,), fused=fused,
+                                           wait_ms=int((time.monotonic() - started) * 1e3))
+            after = await self.hops.forward(hop.addr, hop.stage, own.outputs, req.targets, codec=req.codec,
+                                            model=req.model, mb=req.mb, next=req.next[1:], peer=hop.peer_id,
+                                            origin=origin, budget_ms=hop.timeout_ms, timeout_s=hop.timeout_ms / 1000.0)
+            if after.stage != hop.stage or after.loss is not None:
+                raise PeerError(200, "BadReply", f"{hop.addr} answered a forward of stage {after.stage}, "
+                                                 f"not of stage {hop.stage}")
+        except PeerError as exc:
+            self.hop_stats["failed"] += 1
+            log.info("stage %d: the next hop %s (stage %d) failed (%s); answering the trainer", req.stage,
+                     hop.addr, hop.stage, exc)
+            return dataclasses.replace(own, hop_error=f"{hop.addr}: {exc}",
+                                       wait_ms=int((time.monotonic() - started) * 1e3))
+        first = HopResult(stage=hop.stage, step=after.step, peer_id=hop.peer_id, kept=after.kept,
+                          precision=after.precision, wait_ms=after.wait_ms)
+        return dataclasses.replace(own, outputs=after.outputs, chain=(first, *after.chain), hop_error=after.hop_error,
+                                   fused=after.fused, wait_ms=int((time.monotonic() - started) * 1e3))
 
     async def _backward(self, request: web.Request) -> web.Response:
         received = time.monotonic()  # the sender's deadline runs from here (exactly once: step_protocol.py)
         runtime = self._current()
         req = BackwardRequest.from_frame(await self._read_frame(request), self._target(runtime))
         request[CODEC_KEY] = req.codec
+        me = self.relay_self()
+        if req.peer is not None and me is not None and req.peer != me:  # a fused hop meant for another peer
+            raise WrongStage(f"this is peer {me[:12]}, not {req.peer[:12]}")
         ex = runtime.executor
         deadline = None if req.deadline_ms is None else received + req.deadline_ms / 1000.0
+        # a fused hop counts for the trainer's address (``origin``), whose claim may fence it (step_protocol.py)
         result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb,
                                    deadline=deadline, verify=req.verify, attempt=req.attempt,
-                                   source=request.remote or "")
+                                   source=req.origin if req.origin is not None else (request.remote or ""))
         self.served["backward"] += 1
         reply = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
                               grad_inputs=result.grad_inputs, loss=result.loss, duplicate=result.duplicate,

@@ -45,6 +45,7 @@ class TrainerConfig:
     data_shards: int = 16  # the training split is cut in this many shards; an async trainer draws from one at a time
     shard: int | None = None  # which one; None: the rank the daemon handed out at registration
     verify_fraction: float = 0.02  # spot checks: this share of microbatches runs paired (swarmd.train.spot_checks)
+    p2p: bool = False  # forwards go peer to peer, stage to stage (issue #31; swarmd.train.stage_calls)
     timing: Timing = field(default_factory=Timing)  # every timeout, grace and pause of its loops
 
     def __post_init__(self) -> None:

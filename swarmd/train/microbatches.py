@@ -8,6 +8,15 @@ backward on a stage goes to the peer that ran its forward while that peer is usa
 activations are still cached (``swarmd.pipeline.executor``), so the forward is not recomputed; any
 other peer serves it statelessly.
 
+Peer to peer (``p2p``, issue #31): an unpaired microbatch's forward to stage 0 names the peers of
+stages ``1..S-2`` the trainer picked, so the activations go from peer to peer and only stage S-2's
+come back (``StageCalls.forward``); each later stage's step, peer and ``kept`` come back with them, so
+the backwards are routed as without it. Where a hop failed, the chain ends there and the trainer goes
+on from the next stage itself. The trainer never sees the hops' inputs: a backward to a hop omits them
+(the hop kept them), and should they be needed after all (that peer lost them or is gone), they are
+computed again through the earlier stages at the same steps (:meth:`Microbatches._recovery`).
+Spot-checked pairs go through the trainer, every stage, as without it.
+
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
 (``stage_calls.Redo``), so ``microbatches_issued == microbatches_completed`` at the end and no
@@ -25,7 +34,7 @@ import torch
 
 from swarmd.net.messages import BackwardReply, ForwardReply
 from swarmd.train.spot_checks import SpotChecks, Unsettled
-from swarmd.train.stage_calls import How, Redo, Served, StageCalls
+from swarmd.train.stage_calls import How, Redo, Served, StageCalls, StepMoved
 from swarmd.train.summary import StepLedger, TrainSummary
 from swarmd.train.swarm_client import TrainerError
 from swarmd.train.timing import Timing
@@ -37,7 +46,8 @@ class Microbatches:
     """Runs microbatches (and validation batches) through a model of ``n_stages`` stages."""
 
     def __init__(self, calls: StageCalls, checks: SpotChecks, *, n_stages: int, summary: TrainSummary,
-                 ledger: StepLedger, timing: Timing) -> None:
+                 ledger: StepLedger, timing: Timing, p2p: bool = False) -> None:
+        self.p2p = p2p  # unpaired microbatches' forwards go peer to peer (issue #31)
         self.calls = calls
         self.checks = checks
         self.last = n_stages - 1  # the last stage's index
@@ -96,32 +106,83 @@ class Microbatches:
         the stages counted it)."""
         checks, last = self.checks, self.last
         mb, pair_mb = secrets.randbits(64), secrets.randbits(64)
-        acts, steps, pair_steps, served_by, pair_by = [x], [], [], [], []
-        kept, pair_kept = [], []  # per stage: where each half's forward peer kept its inputs (else None)
-        for stage in range(last):
+        # acts[k]: stage k's inputs, None where they went from peer to peer and the trainer never saw them
+        acts: list[torch.Tensor | None] = [x]
+        steps: list[int] = []
+        pair_steps: list[int | None] = []
+        served_by: list[str] = []
+        pair_by: list[str | None] = []
+        kept: list[str | None] = []  # per stage: where each half's forward peer kept its inputs (else None)
+        pair_kept: list[str | None] = []
+        # peer to peer, unpaired: up to the last stage's fused call, unless a forward may be sent again to catch
+        # up with the lease's step (the fused call counts: it is never sent twice)
+        chain_to = None if not self.p2p or paired else last if lease_step is None else last - 1
+        fused_served: Served[BackwardReply] | None = None
+        lost_at: list[str] = []  # where chains' fused calls went and their answers were lost
+        prefer: str | None = None  # the peer a chain stopped before (relayed, on probation): asked next
+        stage = 0
+        while stage < last:
+            inputs = acts[stage]
+            assert inputs is not None  # a stage's forward starts where the trainer holds the inputs
             catch_up = time.monotonic() + self.timing.stage_catch_up_s
             while True:
+                if chain_to is not None and on_forward is not None:
+                    on_forward()  # a chain answers after every stage: the next microbatch need not wait for it
+                    on_forward = None
                 try:
-                    forward, pair = await self._forward(stage, acts[-1], None, mb, pair_mb, paired)
+                    forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, chain_to,
+                                                        y if chain_to == last else None, prefer)
                 finally:
                     if on_forward is not None:
                         on_forward()
                         on_forward = None
-                if lease_step is None or forward.reply.step >= lease_step or time.monotonic() > catch_up:
+                behind = min([forward.reply.step, *(r.step for r in forward.reply.chain)])
+                if lease_step is None or behind >= lease_step or time.monotonic() > catch_up:
                     break
                 await asyncio.sleep(self.timing.tick_s)
-            reply = await checks.forward(stage, acts[-1], None, forward, pair)
-            acts.append(reply.outputs)
+            reply = await checks.forward(stage, inputs, None, forward, pair)
             steps.append(reply.step)
             served_by.append(forward.peer_id)
             pair_steps.append(pair.reply.step if pair is not None else None)
             pair_by.append(pair.peer_id if pair is not None else None)
             kept.append(forward.addr if forward.reply.kept else None)
             pair_kept.append(pair.addr if pair is not None and pair.reply.kept else None)
+            # the stages its outputs went on to, peer to peer (as many hops as answered: Served.hops)
+            answered = forward.hops[:len(reply.chain)]
+            for hop, result in zip(answered, reply.chain, strict=True):
+                if hop.deadline_ms is not None:  # the last stage's fused call: its answer is reply.fused
+                    continue
+                acts.append(None)
+                steps.append(result.step)
+                served_by.append(hop.peer_id)
+                kept.append(hop.addr if result.kept else None)
+                pair_steps.append(None)
+                pair_by.append(None)
+                pair_kept.append(None)
+            if reply.fused is not None:
+                fused_served = Served(reply.fused, answered[-1].peer_id, 1, answered[-1].addr)
+                break
+            broken = forward.hops[len(reply.chain):]
+            prefer = forward.stopped_at if not broken else None
+            lost_at += forward.unsettled  # earlier attempts at this forward whose chain named a fused end
+            if broken and broken[-1].deadline_ms is not None:
+                # the chain broke before its fused end answered, which may have counted all the same (a hop that
+                # timed out while the stages after it went on): the trainer sends that call itself, after a claim
+                lost_at.append(broken[-1].addr)
+            if lost_at:
+                chain_to = last - 1
+            acts.append(reply.outputs)
+            stage = len(acts) - 1
         mbs = (mb, pair_mb if paired else None)
-        fused, fused_pair = await self._backward(last, acts[-1], None, y, (None, None), mbs, (None, None),
-                                                 (None, None))
-        backward = await checks.backward(last, acts[-1], None, y, fused, fused_pair)
+        if fused_served is not None:  # the chain ended in the last stage's fused call
+            top, fused, fused_pair = _NOT_SEEN, fused_served, None
+        else:
+            held_top = acts[last]
+            assert held_top is not None  # without a fused end, the last forward's outputs come back to the trainer
+            top = held_top
+            fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (prefer, None),
+                                                     (None, None), lost_at=lost_at)
+        backward = await checks.backward(last, top, None, y, fused, fused_pair)
         if backward.loss is None:
             raise TrainerError(f"stage {last} answered a backward with targets without its loss")
         loss, loss_step = backward.loss, backward.step
@@ -132,22 +193,54 @@ class Microbatches:
             served, pair_served = await self._backward(stage, acts[stage], grad, None,
                                                        (steps[stage], pair_steps[stage]), mbs,
                                                        (served_by[stage], pair_by[stage]),
-                                                       (kept[stage], pair_kept[stage]))
-            backward = await checks.backward(stage, acts[stage], grad, None, served, pair_served)
+                                                       (kept[stage], pair_kept[stage]),
+                                                       recover=self._recovery(acts, steps, stage))
+            held = acts[stage]
+            backward = await checks.backward(stage, held if held is not None else _NOT_SEEN, grad, None, served,
+                                             pair_served)
             pair_reply = pair_served.reply if pair_served is not None else None
             grad = backward.grad_inputs
             duplicates += int(backward.duplicate)
         return loss, loss_step, duplicates, [backward.step] + ([pair_reply.step] if pair_reply is not None else [])
 
+    def _recovery(self, acts: list[torch.Tensor | None], steps: list[int],
+                  stage: int) -> Callable[[], Awaitable[torch.Tensor]] | None:
+        """For a backward whose inputs went peer to peer (``acts[stage]`` None) and are needed after all
+        (the peer that kept them is gone, or lost them): they are computed again by forwards from the
+        nearest stage whose inputs the trainer holds, each of which must answer at the step its stage
+        first did (the same parameters, so the same inputs); one that stepped since is a :class:`StepMoved`,
+        as the backward itself would have been. Recomputed inputs are kept for the stages before."""
+        if acts[stage] is not None:
+            return None
+
+        async def recover() -> torch.Tensor:
+            start = max(k for k in range(stage + 1) if acts[k] is not None)
+            for k in range(start, stage):
+                inputs = acts[k]
+                assert inputs is not None
+                served = await self.calls.forward(k, inputs)  # no id: nothing kept, nothing counted
+                if served.reply.step != steps[k]:
+                    raise StepMoved(k)
+                acts[k + 1] = served.reply.outputs
+            recovered = acts[stage]
+            assert recovered is not None
+            return recovered
+
+        return recover
+
     async def _forward(
         self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, pair_mb: int | None,
-        paired: bool = True,
+        paired: bool = True, chain_to: int | None = None, fused_targets: torch.Tensor | None = None,
+        prefer: str | None = None,
     ) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
         """A forward, and its pair's when ``paired`` (sent at once under ``pair_mb``, to another peer where
-        there is one; a validation forward's pair, like any validation forward, carries no id)."""
+        there is one; a validation forward's pair, like any validation forward, carries no id). Unpaired,
+        ``chain_to``: its outputs may go on peer to peer up to that stage (``StageCalls.forward``), ending
+        in the last stage's fused call with ``fused_targets``."""
         calls = self.calls
         if not paired:
-            return await calls.forward(stage, inputs, targets, mb=mb), None
+            return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to,
+                                       fused_targets=fused_targets, prefer=prefer), None
 
         def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
             return calls.forward(stage, inputs, targets, mb=mb if how is not None and how.tally is None else pair_mb,
@@ -156,9 +249,10 @@ class Microbatches:
         return await self.checks.paired(stage, call, _nbytes(inputs, targets))
 
     async def _backward(
-        self, stage: int, inputs: torch.Tensor, grad: torch.Tensor | None, targets: torch.Tensor | None,
+        self, stage: int, inputs: torch.Tensor | None, grad: torch.Tensor | None, targets: torch.Tensor | None,
         steps: tuple[int | None, int | None], mbs: tuple[int, int | None], by: tuple[str | None, str | None],
-        kept: tuple[str | None, str | None],
+        kept: tuple[str | None, str | None], recover: Callable[[], Awaitable[torch.Tensor]] | None = None,
+        lost_at: Sequence[str] = (),
     ) -> tuple[Served[BackwardReply], Served[BackwardReply] | None]:
         """A backward, and its pair's when ``mbs[1]`` (sent at once, each to the peer that ran its forward;
         the last stage's fused one, with no forward before it, to another peer where there is one).
@@ -167,7 +261,8 @@ class Microbatches:
         calls = self.calls
         if mbs[1] is None:
             return await calls.backward(stage, inputs, grad_outputs=grad, targets=targets, step=steps[0], mb=mbs[0],
-                                        prefer=by[0], kept_at=kept[0]), None
+                                        prefer=by[0], kept_at=kept[0], recover=recover, lost_at=lost_at), None
+        assert inputs is not None  # a paired microbatch went through the trainer: it holds every stage's inputs
         if stage == self.last:
             def call(how: How | None) -> Awaitable[Served[BackwardReply]]:
                 primary = how is not None and how.tally is None
@@ -212,6 +307,10 @@ class Microbatches:
         if reply.loss is None:
             raise TrainerError(f"stage {self.last} answered a forward with targets without its loss")
         return reply.loss
+
+
+#: What a spot check's evidence holds for a backward's inputs that the trainer never saw (peer to peer).
+_NOT_SEEN = torch.empty(0)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

@@ -23,6 +23,13 @@ stepped since this microbatch's forward, whose gradient would mix two steps: a :
 :class:`CallEnded` (a :class:`~swarmd.train.swarm_client.TrainerError` saying why: refused, nobody
 to ask, moved on).
 
+Peer to peer (issue #31): a microbatch's forward may name the peers of the next stages
+(:meth:`StageCalls.forward` ``chain_to``, :meth:`StageCalls._hops`: picked by their own routers as
+their calls would be, proven and directly dialable only), and is then one call to the first stage
+that waits for the whole chain; the later stages' answers are credited to their peers from the
+waits each reports, and a broken chain is not a failure of the first peer (its own outputs come
+back, and the caller goes on).
+
 Timeouts follow what the stage's peers take (``StageRouter.timeout_for``); a peer never seen
 answering is on probation, and a forward to it (no side effect) is cut short once overdue by what
 the stage takes *now* (issue #18: a tarpit costs about one typical call). A backward is exactly
@@ -33,6 +40,7 @@ an attempt whose answer was lost is settled by asking that peer (``POST /v1/clai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -43,8 +51,9 @@ from typing import Generic, Literal, Protocol, TypeVar
 import torch
 
 from swarmd.errors import InputsNotCached, PeerError
+from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
-from swarmd.net.messages import BackwardReply, ClaimRequest, ForwardReply
+from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimRequest, ForwardReply, Hop
 from swarmd.pipeline.failures import Action, classify, timed_out
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.step_protocol import BackwardAttempts
@@ -128,6 +137,13 @@ class Served(Generic[R]):
     peer_id: str
     attempts: int
     addr: str = ""  # where the answering peer was dialled
+    hops: tuple[Hop, ...] = ()  # a peer-to-peer forward's next hops, as sent (their answers: ``reply.chain``)
+    #: a peer-to-peer forward's earlier attempts that failed after naming a fused hop: where each such hop went
+    #: (it may have counted: the caller settles it before sending the last stage's call itself)
+    unsettled: tuple[str, ...] = ()
+    #: the peer picked for the stage after the chain's end that the chain could not name (relayed, on
+    #: probation): the caller's own call of that stage asks it first, so it is not passed over
+    stopped_at: str | None = None
 
 
 class CallTally(Protocol):
@@ -224,7 +240,8 @@ class StageCalls:
     async def call(
         self, stage: int, kind: Kind, samples: int, send: Send[R], *, patience: Patience | None = None,
         tally: CallTally | None = None, prefer: str | None = None, only: str | None = None,
-        exclude: Collection[str] = (), taken: set[str] | None = None,
+        exclude: Collection[str] = (), taken: set[str] | None = None, send_proven: Send[R] | None = None,
+        own_seconds: Callable[[R, float], float] | None = None,
     ) -> Served[R]:
         """One request to some peer of ``stage``, made by ``send(addr, timeout_s)`` within the router's
         timeout for that peer; retried, banned and waited for as ``patience`` says (by default: until
@@ -235,6 +252,11 @@ class StageCalls:
         asking the same peer again), never one in ``exclude``. ``taken`` is shared by calls made at
         once that must each ask another peer: each call's current peer is in it from before its
         first await.
+
+        ``send_proven``: how to send to a peer off probation, when that differs (a peer-to-peer
+        forward, which waits on later stages too, is never sent to a peer whose call may be cut
+        short); ``own_seconds(reply, elapsed)``: the part of ``elapsed`` that was the peer's own (a
+        peer-to-peer forward's reply says how long it waited on its next hop).
         """
         router = self.stages.routers[stage]
         patience = self._patient if patience is None else patience
@@ -277,6 +299,8 @@ class StageCalls:
             try:
                 if on_probation and kind == "forward":  # no side effect: may be cut short (issue #18)
                     reply = await self._watched(router, peer_id, samples, kind, send(addr, timeout), started)
+                elif send_proven is not None and not on_probation:
+                    reply = await send_proven(addr, timeout)
                 else:
                     reply = await send(addr, timeout)
             except PeerError as exc:
@@ -303,7 +327,8 @@ class StageCalls:
             except BaseException:
                 router.release(peer_id)
                 raise
-            router.report_success(peer_id, samples, time.monotonic() - started, kind)
+            elapsed = time.monotonic() - started
+            router.report_success(peer_id, samples, own_seconds(reply, elapsed) if own_seconds else elapsed, kind)
             return Served(reply, peer_id, sent, addr)
         raise CallEnded(Ended.NOBODY, f"stage {stage}: no peer to ask (after {sent} request(s))")
 
@@ -361,17 +386,117 @@ class StageCalls:
     # ---- the kinds of call -----------------------------------------------------------------------
 
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
-                      mb: int | None = None, how: How | None = None) -> Served[ForwardReply]:
+                      mb: int | None = None, how: How | None = None, chain_to: int | None = None,
+                      fused_targets: torch.Tensor | None = None, prefer: str | None = None) -> Served[ForwardReply]:
         """A forward through ``stage`` (with ``targets`` on the last stage: its loss too); ``how``: a
-        spot check's pair or arbiter (whom to ask, how hard, who pays), else a microbatch's call."""
-        client, codec, model = self.client, self.codec, self.model
-        return await self._observed(stage, "forward", inputs.shape[0], lambda addr, timeout: client.forward(
-            addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout), how=how)
+        spot check's pair or arbiter (whom to ask, how hard, who pays), else a microbatch's call.
+
+        ``chain_to`` (a microbatch's forward, with ``mb``): peer to peer (issue #31). The request names
+        peers of stages ``stage+1 .. chain_to`` (:meth:`_hops`: picked as their own calls would be), so
+        the outputs go from peer to peer and the answer holds the last one's outputs, with what each
+        answered in ``reply.chain`` (the hops as sent: ``Served.hops``). A chain ends early where a hop
+        failed (``reply.hop_error``), and the caller goes on from there as without one. With
+        ``fused_targets`` (``chain_to`` the last stage), the chain's last hop is that stage's fused
+        forward and backward (``reply.fused``), sent by the peer before it with attempt 0 and a deadline,
+        as the caller's own would be; where that hop failed, the caller settles it (a claim) first.
+        ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before)."""
+        client, codec, model, samples = self.client, self.codec, self.model, inputs.shape[0]
+
+        def send(addr: str, timeout: float) -> Awaitable[ForwardReply]:
+            return client.forward(addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout)
+
+        if chain_to is None or chain_to <= stage or mb is None or targets is not None or how is not None:
+            return await self._observed(stage, "forward", samples, send, how=how, prefer=prefer)
+        sent: dict[str, tuple[tuple[Hop, ...], str | None]] = {}  # addr -> the hops of the request answered there
+        unsettled: list[str] = []  # fused hops of failed attempts (once one failed, no attempt names another)
+
+        async def send_chained(addr: str, timeout: float) -> ForwardReply:
+            hops, stopped = self._hops(stage + 1, chain_to, samples, fused=fused_targets is not None and not unsettled)
+            sent[addr] = ((), stopped)
+            if not hops:
+                return await send(addr, timeout)
+            outcome: ForwardReply | None = None
+            fusing = fused_targets if hops[-1].deadline_ms is not None else None
+            try:
+                budget = timeout + (hops[0].timeout_ms + HOP_MARGIN_MS) / 1000.0
+                reply = await client.forward(addr, stage, inputs, fusing, codec=codec, model=model, mb=mb, next=hops,
+                                             budget_ms=int(budget * 1000), timeout_s=budget)
+                if (reply.fused is not None) != (len(reply.chain) == len(hops) and fusing is not None):
+                    raise PeerError(200, "BadReply", f"{addr} answered a chain without its fused end, or the reverse")
+                named = [hop.peer_id for hop in hops[:len(reply.chain)]]
+                if len(reply.chain) > len(hops) or [r.peer_id for r in reply.chain] != named:
+                    raise PeerError(200, "BadReply", f"{addr} answered for hops it was not sent to")
+                outcome = reply
+            finally:
+                self._settled_hops(hops, samples, outcome)
+                if outcome is None and fusing is not None:
+                    unsettled.append(hops[-1].addr)
+            sent[addr] = (hops, stopped)
+            return outcome
+
+        served = await self._observed(stage, "forward", samples, send, send_proven=send_chained, prefer=prefer,
+                                      own_seconds=lambda reply, t: max(0.0, t - reply.wait_ms / 1000.0))
+        hops, stopped = sent.get(served.addr, ((), None))
+        return dataclasses.replace(served, hops=hops, unsettled=tuple(unsettled), stopped_at=stopped)
+
+    def _hops(self, first: int, last: int, samples: int, *,
+              fused: bool = False) -> tuple[tuple[Hop, ...], str | None]:
+        """Peers of stages ``first .. last`` for a peer-to-peer forward, each picked as its own call
+        would pick it and counted in flight there: the chain stops before a stage whose pick is on
+        probation (its calls are watched from here) or relayed (its stage-mates cannot dial it), and
+        that pick comes back with the hops (the caller's call of that stage asks it first: a peer the
+        chain cannot name is not passed over, and one on probation gets its first calls).
+        ``fused``: stage ``last``'s hop is its fused forward and backward, timed as a backward and
+        given the deadline the caller's own backward would have."""
+        picked: list[tuple[int, str, str, float, int | None]] = []
+        stopped: str | None = None
+        for stage in range(first, last + 1):
+            router = self.stages.routers[stage]
+            choice = router.choose()
+            if choice is None:
+                break
+            peer_id, addr = choice
+            if is_relayed(addr) or not router.stats(peer_id).proven:
+                stopped = peer_id
+                break
+            router.begin(peer_id)
+            kind: Kind = "backward" if fused and stage == last else "forward"
+            timeout = router.timeout_for(peer_id, samples, kind,
+                                         floor_s=self.timing.timeout_floor(kind, self.request_timeout_s))
+            deadline = self.timing.backward_deadline_ms(timeout) if kind == "backward" else None
+            picked.append((stage, addr, peer_id, timeout, deadline))
+        hops, rest = [], 0.0
+        for stage, addr, peer_id, timeout, deadline in reversed(picked):  # each hop's wait covers those after it
+            rest += timeout + (HOP_MARGIN_MS / 1000.0 if rest else 0.0)  # and each one's margin to answer
+            hops.append(Hop(stage=stage, addr=addr, peer_id=peer_id, timeout_ms=max(1, int(rest * 1000)),
+                            deadline_ms=deadline))
+        return tuple(reversed(hops)), stopped
+
+    def _settled_hops(self, hops: tuple[Hop, ...], samples: int, reply: ForwardReply | None) -> None:
+        """A peer-to-peer forward ended (``reply`` None: it failed): the hops that answered are
+        reported to their routers, their latency being the wait of the hop before them less their
+        own wait on the next; the rest are released, neither banned (a hop that failed another peer
+        may well answer this trainer: its stage's own call finds out) nor credited."""
+        results = reply.chain if reply is not None else ()
+        before_ms = reply.wait_ms if reply is not None else 0
+        for i, hop in enumerate(hops):
+            router = self.stages.routers[hop.stage]
+            if i < len(results) and results[i].peer_id == hop.peer_id:
+                own_s = max(0.0, (before_ms - results[i].wait_ms) / 1000.0)
+                router.report_success(hop.peer_id, samples, own_s,
+                                      "backward" if hop.deadline_ms is not None else "forward")
+                before_ms = results[i].wait_ms
+            else:
+                router.release(hop.peer_id)
+        if reply is not None:
+            self.summary.p2p_hops += len(results)
+            self.summary.p2p_fallbacks += int(reply.hop_error is not None)
 
     async def backward(
-        self, stage: int, inputs: torch.Tensor, *, grad_outputs: torch.Tensor | None = None,
+        self, stage: int, inputs: torch.Tensor | None, *, grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None, step: int | None = None, mb: int | None = None,
         prefer: str | None = None, kept_at: str | None = None, how: How | None = None,
+        recover: Callable[[], Awaitable[torch.Tensor]] | None = None, lost_at: Collection[str] = (),
     ) -> Served[BackwardReply]:
         """A backward through ``stage`` (with ``targets`` on the last stage: the fused forward and
         backward), counted exactly once by the stage (``swarmd.pipeline.step_protocol``): the peer
@@ -384,40 +509,63 @@ class StageCalls:
         microbatch, not 3). Should that peer not hold them any more (``InputsNotCached``: restarted,
         evicted), the same request goes again at once with them: one resend, nothing counted twice
         (the refusal came before any compute). Any other peer (a failover, a spot check's) gets them.
+
+        ``inputs`` None (peer to peer: the forward's inputs went from peer to peer, and the trainer never
+        saw them): sent to ``kept_at`` without them; should they be needed after all (that peer is not
+        usable, or lost them), ``recover()`` computes them again (``swarmd.train.microbatches``).
+        ``lost_at``: peer-to-peer chains sent this backward (the last stage's fused call, attempt 0) to
+        these addresses and its answer was lost: it is settled there (a claim) before this call's first attempt.
         """
         client, codec, model, timing, s = self.client, self.codec, self.model, self.timing, self.summary
         attempts = BackwardAttempts(mb)
+        if lost_at and mb is not None:
+            attempts.next_attempt()  # attempt 0 went out from the peer before it
+            attempts.lost.update(dict.fromkeys(lost_at, attempts.sent))
         omit_at = kept_at if mb is not None else None
+        held = inputs
+
+        async def with_inputs() -> torch.Tensor:
+            nonlocal held
+            if held is None:
+                if recover is None:
+                    raise ValueError("a backward without inputs needs a way to recover them")
+                held = await recover()
+                s.inputs_recovered += 1
+            return held
 
         async def send(addr: str, timeout: float) -> BackwardReply:
             nonlocal omit_at
             await self._settle_lost(stage, attempts)
             omit = addr == omit_at and not attempts.compute_only  # a verify-only retry: its entry is spent
 
-            def request(with_inputs: bool) -> Awaitable[BackwardReply]:
-                return client.backward(addr, stage, inputs if with_inputs else None, grad_outputs, targets,
+            def request(x: torch.Tensor | None) -> Awaitable[BackwardReply]:
+                return client.backward(addr, stage, x, grad_outputs, targets,
                                        codec=codec, model=model, step=step, mb=mb, attempt=attempts.next_attempt(),
                                        verify=attempts.compute_only, deadline_ms=timing.backward_deadline_ms(timeout),
                                        timeout_s=timeout)
 
             try:
                 if not omit:
-                    return await request(True)
+                    return await request(await with_inputs())
                 s.inputs_omitted += 1
                 try:
-                    return await request(False)
+                    return await request(None)
                 except InputsNotCached:  # refused before computing: resend with the inputs, once
                     omit_at = None
                     s.inputs_resent += 1
-                    return await request(True)
+                    return await request(await with_inputs())
             except PeerError as exc:
                 attempts.failed(addr, exc)
                 raise
 
-        return await self._observed(stage, "backward", inputs.shape[0], send, prefer=prefer, how=how)
+        samples = (inputs if inputs is not None else grad_outputs if grad_outputs is not None else targets)
+        if samples is None:
+            raise ValueError("a backward needs its inputs, its grad_outputs or its targets")
+        return await self._observed(stage, "backward", samples.shape[0], send, prefer=prefer, how=how)
 
     async def _observed(self, stage: int, kind: Kind, samples: int, send: Send[R], *,
-                       prefer: str | None = None, how: How | None = None) -> Served[R]:
+                       prefer: str | None = None, how: How | None = None, send_proven: Send[R] | None = None,
+                       own_seconds: Callable[[R, float], float] | None = None) -> Served[R]:
         """A microbatch's call, told to the observers (``CallDone``: from the first request to the
         answer, retries and waits for a usable peer included); a check's (``how``) is not."""
         if how is not None and how.tally is not None:
@@ -426,7 +574,8 @@ class StageCalls:
                                    taken=how.taken)
         began = time.perf_counter()
         served = await self.call(stage, kind, samples, send, prefer=prefer, patience=how.patience if how else None,
-                                 exclude=how.exclude if how else (), taken=how.taken if how else None)
+                                 exclude=how.exclude if how else (), taken=how.taken if how else None,
+                                 send_proven=send_proven, own_seconds=own_seconds)
         if self._emit is not None:
             self._emit(CallDone(stage=stage, kind=kind, samples=samples, peer_id=served.peer_id,
                                 attempts=served.attempts, started=began, ended=time.perf_counter()))

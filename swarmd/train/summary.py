@@ -40,6 +40,9 @@ class TrainSummary:
     claims_unanswered: int = 0  # ... the peer could not be asked: the retry counted (perhaps twice; detected)
     inputs_omitted: int = 0  # backwards sent without their inputs, to the peer that kept its forward's
     inputs_resent: int = 0  # ... that peer had lost them (InputsNotCached): sent again with them
+    p2p_hops: int = 0  # forwards a peer sent straight on to the next stage's peer (issue #31: peer to peer)
+    p2p_fallbacks: int = 0  # ... next hops that failed: the trainer went on from that stage itself
+    inputs_recovered: int = 0  # backwards whose inputs (never seen: a hop's) were recomputed by the trainer
     leases: int = 0  # sample reservations granted to this trainer
     full_waits: int = 0  # times the step was fully reserved and the trainer waited for it
     shard: int | None = None  # the shard of the training split it started on (None: the whole split at once)

@@ -126,7 +126,7 @@ class Trainer:
             checks = SpotChecks(calls, client, stats=self.checks, codec=cfg.codec, fraction=cfg.verify_fraction,
                                 window=cfg.window, timing=cfg.timing, stage_steps=view.stage_steps)
             self._microbatches = Microbatches(calls, checks, n_stages=spec.n_stages, summary=self.summary,
-                                              ledger=self._ledger, timing=cfg.timing)
+                                              ledger=self._ledger, timing=cfg.timing, p2p=cfg.p2p)
             corpus = await asyncio.to_thread(
                 # asynchronous trainers share one train/held-out split whatever their --seed (it orders the
                 # corpus's files): their rank shards are then disjoint and their validation the same windows

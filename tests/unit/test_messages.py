@@ -34,6 +34,8 @@ from swarmd.net.messages import (
     BackwardRequest,
     ForwardReply,
     ForwardRequest,
+    Hop,
+    HopResult,
     InfoLimits,
     InfoReply,
     ModelInfo,
@@ -333,3 +335,109 @@ def test_refusals_are_caught_by_their_class() -> None:
 def test_other_names_give_a_plain_peer_error(name: str) -> None:
     exc = remote_error(500, name, "m")
     assert type(exc) is PeerError and exc.error == name
+
+
+# ---- peer to peer: a forward's next hops and the chain's answers (issue #31) ---------------------
+
+
+def test_a_forward_with_next_hops_and_its_chained_reply_round_trip() -> None:
+    hops = (Hop(stage=2, addr="10.0.0.2:7000", peer_id="b" * 64, timeout_ms=3000),
+            Hop(stage=3, addr="[::1]:7001", peer_id="c" * 64, timeout_ms=1500))
+    req = ForwardRequest(stage=1, inputs=hidden(), mb=9, next=hops, peer="a" * 64, origin="10.0.0.9", budget_ms=4000)
+    back = ForwardRequest.from_frame(wire(req.encode()), TARGET)
+    assert (back.next, back.peer, back.origin, back.mb, back.budget_ms) == (hops, "a" * 64, "10.0.0.9", 9, 4000)
+    # a chain ending in the last stage's fused call carries that stage's targets, and its last hop a deadline
+    fused = (hops[0], Hop(stage=3, addr="[::1]:7001", peer_id="c" * 64, timeout_ms=1500, deadline_ms=1200))
+    req = ForwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=9, next=fused, budget_ms=4000)
+    back = ForwardRequest.from_frame(wire(req.encode()), TARGET)
+    assert back.next == fused and back.targets is not None and torch.equal(back.targets, tokens())
+    # without them the frame is the one older peers know
+    assert set(wire(ForwardRequest(stage=1, inputs=hidden(), mb=9).encode()).meta) == {"stage", "codec", "mb"}
+
+    chain = (HopResult(stage=2, step=4, peer_id="b" * 64, kept=True, wait_ms=12),
+             HopResult(stage=3, step=4, peer_id="c" * 64, precision="bf16"))
+    reply = ForwardReply(stage=1, step=4, outputs=hidden(), kept=True, chain=chain, wait_ms=30, hop_error="x: gone")
+    got = ForwardReply.from_frame(wire(reply.encode()))
+    assert (got.chain, got.wait_ms, got.hop_error, got.kept) == (chain, 30, "x: gone", True)
+    assert ForwardReply.from_frame(wire(ForwardReply(stage=1, step=0, outputs=hidden()).encode())).chain == ()
+    # the fused end's answer: the last stage's backward reply, carried back; no outputs
+    last = BackwardReply(stage=3, step=4, samples=2, accumulated=6, grad_inputs=hidden(), loss=1.5, duplicate=True)
+    ended = ForwardReply.from_frame(wire(ForwardReply(stage=1, step=4, outputs=torch.empty(0), chain=chain,
+                                                      fused=last).encode()))
+    assert ended.fused is not None and ended.outputs.numel() == 0 and ended.chain == chain
+    assert (ended.fused.step, ended.fused.samples, ended.fused.loss, ended.fused.duplicate) == (4, 2, 1.5, True)
+    assert ended.fused.grad_inputs is not None and torch.equal(ended.fused.grad_inputs, last.grad_inputs)
+    # a backward's peer and origin (a fused hop's) round trip, and are absent otherwise
+    hop_back = BackwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=3, peer="p", origin="10.0.0.9")
+    assert BackwardRequest.from_frame(wire(hop_back.encode()), TARGET).origin == "10.0.0.9"
+
+
+def hop(stage: int = 2, addr: Any = "10.0.0.2:7000", peer: Any = "b" * 64, timeout_ms: Any = 1000) -> list[Any]:
+    return [stage, addr, peer, timeout_ms]
+
+
+@pytest.mark.parametrize(("meta", "tensors", "words"), [
+    ({"next": "10.0.0.2:7000"}, None, "at most"),
+    ({"next": [hop()] * 65}, None, "at most"),
+    ({"next": [hop()[:3]]}, None, r"\[stage, addr"),
+    ({"next": [hop(stage=3)]}, None, "stage 2"),  # hops go stage by stage from the receiver's
+    ({"next": [hop(), hop(stage=2)]}, None, "stage 3"),
+    ({"next": [hop(addr="peer@10.0.0.9:7000")]}, None, "direct host:port"),  # a relayed peer: never dialled
+    ({"next": [hop(addr="http://x/evil")]}, None, "direct host:port"),
+    ({"next": [hop(addr="")]}, None, "direct host:port"),
+    ({"next": [hop(peer="")]}, None, "peer id"),
+    ({"next": [hop(peer="p" * 65)]}, None, "peer id"),
+    ({"next": [hop(timeout_ms=0)]}, None, "timeout"),
+    ({"next": [hop(timeout_ms=True)]}, None, r"\[stage, addr"),
+    ({"next": [hop()], "mb": None}, None, "meta.mb"),
+    ({"next": [hop() + [500], hop(stage=3)]}, None, "only the last hop"),
+    ({"next": [hop() + [1000]]}, {"inputs": hidden(), "targets": tokens()}, "shorter than its timeout"),
+    ({"next": [hop() + [500]]}, None, "targets exactly when"),  # a fused end needs the targets
+    ({"next": [hop() + [-1]]}, {"inputs": hidden(), "targets": tokens()}, "deadline"),
+    ({"next": [hop()]}, {"inputs": hidden(), "targets": tokens()}, "targets"),
+    ({"next": [hop()], "budget_ms": None}, None, "budget_ms"),  # a sender that does not say how long it waits
+    ({"next": [hop()], "budget_ms": -1}, None, "budget_ms"),
+    ({"peer": 5}, None, "meta.peer"),
+    ({"origin": "o" * 65}, None, "meta.origin"),
+])
+def test_a_bad_next_hop_gets_a_422(meta: dict[str, Any], tensors: Any, words: str) -> None:
+    meta = {"stage": 1, "mb": 3, "budget_ms": 1000, **meta}
+    for key in ("mb", "budget_ms"):
+        if meta[key] is None:
+            del meta[key]
+    with pytest.raises(RequestError, match=words):
+        ForwardRequest.from_frame(forward_frame(meta, tensors), TARGET)
+
+
+@pytest.mark.parametrize("chain", [
+    "all", [[1, 0, "b", False, "fp32", 0]], [[2, 0, "b", False, "fp32", 0], [2, 0, "c", False, "fp32", 0]],
+    [[2, -1, "b", False, "fp32", 0]], [[2, 0, "b", 1, "fp32", 0]], [[2, 0, "b", False, "int4", 0]],
+    [[2, 0, "b", False, "fp32", -5]], [[2, 0, "b" * 65, False, "fp32", 0]], [[2, 0, "b", False, "fp32"]],
+    [[2, 0, "b", False, "fp32", 0]] * 65,
+])
+def test_a_bad_chain_in_a_forward_reply_is_malformed(chain: Any) -> None:
+    with pytest.raises(MalformedFrame):
+        ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "chain": chain}, {"outputs": hidden()}))
+    with pytest.raises(MalformedFrame):
+        ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "hop_error": 3}, {"outputs": hidden()}))
+    for fused in ([1], {"stage": 2}, {"stage": 2, "step": 0, "samples": -1}):
+        with pytest.raises(MalformedFrame):
+            ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "fused": fused}, {}))
+
+
+@given(meta=st.dictionaries(st.sampled_from(["stage", "mb", "next", "peer", "origin"]),
+                            st.none() | st.booleans() | st.integers(-5, 2**64 - 1) | st.text(max_size=70)
+                            | st.lists(st.lists(st.integers(0, 5) | st.text(max_size=8), max_size=5), max_size=3),
+                            max_size=5))
+@settings(max_examples=200, deadline=None)
+def test_decoding_any_hop_meta_raises_only_typed_errors(meta: dict[str, Any]) -> None:
+    frame = wire(encode_frame("forward", meta, {"inputs": hidden()}))
+    try:
+        ForwardRequest.from_frame(frame, TARGET)
+    except SwarmdError as exc:
+        assert exc.http_status in (409, 422), exc
+    try:
+        ForwardReply.from_frame(wire(encode_frame("forward_result", {"stage": 1, "step": 0, "chain": meta.get("next")},
+                                                  {"outputs": hidden()})))
+    except MalformedFrame:
+        pass

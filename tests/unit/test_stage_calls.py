@@ -13,7 +13,7 @@ import torch
 
 from swarmd.errors import PeerError, remote_error
 from swarmd.net.client import DataPlaneClient
-from swarmd.net.messages import BackwardReply, ClaimReply, ClaimRequest
+from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimReply, ClaimRequest
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.stage_calls import CallEnded, Ended, Patience, StageCalls, StepMoved
 from swarmd.train.summary import TrainSummary
@@ -239,3 +239,52 @@ async def test_an_opinion_still_never_takes_the_peer_its_primary_took() -> None:
     with pytest.raises(CallEnded) as ended:
         await calls.call(0, "backward", 4, send, patience=OPINION, taken=taken)
     assert ended.value.why is Ended.NOBODY and send.asked == ["B"]
+
+
+# ---- peer to peer: the hops a forward names (issue #31) ---------------------------------------------
+
+
+async def hop_machine(*stages: dict[str, str], proven: set[str]) -> StageCalls:
+    routers = []
+    for k, peers in enumerate(stages):
+        router = StageRouter(k, rng=random.Random(k), timeout_ceiling_s=60.0)
+        router.update_peers(listed(peers, stage=k))
+        for peer_id in peers:
+            if peer_id in proven:
+                router.begin(peer_id)
+                router.report_success(peer_id, 4, 0.5, "forward")  # 0.125 s a sample
+        routers.append(router)
+    client = DataPlaneClient(timeout_s=1)
+    await client.close()
+    return StageCalls(FixedStages(routers), client, model="m", codec="none", summary=TrainSummary(),
+                      timing=Timing(), request_timeout_s=60.0, stage_wait_timeout_s=1.0)
+
+
+async def test_a_forwards_hops_wait_for_the_rest_of_the_chain_and_count_in_flight() -> None:
+    calls = await hop_machine({"a": "A:1"}, {"b": "B:1"}, {"c": "C:1"}, {"d": "D:1"}, proven={"a", "b", "c", "d"})
+    hops, stopped = calls._hops(1, 3, 4)
+    assert stopped is None
+    assert [(h.stage, h.addr, h.peer_id) for h in hops] == [(1, "B:1", "b"), (2, "C:1", "c"), (3, "D:1", "d")]
+    each = [calls.stages.routers[k].timeout_for(p, 4, "forward", floor_s=calls.timing.timeout_floor("forward", 60.0))
+            for k, p in ((1, "b"), (2, "c"), (3, "d"))]
+    # each hop's wait covers the hops after it, and each of those one's margin to answer
+    assert [h.timeout_ms for h in hops] == [int(sum(each[i:]) * 1000) + (2 - i) * HOP_MARGIN_MS for i in range(3)]
+    assert all(h.deadline_ms is None for h in hops)
+    assert [calls.stages.routers[k].stats(p).in_flight for k, p in ((1, "b"), (2, "c"), (3, "d"))] == [1, 1, 1]
+    fused, _ = calls._hops(1, 3, 4, fused=True)  # the last hop: the last stage's fused call, with its deadline
+    assert [h.deadline_ms is None for h in fused] == [True, True, False]
+    assert fused[-1].deadline_ms == calls.timing.backward_deadline_ms(fused[-1].timeout_ms / 1000)
+
+
+@pytest.mark.parametrize(("stage2", "proven", "expected", "stopped"), [
+    ({"c": "c@R:1"}, {"b", "c"}, ["b"], "c"),  # a relayed peer: its stage-mates cannot dial it, the trainer calls it
+    ({"c": "C:1"}, {"b"}, ["b"], "c"),  # a peer on probation: its calls are watched from the trainer
+    ({"c": "C:1"}, {"c"}, [], "b"),  # the chain stops at the first such stage, whatever follows
+    ({}, {"b"}, ["b"], None),  # nobody usable at stage 2
+])
+async def test_a_chain_stops_before_a_peer_it_should_not_dial(stage2: dict[str, str], proven: set[str],
+                                                              expected: list[str], stopped: str | None) -> None:
+    calls = await hop_machine({"a": "A:1"}, {"b": "B:1"}, stage2, {"d": "D:1"}, proven=proven | {"a", "d"})
+    hops, stopped_at = calls._hops(1, 3, 4)
+    # the pick it stopped before comes back: the trainer's own call of that stage asks it first
+    assert [h.peer_id for h in hops] == expected and stopped_at == stopped

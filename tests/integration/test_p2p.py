@@ -1,0 +1,273 @@
+"""Peer-to-peer forwards (issue #31, item 2), through real daemons, HTTP, DHT and torch.
+
+A trainer with ``p2p`` names the peers it picked for the later stages in its forward to stage 0,
+whose peer sends its outputs straight on; only the chain's end comes back. Measured where the
+bytes go (the trainer's own client counts them), trained as the single-process reference, and
+failing hops (a peer that is gone, a peer that refuses a hop meant for another) fall back to the
+trainer's own call, with every microbatch counted exactly once on every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from swarmd.daemon import Daemon
+from swarmd.net.addresses import is_relayed
+from swarmd.net.client import DataPlaneClient
+from swarmd.net.messages import Hop
+from swarmd.pipeline.routing import StageRouter
+from swarmd.swarm_key import SwarmKey
+from swarmd.train.microbatches import Microbatches
+from swarmd.train.spot_checks import SpotChecks
+from swarmd.train.stage_calls import StageCalls
+from swarmd.train.summary import StepLedger, TrainSummary
+from swarmd.train.timing import Timing
+from swarmd.train.trainer import Trainer, TrainerConfig
+from swarmd.train.verify import VerifyStats
+from tests.conftest import daemon_config, running_daemon
+from tests.support.routing import FixedStages, listed
+from tests.support.swarms import CORPUS_BYTES, MICRO, TINY, TRAINING, _config, config, reference_run, started
+
+SPEC = replace(TINY, name="p2p", n_stages=3)  # stages 0 and 1 forward; stage 2 is the fused forward + backward
+STEPS = 2
+KEY = SwarmKey(b"a private swarm's key, 32 bytes..")
+SPOT_SEED = 0  # with it, some of test_spot_checked_pairs...'s microbatches run paired and some do not
+TENSOR = MICRO * SPEC.seq_len * SPEC.d_model * 4  # one float32 [B, T, d_model] activation
+
+
+@contextlib.asynccontextmanager
+async def swarm(key: SwarmKey | None) -> AsyncIterator[list[Daemon]]:
+    """One daemon per stage of ``SPEC``, joined through the DHT (a private swarm's, with ``key``)."""
+    daemons: list[Daemon] = []
+    try:
+        for stage in range(SPEC.n_stages):
+            cfg = config(stage, SPEC, TRAINING, (daemons[0].dht.address,) if daemons else ())
+            daemons.append(Daemon(replace(cfg, swarm_key=key)))
+            await daemons[-1].start()
+        yield daemons
+    finally:
+        for d in daemons:
+            await d.shutdown()
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["open", "private"])
+async def test_p2p_training_is_the_references_and_forwards_skip_the_trainer(key: SwarmKey | None) -> None:
+    # in a private swarm, the hops are signed with the swarm key as the daemon's other requests
+    async with swarm(key) as daemons:
+        run = TrainerConfig(api=f"http://{daemons[0].status()['api_addr']}", steps=STEPS, sync=True, codec="none",
+                            microbatch_size=MICRO, taper=False, window=4, val_every=0, seed=0,
+                            max_corpus_bytes=CORPUS_BYTES, verify_fraction=0.0, p2p=True, swarm_key=key)
+        summary = await Trainer(run).run()
+        assert all(d.executor.step == STEPS for d in daemons)
+        sent = sum(d.data_plane.hop_stats["sent"] for d in daemons if d.data_plane is not None)
+        failed = sum(d.data_plane.hop_stats["failed"] for d in daemons if d.data_plane is not None)
+        middle_cache = daemons[1].executor.cache_stats()
+    # exactly once: every microbatch issued completed, every sample counted once
+    assert summary.microbatches_issued == summary.microbatches_completed
+    assert summary.samples == STEPS * TRAINING.target_batch_size and summary.duplicates == 0
+    # once its peers are proven (their first calls go through the trainer), a forward goes stage 0 -> stage 1 ->
+    # stage 2's fused forward and backward, and only stage 2's gradient comes back
+    assert 0 < summary.p2p_hops == sent and summary.p2p_fallbacks == failed == 0
+    # the middle stage kept each hop's inputs for the trainer's backward, which omitted them: none recomputed
+    assert summary.inputs_recovered == summary.inputs_resent == 0
+    assert middle_cache["held"] == summary.inputs_omitted - summary.microbatches_completed  # stage 0's: the rest
+    expected, _ = reference_run(SPEC, TRAINING, STEPS, seed=0)
+    assert summary.step_losses == pytest.approx(expected, rel=1e-4)  # the single-process training's
+
+
+def dead_address() -> str:
+    """A loopback address nobody listens at (connections are refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def proven(router: StageRouter) -> StageRouter:
+    """Every listed peer answered once (a peer-to-peer forward names only proven peers as hops)."""
+    for p in router.snapshot():
+        router.begin(p.peer_id)
+        router.report_success(p.peer_id, MICRO, 0.01, "forward")
+    return router
+
+
+@contextlib.asynccontextmanager
+async def microbatches(stage1: dict[str, str], p2p: bool, daemons: list[Daemon], stage2: dict[str, str] | None = None,
+                       *, fraction: float = 0.0, seed: int = 0,
+                       ) -> AsyncIterator[tuple[Microbatches, TrainSummary, DataPlaneClient]]:
+    """The trainer's microbatch machine over fixed routers: stage 0 is ``daemons``' own, stage 1 lists
+    ``stage1`` (``peer_id -> address``: a hop names the peer id, and a peer serves only its own), stage 2
+    ``stage2`` (default: ``daemons``' own). ``fraction``: spot checks' share of paired microbatches
+    (drawn with a ``seed``ed rng)."""
+    last = {daemons[2].peer_id: daemons[2].data_addr} if stage2 is None else stage2
+    peers = [{daemons[0].peer_id: daemons[0].data_addr}, stage1, last]
+    routers = [proven(StageRouter(k, rng=random.Random(k))) for k in range(SPEC.n_stages)]
+    for k, listing in enumerate(peers):
+        routers[k].update_peers(listed(listing, stage=k))
+        proven(routers[k])
+    timing = Timing()
+    summary = TrainSummary()
+    async with DataPlaneClient() as client:
+        calls = StageCalls(FixedStages(routers), client, model=SPEC.digest, codec="none", summary=summary,
+                           timing=timing, request_timeout_s=30.0, stage_wait_timeout_s=30.0)
+        checks = SpotChecks(calls, client, stats=VerifyStats(), codec="none", fraction=fraction, window=4,
+                            timing=timing, rng=random.Random(seed))
+        yield (Microbatches(calls, checks, n_stages=SPEC.n_stages, summary=summary, ledger=StepLedger(), timing=timing,
+                            p2p=p2p), summary, client)
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, SPEC.vocab_size, (MICRO, SPEC.seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+async def test_the_trainer_no_longer_sends_nor_receives_the_activations() -> None:
+    n = 3  # 2 x 3 microbatches of 4: 24 samples, below the stages' target batch (none steps meanwhile)
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        moved = {}
+        for p2p in (False, True):
+            async with microbatches({s1.peer_id: s1.data_addr}, p2p, daemons) as (mbs, summary, client):
+                for i in range(n):
+                    await mbs.run(*batch(i))
+                moved[p2p] = (client.bytes_sent, client.bytes_received)
+                # two hops a microbatch: stage 0 -> stage 1, stage 1 -> stage 2's fused forward and backward
+                assert summary.microbatches_completed == n and summary.p2p_hops == (2 * n if p2p else 0)
+        assert [d.executor.grad_samples for d in daemons] == [2 * n * MICRO] * 3  # each microbatch counted once
+    # stages 0 and 1's outputs no longer come back to the trainer, nor go out again to the next stage (a few
+    # bytes of meta more or less); the gradients still go stage -> trainer -> stage
+    assert moved[False][0] - moved[True][0] == pytest.approx(2 * n * TENSOR, rel=0.02)
+    assert moved[False][1] - moved[True][1] == pytest.approx(2 * n * TENSOR, rel=0.02)
+
+
+async def test_a_hop_to_a_dead_peer_falls_back_to_the_trainer_and_counts_once() -> None:
+    n = 6
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        # the trainer's stage 1 lists a live peer and one that is gone: picked in turn, the dead one's hops fail
+        stage1 = {"dead": dead_address(), s1.peer_id: s1.data_addr}
+        async with microbatches(stage1, True, daemons) as (mbs, summary, _):
+            for i in range(n):
+                await mbs.run(*batch(i))
+        assert summary.microbatches_issued == summary.microbatches_completed == n
+        # every forward named a hop (both peers are proven); those to the dead peer broke there, and the trainer
+        # went on with stage 1 itself (a call of its own to the dead peer: banned, sent elsewhere); the broken
+        # chain's fused end may have counted as far as the trainer can tell: it asked stage 2 (a claim) first
+        assert summary.p2p_fallbacks >= 1 and summary.p2p_hops >= 2 and summary.claims == summary.p2p_fallbacks
+        assert s0.data_plane is not None and s0.data_plane.hop_stats["failed"] == summary.p2p_fallbacks
+        assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3 and summary.duplicates == 0
+
+
+async def test_a_hop_refused_by_the_peer_at_its_address_falls_back_to_the_trainer() -> None:
+    n = 3
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        # the trainer takes s1's address for another peer's ("ghost"): s1 refuses every hop meant for that
+        # peer (409), and the trainer's own call, which names nobody, is served
+        async with microbatches({"ghost": s1.data_addr}, True, daemons) as (mbs, summary, _):
+            for i in range(n):
+                await mbs.run(*batch(i))
+        # ... and settles the fused end the chain would have reached before its own call to stage 2 (a claim)
+        assert summary.microbatches_completed == n and summary.p2p_fallbacks == n and summary.p2p_hops == 0
+        assert summary.claims == n and summary.claims_counted == 0
+        assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3
+
+
+
+async def test_inputs_a_hop_lost_are_computed_again_by_the_trainer_and_counted_once() -> None:
+    n = 3
+    lossy = daemon_config(1, SPEC)  # every kept forward expires before its backward (a restart, an eviction)
+    lossy = replace(lossy, pipeline=replace(lossy.pipeline, activation_cache_ttl_s=0.0))
+    async with running_daemon(0, SPEC) as s0, running_daemon(2, SPEC) as s2:
+        s1 = Daemon(lossy)
+        try:
+            await s1.start()
+            daemons = [s0, s1, s2]
+            async with microbatches({s1.peer_id: s1.data_addr}, True, daemons) as (mbs, summary, _):
+                for i in range(n):
+                    await mbs.run(*batch(i))
+            # the trainer never saw stage 1's inputs: refused without them, it forwarded through stage 0 again at
+            # the same step and sent them; every microbatch counted once on every stage
+            assert summary.p2p_hops == 2 * n and summary.inputs_resent == summary.inputs_recovered == n
+            assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3 and summary.duplicates == 0
+        finally:
+            await s1.shutdown()
+
+
+async def test_a_fused_hop_that_failed_is_settled_before_the_trainer_sends_it_again() -> None:
+    n = 3
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        # the last stage's fused call, sent by stage 1's peer, is refused (s2 is listed as "ghost"): the trainer
+        # cannot tell a refusal from a lost answer there, so it asks s2 whether it counted the microbatch (a
+        # claim, which fences the hop's attempt off) before its own fused call
+        ghost = {"ghost": s2.data_addr}
+        async with microbatches({s1.peer_id: s1.data_addr}, True, daemons, ghost) as (mbs, summary, _):
+            for i in range(n):
+                await mbs.run(*batch(i))
+        assert summary.microbatches_completed == n and summary.p2p_fallbacks == n and summary.p2p_hops == n
+        assert summary.claims == n and summary.claims_counted == 0 and summary.duplicates == 0
+        assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3
+
+
+async def test_a_hop_gets_what_is_left_of_its_senders_budget_or_is_not_sent() -> None:
+    x = torch.randn(MICRO, SPEC.seq_len, SPEC.d_model, generator=torch.Generator().manual_seed(0))
+    async with running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2, DataPlaneClient() as client:
+        hop = Hop(stage=2, addr=s2.data_addr, peer_id=s2.peer_id, timeout_ms=60_000)
+        # a sender that waits 10 ms: nothing left for the next hop once stage 1 computed (and kept its margin)
+        late = await client.forward(s1.data_addr, 1, x, mb=5, next=(hop,), budget_ms=10)
+        assert late.hop_error is not None and "no time left" in late.hop_error and late.chain == ()
+        assert late.outputs.shape == x.shape and s1.data_plane is not None and s1.data_plane.hop_stats["sent"] == 0
+        ok = await client.forward(s1.data_addr, 1, x, mb=6, next=(hop,), budget_ms=60_000)
+        assert ok.hop_error is None and [r.stage for r in ok.chain] == [2] and s1.data_plane.hop_stats["sent"] == 1
+
+
+async def test_spot_checked_pairs_go_through_the_trainer_beside_p2p_microbatches() -> None:
+    n = 4  # microbatches of 4, some paired (their samples count twice): below the stages' target batch
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(1, SPEC) as t1, \
+            running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        async with microbatches({s1.peer_id: s1.data_addr, t1.peer_id: t1.data_addr}, True, daemons,
+                                fraction=0.5, seed=SPOT_SEED) as (mbs, summary, _):
+            for i in range(n):
+                await mbs.run(*batch(i))
+            stats = mbs.checks.stats
+        # a paired microbatch's forwards went through the trainer, each half to its own stage-1 peer, and were
+        # compared there; the unpaired ones went peer to peer; each half counted once on every stage
+        assert 0 < stats.paired < n and stats.checks > 0 and stats.mismatches == 0
+        assert summary.p2p_hops == 2 * (n - stats.paired) and summary.p2p_fallbacks == 0
+        samples = (n + stats.paired) * MICRO
+        assert s0.executor.grad_samples == s2.executor.grad_samples == samples
+        assert s1.executor.grad_samples + t1.executor.grad_samples == samples
+
+
+async def test_a_relayed_peer_is_never_a_hop_and_still_gets_its_share_from_the_trainer() -> None:
+    # stage 1 has a peer nobody can dial (a wrong --announce, as behind a NAT), served through a relay: a chain
+    # never names it (its stage-mates cannot dial it); where its pick comes up the chain stops before it and the
+    # trainer's own call of stage 1 goes to it, through the relay
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        hidden = ("127.0.0.1", s.getsockname()[1])
+    async with started(_config(0)) as (founder,):
+        join = (founder.dht.address,)
+        async with started(_config(1, join)) as (direct,), started(_config(1, join, announce=hidden)) as (natted,):
+            for _ in range(400):
+                if natted.relayed_addr is not None and natted.reachability.status == "yes":
+                    break
+                await asyncio.sleep(0.05)
+            assert is_relayed(natted.data_addr), "the unreachable peer was not relayed within 20 s"
+            run = TrainerConfig(api=f"http://{founder.status()['api_addr']}", steps=4, sync=True, codec="none",
+                                microbatch_size=4, val_every=0, max_corpus_bytes=1 << 20, verify_fraction=0.0,
+                                p2p=True)
+            summary = await Trainer(run).run()
+            assert summary.steps == 4 and summary.microbatches_issued == summary.microbatches_completed
+            assert summary.p2p_hops > 0 and summary.p2p_fallbacks == 0 and summary.bans == summary.retries == 0
+            assert natted.status()["served"]["backward"] > 0  # its share, through the relay, from the trainer
+            assert founder.data_plane is not None and founder.data_plane.hop_stats["sent"] == summary.p2p_hops
