@@ -65,6 +65,7 @@ from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, Sta
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     Answer,
+    AnswerSizes,
     CheckLedger,
     Verdict,
     VerifyStats,
@@ -143,6 +144,7 @@ class SpotChecks:
         self.client = client
         self.stats = stats
         self.ledger = CheckLedger()
+        self.sizes = AnswerSizes()
         self.fraction = fraction
         self.timing = timing
         self._tolerance = tolerance(codec)
@@ -155,14 +157,18 @@ class SpotChecks:
 
     # ---- which microbatches run paired (swarmd.train.pairing) ------------------------------------
 
-    def pairs(self) -> bool:
+    def pairs(self, force: bool = False) -> bool:
         """Whether the next microbatch runs paired (:meth:`Pairing.pairs`)."""
-        return self.pairing.pairs()
+        return self.pairing.pairs(force)
 
     async def paired(self, stage: int, call: Callable[[How | None], Awaitable[Served[R]]],
                      nbytes: int) -> tuple[Served[R], Served[R]]:
         """A call's two halves, sent at once (:meth:`Pairing.paired`)."""
         return await self.pairing.paired(stage, call, nbytes)
+
+    def validation_pair(self, batches: int) -> int | None:
+        """Which validation batch of a pass runs paired whatever the draw (:meth:`Pairing.validation_pair`)."""
+        return self.pairing.validation_pair(batches)
 
     def pair_tally(self, nbytes: int) -> How:
         """How a pair's backward is sent (:meth:`Pairing.pair_tally`)."""
@@ -171,28 +177,30 @@ class SpotChecks:
     # ---- the verdicts ----------------------------------------------------------------------------
 
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None,
-                      served: Served[ForwardReply], pair: Served[ForwardReply] | None) -> ForwardReply:
+                      served: Served[ForwardReply], pair: Served[ForwardReply] | None, *,
+                      validation: bool = False) -> ForwardReply:
         """The forward reply to go on with: the primary's, or the majority's when it lied. Raises
-        :class:`Unsettled` when the pair could not be judged."""
+        :class:`Unsettled` when the pair could not be judged. ``validation``: a validation forward's
+        (its second opinions carry no microbatch id either, as no validation forward does)."""
         self.stats.calls += 1
         reply = served.reply
-        if pair is None:
-            if await self._plausible(stage, "forward", forward_answer(served), (inputs,)):
-                self.stats.redone += 1
-                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
-            return reply
         calls = self.calls
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
             how = How(patience=self._patience, tally=CheckTally(self.stats, check_nbytes(inputs, targets)),
                       exclude=exclude)
+            mb = None if validation else secrets.randbits(64)
             try:
-                return forward_answer(await calls.forward(stage, inputs, targets, mb=secrets.randbits(64), how=how))
+                return forward_answer(await calls.forward(stage, inputs, targets, mb=mb, how=how))
             except (CallEnded, StepMoved):
                 return None
 
         request = tuple(t for t in (inputs, targets) if t is not None)
-        ruling = await self.judge(stage, "forward", forward_answer(served), forward_answer(pair), arbiter, request)
+        second = forward_answer(pair) if pair is not None else await self._unpaired(
+            stage, "forward", forward_answer(served), arbiter, request)
+        if second is None:
+            return reply
+        ruling = await self.judge(stage, "forward", forward_answer(served), second, arbiter, request)
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None or ruling.use.tensor is None:
@@ -208,29 +216,29 @@ class SpotChecks:
         self.stats.calls += 1
         reply = served.reply
         request = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
-        if pair is None:
-            if await self._plausible(stage, "backward", backward_answer(served), request):
-                self.stats.redone += 1
-                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
-            return reply
         calls, nbytes = self.calls, check_nbytes(*request)
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
             mb = secrets.randbits(64)
             how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes), exclude=exclude)
             try:
-                step = None
-                only = None
+                step = only = kept_at = None
                 if targets is None:
                     fwd = await calls.forward(stage, inputs, mb=mb, how=how)
                     step, only = fwd.reply.step, fwd.peer_id
+                    kept_at = fwd.addr if fwd.reply.kept else None  # sized as any backward: kept inputs stay out
                 how = dataclasses.replace(how, only=only)
                 return backward_answer(await calls.backward(stage, inputs, grad_outputs=grad_outputs,
-                                                            targets=targets, step=step, mb=mb, how=how))
+                                                            targets=targets, step=step, mb=mb, how=how,
+                                                            kept_at=kept_at))
             except (CallEnded, StepMoved):
                 return None
 
-        ruling = await self.judge(stage, "backward", backward_answer(served), backward_answer(pair), arbiter, request)
+        second = backward_answer(pair) if pair is not None else await self._unpaired(
+            stage, "backward", backward_answer(served), arbiter, request)
+        if second is None:
+            return reply
+        ruling = await self.judge(stage, "backward", backward_answer(served), second, arbiter, request)
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None:
@@ -261,7 +269,9 @@ class SpotChecks:
         if outcome.verdict is Verdict.AGREE:
             stats.agreements += 1
             self.ledger.credit((primary, second), kind)
+            self.ledger.agreed(primary.peer_id, second.peer_id, kind)
             self.ledger.clear((primary.peer_id, second.peer_id))
+            self.sizes.observe(stage, kind, primary)
             return _CONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
         stats.mismatches += 1
@@ -271,8 +281,38 @@ class SpotChecks:
         third = await arbiter(frozenset((primary.peer_id, second.peer_id)))
         if third is None or third.step != primary.step:
             stats.inconclusive += 1
+            odd = self.ledger.against(primary.peer_id, second.peer_id, kind)  # counted, whatever comes next
+            if odd is not None:
+                return await self._odd_one_out(stage, kind, odd, primary, second, request)
             return self._unsettled_pair(stage, kind, primary.peer_id, second.peer_id)
         return await self._convicted(stage, kind, [primary, second, third], request)
+
+    async def _unpaired(self, stage: int, kind: Kind, answer: Answer, arbiter: Arbiter,
+                        request: tuple[torch.Tensor, ...]) -> Answer | None:
+        """An answer that ran alone: its step held to its stage's (a lie: :class:`Unsettled`), and when its
+        size is suspicious (``verify.AnswerSizes``), a second opinion asked now, to be judged as a pair's
+        (None: nothing to judge, the answer goes on)."""
+        if await self._plausible(stage, kind, answer, request):
+            self.stats.redone += 1
+            raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
+        if not self.sizes.suspicious(stage, kind, answer):
+            self.sizes.observe(stage, kind, answer)
+            return None
+        self.stats.suspicions += 1
+        second = await arbiter(frozenset((answer.peer_id,)))
+        if second is None:
+            self.stats.unconfirmed += 1
+        return second
+
+    async def _odd_one_out(self, stage: int, kind: Kind, liar: str, primary: Answer, second: Answer,
+                           request: tuple[torch.Tensor, ...]) -> Ruling:
+        """Convict ``liar``, the odd one out of unsettled mismatches (``CheckLedger.against``): the
+        other answer of this pair goes on."""
+        log.warning("spot check: stage %d peer %s disagreed with two stage-mates that agree with each other, "
+                    "in mismatches no third answer settled", stage, liar[:12])
+        self.ledger.clear(a.peer_id for a in (primary, second) if a.peer_id != liar)
+        await self.convictions.convict(stage, kind, liar, [primary, second], request)
+        return Ruling(Finding.OVERRULED, second) if liar == primary.peer_id else _CONFIRMED
 
     async def _split_steps(self, stage: int, kind: Kind, primary: Answer, second: Answer, arbiter: Arbiter,
                            request: tuple[torch.Tensor, ...]) -> Ruling:
@@ -344,7 +384,10 @@ class SpotChecks:
             self.stats.inconclusive += 1
             self.stats.redone += 1
             return _UNSETTLED
-        self.ledger.clear(a.peer_id for a in answers if a.peer_id != outcome.liar)  # they agreed on the truth
+        honest = [a for a in answers if a.peer_id != outcome.liar]
+        self.ledger.clear(a.peer_id for a in honest)  # they agreed on the truth
+        self.ledger.agreed(honest[0].peer_id, honest[1].peer_id, kind)
+        self.sizes.observe(stage, kind, honest[0])
         await self.convictions.convict(stage, kind, outcome.liar, answers, request)
         primary, second = answers[0], answers[1]
         return Ruling(Finding.OVERRULED, second) if outcome.liar == primary.peer_id else _CONFIRMED
