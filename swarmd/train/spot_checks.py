@@ -29,12 +29,19 @@ The verdict on each pair of answers, waited for before the microbatch goes on:
   reports afterwards, or still beyond its stage-mates', convicts it; a pair whose
   halves name different steps asks a third peer, checks the odd one out that way, and redoes the
   microbatch;
-* a check is never dropped for want of an opinion of the same step: the microbatch is redone, and
+* a check is never dropped for want of an opinion of the same step: the microbatch is redone,
   while a peer is disputed (in a mismatch no conviction or agreement cleared) every microbatch
-  runs paired, so it is asked again until decided.
+  runs paired, so it is asked again until decided, and the mismatch counts against both peers
+  (``CheckLedger.against``): one that disagreed so with two peers that agree with each other is
+  convicted, whatever it answers when asked again.
+
+An answer that ran alone but whose size is far from its stage-mates' recent answers
+(``verify.AnswerSizes``) gets a second opinion at once, judged as a pair's: a liar that knows the
+checks lies where it is not paired, and its peer cannot see a check asked after it answered.
 
 Validation forwards are paired the same way (a pair of validation forwards is two validation
-forwards). The first stage's backward answers no tensor: its step and sample count are compared.
+forwards), one batch a pass at least. The first stage's backward answers no tensor: its step is
+compared (the only part of it a trainer uses).
 
 Each check ends in a typed :class:`Ruling`; the peer convicted is banned for ``LIAR_BAN_S`` and a
 signed report (``swarmd.pipeline.reports``) goes to every listed peer.
@@ -295,7 +302,7 @@ class SpotChecks:
         if await self._plausible(stage, kind, answer, request):
             self.stats.redone += 1
             raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
-        if not self.sizes.suspicious(stage, kind, answer):
+        if self.fraction == 0.0 or not self.sizes.suspicious(stage, kind, answer):  # checks off: none
             self.sizes.observe(stage, kind, answer)
             return None
         self.stats.suspicions += 1

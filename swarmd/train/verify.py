@@ -13,7 +13,9 @@ reported: ``swarmd.pipeline.reports``).
 
 The trainer also pairs, always, microbatches while a usable peer has no answer of each kind
 confirmed yet, and while a peer is in a mismatch nobody settled: a peer that lies from the start
-is caught at its first answer, and a mismatch is asked again until decided. Every verdict is
+is caught at its first answer, and a mismatch is asked again until decided (and counted against
+both peers meanwhile: :meth:`CheckLedger.against`). An unpaired answer whose size is far from its
+stage-mates' is checked after it came (:class:`AnswerSizes`). Every verdict is
 waited for before the microbatch goes on, and the majority's answer goes on when a peer is
 convicted.
 

@@ -57,6 +57,35 @@ async def test_each_liar_of_the_table_is_caught_and_excluded_and_no_honest_peer_
             assert set(d.status()["reports"]["excluded"]) == {liar.peer_id}, d.status()["reports"]
 
 
+async def test_the_check_aware_liar_is_caught_by_the_size_of_its_lies_whatever_the_pairing_rate() -> None:
+    """The check-aware liar waits out its first, always-paired answers and then triples its input
+    gradients. With (almost) no random pairing left, only the size rule can catch it: its first
+    lies are far larger than its stage-mates' answers of the same steps, so they get a second opinion
+    at once, and it is convicted and excluded while training goes on; no honest peer is blamed."""
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        liar: Daemon = [d for d in daemons if d.stage == STAGE["aware"]][1]
+        assert liar.executor is not None and liar.peer_id is not None
+        told = make_liar(liar.executor, "aware")
+        honest = [d for d in daemons if d is not liar]
+        api = f"http://{daemons[0].status()['api_addr']}"
+        caught: set[str] = set()
+        suspicions = 0
+        for attempt in range(6):
+            summaries = await asyncio.gather(*(Trainer(trainer_config(
+                api, f"s{attempt}{k}", steps=4, fraction=1e-9, seed=10 * attempt + k)).run() for k in range(2)))
+            for summary in summaries:
+                assert summary.microbatches_issued == summary.microbatches_completed
+                assert set(summary.verify["caught"]) <= {liar.peer_id}, summary.verify
+                caught |= set(summary.verify["caught"])
+                suspicions += summary.verify["suspicions"]
+            if all(liar.peer_id in d.status()["reports"]["excluded"] for d in honest):
+                break
+        assert told.lies > 0 and suspicions > 0
+        assert caught == {liar.peer_id}
+        for d in honest:
+            assert set(d.status()["reports"]["excluded"]) == {liar.peer_id}, d.status()["reports"]
+
+
 async def test_a_check_is_an_ordinary_microbatch_to_every_peer() -> None:
     """What each peer's executor got while a trainer paired every microbatch and validation batch:
     no validation forward with an id (none has one), no backward flagged ``verify``, every backward with a deadline, every backward of a stage that
