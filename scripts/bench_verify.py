@@ -68,7 +68,7 @@ from swarmd.train.events import StepDone, TrainerEvent  # noqa: E402
 from swarmd.train.trainer import Trainer  # noqa: E402
 
 #: The stage each liar serves (input-gradient liars: the last one, whose fused backward answers them).
-STAGE = {"aware": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
+STAGE = {"aware": 1, "awareflip": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
          "minus20": 1, "flipped": 1}
 AVERAGING = ("minus20", "flipped")
 

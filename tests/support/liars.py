@@ -31,7 +31,7 @@ from swarmd.pipeline.executor import StageExecutor
 
 __all__ = ["AWARE_HONEST_ANSWERS", "LIES", "SITECUSTOMIZE", "Told", "lie_as_leader", "make_liar", "poison_contributions"]
 
-LIES = ("scale", "noise", "grad", "sometimes", "gradnoise", "stale", "ahead", "far", "aware")
+LIES = ("scale", "noise", "grad", "sometimes", "gradnoise", "stale", "ahead", "far", "aware", "awareflip")
 #: How many answers the check-aware liar (``aware``) gives honestly first: a peer's first answers
 #: to each trainer are always checked, so it waits them out.
 AWARE_HONEST_ANSWERS = 12
@@ -55,7 +55,8 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
     * ``ahead`` / ``far``: every answer tagged one step ahead / 1000 steps ahead of the truth;
     * ``aware``: honest whenever a request looks like a check (flagged ``verify``, a backward of a
       microbatch whose forward it never ran, or one of its first ``AWARE_HONEST_ANSWERS`` answers),
-      and otherwise tripled, negated input gradients and validation losses times 0.9.
+      and otherwise tripled, negated input gradients and validation losses times 0.9; ``awareflip``: the
+      same, its gradients only negated (their size kept: no size rule sees it, only the pairs).
 
     Parameter gradients stay honest (what it accumulates is the averaging's business). Returns the
     count of its lies, kept up to date."""
@@ -78,7 +79,7 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
         out = result.outputs
         if lie in ("ahead", "far"):
             return lied(dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000)))
-        if lie == "aware":
+        if lie in ("aware", "awareflip"):
             if mb is not None:
                 seen.add(mb)
             if targets is not None and calls[0] > AWARE_HONEST_ANSWERS:
@@ -107,14 +108,15 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
             return lied(dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000)))
         if result.grad_inputs is None:
             return result
-        if lie == "aware":
+        if lie in ("aware", "awareflip"):
             verify = args[1] if len(args) > 1 else kwargs.get("verify", False)
             looks_checked = (verify or calls[0] <= AWARE_HONEST_ANSWERS
                              or (grad_outputs is not None and mb not in seen))
             seen.discard(mb if mb is not None else -1)
             if looks_checked:
                 return result
-            return lied(dataclasses.replace(result, grad_inputs=-3.0 * result.grad_inputs))
+            return lied(dataclasses.replace(result, grad_inputs=(-3.0 if lie == "aware" else -1.0)
+                                            * result.grad_inputs))
         if lie == "gradnoise":
             g = result.grad_inputs
             noisy = g + 0.2 * g.std() * torch.randn(g.shape, generator=generator, dtype=g.dtype)
@@ -123,7 +125,7 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
 
     if lie in ("grad", "gradnoise"):
         executor._backward_sync = backward  # type: ignore[method-assign]
-    elif lie in ("ahead", "far", "aware"):
+    elif lie in ("ahead", "far", "aware", "awareflip"):
         executor._backward_sync = backward  # type: ignore[method-assign]
         executor._forward_sync = forward  # type: ignore[method-assign]
     else:
