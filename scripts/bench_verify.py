@@ -233,6 +233,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "mismatches": sum(s.verify["mismatches"] for s in summaries),
             "redone": sum(s.verify["redone"] for s in summaries),
             "suspicions": sum(s.verify["suspicions"] for s in summaries),
+            "probes": sum(s.verify["probes"] for s in summaries),
             "steps": min(s.steps for s in summaries),
             "val_loss": final.val_loss,
             "wall_s": round(wall, 1),

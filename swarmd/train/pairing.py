@@ -19,7 +19,7 @@ import torch
 from swarmd.errors import PeerError
 from swarmd.train.stage_calls import CallEnded, How, Patience, Served, StageCalls
 from swarmd.train.timing import Timing
-from swarmd.train.verify import CheckLedger, SpotChecker, VerifyStats
+from swarmd.train.verify import PROBE_FRACTION, CheckLedger, SpotChecker, VerifyStats
 
 __all__ = ["CheckTally", "Pairing", "check_nbytes"]
 
@@ -94,6 +94,11 @@ class Pairing:
         paired batch a pass, a peer that lies on every validation forward is compared in most passes
         (2 of 3 in a stage of three), for one batch's forwards more a pass."""
         return self._checker.choice(batches) if batches and self._can_pair() else None
+
+    def probes(self) -> bool:
+        """Whether an unpaired last-stage answer's gradient is probed for direction (``PROBE_FRACTION``
+        of them, where checks are on): drawn after it came, which its peer cannot see."""
+        return self.fraction > 0.0 and self._checker.draw(PROBE_FRACTION)
 
     def _can_pair(self) -> bool:
         return self.fraction > 0.0 and any(r.usable_count > 1 for r in self.calls.stages.routers)

@@ -36,7 +36,9 @@ The verdict on each pair of answers, waited for before the microbatch goes on:
   convicted, whatever it answers when asked again.
 
 An answer that ran alone but whose size is far from its stage-mates' recent answers
-(``verify.AnswerSizes``) gets a second opinion at once, judged as a pair's: a liar that knows the
+(``verify.AnswerSizes``), or a last-stage one whose input gradient a drawn probe finds is no
+descent direction (``verify.descent_probe``: the loss, asked of another peer at the inputs moved
+against it, did not fall), gets a second opinion at once, judged as a pair's: a liar that knows the
 checks lies where it is not paired, and its peer cannot see a check asked after it answered.
 
 Validation forwards are paired the same way (a pair of validation forwards is two validation
@@ -77,6 +79,7 @@ from swarmd.train.verify import (
     Verdict,
     VerifyStats,
     arbitrate,
+    descent_probe,
     step_beyond,
     step_lie,
     tolerance,
@@ -241,8 +244,24 @@ class SpotChecks:
             except (CallEnded, StepMoved):
                 return None
 
+        async def probe() -> bool:
+            """Whether the answer's input gradient is no descent direction: the loss at the inputs moved
+            against it, asked of another peer at the same step, is not below the answer's loss."""
+            moved = None
+            if targets is not None and reply.grad_inputs is not None and reply.loss is not None:
+                moved = await asyncio.to_thread(descent_probe, inputs, reply.grad_inputs, reply.loss)
+            if moved is None or reply.loss is None:
+                return False
+            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes),
+                      exclude=frozenset((served.peer_id,)))
+            try:
+                probed = await calls.forward(stage, moved, targets, how=how)  # a validation forward's shape
+            except (CallEnded, StepMoved):
+                return False
+            return probed.reply.step == reply.step and (probed.reply.loss is None or probed.reply.loss >= reply.loss)
+
         second = backward_answer(pair) if pair is not None else await self._unpaired(
-            stage, "backward", backward_answer(served), arbiter, request)
+            stage, "backward", backward_answer(served), arbiter, request, probe if targets is not None else None)
         if second is None:
             return reply
         ruling = await self.judge(stage, "backward", backward_answer(served), second, arbiter, request)
@@ -295,14 +314,20 @@ class SpotChecks:
         return await self._convicted(stage, kind, [primary, second, third], request)
 
     async def _unpaired(self, stage: int, kind: Kind, answer: Answer, arbiter: Arbiter,
-                        request: tuple[torch.Tensor, ...]) -> Answer | None:
+                        request: tuple[torch.Tensor, ...],
+                        probe: Callable[[], Awaitable[bool]] | None = None) -> Answer | None:
         """An answer that ran alone: its step held to its stage's (a lie: :class:`Unsettled`), and when its
-        size is suspicious (``verify.AnswerSizes``), a second opinion asked now, to be judged as a pair's
+        size is suspicious (``verify.AnswerSizes``) or, for a drawn share of the last stage's answers, its
+        gradient is no descent direction (``probe``), a second opinion asked now, to be judged as a pair's
         (None: nothing to judge, the answer goes on)."""
         if await self._plausible(stage, kind, answer, request):
             self.stats.redone += 1
             raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
-        if self.fraction == 0.0 or not self.sizes.suspicious(stage, kind, answer):  # checks off: none
+        suspicious = self.fraction > 0.0 and self.sizes.suspicious(stage, kind, answer)  # checks off: none
+        if not suspicious and probe is not None and self.pairing.probes():
+            self.stats.probes += 1
+            suspicious = await probe()
+        if not suspicious:
             self.sizes.observe(stage, kind, answer)
             return None
         self.stats.suspicions += 1

@@ -20,6 +20,7 @@ from swarmd.train.verify import (
     CheckLedger,
     SpotChecker,
     answer_size,
+    descent_probe,
     excluded_by_majority,
 )
 
@@ -133,12 +134,35 @@ def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None
         AnswerSizes(factor=1.0)
 
 
+def test_a_direction_probe_moves_the_inputs_downhill_for_a_true_gradient_and_uphill_for_a_negated_one() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x, target = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+        x.requires_grad_(True)
+        loss = torch.nn.functional.mse_loss(x, target)
+        (grad,) = torch.autograd.grad(loss, x)
+        x, loss = x.detach(), loss.detach()
+
+        def at(inputs: torch.Tensor) -> float:
+            return float(torch.nn.functional.mse_loss(inputs, target))
+
+        honest, negated = descent_probe(x, grad, float(loss)), descent_probe(x, -grad, float(loss))
+        assert honest is not None and negated is not None
+        assert at(honest) < float(loss) < at(negated)
+        # the move is the first-order drop asked for: 5 % of the loss along the gradient
+        assert float(((x - honest) * grad).sum()) == pytest.approx(0.05 * float(loss), rel=1e-4)
+    assert descent_probe(x, torch.zeros_like(x), 1.0) is None  # nothing to probe
+    assert descent_probe(x, grad, float("nan")) is None and descent_probe(x, grad, 0.0) is None
+    assert descent_probe(x, torch.full_like(x, float("inf")), 1.0) is None
+
+
 def test_the_checker_draws_which_validation_batch_runs_paired_from_its_rng() -> None:
     import random
 
     checker = SpotChecker(0.02, random.Random(1))
     drawn = {checker.choice(4) for _ in range(100)}
     assert drawn == {0, 1, 2, 3}
+    assert not any(checker.draw(0.0) for _ in range(100)) and all(checker.draw(1.0) for _ in range(100))
 
 
 @pytest.mark.parametrize(("answers", "excluded"), [
