@@ -319,7 +319,8 @@ class SpotChecks:
         """An answer that ran alone: its step held to its stage's (a lie: :class:`Unsettled`), and when its
         size is suspicious (``verify.AnswerSizes``) or, for a drawn share of the last stage's answers, its
         gradient is no descent direction (``probe``), a second opinion asked now, to be judged as a pair's
-        (None: nothing to judge, the answer goes on)."""
+        (None: nothing to judge, the answer goes on). A suspicious answer no other peer could give a second
+        opinion on is not used (:class:`Unsettled`), unless its stage has no other usable peer."""
         if await self._plausible(stage, kind, answer, request):
             self.stats.redone += 1
             raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
@@ -334,6 +335,9 @@ class SpotChecks:
         second = await arbiter(frozenset((answer.peer_id,)))
         if second is None:
             self.stats.unconfirmed += 1
+            if self.calls.stages.routers[stage].usable_count > 1:  # a suspicious answer nobody confirmed: not used
+                self.stats.redone += 1
+                raise Unsettled()
         return second
 
     async def _odd_one_out(self, stage: int, kind: Kind, liar: str, primary: Answer, second: Answer,
