@@ -20,10 +20,11 @@ docs/SECURITY.md ("What a peer sees of a check") says what a peer can observe an
 The verdict on each pair of answers, waited for before the microbatch goes on:
 
 * the same step and the same answer: confirmed (both peers credited);
-* the same step, different answers: a third peer arbitrates (asked as an ordinary microbatch of
-  its own: a forward, then its backward); the odd one out is convicted, and the majority's answer
-  goes on; with no third peer the microbatch is redone (``Unsettled``), and a stage's only two peers
-  that keep disagreeing are let through (``verify.UNSETTLED_LIMIT``);
+* the same step, different answers: a third peer arbitrates (asked as a microbatch of its own: a
+  forward, then its backward, flagged ``verify``: an opinion is never accumulated); the odd one
+  out is convicted, and the majority's answer goes on; with no third peer the microbatch is redone
+  (``Unsettled``), and a stage's only two peers that keep disagreeing are let through
+  (``verify.UNSETTLED_LIMIT``);
 * a reply's step is its peer's claim, so it is checked, not believed (``verify.step_lie``): a step
   beyond its stage-mates' in the last poll asks them again, and a step ahead of what its own peer
   reports afterwards, or still beyond its stage-mates', convicts it; a pair whose
@@ -230,7 +231,7 @@ class SpotChecks:
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
             mb = secrets.randbits(64)
-            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes), exclude=exclude)
+            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes), exclude=exclude, opinion=True)
             try:
                 step = only = kept_at = None
                 if targets is None:

@@ -277,14 +277,12 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
     # step, so one of its steps may hold more than the target (CI once saw 56 of 32) and a later one is
     # completed with fewer. Over the run its books balance: every sample the trainers completed was counted
     # there (stepped, still held, or dropped by a resync), and beyond those only the microbatches redone
-    # after the victim's death, as stale or as unconfirmed by a first spot check, the second opinions asked for
-    # answers of a suspicious size (an ordinary microbatch call of that stage alone), and the victim's samples
-    # the book wrote off and granted again.
+    # after the victim's death, as stale or as unconfirmed by a first spot check, and the victim's samples the
+    # book wrote off and granted again.
     last = [st for st in statuses.values() if st["stage"] == 1]
     counted_last = (sum(ok_rounds(last).values()) + sum(st["grad_samples"] for st in last)
                     + sum(dropped[d] for d, st in statuses.items() if st["stage"] == 1))
-    redone = MICRO * sum(s.stale_redos + s.claims_unanswered + s.verify["redone"] + s.verify["suspicions"]
-                         for s in summaries)
+    redone = MICRO * sum(s.stale_redos + s.claims_unanswered + s.verify["redone"] for s in summaries)
     assert computed <= counted_last <= computed + lost + redone, (computed, counted_last, lost, redone, books)
     # each sample counted at most once; the ones not counted died with the victim, and the book wrote them off
     assert lost > 0 and stepped <= computed <= stepped + lost, (stepped, computed, lost, books)
