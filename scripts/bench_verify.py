@@ -8,14 +8,16 @@ contributions), and two asynchronous trainers (microbatch 4, window 4, 8-bit cod
 ``--steps`` steps with ``--verify-fraction``. Reported per liar (and for an honest run of the same
 seeds):
 
-* ``caught_at`` / ``excluded_at``: the trainers' step count (the most steps either trainer had
-  done) when a trainer first convicted the liar, and when every honest peer excluded it (two
-  independent reports); None: not within the run;
+* ``first_lie_at`` / ``caught_at`` / ``excluded_at``: the trainers' step count (the most steps
+  either trainer had done) when the liar first lied (the check-aware one answers its first dozen
+  honestly), when a trainer first convicted it, and when every honest peer excluded it (two
+  independent reports); None: not within the run; ``lies``: the answers it told wrong in all;
 * ``extra_compute``: samples the checks computed again (their pair's and arbiters' calls) per
   sample of the microbatches' own calls; ``extra_traffic``: the checks' requests per call;
 * ``val_loss`` and ``vs_honest``: a fresh trainer's held-out loss (16 batches, checks off, routing
   around excluded peers) after the run, and its ratio to the honest run's;
-* ``honest_blamed``: honest peers any trainer convicted (must be none).
+* ``honest_blamed``: honest peers any trainer convicted (must be none);
+* ``suspicions``: unpaired answers checked after they came for their size (``verify.AnswerSizes``).
 
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
@@ -66,7 +68,7 @@ from swarmd.train.events import StepDone, TrainerEvent  # noqa: E402
 from swarmd.train.trainer import Trainer  # noqa: E402
 
 #: The stage each liar serves (input-gradient liars: the last one, whose fused backward answers them).
-STAGE = {"aware": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
+STAGE = {"aware": 1, "awareflip": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
          "minus20": 1, "flipped": 1}
 AVERAGING = ("minus20", "flipped")
 
@@ -150,6 +152,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
     SCORED.clear()
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=args.peers_per_stage) as daemons:
         liar = None
+        told = None
         if lie is not None:
             liar = [d for d in daemons if d.stage == STAGE[lie]][1]
             if lie in AVERAGING:  # the largest id of its stage: a liar that leads is not scored (SECURITY.md)
@@ -158,11 +161,12 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                 poison_contributions(liar.averager, lie)
             else:
                 assert liar.executor is not None
-                make_liar(liar.executor, lie)
+                told = make_liar(liar.executor, lie)
         honest = [d for d in daemons if d is not liar]
         api = f"http://{daemons[0].status()['api_addr']}"
         done = [0]
-        marks: dict[str, int | None] = {"caught_at": None, "excluded_at": None, "routed_out_at": None}
+        marks: dict[str, int | None] = {"first_lie_at": None, "caught_at": None, "excluded_at": None,
+                                        "routed_out_at": None}
         mates = [d for d in honest if liar is not None and d.stage == liar.stage]
 
         def on_event(event: TrainerEvent) -> None:
@@ -174,6 +178,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
 
         async def watch() -> None:
             while liar is not None:
+                if marks["first_lie_at"] is None and told is not None and told.lies:
+                    marks["first_lie_at"] = done[0]
                 if marks["caught_at"] is None and any(t.checks.liars for t in trainers):
                     marks["caught_at"] = done[0]
                 if all(liar.peer_id in d.status()["reports"]["excluded"] for d in honest):
@@ -209,6 +215,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         return {
             "lie": lie or "honest",
             "stage": STAGE.get(lie or "", None),
+            "first_lie_at": marks["first_lie_at"],
+            "lies": told.lies if told is not None else None,
             "caught_at": marks["caught_at"],
             "excluded_at": marks["excluded_at"],
             "routed_out_at": marks["routed_out_at"],
@@ -224,6 +232,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "first_checks": sum(s.verify["first_checks"] for s in summaries),
             "mismatches": sum(s.verify["mismatches"] for s in summaries),
             "redone": sum(s.verify["redone"] for s in summaries),
+            "suspicions": sum(s.verify["suspicions"] for s in summaries),
+            "probes": sum(s.verify["probes"] for s in summaries),
             "steps": min(s.steps for s in summaries),
             "val_loss": final.val_loss,
             "wall_s": round(wall, 1),

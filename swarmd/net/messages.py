@@ -511,10 +511,12 @@ class BackwardRequest:
     sender waits for the answer, from when the peer got the request; the peer applies the
     gradient only within it (past it, the sender has retried elsewhere: exactly-once).
     ``verify``: computed and answered, never accumulated nor marked as counted (meta ``verify:
-    true``): a retry whose first attempt another peer said it counted. Spot checks never send it
-    (issue #29: a check is an ordinary paired microbatch, ``swarmd.train.spot_checks``), so it
-    tells a peer nothing about being checked. ``attempt``: the sender's number of this attempt at ``mb``
-    on this stage (from 0; a :class:`ClaimRequest` fences earlier ones off).
+    true``): a retry whose first attempt another peer said it counted, or a spot check's second
+    or third opinion, asked after another peer answered. A paired microbatch's halves never send
+    it (issue #29: a check is an ordinary paired microbatch, ``swarmd.train.spot_checks``), so it
+    tells the peer checked nothing: that peer answered before any opinion was asked. ``attempt``:
+    the sender's number of this attempt at ``mb`` on this stage (from 0; a :class:`ClaimRequest`
+    fences earlier ones off).
     """
 
     stage: int

@@ -284,12 +284,14 @@ class Microbatches:
 
     async def validate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """The mean loss of ``batches`` (forwards only: nothing accumulates); None without any. Spot
-        checked as microbatches are: a paired batch's forwards are each sent twice at once."""
+        checked as microbatches are, and one batch a pass at least (``SpotChecks.validation_pairs``): a
+        paired batch's forwards are each sent twice at once."""
         total, count = 0.0, 0
-        for x, y in batches:
+        forced = self.checks.validation_pair(len(batches))
+        for index, (x, y) in enumerate(batches):
             while True:
                 try:
-                    loss = await self._validation_forward(x, y, self.checks.pairs())
+                    loss = await self._validation_forward(x, y, self.checks.pairs(force=index == forced))
                 except Unsettled:
                     continue
                 break
@@ -302,7 +304,7 @@ class Microbatches:
         for stage in range(self.last + 1):
             targets = y if stage == self.last else None
             served, pair = await self._forward(stage, acts, targets, None, None, paired)
-            reply = await checks.forward(stage, acts, targets, served, pair)
+            reply = await checks.forward(stage, acts, targets, served, pair, validation=True)
             acts = reply.outputs
         if reply.loss is None:
             raise TrainerError(f"stage {self.last} answered a forward with targets without its loss")

@@ -19,7 +19,7 @@ import torch
 from swarmd.errors import PeerError
 from swarmd.train.stage_calls import CallEnded, How, Patience, Served, StageCalls
 from swarmd.train.timing import Timing
-from swarmd.train.verify import CheckLedger, SpotChecker, VerifyStats
+from swarmd.train.verify import PROBE_FRACTION, CheckLedger, SpotChecker, VerifyStats
 
 __all__ = ["CheckTally", "Pairing", "check_nbytes"]
 
@@ -61,20 +61,19 @@ class Pairing:
         self._checker = SpotChecker(fraction, rng)
         self._patience = patience
 
-    def pairs(self) -> bool:
+    def pairs(self, force: bool = False) -> bool:
         """Whether the next microbatch (or validation batch) runs paired: drawn with probability
         ``fraction``, and always while a usable peer of a stage with a second one has no answer of
-        each kind confirmed yet. Drawn before its first call: a peer's own answers change nothing."""
-        paired = self._pairs()
+        each kind confirmed yet (or when ``force``d, where checks are on and a stage has a second
+        peer). Drawn before its first call: a peer's own answers change nothing."""
+        paired = (force and self._can_pair()) or self._pairs()
         self.stats.paired += int(paired)
         return paired
 
     def _pairs(self) -> bool:
-        if self.fraction == 0.0:
+        if not self._can_pair():
             return False
         routers = self.calls.stages.routers
-        if not any(r.usable_count > 1 for r in routers):
-            return False
         if any(self.ledger.disputed(p.peer_id) for r in routers if r.usable_count > 1 for p in r.snapshot()
                if p.routable):
             self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
@@ -86,6 +85,23 @@ class Pairing:
             self.stats.first_checks += 1
             return True
         return self._checker.should_check(comparable=True, other_peers=1)
+
+    def validation_pair(self, batches: int) -> int | None:
+        """Which of a validation pass's ``batches`` runs paired whatever the draw (the others are drawn
+        as :meth:`pairs`): None where checks are off or no stage has a second peer. A validation forward
+        is recognisable as one (no microbatch id; on the last stage a forward with targets), so a liar
+        may lie on validation alone, where nothing accumulates and the fraction rarely looks: with one
+        paired batch a pass, a peer that lies on every validation forward is compared in most passes
+        (2 of 3 in a stage of three), for one batch's forwards more a pass."""
+        return self._checker.choice(batches) if batches and self._can_pair() else None
+
+    def probes(self) -> bool:
+        """Whether an unpaired last-stage answer's gradient is probed for direction (``PROBE_FRACTION``
+        of them, where checks are on): drawn after it came, which its peer cannot see."""
+        return self.fraction > 0.0 and self._checker.draw(PROBE_FRACTION)
+
+    def _can_pair(self) -> bool:
+        return self.fraction > 0.0 and any(r.usable_count > 1 for r in self.calls.stages.routers)
 
     async def paired(self, stage: int, call: Callable[[How | None], Awaitable[Served[R]]],
                      nbytes: int) -> tuple[Served[R], Served[R]]:

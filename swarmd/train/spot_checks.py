@@ -20,21 +20,31 @@ docs/SECURITY.md ("What a peer sees of a check") says what a peer can observe an
 The verdict on each pair of answers, waited for before the microbatch goes on:
 
 * the same step and the same answer: confirmed (both peers credited);
-* the same step, different answers: a third peer arbitrates (asked as an ordinary microbatch of
-  its own: a forward, then its backward); the odd one out is convicted, and the majority's answer
-  goes on; with no third peer the microbatch is redone (``Unsettled``), and a stage's only two peers
-  that keep disagreeing are let through (``verify.UNSETTLED_LIMIT``);
+* the same step, different answers: a third peer arbitrates (asked as a microbatch of its own: a
+  forward, then its backward, flagged ``verify``: an opinion is never accumulated); the odd one
+  out is convicted, and the majority's answer goes on; with no third peer the microbatch is redone
+  (``Unsettled``), and a stage's only two peers that keep disagreeing are let through
+  (``verify.UNSETTLED_LIMIT``);
 * a reply's step is its peer's claim, so it is checked, not believed (``verify.step_lie``): a step
   beyond its stage-mates' in the last poll asks them again, and a step ahead of what its own peer
   reports afterwards, or still beyond its stage-mates', convicts it; a pair whose
   halves name different steps asks a third peer, checks the odd one out that way, and redoes the
   microbatch;
-* a check is never dropped for want of an opinion of the same step: the microbatch is redone, and
+* a check is never dropped for want of an opinion of the same step: the microbatch is redone,
   while a peer is disputed (in a mismatch no conviction or agreement cleared) every microbatch
-  runs paired, so it is asked again until decided.
+  runs paired, so it is asked again until decided, and the mismatch counts against both peers
+  (``CheckLedger.against``): one that disagreed so with two peers that agree with each other is
+  convicted, whatever it answers when asked again.
+
+An answer that ran alone but whose size is far from its stage-mates' recent answers
+(``verify.AnswerSizes``), or a last-stage one whose input gradient a drawn probe finds is no
+descent direction (``verify.descent_probe``: the loss, asked of another peer at the inputs moved
+against it, did not fall), gets a second opinion at once, judged as a pair's: a liar that knows the
+checks lies where it is not paired, and its peer cannot see a check asked after it answered.
 
 Validation forwards are paired the same way (a pair of validation forwards is two validation
-forwards). The first stage's backward answers no tensor: its step and sample count are compared.
+forwards), one batch a pass at least. The first stage's backward answers no tensor: its step is
+compared (the only part of it a trainer uses).
 
 Each check ends in a typed :class:`Ruling`; the peer convicted is banned for ``LIAR_BAN_S`` and a
 signed report (``swarmd.pipeline.reports``) goes to every listed peer.
@@ -65,10 +75,12 @@ from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, Sta
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     Answer,
+    AnswerSizes,
     CheckLedger,
     Verdict,
     VerifyStats,
     arbitrate,
+    descent_probe,
     step_beyond,
     step_lie,
     tolerance,
@@ -143,6 +155,7 @@ class SpotChecks:
         self.client = client
         self.stats = stats
         self.ledger = CheckLedger()
+        self.sizes = AnswerSizes()
         self.fraction = fraction
         self.timing = timing
         self._tolerance = tolerance(codec)
@@ -155,14 +168,18 @@ class SpotChecks:
 
     # ---- which microbatches run paired (swarmd.train.pairing) ------------------------------------
 
-    def pairs(self) -> bool:
+    def pairs(self, force: bool = False) -> bool:
         """Whether the next microbatch runs paired (:meth:`Pairing.pairs`)."""
-        return self.pairing.pairs()
+        return self.pairing.pairs(force)
 
     async def paired(self, stage: int, call: Callable[[How | None], Awaitable[Served[R]]],
                      nbytes: int) -> tuple[Served[R], Served[R]]:
         """A call's two halves, sent at once (:meth:`Pairing.paired`)."""
         return await self.pairing.paired(stage, call, nbytes)
+
+    def validation_pair(self, batches: int) -> int | None:
+        """Which validation batch of a pass runs paired whatever the draw (:meth:`Pairing.validation_pair`)."""
+        return self.pairing.validation_pair(batches)
 
     def pair_tally(self, nbytes: int) -> How:
         """How a pair's backward is sent (:meth:`Pairing.pair_tally`)."""
@@ -171,28 +188,30 @@ class SpotChecks:
     # ---- the verdicts ----------------------------------------------------------------------------
 
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None,
-                      served: Served[ForwardReply], pair: Served[ForwardReply] | None) -> ForwardReply:
+                      served: Served[ForwardReply], pair: Served[ForwardReply] | None, *,
+                      validation: bool = False) -> ForwardReply:
         """The forward reply to go on with: the primary's, or the majority's when it lied. Raises
-        :class:`Unsettled` when the pair could not be judged."""
+        :class:`Unsettled` when the pair could not be judged. ``validation``: a validation forward's
+        (its second opinions carry no microbatch id either, as no validation forward does)."""
         self.stats.calls += 1
         reply = served.reply
-        if pair is None:
-            if await self._plausible(stage, "forward", forward_answer(served), (inputs,)):
-                self.stats.redone += 1
-                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
-            return reply
         calls = self.calls
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
             how = How(patience=self._patience, tally=CheckTally(self.stats, check_nbytes(inputs, targets)),
                       exclude=exclude)
+            mb = None if validation else secrets.randbits(64)
             try:
-                return forward_answer(await calls.forward(stage, inputs, targets, mb=secrets.randbits(64), how=how))
+                return forward_answer(await calls.forward(stage, inputs, targets, mb=mb, how=how))
             except (CallEnded, StepMoved):
                 return None
 
         request = tuple(t for t in (inputs, targets) if t is not None)
-        ruling = await self.judge(stage, "forward", forward_answer(served), forward_answer(pair), arbiter, request)
+        second = forward_answer(pair) if pair is not None else await self._unpaired(
+            stage, "forward", forward_answer(served), arbiter, request)
+        if second is None:
+            return reply
+        ruling = await self.judge(stage, "forward", forward_answer(served), second, arbiter, request)
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None or ruling.use.tensor is None:
@@ -208,29 +227,45 @@ class SpotChecks:
         self.stats.calls += 1
         reply = served.reply
         request = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
-        if pair is None:
-            if await self._plausible(stage, "backward", backward_answer(served), request):
-                self.stats.redone += 1
-                raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
-            return reply
         calls, nbytes = self.calls, check_nbytes(*request)
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
             mb = secrets.randbits(64)
-            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes), exclude=exclude)
+            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes), exclude=exclude, opinion=True)
             try:
-                step = None
-                only = None
+                step = only = kept_at = None
                 if targets is None:
                     fwd = await calls.forward(stage, inputs, mb=mb, how=how)
                     step, only = fwd.reply.step, fwd.peer_id
+                    kept_at = fwd.addr if fwd.reply.kept else None  # sized as any backward: kept inputs stay out
                 how = dataclasses.replace(how, only=only)
                 return backward_answer(await calls.backward(stage, inputs, grad_outputs=grad_outputs,
-                                                            targets=targets, step=step, mb=mb, how=how))
+                                                            targets=targets, step=step, mb=mb, how=how,
+                                                            kept_at=kept_at))
             except (CallEnded, StepMoved):
                 return None
 
-        ruling = await self.judge(stage, "backward", backward_answer(served), backward_answer(pair), arbiter, request)
+        async def probe() -> bool:
+            """Whether the answer's input gradient is no descent direction: the loss at the inputs moved
+            against it, asked of another peer at the same step, is not below the answer's loss."""
+            moved = None
+            if targets is not None and reply.grad_inputs is not None and reply.loss is not None:
+                moved = await asyncio.to_thread(descent_probe, inputs, reply.grad_inputs, reply.loss)
+            if moved is None or reply.loss is None:
+                return False
+            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes),
+                      exclude=frozenset((served.peer_id,)))
+            try:
+                probed = await calls.forward(stage, moved, targets, how=how)  # a validation forward's shape
+            except (CallEnded, StepMoved):
+                return False
+            return probed.reply.step == reply.step and (probed.reply.loss is None or probed.reply.loss >= reply.loss)
+
+        second = backward_answer(pair) if pair is not None else await self._unpaired(
+            stage, "backward", backward_answer(served), arbiter, request, probe if targets is not None else None)
+        if second is None:
+            return reply
+        ruling = await self.judge(stage, "backward", backward_answer(served), second, arbiter, request)
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None:
@@ -261,7 +296,9 @@ class SpotChecks:
         if outcome.verdict is Verdict.AGREE:
             stats.agreements += 1
             self.ledger.credit((primary, second), kind)
+            self.ledger.agreed(primary.peer_id, second.peer_id, kind)
             self.ledger.clear((primary.peer_id, second.peer_id))
+            self.sizes.observe(stage, kind, primary)
             return _CONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
         stats.mismatches += 1
@@ -271,8 +308,48 @@ class SpotChecks:
         third = await arbiter(frozenset((primary.peer_id, second.peer_id)))
         if third is None or third.step != primary.step:
             stats.inconclusive += 1
+            odd = self.ledger.against(primary.peer_id, second.peer_id, kind)  # counted, whatever comes next
+            if odd is not None:
+                return await self._odd_one_out(stage, kind, odd, primary, second, request)
             return self._unsettled_pair(stage, kind, primary.peer_id, second.peer_id)
         return await self._convicted(stage, kind, [primary, second, third], request)
+
+    async def _unpaired(self, stage: int, kind: Kind, answer: Answer, arbiter: Arbiter,
+                        request: tuple[torch.Tensor, ...],
+                        probe: Callable[[], Awaitable[bool]] | None = None) -> Answer | None:
+        """An answer that ran alone: its step held to its stage's (a lie: :class:`Unsettled`), and when its
+        size is suspicious (``verify.AnswerSizes``) or, for a drawn share of the last stage's answers, its
+        gradient is no descent direction (``probe``), a second opinion asked now, to be judged as a pair's
+        (None: nothing to judge, the answer goes on). A suspicious answer no other peer could give a second
+        opinion on is not used (:class:`Unsettled`), unless its stage has no other usable peer."""
+        if await self._plausible(stage, kind, answer, request):
+            self.stats.redone += 1
+            raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
+        suspicious = self.fraction > 0.0 and self.sizes.suspicious(stage, kind, answer)  # checks off: none
+        if not suspicious and probe is not None and self.pairing.probes():
+            self.stats.probes += 1
+            suspicious = await probe()
+        if not suspicious:
+            self.sizes.observe(stage, kind, answer)
+            return None
+        self.stats.suspicions += 1
+        second = await arbiter(frozenset((answer.peer_id,)))
+        if second is None:
+            self.stats.unconfirmed += 1
+            if self.calls.stages.routers[stage].usable_count > 1:  # a suspicious answer nobody confirmed: not used
+                self.stats.redone += 1
+                raise Unsettled()
+        return second
+
+    async def _odd_one_out(self, stage: int, kind: Kind, liar: str, primary: Answer, second: Answer,
+                           request: tuple[torch.Tensor, ...]) -> Ruling:
+        """Convict ``liar``, the odd one out of unsettled mismatches (``CheckLedger.against``): the
+        other answer of this pair goes on."""
+        log.warning("spot check: stage %d peer %s disagreed with two stage-mates that agree with each other, "
+                    "in mismatches no third answer settled", stage, liar[:12])
+        self.ledger.clear(a.peer_id for a in (primary, second) if a.peer_id != liar)
+        await self.convictions.convict(stage, kind, liar, [primary, second], request)
+        return Ruling(Finding.OVERRULED, second) if liar == primary.peer_id else _CONFIRMED
 
     async def _split_steps(self, stage: int, kind: Kind, primary: Answer, second: Answer, arbiter: Arbiter,
                            request: tuple[torch.Tensor, ...]) -> Ruling:
@@ -344,7 +421,10 @@ class SpotChecks:
             self.stats.inconclusive += 1
             self.stats.redone += 1
             return _UNSETTLED
-        self.ledger.clear(a.peer_id for a in answers if a.peer_id != outcome.liar)  # they agreed on the truth
+        honest = [a for a in answers if a.peer_id != outcome.liar]
+        self.ledger.clear(a.peer_id for a in honest)  # they agreed on the truth
+        self.ledger.agreed(honest[0].peer_id, honest[1].peer_id, kind)
+        self.sizes.observe(stage, kind, honest[0])
         await self.convictions.convict(stage, kind, outcome.liar, answers, request)
         primary, second = answers[0], answers[1]
         return Ruling(Finding.OVERRULED, second) if outcome.liar == primary.peer_id else _CONFIRMED

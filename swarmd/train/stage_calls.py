@@ -159,13 +159,17 @@ class CallTally(Protocol):
 class How:
     """A spot check's call (``swarmd.train.spot_checks``): the same request as a microbatch's, sent
     the same way; only whom it may ask (``only``, ``exclude``, ``taken``: see :meth:`StageCalls.call`),
-    how hard it tries and who pays differ, none of which the peer sees."""
+    how hard it tries and who pays differ, none of which the peer sees. ``opinion``: a second or third
+    opinion asked after another peer answered: its backward is computed and answered, never accumulated
+    (meta ``verify``), so an honest swarm's books stay exact; the peer asked may tell, the peer checked
+    cannot (it answered already)."""
 
     patience: Patience | None = None  # None: a microbatch's (until answered)
     tally: CallTally | None = None  # None: a microbatch's (counted in the summary, told to the observers)
     only: str | None = None
     exclude: frozenset[str] = frozenset()
     taken: set[str] | None = None
+    opinion: bool = False
 
 
 class Stages(Protocol):
@@ -517,7 +521,8 @@ class StageCalls:
         these addresses and its answer was lost: it is settled there (a claim) before this call's first attempt.
         """
         client, codec, model, timing, s = self.client, self.codec, self.model, self.timing, self.summary
-        attempts = BackwardAttempts(mb)
+        # an opinion's backward only computes: as a retry whose first attempt another peer counted
+        attempts = BackwardAttempts(mb, counted_by="(an opinion)" if how is not None and how.opinion else None)
         if lost_at and mb is not None:
             attempts.next_attempt()  # attempt 0 went out from the peer before it
             attempts.lost.update(dict.fromkeys(lost_at, attempts.sent))

@@ -13,7 +13,9 @@ reported: ``swarmd.pipeline.reports``).
 
 The trainer also pairs, always, microbatches while a usable peer has no answer of each kind
 confirmed yet, and while a peer is in a mismatch nobody settled: a peer that lies from the start
-is caught at its first answer, and a mismatch is asked again until decided. Every verdict is
+is caught at its first answer, and a mismatch is asked again until decided (and counted against
+both peers meanwhile: :meth:`CheckLedger.against`). An unpaired answer whose size is far from its
+stage-mates' is checked after it came (:class:`AnswerSizes`). Every verdict is
 waited for before the microbatch goes on, and the majority's answer goes on when a peer is
 convicted.
 
@@ -60,7 +62,8 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -73,15 +76,24 @@ __all__ = [
     "CROSS_BUILD_SLACK",
     "FIRST_CHECKS",
     "LIAR_BAN_S",
+    "PROBE_DROP",
+    "PROBE_FRACTION",
+    "SIZE_MIN",
+    "SIZE_STEPS",
+    "SIZE_WINDOW",
     "STEP_SLACK",
+    "SUSPECT_FACTOR",
     "UNSETTLED_LIMIT",
     "Answer",
+    "AnswerSizes",
     "CheckLedger",
     "SpotChecker",
     "Verdict",
     "VerifyStats",
     "agree",
+    "answer_size",
     "arbitrate",
+    "descent_probe",
     "describe",
     "excluded_by_majority",
     "excluded_by_stage",
@@ -109,6 +121,20 @@ STEP_SLACK = 2
 #: (:meth:`CheckLedger.unsettled`): one of two lies, which two peers cannot tell apart, and redoing
 #: every microbatch for ever would stall training.
 UNSETTLED_LIMIT = 3
+#: An unpaired answer whose size (:func:`answer_size`) lies outside ``[1/SUSPECT_FACTOR, SUSPECT_FACTOR]``
+#: times the median of its stage-mates' recent answers of its kind is checked at once: a second opinion
+#: asked after it came, which its own peer never sees (:class:`AnswerSizes`).
+SUSPECT_FACTOR = 2.0
+#: How many of the stage-mates' recent answers an answer's size is held against, and how many it takes.
+SIZE_WINDOW = 32
+SIZE_MIN = 2
+#: ... answers of steps at most this far from the answer's (sizes move fast while the learning rate warms up).
+SIZE_STEPS = 1
+#: The share of the last stage's unpaired answers whose input gradient is probed for direction
+#: (:func:`descent_probe`): a forward with targets, at the inputs moved against that gradient, to another peer.
+PROBE_FRACTION = 0.1
+#: How far a probe moves the inputs: far enough that the loss would drop by this share of itself to first order.
+PROBE_DROP = 0.05
 
 _CODEC_ERROR = {
     "none": 0.0,
@@ -239,6 +265,14 @@ class SpotChecker:
         self.fraction = fraction
         self._rng = rng if rng is not None else random.Random()
 
+    def draw(self, p: float) -> bool:
+        """True with probability ``p``, from the same rng (which answers a direction probe looks at)."""
+        return self._rng.random() < p
+
+    def choice(self, n: int) -> int:
+        """One of ``range(n)``, drawn from the same rng (which validation batch runs paired)."""
+        return self._rng.randrange(n)
+
     def should_check(self, *, comparable: bool, other_peers: int) -> bool:
         if self.fraction == 0.0 or other_peers < 1 or not comparable:
             return False
@@ -262,6 +296,8 @@ class VerifyStats:
     skipped: int = 0  # drawn for a check while as many checks as the window were running already
     redone: int = 0  # microbatches redone: a first check's mismatch that no third peer settled
     rechecks: int = 0  # microbatches paired because a peer was in a mismatch not settled yet (asked again)
+    suspicions: int = 0  # unpaired answers checked after they came, for their size or direction
+    probes: int = 0  # last-stage answers whose gradient's direction was probed (descent_probe)
     unconfirmed: int = 0  # first answers neither confirmed nor refuted even so (let through, or redone)
     extra_requests: int = 0  # requests sent for them (second and third opinions, rechecks, retries)
     extra_samples: int = 0  # samples computed again for the checks
@@ -306,6 +342,8 @@ class CheckLedger:
         self._disputed: set[str] = set()  # peers in a mismatch no conviction cleared
         self._unsettled: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> mismatches nobody could settle
         self._gave_up: set[tuple[str, str]] = set()  # (peer, kind): not first-checked any more
+        self._agreed: set[tuple[frozenset[str], str]] = set()  # ({a, b}, kind): answered alike at one step
+        self._against: dict[tuple[str, str], set[str]] = {}  # (peer, kind) -> mates in its unsettled mismatches
 
     def confirmed(self, peer_id: str, kind: str) -> int:
         """How many of ``peer_id``'s answers of ``kind`` a check confirmed."""
@@ -321,6 +359,27 @@ class CheckLedger:
         for a in answers:
             if a.peer_id != uncredited:
                 self._confirmed[(a.peer_id, kind)] += 1
+
+    def agreed(self, a: str, b: str, kind: str) -> None:
+        """``a`` and ``b`` gave the same answer of ``kind`` at one step."""
+        if a != b:
+            self._agreed.add((frozenset((a, b)), kind))
+
+    def against(self, a: str, b: str, kind: str) -> str | None:
+        """Count a mismatch of ``a`` and ``b`` that no third answer of the same step settled against
+        both, and name the odd one out if there is one now: a peer of the two that has such
+        mismatches with two distinct peers who, in another check, gave the same answer as each other.
+        Answers of different steps cannot be compared, but verdicts can: with one liar in a stage, only
+        the liar disagrees with two peers that agree. None: not decided yet (the microbatch is redone,
+        and the mismatch stays counted whatever the peers answer next)."""
+        for peer, mate in ((a, b), (b, a)):
+            self._against.setdefault((peer, kind), set()).add(mate)
+        odd = [p for p in (a, b) if self._odd_one_out(p, kind)]
+        return odd[0] if len(odd) == 1 else None
+
+    def _odd_one_out(self, peer: str, kind: str) -> bool:
+        mates = sorted(self._against.get((peer, kind), ()))
+        return any((frozenset((x, y)), kind) in self._agreed for i, x in enumerate(mates) for y in mates[i + 1:])
 
     def dispute(self, peers: Iterable[str]) -> None:
         """``peers`` were in a mismatch: until a conviction clears them, an answer of theirs that no
@@ -354,6 +413,71 @@ class CheckLedger:
 
     def gave_up(self, peer_id: str, kind: str) -> bool:
         return (peer_id, kind) in self._gave_up
+
+
+def answer_size(answer: Answer) -> float | None:
+    """The root mean square of an answer's tensor (None when it has none, or one value: a loss);
+    infinite when a value is not finite."""
+    t = answer.tensor
+    if t is None or t.numel() < 2 or not t.is_floating_point():
+        return None
+    size = float(t.detach().float().pow(2).mean().sqrt())
+    return size if math.isfinite(size) else math.inf
+
+
+def descent_probe(inputs: torch.Tensor, grad: torch.Tensor, loss: float,
+                  drop: float = PROBE_DROP) -> torch.Tensor | None:
+    """The inputs a direction probe sends: ``inputs`` moved against ``grad`` (the last stage's answer:
+    the gradient of its mean ``loss`` with respect to them) by ``drop * loss / |grad|^2``, so that
+    the loss would fall by ``drop`` of itself to first order. A true gradient makes the loss fall
+    there (tiny, 8-bit activations, 30 batches: by 0.3-1.2% at a 5% drop, never a rise); a negated one
+    makes it rise. None when nothing can be probed (no loss, a zero or non-finite gradient)."""
+    g = grad.detach().float()
+    norm2 = float(g.pow(2).sum())
+    if not (math.isfinite(loss) and loss > 0.0 and math.isfinite(norm2) and norm2 > 0.0):
+        return None
+    return (inputs.detach().float() - (drop * loss / norm2) * g).to(inputs.dtype)
+
+
+class AnswerSizes:
+    """The sizes of the answers a trainer went on with, per stage and kind, to tell a suspicious one.
+
+    A liar that knows the checks lies where it is not paired; paired checks catch it only at the
+    pairing rate. An answer far larger or smaller than its stage-mates' recent answers (a gradient
+    tripled, activations scaled by 3) is suspicious whatever the draw, and is checked after it came
+    (``swarmd.train.spot_checks``): its peer saw an ordinary request and cannot tell afterwards that
+    another peer was asked the same. An answer is held only against *other* peers' answers, so a liar
+    cannot move its own reference; a lie that keeps the size (a sign flip) is left to the random
+    pairs. A false suspicion costs one second opinion, never a conviction."""
+
+    def __init__(self, *, factor: float = SUSPECT_FACTOR, window: int = SIZE_WINDOW,
+                 minimum: int = SIZE_MIN) -> None:
+        if factor <= 1.0 or window < 1 or minimum < 1:
+            raise ValueError("the size rule needs a factor above 1 and a positive window and minimum")
+        self.factor, self.window, self.minimum = factor, window, minimum
+        self._recent: dict[tuple[int, str], deque[tuple[str, int, float]]] = {}
+
+    def suspicious(self, stage: int, kind: str, answer: Answer) -> bool:
+        """Whether ``answer``'s size is outside the band around the median of the last ``window``
+        answers of ``kind`` its stage-mates gave (at least ``minimum`` of them; fewer: False)."""
+        size = answer_size(answer)
+        if size is None:
+            return False
+        recent = self._recent.get((stage, kind), ())
+        others = [s for p, step, s in recent if p != answer.peer_id and abs(step - answer.step) <= SIZE_STEPS]
+        if len(others) < self.minimum:
+            return False
+        median = statistics.median(others)
+        if not median > 0.0:
+            return size > 0.0 and not math.isfinite(size)
+        return not median / self.factor <= size <= median * self.factor
+
+    def observe(self, stage: int, kind: str, answer: Answer) -> None:
+        """Remember the size of an answer the trainer went on with (unsuspicious, or confirmed)."""
+        size = answer_size(answer)
+        if size is not None and math.isfinite(size):
+            recent = self._recent.setdefault((stage, kind), deque(maxlen=self.window))
+            recent.append((answer.peer_id, answer.step, size))
 
 
 class Standing(Protocol):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
+from typing import Any
+
 import pytest
 
 from swarmd.daemon import Daemon
@@ -55,6 +57,43 @@ async def test_each_liar_of_the_table_is_caught_and_excluded_and_no_honest_peer_
         assert caught == {liar.peer_id}
         for d in honest:
             assert set(d.status()["reports"]["excluded"]) == {liar.peer_id}, d.status()["reports"]
+
+
+async def _unpaired_run(lie: str, steps: int) -> tuple[Daemon, list[Daemon], Any, list[Any]]:
+    """Two trainers for ``steps`` steps with (almost) no random pairing against a check-aware liar on
+    the last stage: its first, always-paired answers are honest (it waits them out), so what catches
+    it afterwards is what is checked after an answer came. Returns the liar, the honest peers, its
+    count of lies and the trainers' summaries."""
+    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+        liar: Daemon = [d for d in daemons if d.stage == STAGE["aware"]][1]
+        assert liar.executor is not None and liar.peer_id is not None
+        told = make_liar(liar.executor, lie)
+        api = f"http://{daemons[0].status()['api_addr']}"
+        summaries = await asyncio.gather(*(Trainer(trainer_config(
+            api, f"u{k}", steps=steps, fraction=1e-9, seed=k)).run() for k in range(2)))
+        for summary in summaries:
+            assert summary.microbatches_issued == summary.microbatches_completed
+            assert set(summary.verify["caught"]) <= {liar.peer_id}, summary.verify  # no honest peer blamed
+        return liar, [d for d in daemons if d is not liar], told, summaries
+
+
+async def test_the_check_aware_liar_is_caught_by_the_size_of_its_lies_whatever_the_pairing_rate() -> None:
+    """The check-aware liar triples its input gradients once its first answers are spent: each lie is
+    far larger than its stage-mates' answers of the same steps, so it gets a second opinion as it
+    comes, and both trainers convict the liar."""
+    liar, honest, told, summaries = await _unpaired_run("aware", steps=30)
+    assert told.lies > 0 and sum(s.verify["suspicions"] for s in summaries) > 0
+    assert all(s.verify["caught"] == [liar.peer_id] for s in summaries), [s.verify for s in summaries]
+
+
+async def test_the_check_aware_liar_that_keeps_its_size_is_caught_by_probing_its_direction() -> None:
+    """``awareflip`` negates its input gradients without scaling them: no size rule sees it, and with
+    (almost) no random pairing only the direction probes can (a forward at the inputs moved against
+    the answer's gradient, asked of another peer: the loss must fall). A trainer convicts it."""
+    liar, honest, told, summaries = await _unpaired_run("awareflip", steps=40)
+    assert told.lies > 0 and sum(s.verify["probes"] for s in summaries) > 0
+    assert sum(s.verify["suspicions"] for s in summaries) > 0
+    assert {p for s in summaries for p in s.verify["caught"]} == {liar.peer_id}, [s.verify for s in summaries]
 
 
 async def test_a_check_is_an_ordinary_microbatch_to_every_peer() -> None:

@@ -243,6 +243,23 @@ async def test_a_pair_that_agrees_is_confirmed_and_a_mismatch_is_settled_by_a_th
         assert t.stats.redone == 2
 
 
+async def test_a_liar_whose_mismatches_no_third_answer_settles_is_convicted_by_their_verdicts() -> None:
+    """Every arbiter meets another step (or nobody), so no mismatch is settled at its own step: each
+    is redone and counted against both peers, and the liar is convicted once it has disagreed with
+    two peers that agreed with each other; the answer of the peer that agreed goes on."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, (a, b, liar) = _checking_trainer(client)
+        assert (await t.judge(1, "backward", answer(liar, -3 * g, 3), answer(a, g, 3), _arbiter(None), REQUEST)).redo
+        assert await t.judge(1, "backward", answer(a, g, 4), answer(b, g, 4), _arbiter(), REQUEST) == Ruling(
+            Finding.CONFIRMED)
+        assert not t.stats.caught
+        ruling = await t.judge(1, "backward", answer(liar, -3 * g, 5), answer(b, g, 5), _arbiter(answer(a, g, 6)),
+                               REQUEST)
+        assert ruling.finding is Finding.OVERRULED and ruling.use is not None and torch.equal(ruling.use.tensor, g)
+        assert t.stats.caught == (liar,)
+
+
 async def test_a_reply_step_is_checked_not_believed() -> None:
     """A step ahead of what its own peer reports in a poll made afterwards, or far beyond every
     stage-mate's, convicts its peer at once (a liar tagging its answers +1000 told 171 lies

@@ -29,15 +29,23 @@ import torch
 from swarmd.pipeline.averaging import RoundResult, StageAverager
 from swarmd.pipeline.executor import StageExecutor
 
-__all__ = ["AWARE_HONEST_ANSWERS", "LIES", "SITECUSTOMIZE", "lie_as_leader", "make_liar", "poison_contributions"]
+__all__ = ["AWARE_HONEST_ANSWERS", "LIES", "SITECUSTOMIZE", "Told", "lie_as_leader", "make_liar", "poison_contributions"]
 
-LIES = ("scale", "noise", "grad", "sometimes", "gradnoise", "stale", "ahead", "far", "aware")
+LIES = ("scale", "noise", "grad", "sometimes", "gradnoise", "stale", "ahead", "far", "aware", "awareflip")
 #: How many answers the check-aware liar (``aware``) gives honestly first: a peer's first answers
 #: to each trainer are always checked, so it waits them out.
 AWARE_HONEST_ANSWERS = 12
 
 
-def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: float = 0.5, seed: int = 0) -> None:
+@dataclasses.dataclass
+class Told:
+    """How many answers a liar of :func:`make_liar` has told wrong so far (``scripts/bench_verify.py``:
+    how soon after its first lie it is excluded)."""
+
+    lies: int = 0
+
+
+def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: float = 0.5, seed: int = 0) -> Told:
     """Make ``executor`` (this instance only) lie the way ``lie`` names (issue #29's table):
 
     * ``scale``: a forward's outputs times ``factor``; ``sometimes``: times 1.05, one forward in three;
@@ -47,9 +55,11 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
     * ``ahead`` / ``far``: every answer tagged one step ahead / 1000 steps ahead of the truth;
     * ``aware``: honest whenever a request looks like a check (flagged ``verify``, a backward of a
       microbatch whose forward it never ran, or one of its first ``AWARE_HONEST_ANSWERS`` answers),
-      and otherwise tripled, negated input gradients and validation losses times 0.9.
+      and otherwise tripled, negated input gradients and validation losses times 0.9; ``awareflip``: the
+      same, its gradients only negated (their size kept: no size rule sees it, only the pairs).
 
-    Parameter gradients stay honest (what it accumulates is the averaging's business)."""
+    Parameter gradients stay honest (what it accumulates is the averaging's business). Returns the
+    count of its lies, kept up to date."""
     if lie not in LIES:
         raise ValueError(f"unknown lie {lie!r}; one of {LIES}")
     generator = torch.Generator().manual_seed(seed)
@@ -57,18 +67,23 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
     calls = [0]
     seen: set[int] = set()  # microbatch ids it ran a forward for (the check-aware liar's memory)
     frozen = copy.deepcopy(executor.module) if lie == "stale" else None
+    told = Told()
+
+    def lied(result: Any) -> Any:
+        told.lies += 1
+        return result
 
     def forward(inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, *args: Any) -> Any:
         result = honest_forward(inputs, targets, mb, *args)
         calls[0] += 1
         out = result.outputs
         if lie in ("ahead", "far"):
-            return dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000))
-        if lie == "aware":
+            return lied(dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000)))
+        if lie in ("aware", "awareflip"):
             if mb is not None:
                 seen.add(mb)
             if targets is not None and calls[0] > AWARE_HONEST_ANSWERS:
-                return dataclasses.replace(result, outputs=out * 0.9)  # a validation loss
+                return lied(dataclasses.replace(result, outputs=out * 0.9))  # a validation loss
             return result
         if targets is not None:  # a loss (validation): left alone, only activations lie
             return result
@@ -82,37 +97,40 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
             out = out * 1.05 if calls[0] % 3 == 0 else out
         elif lie == "noise":
             out = out + noise * out.std() * torch.randn(out.shape, generator=generator, dtype=out.dtype)
-        return dataclasses.replace(result, outputs=out)
+        return dataclasses.replace(result, outputs=out) if out is result.outputs else lied(
+            dataclasses.replace(result, outputs=out))
 
     def backward(inputs: torch.Tensor, grad_outputs: torch.Tensor | None, targets: torch.Tensor | None,
                  step: int | None, mb: int | None, *args: Any, **kwargs: Any) -> Any:
         result = honest_backward(inputs, grad_outputs, targets, step, mb, *args, **kwargs)
         calls[0] += 1
         if lie in ("ahead", "far"):
-            return dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000))
+            return lied(dataclasses.replace(result, step=result.step + (1 if lie == "ahead" else 1000)))
         if result.grad_inputs is None:
             return result
-        if lie == "aware":
+        if lie in ("aware", "awareflip"):
             verify = args[1] if len(args) > 1 else kwargs.get("verify", False)
             looks_checked = (verify or calls[0] <= AWARE_HONEST_ANSWERS
                              or (grad_outputs is not None and mb not in seen))
             seen.discard(mb if mb is not None else -1)
             if looks_checked:
                 return result
-            return dataclasses.replace(result, grad_inputs=-3.0 * result.grad_inputs)
+            return lied(dataclasses.replace(result, grad_inputs=(-3.0 if lie == "aware" else -1.0)
+                                            * result.grad_inputs))
         if lie == "gradnoise":
             g = result.grad_inputs
             noisy = g + 0.2 * g.std() * torch.randn(g.shape, generator=generator, dtype=g.dtype)
-            return dataclasses.replace(result, grad_inputs=noisy)
-        return dataclasses.replace(result, grad_inputs=-3.0 * result.grad_inputs)
+            return lied(dataclasses.replace(result, grad_inputs=noisy))
+        return lied(dataclasses.replace(result, grad_inputs=-3.0 * result.grad_inputs))
 
     if lie in ("grad", "gradnoise"):
         executor._backward_sync = backward  # type: ignore[method-assign]
-    elif lie in ("ahead", "far", "aware"):
+    elif lie in ("ahead", "far", "aware", "awareflip"):
         executor._backward_sync = backward  # type: ignore[method-assign]
         executor._forward_sync = forward  # type: ignore[method-assign]
     else:
         executor._forward_sync = forward  # type: ignore[method-assign]
+    return told
 
 
 def poison_contributions(averager: StageAverager, how: str) -> None:

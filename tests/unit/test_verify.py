@@ -9,7 +9,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from swarmd.train.verify import FIRST_CHECKS, UNSETTLED_LIMIT, Answer, CheckLedger, excluded_by_majority
+from swarmd.train.verify import (
+    FIRST_CHECKS,
+    SIZE_MIN,
+    SIZE_STEPS,
+    SUSPECT_FACTOR,
+    UNSETTLED_LIMIT,
+    Answer,
+    AnswerSizes,
+    CheckLedger,
+    SpotChecker,
+    answer_size,
+    descent_probe,
+    excluded_by_majority,
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,96 @@ def test_giving_up_on_a_peer_says_whether_it_is_new() -> None:
     ledger = CheckLedger()
     assert ledger.give_up("a", "forward") and not ledger.give_up("a", "forward")
     assert ledger.gave_up("a", "forward") and not ledger.gave_up("a", "backward")
+
+
+def test_a_mismatch_nobody_settled_counts_against_the_peer_that_disagrees_with_two_that_agree() -> None:
+    """Answers of different steps cannot be compared, verdicts can: a liar whose mismatches keep
+    meeting no third answer of their step is convicted once it has disagreed with two peers that
+    agreed with each other; the honest peers it disagreed with never are."""
+    ledger = CheckLedger()
+    assert ledger.against("x", "b", "backward") is None  # one mismatch: nothing decided, but counted
+    ledger.agreed("x", "c", "backward")  # the liar answered honestly when it was looked at again: still counted
+    assert ledger.against("x", "c", "backward") is None  # b and c never agreed yet
+    ledger.agreed("b", "c", "forward")  # another kind of answer says nothing of this one
+    assert ledger.against("b", "x", "backward") is None
+    ledger.agreed("c", "b", "backward")
+    assert ledger.against("c", "x", "backward") == "x"
+    # an honest peer that disagreed with one liar only is never the odd one out
+    ledger = CheckLedger()
+    ledger.agreed("b", "c", "forward")
+    for _ in range(5):
+        assert ledger.against("x", "b", "forward") is None
+    # two that each disagree with two agreeing pairs (colluding liars agreeing with each other): nobody
+    ledger = CheckLedger()
+    ledger.agreed("x", "y", "forward")
+    ledger.agreed("b", "c", "forward")
+    for liar, honest in (("x", "b"), ("x", "c"), ("y", "b"), ("y", "c")):
+        ledger.against(liar, honest, "forward")
+    assert ledger.against("b", "y", "forward") is None
+
+
+def _sized(peer: str, size: float, step: int = 5) -> Answer:
+    return Answer(peer, step, torch.full((4, 8), size))
+
+
+def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None:
+    sizes = AnswerSizes()
+    assert answer_size(_sized("a", 2.0)) == pytest.approx(2.0)
+    assert answer_size(Answer("a", 0, torch.tensor(3.0))) is None and answer_size(Answer("a", 0, None)) is None
+    assert answer_size(Answer("a", 0, torch.tensor([1.0, float("nan")]))) == float("inf")
+    assert not sizes.suspicious(1, "backward", _sized("x", 100.0))  # nothing to hold it against yet
+    for k in range(SIZE_MIN):
+        sizes.observe(1, "backward", _sized("abc"[k % 3], 1.0 + 0.1 * k))
+    assert SUSPECT_FACTOR == 2.0
+    assert not sizes.suspicious(1, "backward", _sized("x", 1.9))
+    assert sizes.suspicious(1, "backward", _sized("x", 3.0))  # a tripled gradient
+    assert sizes.suspicious(1, "backward", _sized("x", 0.4))  # or one shrunk
+    assert sizes.suspicious(1, "backward", Answer("x", 5, torch.tensor([1.0, float("inf")])))
+    assert not sizes.suspicious(1, "forward", _sized("x", 3.0))  # per kind
+    assert not sizes.suspicious(0, "backward", _sized("x", 3.0))  # and per stage
+    # answers of steps far apart are not held against each other (sizes move fast while warming up)
+    assert not sizes.suspicious(1, "backward", _sized("x", 3.0, step=5 + SIZE_STEPS + 1))
+    # a peer is held against its mates only: its own answers never make its reference
+    own = AnswerSizes()
+    for _ in range(10):
+        own.observe(1, "backward", _sized("x", 3.0))
+    own.observe(1, "backward", _sized("b", 1.0))
+    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer: too few to judge
+    own.observe(1, "backward", _sized("c", 1.0))
+    assert own.suspicious(1, "backward", _sized("x", 3.0))
+    with pytest.raises(ValueError):
+        AnswerSizes(factor=1.0)
+
+
+def test_a_direction_probe_moves_the_inputs_downhill_for_a_true_gradient_and_uphill_for_a_negated_one() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x, target = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+        x.requires_grad_(True)
+        loss = torch.nn.functional.mse_loss(x, target)
+        (grad,) = torch.autograd.grad(loss, x)
+        x, loss = x.detach(), loss.detach()
+
+        def at(inputs: torch.Tensor) -> float:
+            return float(torch.nn.functional.mse_loss(inputs, target))
+
+        honest, negated = descent_probe(x, grad, float(loss)), descent_probe(x, -grad, float(loss))
+        assert honest is not None and negated is not None
+        assert at(honest) < float(loss) < at(negated)
+        # the move is the first-order drop asked for: 5 % of the loss along the gradient
+        assert float(((x - honest) * grad).sum()) == pytest.approx(0.05 * float(loss), rel=1e-4)
+    assert descent_probe(x, torch.zeros_like(x), 1.0) is None  # nothing to probe
+    assert descent_probe(x, grad, float("nan")) is None and descent_probe(x, grad, 0.0) is None
+    assert descent_probe(x, torch.full_like(x, float("inf")), 1.0) is None
+
+
+def test_the_checker_draws_which_validation_batch_runs_paired_from_its_rng() -> None:
+    import random
+
+    checker = SpotChecker(0.02, random.Random(1))
+    drawn = {checker.choice(4) for _ in range(100)}
+    assert drawn == {0, 1, 2, 3}
+    assert not any(checker.draw(0.0) for _ in range(100)) and all(checker.draw(1.0) for _ in range(100))
 
 
 @pytest.mark.parametrize(("answers", "excluded"), [
