@@ -12,11 +12,15 @@ Encoding and decoding frames costs real CPU (8-bit quantization especially), so 
 above :data:`INLINE_CODEC_BYTES` are coded on a small thread pool the client owns, and the
 event loop only moves bytes (the server does the same). The client owns its aiohttp session,
 or uses one it is given (the daemon's, signed with the swarm key) and leaves that one open.
+
+Every reply body is timed from its first byte to its last into :attr:`DataPlaneClient.links`
+(``swarmd.net.links``): the averaging rounds' bodies measure the links between stage-mates for free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,6 +30,7 @@ import torch
 
 from swarmd.errors import PeerError, SwarmdError, remote_error
 from swarmd.net.addresses import dial_target
+from swarmd.net.links import LinkMeter
 from swarmd.net.messages import (
     AverageReply,
     AverageRequest,
@@ -77,6 +82,7 @@ class DataPlaneClient:
         self.timeout_s = timeout_s
         self.limits = limits  # what this client accepts in replies
         self._swarm_key = swarm_key
+        self.links = LinkMeter()  # every reply body's time, by the address it came from
         self._session = session
         self._owns_session = session is None
         # threads start on the first submit: a client that only polls progress never has any
@@ -223,7 +229,9 @@ class DataPlaneClient:
             ) as resp:
                 if resp.status != 200:
                     raise await _refusal(resp)
+                started = time.monotonic()  # the headers are in: the body's first bytes with them
                 payload = await resp.read()
+                self.links.record(addr, len(payload), time.monotonic() - started)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc
         try:
