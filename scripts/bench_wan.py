@@ -11,7 +11,14 @@ settings, each on a fresh lab and a fresh swarm:
 - ``nat``: no shaping, but the last host (a stage-1 peer) sits behind a masquerading NAT: nobody can
   dial it, so it serves through a relay (a reachable peer; ``swarmd.net.relay``). Against ``lan``:
   what the relayed hop costs the swarm, and (``daemons[].throughput``, ``relayed_for_others``) what
-  relaying costs the relay's own serving.
+  relaying costs the relay's own serving;
+- ``lan8`` and ``wan100x8``: stage 0 served by 8 peers (the other stages by ``--peers-per-stage``), unshaped
+  and at 100 ms / 100 Mbit/s: one stage's averaging round among 8; ``wan100x8``'s ratio is over ``lan8``'s.
+
+The swarm averages with ``--grad-codec`` (default ``auto``, swarmd's own default: the codec chosen per link from
+its measured throughput; each daemon's ``averaging.codecs_sent`` and ``links_mbit_s`` say what it chose).
+``--no-slow-start-after-idle`` sets ``net.ipv4.tcp_slow_start_after_idle=0`` in the lab's hosts (their own
+network namespaces; the machine's stays as it is): what an operator can set for a swarm over the internet.
 
 The job: ``--preset`` (small: 2 stages) with ``--peers-per-stage`` daemons per stage (2), one per lab
 host, started through the real CLI bound to the host's own address (``--host A --dht-host A
