@@ -213,8 +213,9 @@ class RoundLeader(RoundAccuser):
             return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
         if set(rnd.contributions) <= {self.peer_id}:  # a lone peer: nobody to answer, nothing to encode
             return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, used=used)
-        # one answer for everyone: under "auto", as compressed as the most compressed contribution
-        codec = _wire_codec(mean, answer_codec(ex.training.grad_codec, list(rnd.codecs.values())))
+        # one answer for everyone: under "auto", as compressed as the most compressed contribution it used
+        sent = [rnd.codecs.get(pid, "none") for pid in rnd.contributions]
+        codec = _wire_codec(mean, answer_codec(ex.training.grad_codec, sent))
         answer = RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, used=used).to_reply(ex.stage)
         reply = answer.encode(codec)
         if codec != "none":  # lossy: apply what the contributors will decode, bit for bit

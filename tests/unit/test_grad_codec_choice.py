@@ -89,3 +89,16 @@ def test_the_answer_is_as_compressed_as_the_most_compressed_contribution() -> No
 def test_auto_carries_error_feedback_and_the_loosest_answer_slack_of_its_ladder() -> None:
     assert needs_feedback(AUTO)
     assert ANSWER_SLACK[AUTO] == max(ANSWER_SLACK[c] for c, _ in LADDER)
+
+
+@pytest.mark.parametrize("codec", ["none", "8bit", "5level"])
+def test_a_contribution_tells_the_leader_the_codec_it_travelled_with(codec: str) -> None:
+    from swarmd.net.messages import AverageRequest
+    from swarmd.net.wire import decode_frame
+
+    grads = torch.randn(1000)
+    sent = AverageRequest(stage=0, peer_id="p" * 8, step=3, samples=4, grads=grads, codec=codec)
+    got = AverageRequest.from_frame(decode_frame(sent.encode()))
+    assert got.codec == codec
+    empty = AverageRequest(stage=0, peer_id="p" * 8, step=3, samples=0, grads=None, codec=codec)
+    assert AverageRequest.from_frame(decode_frame(empty.encode())).codec == "none"  # no gradients, no codec
