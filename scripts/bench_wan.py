@@ -11,7 +11,14 @@ settings, each on a fresh lab and a fresh swarm:
 - ``nat``: no shaping, but the last host (a stage-1 peer) sits behind a masquerading NAT: nobody can
   dial it, so it serves through a relay (a reachable peer; ``swarmd.net.relay``). Against ``lan``:
   what the relayed hop costs the swarm, and (``daemons[].throughput``, ``relayed_for_others``) what
-  relaying costs the relay's own serving.
+  relaying costs the relay's own serving;
+- ``lan8`` and ``wan100x8``: stage 0 served by 8 peers (the other stages by ``--peers-per-stage``), unshaped
+  and at 100 ms / 100 Mbit/s: one stage's averaging round among 8; ``wan100x8``'s ratio is over ``lan8``'s.
+
+The swarm averages with ``--grad-codec`` (default ``auto``, swarmd's own default: the codec chosen per link from
+its measured throughput; each daemon's ``averaging.codecs_sent`` and ``links_mbit_s`` say what it chose).
+``--no-slow-start-after-idle`` sets ``net.ipv4.tcp_slow_start_after_idle=0`` in the lab's hosts (their own
+network namespaces; the machine's stays as it is): what an operator can set for a swarm over the internet.
 
 The job: ``--preset`` (small: 2 stages) with ``--peers-per-stage`` daemons per stage (2), one per lab
 host, started through the real CLI bound to the host's own address (``--host A --dht-host A
@@ -65,6 +72,8 @@ class Scenario:
     rtt_ms: float
     rate: str | None
     nat: tuple[int, ...] = ()  # hosts behind a masquerading NAT: they serve through a relay (swarmd.net.relay)
+    stage0_peers: int | None = None  # peers serving stage 0 (None: --peers-per-stage, like every other stage)
+    baseline: str = "lan"  # the scenario whose samples/s this one's ratio is over
 
     @property
     def delay_s(self) -> float:
@@ -74,7 +83,10 @@ class Scenario:
 SCENARIOS = {s.name: s for s in (Scenario("lan", 0.0, None), Scenario("wan50", 50.0, "500mbit"),
                                  Scenario("wan100", 100.0, "100mbit"),
                                  # the last host (a stage-1 peer with 2 peers per stage) behind NAT, relayed
-                                 Scenario("nat", 0.0, None, nat=(-1,)))}
+                                 Scenario("nat", 0.0, None, nat=(-1,)),
+                                 # 8 peers averaging in one stage (issue 28): over the WAN, and its own LAN baseline
+                                 Scenario("lan8", 0.0, None, stage0_peers=8, baseline="lan8"),
+                                 Scenario("wan100x8", 100.0, "100mbit", stage0_peers=8, baseline="lan8"))}
 
 
 @dataclass(frozen=True)
@@ -88,11 +100,12 @@ class Settings:
     window: int = 4
     codec: str = "8bit"
     sync: bool = True
-    grad_codec: str = "none"  # how the stage's peers send gradients to each other when they average
+    grad_codec: str = "auto"  # how the stage's peers send gradients to each other when they average
     delay_updates: bool = False  # the swarm's delayed parameter updates (paper 3.3): averaging overlaps serving
     val_every: int = 0  # held-out loss every this many steps (0: none); the scenario's val_curve
     val_batches: int = 4  # microbatches of held-out samples per validation
     data_shards: int = 16  # an asynchronous trainer draws from one of this many shards at a time (TrainerConfig)
+    slow_start_after_idle: bool = True  # the hosts' net.ipv4.tcp_slow_start_after_idle (Linux's default: 1)
 
 
 class BenchError(Exception):
@@ -193,18 +206,21 @@ def trainer_child(s: Settings, api: str) -> dict[str, Any]:
 
 def run_scenario(s: Settings, sc: Scenario, workdir: Path,
                  trainer_timeout_s: float = TRAINER_TIMEOUT_S) -> dict[str, Any]:
-    stages = _stages(s.preset)
-    hosts = stages * s.peers_per_stage
+    stage_of = host_stages(_stages(s.preset), s.peers_per_stage, sc.stage0_peers)
+    hosts = len(stage_of)
     daemons: list[DaemonProcess] = []
     nat = tuple(h % hosts for h in sc.nat)
     with netlab.Lab(hosts, rate=sc.rate, delay_s=sc.delay_s, nat=nat) as lab:
+        if not s.slow_start_after_idle:
+            for i in range(hosts):
+                lab.sysctl(i, {"net.ipv4.tcp_slow_start_after_idle": "0"})
         link = netlab.measure(lab, 1, 0, nbytes=4 << 20)
         try:
-            for i in range(hosts):  # host i serves stage i % stages; host 0 founds the swarm
+            for i in range(hosts):  # host i serves stage stage_of[i]; host 0 founds the swarm
                 addr = lab.addr(i)
                 args = ["--host", addr, "--dht-host", addr, "--api-host", "127.0.0.1", "--swarm", "bench-wan",
                         "--device", "cpu", "--drain-timeout", "5", "--log-level", "WARNING",
-                        "--announce-period", "2", "--rebalance-policy", "none", "--stage", str(i % stages)]
+                        "--announce-period", "2", "--rebalance-policy", "none", "--stage", str(stage_of[i])]
                 if i == 0:
                     args += ["--model", s.preset, "--target-batch-size", str(s.batch_size),
                              "--grad-codec", s.grad_codec, *(["--delay-updates"] if s.delay_updates else [])]
@@ -246,7 +262,7 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path,
             codes = [d.stop() for d in daemons]
     result.update({
         "scenario": sc.name, "rtt_ms": sc.rtt_ms, "rate": sc.rate, "link": link,
-        "daemons": [{"host": i, "stage": i % stages, "addr": st.get("data_addr"), "exit_code": code,
+        "daemons": [{"host": i, "stage": stage_of[i], "addr": st.get("data_addr"), "exit_code": code,
                      "behind_nat": i in nat, "cpu_s": None if a is None or b is None else b - a,
                      "throughput": st.get("throughput"), "served": st.get("served"),
                      "relay_client": (st.get("relay") or {}).get("client"),
@@ -258,6 +274,21 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path,
                     for i, (d, a, b, code, st) in enumerate(zip(daemons, cpu0, cpu1, codes, statuses, strict=True))],
     })
     return result
+
+
+def host_stages(stages: int, peers_per_stage: int, stage0_peers: int | None = None) -> list[int]:
+    """The stage each lab host serves: ``peers_per_stage`` on every stage (``stage0_peers`` on stage 0
+    when given), dealt round-robin, so host 0 (the founder) serves stage 0 and host 1 stage 1."""
+    left = [peers_per_stage] * stages
+    if stage0_peers is not None:
+        left[0] = stage0_peers
+    out: list[int] = []
+    while any(left):
+        for stage in range(stages):
+            if left[stage]:
+                out.append(stage)
+                left[stage] -= 1
+    return out
 
 
 def host_status(lab: netlab.Lab, host: int, d: DaemonProcess) -> dict[str, Any]:
@@ -288,7 +319,8 @@ def _averaging_view(st: dict[str, Any]) -> dict[str, Any] | None:
     averaging = st.get("averaging")
     if not averaging:
         return None
-    keep = ("rounds_ok", "rounds_aborted", "silent_contributors", "rounds_refused", "excluded")
+    keep = ("rounds_ok", "rounds_aborted", "silent_contributors", "rounds_refused", "excluded", "codecs_sent",
+            "links_mbit_s")
     recent = [[r.get("step"), r.get("status"), (r.get("leader") or "")[:8], r.get("contributors"),
                [m[:8] for m in r.get("missing") or []], r.get("duration_s")] for r in averaging.get("recent") or []]
     return {**{k: averaging.get(k) for k in keep}, "recent": recent}
@@ -306,8 +338,9 @@ def run(s: Settings, scenarios: Sequence[Scenario], trainer_timeout_s: float = T
         for sc in scenarios:
             print(f"bench_wan: {sc.name} (RTT {sc.rtt_ms:g} ms, rate {sc.rate or 'unlimited'})", file=sys.stderr)
             results.append(run_scenario(s, sc, Path(tmp), trainer_timeout_s))
-    base = next((r["samples_per_s"] for r in results if r["scenario"] == "lan"), None)
+    speed = {r["scenario"]: r["samples_per_s"] for r in results}
     for r in results:
+        base = speed.get(SCENARIOS[r["scenario"]].baseline)
         r["ratio"] = r["samples_per_s"] / base if base else None
     lan_losses = next((r["step_losses"] for r in results if r["scenario"] == "lan"), None)
     for r in results:
@@ -373,8 +406,12 @@ def print_summary(r: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
-                   help="network settings to run, in order (default: lan wan50 wan100; ratios need lan)")
+    p.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=["lan", "wan50", "wan100"],
+                   help="network settings to run, in order (default: lan wan50 wan100; ratios need lan, or lan8 for "
+                   "wan100x8: 8 peers on stage 0)")
+    p.add_argument("--slow-start-after-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="the hosts' net.ipv4.tcp_slow_start_after_idle, set in their own network namespaces "
+                   "(default: on, Linux's default; --no-slow-start-after-idle: what an operator can set)")
     p.add_argument("--preset", default="small", help="model preset (default: small)")
     p.add_argument("--peers-per-stage", type=int, default=2)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
@@ -383,8 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--microbatch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=4, help="the trainer's microbatches in flight (default: 4)")
     p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit", "4bit"), default="8bit")
-    p.add_argument("--grad-codec", choices=("none", "fp16", "8bit", "4bit", "3bit", "2bit"), default="none",
-                   help="the swarm's codec for gradients between a stage's peers when they average (default: none)")
+    p.add_argument("--grad-codec", choices=("auto", "none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit"),
+                   default="auto", help="the swarm's codec for gradients between a stage's peers when they average "
+                   "(default: auto, swarmd's: chosen per link from its measured throughput)")
     p.add_argument("--delay-updates", action="store_true",
                    help="the swarm uses delayed parameter updates: stages keep serving while they average "
                    "(use with --no-sync)")
@@ -431,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         warmup=args.warmup, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                         window=args.window, codec=args.codec, sync=args.sync, grad_codec=args.grad_codec,
                         delay_updates=args.delay_updates, val_every=args.val_every, val_batches=args.val_batches,
-                        data_shards=args.data_shards)
+                        data_shards=args.data_shards, slow_start_after_idle=args.slow_start_after_idle)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the daemons and removes the lab like Ctrl-C does

@@ -475,6 +475,11 @@ class Lab:
         """``subprocess.run`` inside the host."""
         return subprocess.run(self.command(host, argv), **kw)
 
+    def sysctl(self, host: int, settings: Mapping[str, str]) -> None:
+        """Set kernel knobs of the host's own network namespace (per-namespace ones, e.g.
+        ``net.ipv4.tcp_slow_start_after_idle``; the root namespace's stay as they are)."""
+        _sysctl(self.netns(host), settings)
+
     # -- cleanup ----------------------------------------------------------------------------------
 
     def _install_cleanup_hooks(self) -> None:

@@ -171,6 +171,10 @@ class AveragingInfo(BaseModel):
     proofs: ProofsInfo | None = None
     control_requests: dict[str, int] = Field(default_factory=dict, description="averaging requests without "
                                              "gradients this peer sent, by kind")
+    codecs_sent: dict[str, int] = Field(default_factory=dict, description="gradients this peer sent to stage-mates "
+                                        "(contributions, all-reduce parts), by codec (auto chooses per link)")
+    links_mbit_s: dict[str, float] = Field(default_factory=dict, description="stage-mate address -> the throughput "
+                                           "of this peer's averaging transfers from it, as measured (swarmd.net.links)")
 
 
 class MigrationInfo(_Part):

@@ -113,10 +113,11 @@ def build_parser(prog: str = "swarmd", overview: str | None = None) -> argparse.
                           "+15%% held-out after 40 steps of small, docs/BENCHMARKS.md)")
     founding.add_argument("--averaging-timeout", type=seconds, default=None, metavar="SECONDS",
                           help="a stage's all-reduce stops waiting for missing peers after this (default: 30)")
-    founding.add_argument("--grad-codec", choices=("none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit"),
+    founding.add_argument("--grad-codec", choices=("auto", "none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit"),
                           default=None,
                           help="codec of the gradients a stage's peers average (lossy codecs keep the peers "
-                          "bit-identical; default: none)")
+                          "bit-identical); auto: none on fast links, 8bit or 5level on slow ones, from each link's "
+                          "measured throughput (default: auto)")
     founding.add_argument("--averaging", choices=("leader", "allreduce"), default=None,
                           help="how a stage's peers average: one leader receives every contribution, or a chunked "
                           "all-reduce whose per-peer traffic does not grow with the stage (default: leader)")

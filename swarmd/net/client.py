@@ -12,11 +12,15 @@ Encoding and decoding frames costs real CPU (8-bit quantization especially), so 
 above :data:`INLINE_CODEC_BYTES` are coded on a small thread pool the client owns, and the
 event loop only moves bytes (the server does the same). The client owns its aiohttp session,
 or uses one it is given (the daemon's, signed with the swarm key) and leaves that one open.
+
+Every reply body is timed from its first byte to its last into :attr:`DataPlaneClient.links`
+(``swarmd.net.links``): the averaging rounds' bodies measure the links between stage-mates for free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,6 +30,7 @@ import torch
 
 from swarmd.errors import PeerError, SwarmdError, remote_error
 from swarmd.net.addresses import dial_target
+from swarmd.net.links import LinkMeter
 from swarmd.net.messages import (
     AverageReply,
     AverageRequest,
@@ -47,12 +52,15 @@ from swarmd.net.messages import (
 from swarmd.net.wire import CONTENT_TYPE, DEFAULT_LIMITS, Frame, WireLimits, decode_frame
 from swarmd.swarm_key import SwarmKey, signing_middleware
 
-__all__ = ["INLINE_CODEC_BYTES", "DataPlaneClient", "client_session"]
+__all__ = ["INLINE_CODEC_BYTES", "KEEPALIVE_S", "DataPlaneClient", "client_session"]
 
 #: Frames (or, before encoding, tensor bytes) up to this size are coded on the event loop: a
 #: hop to the pool costs more than encoding a few KiB, and progress polls stay cheap.
 INLINE_CODEC_BYTES = 64 * 2**10
 CONNECT_TIMEOUT_S = 10.0  # a TCP connect that takes longer: the address is not reachable
+#: Idle connections to a peer stay open this long: below the data plane's own 60 s (``NetConfig
+#: .read_timeout_s``), so the client never reuses one the server is closing.
+KEEPALIVE_S = 50.0
 
 T = TypeVar("T")
 
@@ -78,6 +86,7 @@ class DataPlaneClient:
         self.timeout_s = timeout_s
         self.limits = limits  # what this client accepts in replies
         self._swarm_key = swarm_key
+        self.links = LinkMeter()  # every reply body's time, by the address it came from
         self._session = session
         self._owns_session = session is None
         #: bodies sent and received (frames and JSON, HTTP headers not counted): what this client
@@ -240,8 +249,10 @@ class DataPlaneClient:
             ) as resp:
                 if resp.status != 200:
                     raise await _refusal(resp)
+                started = time.monotonic()  # the headers are in: the body's first bytes with them
                 payload = await resp.read()
                 self.bytes_received += len(payload)
+                self.links.record(addr, len(payload), time.monotonic() - started)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc
         try:
@@ -280,7 +291,14 @@ class DataPlaneClient:
 
 def client_session(swarm_key: SwarmKey | None, **kwargs: Any) -> aiohttp.ClientSession:
     """An aiohttp session whose requests are signed with ``swarm_key`` (when given), so that the
-    data plane of a private swarm serves them."""
+    data plane of a private swarm serves them.
+
+    Its connections stay open :data:`KEEPALIVE_S` between requests (aiohttp's default is 15 s): a
+    stage-mate averaged with once a step of 20 s, or a stage peer a trainer calls now and then, is
+    reached without a new handshake (one round trip more over the internet, and a fresh connection
+    starts TCP's congestion window from scratch). Every connection has TCP_NODELAY set (aiohttp's
+    protocol does it for client and server alike): a small request is not held back for a full segment."""
+    kwargs.setdefault("connector", aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
     if swarm_key is not None:
         kwargs["middlewares"] = (*kwargs.get("middlewares", ()), signing_middleware(swarm_key.http()))
     return aiohttp.ClientSession(**kwargs)

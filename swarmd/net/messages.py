@@ -677,6 +677,8 @@ class AverageRequest:
                                 "peer_id": self.peer_id}
         if self.public_key is not None and self.signature is not None:
             meta.update(pk=self.public_key, sig=self.signature, digest=self.digest or "", norm=float(self.norm))
+        if self.grads is not None and self.codec != "none":
+            meta["codec"] = self.codec  # under grad_codec "auto" the leader answers in the most compressed sent
         tensors = {} if self.grads is None else {"grads": self.grads}
         if self.mbs and len(self.mbs) <= MAX_CONTRIBUTION_MBS:
             tensors["mbs"] = torch.tensor([m - 2**64 if m >= 2**63 else m for m in self.mbs], dtype=torch.int64)
@@ -688,7 +690,7 @@ class AverageRequest:
         meta = frame.meta
         stage = _stage(meta)
         _check_target(stage, meta.get("model"), target)
-        _codec(meta)
+        codec = _codec(meta)
         peer_id = meta.get("peer_id")
         if not isinstance(peer_id, str) or not 0 < len(peer_id) <= MAX_PEER_ID_LEN:
             raise RequestError("meta.peer_id (the contributor's peer id) is required")
@@ -720,7 +722,7 @@ class AverageRequest:
         if ids is not None and (ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() > MAX_CONTRIBUTION_MBS):
             raise RequestError(f"'mbs' must be int64 of shape [n], n <= {MAX_CONTRIBUTION_MBS} (microbatch ids)")
         mbs = () if ids is None else tuple(m % 2**64 for m in ids.tolist())
-        return cls(stage=stage, peer_id=peer_id, step=step, samples=samples, grads=grads,
+        return cls(stage=stage, peer_id=peer_id, step=step, samples=samples, grads=grads, codec=codec,
                    public_key=pk, signature=sig, digest=digest, mbs=mbs, norm=norm)
 
 

@@ -440,7 +440,7 @@ class AllReduceAverager(StageAverager):
         if req.peer_id in self.excluded():
             owner.refuse(req.peer_id, Refusal("excluded", "by this stage"))
             return ArAck(False, "excluded: this stage excludes that peer for now")
-        why = owner.add(req.peer_id, req.samples, req.grads, digest)
+        why = owner.add(req.peer_id, req.samples, req.grads, digest, req.codec)
         return ArAck(why is None, why or "")
 
     def _part_signer(self, frame: Frame, owner: PartOwner, digest: str | None = None) -> str | None:

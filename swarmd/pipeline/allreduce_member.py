@@ -41,6 +41,7 @@ class RoundHost(Protocol):
     coord: Coordinator
     owners: dict[tuple[str, int], PartOwner]
     control_requests: Counter[str]
+    codecs_sent: Counter[str]
     commit_grace_s: float
     reply_slack_s: float
     rounds_ok: int
@@ -124,7 +125,10 @@ class MemberRound:
                 if why is not None:
                     log.warning("stage %d: own part %d refused by itself (%s)", ex.stage, j, why)
                 return
-            codec = "none" if piece is None else _wire_codec(piece, ex.training.grad_codec)
+            codec = ("none" if piece is None
+                     else _wire_codec(piece, ex.training.grad_codec, av.client.links, plan.addr(owner)))
+            if piece is not None:
+                av.codecs_sent[codec] += 1
             decoded, digest = await asyncio.to_thread(_as_decoded, piece, codec)
             self.mine[j] = (Used(av.peer_id, own.samples, digest, per_sample_norm(decoded, own.samples)), decoded)
             key = sig = None

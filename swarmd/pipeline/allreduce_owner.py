@@ -5,8 +5,9 @@ checks of ``swarmd.pipeline.round_checks``, on the part's per-sample norms), red
 the leader's rule applied to the part (``swarmd.pipeline.round_reduction``: slices far from or
 against the owner's own slice left out, a CenteredClip of three or more, the plain mean of two;
 the plain float64 sum in peer-id order when nothing is clipped), encodes the mean once with the
-swarm's codec and keeps those bytes: every member fetches and decodes exactly them, so the part
-means, hence the peers, stay bit-identical.
+swarm's codec (under ``auto``, the most compressed its members' slices came with) and keeps those
+bytes: every member fetches and decodes exactly them, so the part means, hence the peers, stay
+bit-identical.
 
 Bounded influence per part: one member's slice moves part ``j``'s mean by at most that part's
 bound (``robust_aggregation``), so the whole mean by at most the root of the sum of the parts'
@@ -30,6 +31,7 @@ from swarmd.net.wire import decode_frame
 from swarmd.pipeline.allreduce_messages import encode_mean
 from swarmd.pipeline.allreduce_plan import Ready, RoundPlan, part_digest, reduce_part
 from swarmd.pipeline.executor import Contribution
+from swarmd.pipeline.grad_codec_choice import answer_codec
 from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import Used, outliers, per_sample_norm, tensor_digest
 from swarmd.pipeline.round_reduction import reduce_contributions
@@ -52,14 +54,18 @@ class PartOwner:
         self.refused: dict[str, Refusal] = {}
         self._complete = asyncio.Event()
         self._reduced = asyncio.Event()
+        self.sent_codecs: list[str] = []  # the codecs the members' slices came with
         self.encoded: bytes | None = None  # the mean as every member fetches it
         self.mean: torch.Tensor | None = None  # decoded from ``encoded``
         self.ready: Ready | None = None
         self.clipped: tuple[str, ...] = ()  # slices whose influence the part's robust mean cut
         self.struck: tuple[str, ...] = ()  # slices left out of the part's mean (far from or against the owner's)
 
-    def add(self, peer_id: str, samples: int, grads: torch.Tensor | None, digest: str | None = None) -> str | None:
-        """A member's slice (``digest``: its tensor_digest, computed when None); why it is turned away."""
+    def add(self, peer_id: str, samples: int, grads: torch.Tensor | None, digest: str | None = None,
+            codec: str = "none") -> str | None:
+        """A member's slice (``digest``: its tensor_digest, computed when None; ``codec``: the one it
+        travelled with, which under ``auto`` sets the mean's, ``grad_codec_choice.answer_codec``); why
+        it is turned away."""
         if peer_id not in self.plan.member_ids:
             return "not a member of this round"
         if self._reduced.is_set() or self.ready is not None:
@@ -69,6 +75,8 @@ class PartOwner:
         if grads is not None and grads.numel() != self.size:
             return f"part {self.part} has {self.size} values"
         self.parts[peer_id] = (samples, grads)
+        if grads is not None:
+            self.sent_codecs.append(codec)
         self.digests[peer_id] = digest if digest is not None else tensor_digest(grads)
         if set(self.parts) | set(self.refused) >= set(self.plan.member_ids):
             self._complete.set()
@@ -108,7 +116,7 @@ class PartOwner:
                                    {}, leader=self.owner, target=0, numel=self.size, score=True)
         mean = red.mean if red.mean is not None else reduce_part(parts, self.size)[0]
         self.clipped, self.struck = red.clipped, red.struck
-        codec = self.codec
+        codec = answer_codec(self.codec, self.sent_codecs)
         if codec == "fp16" and mean.numel() and float(mean.abs().max()) > 65504.0:
             codec = "none"  # float16 would overflow: this part travels uncompressed (its frame says so)
         used = [Used(pid, s, self.digests.get(pid, ""), norms[pid][0]).to_wire()

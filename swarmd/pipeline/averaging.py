@@ -42,7 +42,10 @@ the mean) and answers in float32. The leader's own contribution never
 travels, so it is not compressed. The mean is encoded once and the leader applies
 ``decode(encode(mean))``, exactly what the contributors decode, so the peers stay bit-identical
 whatever the codec: re-encoding a decoded mean is not the identity for ``8bit``, which is why
-the answer's bytes are built once, not per contributor. ``none`` is exact, as before.
+the answer's bytes are built once, not per contributor. ``none`` is exact, as before. ``auto``
+(the default) lets each contributor pick ``none``, ``8bit`` or ``5level`` for its link to the leader
+from that link's measured throughput, and the leader answers in the most compressed of the codecs
+it received (``swarmd.pipeline.grad_codec_choice``); on loopback it is ``none``.
 
 Failures: a contributor that dies after sending is simply absent from the answers; one that
 dies before sending costs the others at most ``averaging_timeout_s``. A leader that dies makes

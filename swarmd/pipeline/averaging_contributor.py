@@ -109,7 +109,9 @@ class RoundContributor(AveragerCore):
         gradients as it decodes them, and the round's outcome (PeerError when the leader refused, did
         not answer in time, or answered something unreadable). Tests wrap it to send something else."""
         ex = self.executor
-        codec = "none" if own.grads is None else _wire_codec(own.grads, ex.training.grad_codec)
+        codec = "none" if own.grads is None else _wire_codec(own.grads, ex.training.grad_codec, self.client.links, addr)
+        if own.grads is not None:
+            self.codecs_sent[codec] += 1
         decoded, digest = await asyncio.to_thread(_as_decoded, own.grads, codec)
         mine = Used(self.peer_id, own.samples, digest, per_sample_norm(decoded, own.samples))
         key = sig = None

@@ -25,6 +25,7 @@ from swarmd.net.wire import Frame, decode_frame
 from swarmd.pipeline.accusations import NORM_TOLERANCE, contribution_message
 from swarmd.pipeline.averaging_accuser import RoundAccuser
 from swarmd.pipeline.executor import Contribution
+from swarmd.pipeline.grad_codec_choice import answer_codec
 from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import (
     Used,
@@ -212,7 +213,9 @@ class RoundLeader(RoundAccuser):
             return RoundResult("aborted", rnd.step, total, len(rnd.contributions), None)
         if set(rnd.contributions) <= {self.peer_id}:  # a lone peer: nobody to answer, nothing to encode
             return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, used=used)
-        codec = _wire_codec(mean, ex.training.grad_codec)
+        # one answer for everyone: under "auto", as compressed as the most compressed contribution it used
+        sent = [rnd.codecs.get(pid, "none") for pid in rnd.contributions]
+        codec = _wire_codec(mean, answer_codec(ex.training.grad_codec, sent))
         answer = RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, used=used).to_reply(ex.stage)
         reply = answer.encode(codec)
         if codec != "none":  # lossy: apply what the contributors will decode, bit for bit
@@ -268,6 +271,7 @@ class RoundLeader(RoundAccuser):
             rnd, _ = self._open(step, {peer_id})
             rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads,
                                                       mbs=request.mbs if request is not None else ())
+            rnd.codecs[peer_id] = request.codec if request is not None and grads is not None else "none"
             if digest is not None:
                 rnd.digests[peer_id] = digest
                 self._note_claim(rnd, peer_id, request)
@@ -280,6 +284,7 @@ class RoundLeader(RoundAccuser):
                 return _aborted(step)
             rnd.contributions[peer_id] = Contribution(step=step, samples=samples, grads=grads,
                                                       mbs=request.mbs if request is not None else ())
+            rnd.codecs[peer_id] = request.codec if request is not None and grads is not None else "none"
             if digest is not None:
                 rnd.digests[peer_id] = digest
                 self._note_claim(rnd, peer_id, request)

@@ -25,10 +25,12 @@ import torch
 from swarmd.dht.identity import Identity
 from swarmd.errors import PeerError
 from swarmd.net.client import DataPlaneClient
+from swarmd.net.links import LinkMeter, dials_loopback
 from swarmd.net.messages import AverageReply, ProgressReply
 from swarmd.net.wire import decode_frame, encode_frame
 from swarmd.pipeline.accusations import Claim, OwnNorms, StruckClaims
 from swarmd.pipeline.executor import Contribution, StageExecutor
+from swarmd.pipeline.grad_codec_choice import AUTO, resolve
 from swarmd.pipeline.hostile_contributions import HostileWatch
 from swarmd.pipeline.refusals import Refusal
 from swarmd.pipeline.round_checks import (
@@ -108,6 +110,7 @@ class _OpenRound:
     deadline: float
     contributions: dict[str, Contribution] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # of the contributions' gradients, as decoded here
+    codecs: dict[str, str] = field(default_factory=dict)  # the codec each contribution came with
     claims: dict[str, tuple[bytes, Claim]] = field(default_factory=dict)  # signed contributions: key, claim
     refused: dict[str, Refusal] = field(default_factory=dict)  # contributions the reduction refused, and why
     refused_samples: int = 0  # their samples (kept by their senders)
@@ -139,10 +142,15 @@ def _as_decoded(grads: torch.Tensor | None, codec: str) -> tuple[torch.Tensor | 
 _FP16_LIMIT = 65504.0
 
 
-def _wire_codec(grads: torch.Tensor, codec: str) -> str:
-    """The codec to send ``grads`` with: the swarm's ``grad_codec``, except that gradients
+def _wire_codec(grads: torch.Tensor, codec: str, links: LinkMeter | None = None, addr: str = "") -> str:
+    """The codec to send ``grads`` with to ``addr``: the swarm's ``grad_codec`` (under ``auto``, the one
+    ``grad_codec_choice`` picks for the link to ``addr`` as ``links`` measured it), except that gradients
     float16 cannot carry (overflow to inf, which the leader would refuse) go uncompressed. Each
     frame names its codec, so the receiver needs no agreement on it."""
+    if codec == AUTO:
+        link = links.estimate(addr) if links is not None else None
+        codec = resolve(codec, grads.numel(), link.bytes_per_s if link is not None else None,
+                        loopback=links.is_local(addr) if links is not None else dials_loopback(addr))
     if codec == "fp16" and grads.numel() and float(grads.abs().max()) > _FP16_LIMIT:
         return "none"
     return codec
@@ -192,6 +200,7 @@ class AveragerCore:
         self.rounds_aborted = 0
         self.control_requests: Counter[str] = Counter()  # averaging requests without gradients sent, by kind
         self.rounds_refused = 0  # answers of a leader this peer refused to apply
+        self.codecs_sent: Counter[str] = Counter()  # gradients this peer sent (contributions, parts), by codec
         self.leaders_refused: Counter[str] = Counter()  # by leader peer id
         self.leaders_stalling: Counter[str] = Counter()  # leaders accused of aborting every round, by peer id
         self.stalls = StallWatch()
@@ -267,6 +276,8 @@ class AveragerCore:
             "excluded": self.suspicions.status(),
             "excluded_by_reports": sorted(self.exclude()),
             "control_requests": dict(self.control_requests),
+            "codecs_sent": dict(self.codecs_sent),
+            "links_mbit_s": {a: round(e.bytes_per_s * 8 / 1e6, 1) for a, e in self.client.links.snapshot().items()},
         }
         if self.prover is not None:
             out["proofs"] = self.prover.table.status(self._mates)

@@ -53,8 +53,9 @@ RESIDUAL_CAP = 2.0
 
 
 def needs_feedback(grad_codec: str) -> bool:
-    """Whether contributions sent with ``grad_codec`` should carry error feedback."""
-    return grad_codec in FED_CODECS
+    """Whether contributions sent with ``grad_codec`` should carry error feedback (``auto`` may
+    choose a fed codec for any round; a round it sends uncompressed leaves no residual)."""
+    return grad_codec in FED_CODECS or grad_codec == "auto"
 
 
 class ErrorFeedback:

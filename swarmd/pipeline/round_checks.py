@@ -99,9 +99,10 @@ OUTLIER_FACTOR = 64.0
 #: ``4bit``: at most ``sqrt(64) / 15 ~= 0.53`` of a 64-value block's norm (``swarmd.net.codecs``).
 #: ``3bit`` / ``2bit``: at most ``sqrt(128) / 7 ~= 1.62`` / ``sqrt(128) / 3 ~= 3.77`` of a 128-value
 #: block's norm (their documented worst cases; typically 0.23 / 0.55). ``5level``: at most
-#: ``five_level_bound(64) ~= 0.84`` of a 64-value block's norm (typically 0.34).
+#: ``five_level_bound(64) ~= 0.84`` of a 64-value block's norm (typically 0.34). ``auto``: the answer
+#: may come in any codec of ``grad_codec_choice.LADDER``, so the slack of its lossiest (``5level``).
 ANSWER_SLACK = {"none": 1e-3, "fp16": 1e-2, "bf16": 2e-2, "8bit": 0.5, "4bit": 0.6, "3bit": 1.7, "2bit": 3.8,
-                "5level": 0.9}
+                "5level": 0.9, "auto": 0.9}
 
 
 @dataclass(frozen=True)

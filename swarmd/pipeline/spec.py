@@ -56,7 +56,8 @@ TRAINING_DIGEST_VERSION = "swarmd.TrainingSpec/2"  # /2: grad_codec
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 #: How a stage's averaging traffic carries gradients (codecs of ``swarmd.net.codecs``).
-GRAD_CODECS: tuple[str, ...] = ("none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit")
+#: ``auto``: chosen per link from its measured speed (``swarmd.pipeline.grad_codec_choice``).
+GRAD_CODECS: tuple[str, ...] = ("auto", "none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit")
 #: How a stage averages its gradients (TrainingSpec.averaging): one leader, or a chunked all-reduce.
 AVERAGING_MODES: tuple[str, ...] = ("leader", "allreduce")
 
@@ -479,8 +480,10 @@ class TrainingSpec:
     averaging_timeout_s: float = 30.0  # a stage's all-reduce gives up on missing peers after this
     # codec of the gradients a stage's peers send to the round's leader and of the mean it sends
     # back (one of GRAD_CODECS). Lossy codecs keep the peers bit-identical: the leader encodes
-    # the mean once and every peer, the leader included, applies the decoded mean.
-    grad_codec: str = "none"
+    # the mean once and every peer, the leader included, applies the decoded mean. "auto": none on
+    # fast links (and loopback), 8bit or 5level on slow ones, from each link's measured throughput
+    # (swarmd.pipeline.grad_codec_choice); a founder pins one by naming it.
+    grad_codec: str = "auto"
     # how a stage's peers average (one of AVERAGING_MODES): "leader", one peer receives every
     # contribution and answers everyone (swarmd.pipeline.averaging); "allreduce", a chunked
     # all-reduce with one atomic decision (swarmd.pipeline.allreduce), per-peer traffic ~2 x |grads|

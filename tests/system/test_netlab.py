@@ -104,6 +104,21 @@ def test_hosts_do_not_reach_the_root_namespace(netlab: MakeLab) -> None:
         root.stdout.close()
 
 
+def test_a_host_s_kernel_knobs_are_its_own(netlab: MakeLab) -> None:
+    """bench_wan --no-slow-start-after-idle: set in the lab's hosts, never in the machine's namespace."""
+    knob = "net.ipv4.tcp_slow_start_after_idle"
+
+    def read(argv: list[str]) -> str:
+        return subprocess.run([*argv, "sysctl", "-n", knob], capture_output=True, text=True, check=True).stdout.strip()
+
+    root_before = read([])
+    lab = netlab(2)
+    lab.sysctl(0, {knob: "0"})
+    assert read(lab.command(0, [])) == "0"
+    assert read(lab.command(1, [])) == "1"  # a new namespace starts from the kernel's default
+    assert read([]) == root_before
+
+
 def test_a_capped_host_stays_below_its_rate(netlab: MakeLab) -> None:
     cap = 20_000_000
     lab = netlab(2, shapes={0: Shape(rate="20mbit")})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from scripts.bench_wan import BenchError, _averaging_view, compare_loss, val_loss_at
+from scripts.bench_wan import SCENARIOS, BenchError, _averaging_view, compare_loss, host_stages, val_loss_at
 
 
 def _result(mode: str, curve: list[tuple[int, int, float]]) -> dict[str, Any]:
@@ -46,3 +46,17 @@ def test_a_daemon_s_rounds_in_short_name_the_leader_and_the_missing_by_prefix() 
     assert view is not None and view["rounds_ok"] == 2
     assert view["recent"] == [[4, "ok", "abcdef01", 1, [], 0.1], [5, "aborted", "abcdef01", 1, ["99887766"], 3.0]]
     assert _averaging_view({}) is None
+
+
+def test_hosts_are_dealt_to_stages_round_robin_with_the_founder_on_stage_0() -> None:
+    assert host_stages(2, 2) == [0, 1, 0, 1]
+    assert host_stages(3, 1) == [0, 1, 2]
+    eight = host_stages(2, 2, stage0_peers=8)  # wan100x8: 8 peers average in stage 0
+    assert eight == [0, 1, 0, 1, 0, 0, 0, 0, 0, 0] and eight.count(0) == 8
+
+
+def test_the_8_peer_scenario_is_compared_with_its_own_lan_run() -> None:
+    assert SCENARIOS["wan100x8"].stage0_peers == SCENARIOS["lan8"].stage0_peers == 8
+    assert SCENARIOS["wan100x8"].baseline == "lan8" and SCENARIOS["wan100"].baseline == "lan"
+    assert (SCENARIOS["wan100x8"].rtt_ms, SCENARIOS["wan100x8"].rate) == (SCENARIOS["wan100"].rtt_ms,
+                                                                          SCENARIOS["wan100"].rate)

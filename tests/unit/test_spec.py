@@ -377,8 +377,9 @@ def test_load_spec_stem_that_is_not_a_valid_name(tmp_path: Path) -> None:
 
 
 # Changing this literal changes what every deployed peer computes for the default settings;
-# only do it on purpose, together with TRAINING_DIGEST_VERSION.
-DEFAULT_DIGEST = "e7778e29b1ef10b3fbf944520dfb67f8f6819efe320b810195f6ac267467416d"
+# only do it on purpose, together with TRAINING_DIGEST_VERSION (or, as when grad_codec's default became
+# "auto" in issue 28, for a new default value: the payload's format, hence every explicit spec's digest, stays).
+DEFAULT_DIGEST = "34394b903efe0b82253545e2cc40869c009cf6c711625fff228eba8331bb3ea1"
 
 # ---- TrainingSpec: validation -----------------------------------------------------------------
 
@@ -389,7 +390,7 @@ def test_defaults() -> None:
         "target_batch_size": 32, "optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.95,
         "eps": 1e-8, "weight_decay": 0.01, "warmup_steps": 10, "schedule": "cosine",
         "total_steps": 10_000, "min_lr_ratio": 0.1, "clip_norm": 1.0, "delay_updates": False,
-        "averaging_timeout_s": 30.0, "grad_codec": "none",
+        "averaging_timeout_s": 30.0, "grad_codec": "auto",
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.lr = 1.0  # type: ignore[misc]
@@ -421,7 +422,7 @@ def test_defaults() -> None:
         ({"clip_norm": -1.0}, "'clip_norm' must lie in"),
         ({"averaging_timeout_s": 0}, "'averaging_timeout_s' must lie in"),
         ({"delay_updates": 1}, "'delay_updates' must be true or false"),
-        ({"grad_codec": "bf16"}, "'grad_codec' must be one of none, fp16, 8bit"),
+        ({"grad_codec": "bf16"}, "'grad_codec' must be one of auto, none, fp16, 8bit"),
     ],
 )
 def test_invalid_fields_raise_config_error(changes: dict[str, Any], message: str) -> None:
