@@ -138,6 +138,7 @@ async def test_the_trainer_no_longer_sends_nor_receives_the_activations() -> Non
                 for i in range(n):
                     await mbs.run(*batch(i))
                 moved[p2p] = (client.bytes_sent, client.bytes_received)
+                print("DBG", p2p, moved[p2p], summary)
                 # two hops a microbatch: stage 0 -> stage 1, stage 1 -> stage 2's fused forward and backward
                 assert summary.microbatches_completed == n and summary.p2p_hops == (2 * n if p2p else 0)
         assert [d.executor.grad_samples for d in daemons] == [2 * n * MICRO] * 3  # each microbatch counted once
