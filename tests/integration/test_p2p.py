@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from swarmd.daemon import Daemon
+from swarmd.pipeline.spec import ModelSpec
 from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import Hop
@@ -44,12 +45,12 @@ TENSOR = MICRO * SPEC.seq_len * SPEC.d_model * 4  # one float32 [B, T, d_model] 
 
 
 @contextlib.asynccontextmanager
-async def swarm(key: SwarmKey | None) -> AsyncIterator[list[Daemon]]:
-    """One daemon per stage of ``SPEC``, joined through the DHT (a private swarm's, with ``key``)."""
+async def swarm(key: SwarmKey | None, spec: ModelSpec = SPEC) -> AsyncIterator[list[Daemon]]:
+    """One daemon per stage of ``spec``, joined through the DHT (a private swarm's, with ``key``)."""
     daemons: list[Daemon] = []
     try:
-        for stage in range(SPEC.n_stages):
-            cfg = config(stage, SPEC, TRAINING, (daemons[0].dht.address,) if daemons else ())
+        for stage in range(spec.n_stages):
+            cfg = config(stage, spec, TRAINING, (daemons[0].dht.address,) if daemons else ())
             daemons.append(Daemon(replace(cfg, swarm_key=key)))
             await daemons[-1].start()
         yield daemons
@@ -58,10 +59,12 @@ async def swarm(key: SwarmKey | None) -> AsyncIterator[list[Daemon]]:
             await d.shutdown()
 
 
-@pytest.mark.parametrize("key", [None, KEY], ids=["open", "private"])
-async def test_p2p_training_is_the_references_and_forwards_skip_the_trainer(key: SwarmKey | None) -> None:
+@pytest.mark.parametrize(("key", "spec"), [(None, SPEC), (KEY, SPEC), (None, replace(SPEC, n_stages=2))],
+                         ids=["open", "private", "two-stages"])
+async def test_p2p_training_is_the_references_and_forwards_skip_the_trainer(key: SwarmKey | None,
+                                                                           spec: ModelSpec) -> None:
     # in a private swarm, the hops are signed with the swarm key as the daemon's other requests
-    async with swarm(key) as daemons:
+    async with swarm(key, spec) as daemons:
         run = TrainerConfig(api=f"http://{daemons[0].status()['api_addr']}", steps=STEPS, sync=True, codec="none",
                             microbatch_size=MICRO, taper=False, window=4, val_every=0, seed=0,
                             max_corpus_bytes=CORPUS_BYTES, verify_fraction=0.0, p2p=True, swarm_key=key)
@@ -69,17 +72,23 @@ async def test_p2p_training_is_the_references_and_forwards_skip_the_trainer(key:
         assert all(d.executor.step == STEPS for d in daemons)
         sent = sum(d.data_plane.hop_stats["sent"] for d in daemons if d.data_plane is not None)
         failed = sum(d.data_plane.hop_stats["failed"] for d in daemons if d.data_plane is not None)
-        middle_cache = daemons[1].executor.cache_stats()
+        middle_cache = daemons[-2].executor.cache_stats()
+        back = sum(d.data_plane.hop_stats["backward"] for d in daemons if d.data_plane is not None)
+        back_failed = sum(d.data_plane.hop_stats["backward_failed"] for d in daemons if d.data_plane is not None)
     # exactly once: every microbatch issued completed, every sample counted once
     assert summary.microbatches_issued == summary.microbatches_completed
     assert summary.samples == STEPS * TRAINING.target_batch_size and summary.duplicates == 0
     # once its peers are proven (their first calls go through the trainer), a forward goes stage 0 -> stage 1 ->
-    # stage 2's fused forward and backward, and only stage 2's gradient comes back
+    # stage 2's fused forward and backward, and back: stage 1's backward, then stage 0's, each run by the peer
+    # that ran the forward, and only stage 0's answer comes back (with what every stage answered)
     assert 0 < summary.p2p_hops == sent and summary.p2p_fallbacks == failed == 0
-    # the middle stage kept each hop's inputs for the trainer's backward, which omitted them: none recomputed
+    # (a chain that stopped before a peer on probation had no fused end, and no backward chain)
+    assert 0 < summary.p2p_backwards == back <= summary.p2p_hops and back_failed == 0
+    # every backward before the last stage used the inputs its forward's peer kept (the trainer's omitted them, the
+    # chain's ran where they were kept): none recomputed, none resent
     assert summary.inputs_recovered == summary.inputs_resent == 0
-    assert middle_cache["held"] == summary.inputs_omitted - summary.microbatches_completed  # stage 0's: the rest
-    expected, _ = reference_run(SPEC, TRAINING, STEPS, seed=0)
+    assert middle_cache["held"] == summary.microbatches_completed
+    expected, _ = reference_run(spec, TRAINING, STEPS, seed=0)
     assert summary.step_losses == pytest.approx(expected, rel=1e-4)  # the single-process training's
 
 
@@ -107,8 +116,16 @@ async def microbatches(stage1: dict[str, str], p2p: bool, daemons: list[Daemon],
     ``stage2`` (default: ``daemons``' own). ``fraction``: spot checks' share of paired microbatches
     (drawn with a ``seed``ed rng)."""
     last = {daemons[2].peer_id: daemons[2].data_addr} if stage2 is None else stage2
-    peers = [{daemons[0].peer_id: daemons[0].data_addr}, stage1, last]
-    routers = [proven(StageRouter(k, rng=random.Random(k))) for k in range(SPEC.n_stages)]
+    async with machine([{daemons[0].peer_id: daemons[0].data_addr}, stage1, last], p2p, fraction=fraction,
+                       seed=seed) as made:
+        yield made
+
+
+@contextlib.asynccontextmanager
+async def machine(peers: list[dict[str, str]], p2p: bool, *, fraction: float = 0.0, seed: int = 0,
+                  ) -> AsyncIterator[tuple[Microbatches, TrainSummary, DataPlaneClient]]:
+    """The trainer's microbatch machine over fixed routers, stage ``k`` listing ``peers[k]`` (proven)."""
+    routers = [proven(StageRouter(k, rng=random.Random(k))) for k in range(len(peers))]
     for k, listing in enumerate(peers):
         routers[k].update_peers(listed(listing, stage=k))
         proven(routers[k])
@@ -119,7 +136,7 @@ async def microbatches(stage1: dict[str, str], p2p: bool, daemons: list[Daemon],
                            timing=timing, request_timeout_s=30.0, stage_wait_timeout_s=30.0)
         checks = SpotChecks(calls, client, stats=VerifyStats(), codec="none", fraction=fraction, window=4,
                             timing=timing, rng=random.Random(seed))
-        yield (Microbatches(calls, checks, n_stages=SPEC.n_stages, summary=summary, ledger=StepLedger(), timing=timing,
+        yield (Microbatches(calls, checks, n_stages=len(peers), summary=summary, ledger=StepLedger(), timing=timing,
                             p2p=p2p), summary, client)
 
 
@@ -138,14 +155,17 @@ async def test_the_trainer_no_longer_sends_nor_receives_the_activations() -> Non
                 for i in range(n):
                     await mbs.run(*batch(i))
                 moved[p2p] = (client.bytes_sent, client.bytes_received)
-                print("DBG", p2p, moved[p2p], summary)
-                # two hops a microbatch: stage 0 -> stage 1, stage 1 -> stage 2's fused forward and backward
+                # two hops a microbatch: stage 0 -> stage 1, stage 1 -> stage 2's fused forward and backward, and
+                # two backwards back: stage 1's and stage 0's, each run by the peer that ran the forward
                 assert summary.microbatches_completed == n and summary.p2p_hops == (2 * n if p2p else 0)
+                assert summary.p2p_backwards == (2 * n if p2p else 0) and summary.claims == 0
         assert [d.executor.grad_samples for d in daemons] == [2 * n * MICRO] * 3  # each microbatch counted once
-    # stages 0 and 1's outputs no longer come back to the trainer, nor go out again to the next stage (a few
-    # bytes of meta more or less); the gradients still go stage -> trainer -> stage
-    assert moved[False][0] - moved[True][0] == pytest.approx(2 * n * TENSOR, rel=0.02)
-    assert moved[False][1] - moved[True][1] == pytest.approx(2 * n * TENSOR, rel=0.02)
+    # stages 0 and 1's outputs no longer come back to the trainer, nor go out again to the next stage, and the
+    # gradients at stages 1 and 2's inputs neither (a few bytes of meta more or less): what the trainer still
+    # sends and receives is the token ids, the targets and the meta, under a kilobyte a microbatch
+    assert moved[False][0] - moved[True][0] == pytest.approx(4 * n * TENSOR, rel=0.02)
+    assert moved[False][1] - moved[True][1] == pytest.approx(4 * n * TENSOR, rel=0.02)
+    assert moved[True][0] < n * 1024 and moved[True][1] < n * 1024
 
 
 async def test_a_hop_to_a_dead_peer_falls_back_to_the_trainer_and_counts_once() -> None:
@@ -160,8 +180,10 @@ async def test_a_hop_to_a_dead_peer_falls_back_to_the_trainer_and_counts_once() 
         assert summary.microbatches_issued == summary.microbatches_completed == n
         # every forward named a hop (both peers are proven); those to the dead peer broke there, and the trainer
         # went on with stage 1 itself (a call of its own to the dead peer: banned, sent elsewhere); the broken
-        # chain's fused end may have counted as far as the trainer can tell: it asked stage 2 (a claim) first
-        assert summary.p2p_fallbacks >= 1 and summary.p2p_hops >= 2 and summary.claims == summary.p2p_fallbacks
+        # chain's fused end may have counted as far as the trainer can tell, and so may the dead hop's backward:
+        # it asked stage 2 and the dead peer (a claim, unanswered) first
+        assert summary.p2p_fallbacks >= 1 and summary.p2p_hops >= 2 and summary.claims == 2 * summary.p2p_fallbacks
+        assert summary.claims_unanswered == summary.p2p_fallbacks
         assert s0.data_plane is not None and s0.data_plane.hop_stats["failed"] == summary.p2p_fallbacks
         assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3 and summary.duplicates == 0
 
@@ -175,14 +197,15 @@ async def test_a_hop_refused_by_the_peer_at_its_address_falls_back_to_the_traine
         async with microbatches({"ghost": s1.data_addr}, True, daemons) as (mbs, summary, _):
             for i in range(n):
                 await mbs.run(*batch(i))
-        # ... and settles the fused end the chain would have reached before its own call to stage 2 (a claim)
+        # ... and settles the fused end the chain would have reached before its own call to stage 2 (a claim), and
+        # the backward the refused hop would have run in the backward chain, before its own call to stage 1
         assert summary.microbatches_completed == n and summary.p2p_fallbacks == n and summary.p2p_hops == 0
-        assert summary.claims == n and summary.claims_counted == 0
+        assert summary.claims == 2 * n and summary.claims_counted == 0
         assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3
 
 
 
-async def test_inputs_a_hop_lost_are_computed_again_by_the_trainer_and_counted_once() -> None:
+async def test_a_hop_that_lost_what_it_kept_runs_its_backward_on_the_forwards_own_inputs_once() -> None:
     n = 3
     lossy = daemon_config(1, SPEC)  # every kept forward expires before its backward (a restart, an eviction)
     lossy = replace(lossy, pipeline=replace(lossy.pipeline, activation_cache_ttl_s=0.0))
@@ -194,9 +217,11 @@ async def test_inputs_a_hop_lost_are_computed_again_by_the_trainer_and_counted_o
             async with microbatches({s1.peer_id: s1.data_addr}, True, daemons) as (mbs, summary, _):
                 for i in range(n):
                     await mbs.run(*batch(i))
-            # the trainer never saw stage 1's inputs: refused without them, it forwarded through stage 0 again at
-            # the same step and sent them; every microbatch counted once on every stage
-            assert summary.p2p_hops == 2 * n and summary.inputs_resent == summary.inputs_recovered == n
+            # stage 1's peer lost what it kept at once, but its backward in the backward chain runs where the
+            # forward's inputs still are (the request it answers): nothing recomputed, nothing resent by the trainer;
+            # every microbatch counted once on every stage
+            assert summary.p2p_hops == summary.p2p_backwards == 2 * n
+            assert summary.inputs_resent == summary.inputs_recovered == summary.inputs_omitted == 0
             assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3 and summary.duplicates == 0
         finally:
             await s1.shutdown()
