@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from swarmd.daemon import Daemon
+from swarmd.errors import Draining
 from swarmd.pipeline.spec import ModelSpec
 from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
@@ -123,8 +124,8 @@ async def microbatches(stage1: dict[str, str], p2p: bool, daemons: list[Daemon],
 
 @contextlib.asynccontextmanager
 async def machine(peers: list[dict[str, str]], p2p: bool, *, fraction: float = 0.0, seed: int = 0,
-                  ) -> AsyncIterator[tuple[Microbatches, TrainSummary, DataPlaneClient]]:
-    """The trainer's microbatch machine over fixed routers, stage ``k`` listing ``peers[k]`` (proven)."""
+                  spec: ModelSpec = SPEC) -> AsyncIterator[tuple[Microbatches, TrainSummary, DataPlaneClient]]:
+    """The trainer's microbatch machine over fixed routers for ``spec``, stage ``k`` listing ``peers[k]`` (proven)."""
     routers = [proven(StageRouter(k, rng=random.Random(k))) for k in range(len(peers))]
     for k, listing in enumerate(peers):
         routers[k].update_peers(listed(listing, stage=k))
@@ -132,7 +133,7 @@ async def machine(peers: list[dict[str, str]], p2p: bool, *, fraction: float = 0
     timing = Timing()
     summary = TrainSummary()
     async with DataPlaneClient() as client:
-        calls = StageCalls(FixedStages(routers), client, model=SPEC.digest, codec="none", summary=summary,
+        calls = StageCalls(FixedStages(routers), client, model=spec.digest, codec="none", summary=summary,
                            timing=timing, request_timeout_s=30.0, stage_wait_timeout_s=30.0)
         checks = SpotChecks(calls, client, stats=VerifyStats(), codec="none", fraction=fraction, window=4,
                             timing=timing, rng=random.Random(seed))
@@ -297,3 +298,59 @@ async def test_a_relayed_peer_is_never_a_hop_and_still_gets_its_share_from_the_t
             assert summary.p2p_hops > 0 and summary.p2p_fallbacks == 0 and summary.bans == summary.retries == 0
             assert natted.status()["served"]["backward"] > 0  # its share, through the relay, from the trainer
             assert founder.data_plane is not None and founder.data_plane.hop_stats["sent"] == summary.p2p_hops
+
+
+async def test_the_trainers_bytes_per_microbatch_do_not_grow_with_the_number_of_stages() -> None:
+    # with the backward chain, a microbatch's only traffic at the trainer is its token ids and targets out, and
+    # the chain's meta both ways (each stage's hop, its forward's result, its backward's): a few hundred bytes a
+    # stage, where one activation or gradient of this model is 64 KiB
+    n = 3
+    per_mb: dict[int, tuple[float, float]] = {}
+    for stages in (2, 4):
+        spec = replace(SPEC, n_stages=stages)
+        async with contextlib.AsyncExitStack() as stack:
+            daemons = [await stack.enter_async_context(running_daemon(k, spec)) for k in range(stages)]
+            async with machine([{d.peer_id: d.data_addr} for d in daemons], True, spec=spec) as (mbs, summary, client):
+                for i in range(n):
+                    await mbs.run(*batch(i))
+                per_mb[stages] = (client.bytes_sent / n, client.bytes_received / n)
+            assert summary.p2p_hops == summary.p2p_backwards == n * (stages - 1) and summary.claims == 0
+            assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * stages
+    for way in (0, 1):
+        assert per_mb[2][way] < 1024 and abs(per_mb[4][way] - per_mb[2][way]) < 0.01 * TENSOR
+
+
+async def test_a_previous_stage_peer_that_dies_mid_backward_chain_leaves_each_microbatch_counted_once() -> None:
+    n = 4
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(1, SPEC) as t1, \
+            running_daemon(2, SPEC) as s2:
+        died = asyncio.Event()
+
+        async def dies(*args: object, **kwargs: object) -> None:
+            # s1 ran its forward and sent the fused hop, stage 2 answered (and counted); as s1 is about to run its
+            # own backward in the chain, its process dies: nothing listens at its address any more, and its open
+            # connections (stage 0's peer waiting on the hop) are reset
+            assert s1.data_plane is not None and s1.data_plane._site is not None and s1.data_plane._runner is not None
+            server = s1.data_plane._site._server
+            assert server is not None
+            server.close()
+            for handler in list(s1.data_plane._runner.server.connections):
+                if handler.transport is not None:
+                    handler.transport.abort()
+            died.set()
+            raise Draining("this peer is dead")
+
+        s1.executor.backward = dies  # type: ignore[method-assign]
+        async with microbatches({s1.peer_id: s1.data_addr, t1.peer_id: t1.data_addr}, True,
+                                [s0, s1, s2]) as (mbs, summary, _):
+            for i in range(n):
+                await mbs.run(*batch(i))
+        assert died.is_set(), "no chain went through s1"
+        # the broken chain came back to the trainer from stage 0 (its hop's connection reset); stage 2's fused call
+        # had counted: the trainer's claim there said so, and its own only computed; s1 could not be asked and died
+        # with nothing counted, so stage 1's backward counted on t1; stage 0's the trainer sent itself
+        assert summary.microbatches_issued == summary.microbatches_completed == n
+        # (the trainer's own fused call, compute only, was answered as a duplicate: not added twice)
+        assert summary.p2p_fallbacks >= 1 and summary.claims_counted == summary.duplicates >= 1
+        assert s1.executor.grad_samples == 0 and t1.executor.grad_samples == n * MICRO
+        assert s0.executor.grad_samples == s2.executor.grad_samples == n * MICRO
