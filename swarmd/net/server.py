@@ -14,6 +14,9 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   the last hop possibly being the last stage's fused backward; the reply is the chain's end
   (``meta.chain``, ``meta.fused``), or this stage's own outputs with ``meta.hop_error`` when the hop
   failed (the trainer goes on from there). A request naming another ``meta.peer`` than this one: 409.
+  With ``meta.back`` (the backward chain), once the fused end answered this peer runs its own backward
+  with the gradient the stage after it answered and answers that instead (``meta.backs``), or why it
+  could not (``meta.back_error``).
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
 - ``GET /v1/progress``  JSON (``ProgressReply``, one shape): step and samples held, for the
   stage's averaging rounds and for trainers. With

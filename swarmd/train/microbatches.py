@@ -15,7 +15,10 @@ the backwards are routed as without it. Where a hop failed, the chain ends there
 on from the next stage itself. The trainer never sees the hops' inputs: a backward to a hop omits them
 (the hop kept them), and should they be needed after all (that peer lost them or is gone), they are
 computed again through the earlier stages at the same steps (:meth:`Microbatches._recovery`).
-Spot-checked pairs go through the trainer, every stage, as without it.
+When the chain ends in the last stage's fused call, the backwards go back through the same peers (the
+backward chain: ``reply.backs``), and the trainer sends only those a chain did not run, after settling
+(a claim) each one a broken chain may have counted. Spot-checked pairs go through the trainer, every
+stage, as without it.
 
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
