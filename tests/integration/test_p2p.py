@@ -1,10 +1,12 @@
-"""Peer-to-peer forwards (issue #31, item 2), through real daemons, HTTP, DHT and torch.
+"""Peer-to-peer forwards and the backward chain (issue #31, item 2), through real daemons, HTTP, DHT and torch.
 
 A trainer with ``p2p`` names the peers it picked for the later stages in its forward to stage 0,
-whose peer sends its outputs straight on; only the chain's end comes back. Measured where the
-bytes go (the trainer's own client counts them), trained as the single-process reference, and
-failing hops (a peer that is gone, a peer that refuses a hop meant for another) fall back to the
-trainer's own call, with every microbatch counted exactly once on every stage.
+whose peer sends its outputs straight on, to the last stage's fused call and back through the same
+peers, each running its stage's backward (the backward chain); only stage 0's backward result comes
+back. Measured where the bytes go (the trainer's own client counts them), trained as the
+single-process reference, and failing hops and backwards (a peer that is gone, one that dies mid
+backward chain, one that refuses a hop meant for another, or its backward) fall back to the trainer's
+own calls, with every microbatch counted exactly once on every stage.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from swarmd.daemon import Daemon
-from swarmd.errors import Draining
+from swarmd.errors import Busy, Draining
 from swarmd.pipeline.spec import ModelSpec
 from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
@@ -354,3 +356,33 @@ async def test_a_previous_stage_peer_that_dies_mid_backward_chain_leaves_each_mi
         assert summary.p2p_fallbacks >= 1 and summary.claims_counted == summary.duplicates >= 1
         assert s1.executor.grad_samples == 0 and t1.executor.grad_samples == n * MICRO
         assert s0.executor.grad_samples == s2.executor.grad_samples == n * MICRO
+
+
+async def test_a_backward_the_chain_could_not_run_is_sent_by_the_trainer_after_a_claim_and_counts_once() -> None:
+    n = 3
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        real = s1.executor.backward
+        refused = 0
+
+        async def busy_once_per_microbatch(*args: object, **kwargs: object) -> object:
+            # stage 1's peer refuses the backward chain's call (its gradients are out for averaging, say), and
+            # serves the trainer's own when it comes
+            nonlocal refused
+            if kwargs.get("attempt") == 0:
+                refused += 1
+                raise Busy("averaging")
+            return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+        s1.executor.backward = busy_once_per_microbatch  # type: ignore[method-assign]
+        async with microbatches({s1.peer_id: s1.data_addr}, True, daemons) as (mbs, summary, _):
+            for i in range(n):
+                await mbs.run(*batch(i))
+        # every chain reached the fused end; stage 1's backward failed there and said so, stage 0's peer skipped
+        # its own: the trainer asked stage 1's peer (a claim: not counted), sent stage 1's backward itself (without
+        # the inputs, which that peer still kept), then stage 0's
+        assert refused == n and summary.p2p_hops == 2 * n and summary.p2p_backwards == 0
+        assert summary.claims == n and summary.claims_counted == 0 and summary.inputs_omitted == 2 * n
+        assert summary.inputs_resent == summary.inputs_recovered == 0
+        assert s1.data_plane is not None and s1.data_plane.hop_stats["backward_failed"] == n
+        assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3 and summary.duplicates == 0
