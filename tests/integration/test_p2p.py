@@ -358,9 +358,17 @@ async def test_a_previous_stage_peer_that_dies_mid_backward_chain_leaves_each_mi
         assert s0.executor.grad_samples == s2.executor.grad_samples == n * MICRO
 
 
-async def test_a_backward_the_chain_could_not_run_is_sent_by_the_trainer_after_a_claim_and_counts_once() -> None:
+@pytest.mark.parametrize("lossy", [False, True], ids=["kept", "lost"])
+async def test_a_backward_the_chain_could_not_run_is_sent_by_the_trainer_after_a_claim_and_counts_once(
+        lossy: bool) -> None:
     n = 3
-    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
+    cfg = daemon_config(1, SPEC)  # lossy: every kept forward expires before its backward (a restart, an eviction)
+    if lossy:
+        cfg = replace(cfg, pipeline=replace(cfg.pipeline, activation_cache_ttl_s=0.0))
+    async with running_daemon(0, SPEC) as s0, running_daemon(2, SPEC) as s2, contextlib.AsyncExitStack() as stack:
+        s1 = Daemon(cfg)
+        await s1.start()
+        stack.push_async_callback(s1.shutdown)
         daemons = [s0, s1, s2]
         real = s1.executor.backward
         refused = 0
@@ -380,9 +388,10 @@ async def test_a_backward_the_chain_could_not_run_is_sent_by_the_trainer_after_a
                 await mbs.run(*batch(i))
         # every chain reached the fused end; stage 1's backward failed there and said so, stage 0's peer skipped
         # its own: the trainer asked stage 1's peer (a claim: not counted), sent stage 1's backward itself (without
-        # the inputs, which that peer still kept), then stage 0's
+        # the inputs, which that peer kept), then stage 0's. Lossy: that peer had lost them (refused, counting
+        # nothing), and the trainer, which never saw them, forwarded through stage 0 again at the same step to send them
         assert refused == n and summary.p2p_hops == 2 * n and summary.p2p_backwards == 0
         assert summary.claims == n and summary.claims_counted == 0 and summary.inputs_omitted == 2 * n
-        assert summary.inputs_resent == summary.inputs_recovered == 0
+        assert summary.inputs_resent == summary.inputs_recovered == (n if lossy else 0)
         assert s1.data_plane is not None and s1.data_plane.hop_stats["backward_failed"] == n
         assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3 and summary.duplicates == 0
