@@ -1,4 +1,4 @@
-"""Peer-to-peer forwards against trainer-mediated ones, side by side on the same daemons (issue #31, item 2).
+"""Peer-to-peer forwards and backwards against trainer-mediated ones, side by side on the same daemons (issue #31).
 
 For each ``--stages`` count, one daemon per stage is started through the real CLI
 (``swarmd.local_swarm.DaemonProcess``, loopback, one torch thread each), and the same sync trainer
@@ -13,14 +13,17 @@ its last step (as ``bench_gpipe.py``), and reports:
   window (frames and JSON bodies as counted by ``DataPlaneClient.bytes_sent`` / ``bytes_received``, i.e.
   the request and response bodies on its sockets, HTTP headers not counted: a few hundred bytes a call),
   over the microbatches completed in it; ``sent`` and ``received`` separately;
-- ``p2p_hops`` / ``p2p_fallbacks``: forwards that went peer to peer, and hops that failed.
+- ``p2p_hops`` / ``p2p_fallbacks`` / ``p2p_backwards``: forwards that went peer to peer, hops that failed,
+  and backwards run in the backward chain.
 
 The report gives, per stage count, the median of each mode's runs and the ratios p2p / trainer-mediated
 (samples/s and bytes), and the load average before and after. With p2p, a forward goes from stage 0 to
-stage S-2 peer to peer and only the last forward's outputs come back; the last stage's fused forward and
-backward, and the backwards, still go through the trainer (the backward chain is not built yet), so
-the trainer's bytes per microbatch still grow with the number of stages, by one gradient (and, without
-p2p, two activations) per extra stage.
+stage S-2 peer to peer, on to the last stage's fused forward and backward (sent by the peer of stage
+S-2), and back: each peer runs its stage's backward with the gradient the stage after it answered (the
+backward chain), so only stage 0's backward result comes back to the trainer, and its bytes per
+microbatch are the token ids and targets out and the chain's meta both ways (a hop, a forward's result
+and a backward's result per stage: tens of bytes each), whatever the number of stages; without p2p they
+grow by two activations and two gradients per extra stage.
 
     .venv/bin/python scripts/bench_p2p.py --json
     .venv/bin/python scripts/bench_p2p.py --model small --stages 2 4 --steps 3 --rounds 2 --json
@@ -131,6 +134,7 @@ async def train(s: Settings, api: str, p2p: bool) -> dict[str, Any]:
         "trainer_received_bytes_per_microbatch": received / microbatches,
         "p2p_hops": summary.p2p_hops,
         "p2p_fallbacks": summary.p2p_fallbacks,
+        "p2p_backwards": summary.p2p_backwards,
         "inputs_recovered": summary.inputs_recovered,
         "retries": summary.retries,
         "stale_redos": summary.stale_redos,

@@ -88,9 +88,10 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
                    "peers of each stage too, as an ordinary microbatch) and compare; a peer caught lying is "
                    "banned and reported (default: 0.02; 0: off; a paired sample weighs twice in its step)")
     p.add_argument("--p2p", action="store_true",
-                   help="peer to peer: a microbatch's forward activations go from stage to stage straight to the "
-                   "peers this trainer picked, and only the last forward's come back (spot-checked pairs, relayed "
-                   "peers and failed hops go through the trainer as without it; default: off)")
+                   help="peer to peer: a microbatch's activations go from stage to stage straight to the peers "
+                   "this trainer picked, and with a sync trainer its gradients go back the same way, so only stage "
+                   "0's backward result comes back (spot-checked pairs, relayed peers and failed hops go through the "
+                   "trainer as without it; default: off)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     p.add_argument("--log-csv", default=None, metavar="FILE",
                    help="write one CSV row per step (step, loss, samples/s, val loss); "

@@ -134,14 +134,16 @@ class DataPlaneClient:
         peer: str | None = None,
         origin: str | None = None,
         budget_ms: int | None = None,
+        back: bool = False,
     ) -> ForwardReply:
         """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward.
         ``timeout_s``: this call's own bound (a trainer's per-peer timeout), else the client's.
         ``next``, ``peer``, ``origin``: peer to peer (issue #31, :class:`~swarmd.net.messages.ForwardRequest`):
         the peers of the following stages the outputs go on to, the peer id this request is for,
-        the trainer's address a hop's forward is kept for, and how long the sender waits (with ``next``)."""
+        the trainer's address a hop's forward is kept for, and how long the sender waits (with ``next``);
+        ``back``: the backward chain runs back through them once the last stage's fused call answered."""
         request = ForwardRequest(stage=stage, inputs=inputs, targets=targets, model=model, codec=codec, mb=mb,
-                                 next=next, peer=peer, origin=origin, budget_ms=budget_ms)
+                                 next=next, peer=peer, origin=origin, budget_ms=budget_ms, back=back)
         frame = await self._post(addr, "forward", request.encode, _nbytes(inputs, targets), timeout_s=timeout_s)
         return self._read(addr, ForwardReply.from_frame, frame)
 

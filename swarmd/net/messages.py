@@ -239,6 +239,12 @@ class ForwardRequest:
     when it sent it; the receiver gives its next hop no more than what is left of it, less
     :data:`HOP_MARGIN_MS` (and a fused hop's deadline as much less), so that whatever a later stage
     counts, it counts before any sender before it gives up (exactly once, ``swarmd.pipeline.step_protocol``).
+    ``back`` (meta ``back: true``, only with a fused last hop): the backward chain. Once the chain's end
+    answered, each peer runs its own stage's backward (attempt 0, on the inputs it kept, counted for
+    ``origin`` within what is left of ``budget_ms`` less :data:`HOP_MARGIN_MS`) with the input gradient
+    the stage after it answered, and answers its sender with its own input gradient instead
+    (:class:`ForwardReply` ``backs``); a peer whose backward failed answers the gradient it got and why
+    (``back_error``), and the trainer sends the remaining backwards itself.
     """
 
     stage: int
@@ -251,6 +257,7 @@ class ForwardRequest:
     peer: str | None = None
     origin: str | None = None
     budget_ms: int | None = None
+    back: bool = False
 
     KIND = "forward"
 
@@ -268,6 +275,8 @@ class ForwardRequest:
             meta["origin"] = self.origin
         if self.budget_ms is not None:
             meta["budget_ms"] = self.budget_ms
+        if self.back:
+            meta["back"] = True
         tensors = {"inputs": narrow(self.inputs)}  # token ids travel narrow (swarmd.net.token_ids)
         if self.targets is not None:
             tensors["targets"] = narrow(self.targets)
@@ -292,10 +301,15 @@ class ForwardRequest:
         budget_ms = _optional_count(meta, "budget_ms", "how long the sender waits, in ms")
         if hops and budget_ms is None:
             raise RequestError("a forward with next hops must say how long its sender waits (meta.budget_ms)")
+        back = meta.get("back", False)
+        if not isinstance(back, bool):
+            raise RequestError(f"meta.back must be true or false, got {back!r:.40}")
+        if back and not fused:
+            raise RequestError("a backward chain (meta.back) needs next hops ending in the last stage's fused call")
         return cls(stage=stage, inputs=widen(_required(frame.tensors, "inputs")), targets=targets,
                    model=_model(meta.get("model")), codec=codec, mb=mb, next=hops,
                    peer=_short_str(meta, "peer", MAX_PEER_ID_LEN), origin=_short_str(meta, "origin", MAX_ORIGIN_LEN),
-                   budget_ms=budget_ms)
+                   budget_ms=budget_ms, back=back)
 
 
 @dataclass(frozen=True)
@@ -314,6 +328,11 @@ class ForwardReply:
     there and the sender goes on from the next stage itself. ``fused`` (meta ``fused``, tensor
     ``fused_grad_inputs``): the last stage's answer when the chain ended in its fused forward and
     backward; ``outputs`` are then empty (nobody needs the last stage's inputs any more).
+
+    The backward chain (a request with ``back``): ``backs`` (meta ``backs``, tensor ``back_grad_inputs``)
+    holds the backward answers of the stages ``j .. S-2`` whose peers ran theirs, in stage order, only the
+    first carrying its input gradient (none when ``j`` is stage 0: token ids have none); ``fused`` then
+    carries none. ``back_error``: why the backward chain stopped short of this stage, when it did.
     """
 
     stage: int
@@ -326,6 +345,8 @@ class ForwardReply:
     wait_ms: int = 0
     hop_error: str | None = None
     fused: BackwardReply | None = None
+    backs: tuple[BackwardReply, ...] = ()
+    back_error: str | None = None
 
     KIND = "forward_result"
 
@@ -341,11 +362,16 @@ class ForwardReply:
             meta["wait_ms"] = self.wait_ms
         if self.hop_error is not None:
             meta["hop_error"] = self.hop_error[:MAX_HOP_ERROR_LEN]
+        if self.back_error is not None:
+            meta["back_error"] = self.back_error[:MAX_HOP_ERROR_LEN]
         if self.fused is not None:
             f = self.fused
-            meta["fused"] = {"stage": f.stage, "step": f.step, "samples": f.samples, "accumulated": f.accumulated,
-                             "loss": f.loss, "duplicate": f.duplicate, "precision": f.precision}
-            tensors = {} if f.grad_inputs is None else {"fused_grad_inputs": f.grad_inputs}
+            meta["fused"] = _back_meta(f)
+            tensors = {} if f.grad_inputs is None or self.backs else {"fused_grad_inputs": f.grad_inputs}
+            if self.backs:
+                meta["backs"] = [_back_meta(b) for b in self.backs]
+                if self.backs[0].grad_inputs is not None:
+                    tensors["back_grad_inputs"] = self.backs[0].grad_inputs
             return encode_frame(self.KIND, meta, tensors, codec)
         if self.loss is not None:
             meta["loss"] = self.loss
@@ -356,11 +382,15 @@ class ForwardReply:
     def from_frame(cls, frame: Frame) -> ForwardReply:
         stage, step = _reply_fields(frame, cls.KIND)
         fused = _fused_reply(frame)
+        back_error = frame.meta.get("back_error")
+        if back_error is not None and not isinstance(back_error, str):
+            raise MalformedFrame(f"a forward reply's meta.back_error must be a string, got {back_error!r:.30}")
         if fused is not None:
             return cls(stage=stage, step=step, outputs=torch.empty(0), precision=_reply_precision(frame.meta),
                        kept=frame.meta.get("kept") is True,
                        chain=HopResult.list_from_meta(frame.meta.get("chain"), stage),
-                       wait_ms=_reply_int(frame.meta, "wait_ms", 0), fused=fused)
+                       wait_ms=_reply_int(frame.meta, "wait_ms", 0), fused=fused, backs=_backs(frame),
+                       back_error=None if back_error is None else back_error[:MAX_HOP_ERROR_LEN])
         loss = _reply_float(frame.meta, "loss")
         name = "outputs" if loss is None else "loss"
         outputs = frame.tensors.get(name)
@@ -480,6 +510,28 @@ def _fused_reply(frame: Frame) -> BackwardReply | None:
         raise MalformedFrame("a forward reply's meta.fused must be a map")
     tensors = {} if "fused_grad_inputs" not in frame.tensors else {"grad_inputs": frame.tensors["fused_grad_inputs"]}
     return BackwardReply.from_frame(Frame(BackwardReply.KIND, fused, tensors))
+
+
+def _back_meta(reply: BackwardReply) -> dict[str, Any]:
+    """A backward answer carried in a chained forward reply (``meta.fused``, ``meta.backs``), its tensor aside."""
+    return {"stage": reply.stage, "step": reply.step, "samples": reply.samples, "accumulated": reply.accumulated,
+            "loss": reply.loss, "duplicate": reply.duplicate, "precision": reply.precision}
+
+
+def _backs(frame: Frame) -> tuple[BackwardReply, ...]:
+    """A chained forward reply's ``meta.backs``: the backward chain's answers, in stage order, the first
+    with the gradient at its stage's inputs (tensor ``back_grad_inputs``), the stages one after another."""
+    backs = frame.meta.get("backs")
+    if backs is None:
+        return ()
+    if not isinstance(backs, list) or not 0 < len(backs) <= MAX_HOPS or not all(isinstance(b, dict) for b in backs):
+        raise MalformedFrame(f"a forward reply's meta.backs must list 1 to {MAX_HOPS} maps")
+    grad = frame.tensors.get("back_grad_inputs")
+    replies = tuple(BackwardReply.from_frame(Frame(BackwardReply.KIND, b, {} if i or grad is None else
+                                                   {"grad_inputs": grad})) for i, b in enumerate(backs))
+    if any(b.stage != replies[0].stage + i for i, b in enumerate(replies)):
+        raise MalformedFrame("a forward reply's meta.backs must be of stages one after another")
+    return replies
 
 
 def _short_str(meta: Mapping[str, Any], key: str, longest: int) -> str | None:

@@ -14,6 +14,9 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   the last hop possibly being the last stage's fused backward; the reply is the chain's end
   (``meta.chain``, ``meta.fused``), or this stage's own outputs with ``meta.hop_error`` when the hop
   failed (the trainer goes on from there). A request naming another ``meta.peer`` than this one: 409.
+  With ``meta.back`` (the backward chain), once the fused end answered this peer runs its own backward
+  with the gradient the stage after it answered and answers that instead (``meta.backs``), or why it
+  could not (``meta.back_error``).
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
 - ``GET /v1/progress``  JSON (``ProgressReply``, one shape): step and samples held, for the
   stage's averaging rounds and for trainers. With
@@ -81,6 +84,7 @@ from aiohttp import web
 from swarmd.errors import (
     Busy,
     Draining,
+    InputsNotCached,
     LimitExceeded,
     Migrating,
     PeerBehind,
@@ -182,7 +186,8 @@ class DataPlane:
         answered as any other (``hop_error`` says why) and the trainer goes on itself. Not closed here."""
         self.reports = reports
         self.hops = hops
-        self.hop_stats = {"sent": 0, "failed": 0}  # forwards sent on to a next hop, and those that failed
+        # forwards sent on to a next hop, and those that failed; backwards run in a backward chain, and failed ones
+        self.hop_stats = {"sent": 0, "failed": 0, "backward": 0, "backward_failed": 0}
         self._runtime = runtime
         self.relay = relay
         self.relay_self = peer_id
@@ -383,6 +388,8 @@ class DataPlane:
                              precision=runtime.executor.precision, kept=result.kept)
         if req.next:
             reply = await self._next_hop(req, reply, source, received)
+        if req.back:
+            reply = await self._chain_backward(runtime, req, reply, result.outputs.shape, result.kept, source, received)
         return await self._reply(reply.encode, req.codec)
 
     async def _next_hop(self, req: ForwardRequest, own: ForwardReply, origin: str, received: float) -> ForwardReply:
@@ -416,7 +423,8 @@ class DataPlane:
                                            wait_ms=int((time.monotonic() - started) * 1e3))
             after = await self.hops.forward(hop.addr, hop.stage, own.outputs, req.targets, codec=req.codec,
                                             model=req.model, mb=req.mb, next=req.next[1:], peer=hop.peer_id,
-                                            origin=origin, budget_ms=hop.timeout_ms, timeout_s=hop.timeout_ms / 1000.0)
+                                            origin=origin, budget_ms=hop.timeout_ms, timeout_s=hop.timeout_ms / 1000.0,
+                                            back=req.back)
             if after.stage != hop.stage or after.loss is not None:
                 raise PeerError(200, "BadReply", f"{hop.addr} answered a forward of stage {after.stage}, "
                                                  f"not of stage {hop.stage}")
@@ -429,7 +437,44 @@ class DataPlane:
         first = HopResult(stage=hop.stage, step=after.step, peer_id=hop.peer_id, kept=after.kept,
                           precision=after.precision, wait_ms=after.wait_ms)
         return dataclasses.replace(own, outputs=after.outputs, chain=(first, *after.chain), hop_error=after.hop_error,
-                                   fused=after.fused, wait_ms=int((time.monotonic() - started) * 1e3))
+                                   fused=after.fused, backs=after.backs, back_error=after.back_error,
+                                   wait_ms=int((time.monotonic() - started) * 1e3))
+
+    async def _chain_backward(self, runtime: StageRuntime, req: ForwardRequest, reply: ForwardReply,
+                              shape: torch.Size, kept: bool, origin: str, received: float) -> ForwardReply:
+        """The backward chain (issue #31, ``meta.back``): the chain answered down to the last stage's fused
+        call, and every stage after this one ran its backward: run this stage's, on the inputs this peer
+        kept, with the input gradient the stage after it answered, and answer this stage's instead
+        (``ForwardReply.backs``). Counted as the trainer's attempt 0 would be (for ``origin``, whose claim
+        may fence it) and only within what is left of the sender's budget less ``HOP_MARGIN_MS``: what it
+        counts, it counts before its sender gives up. Where it fails (refused, stale, late, a gradient of
+        the wrong shape), the reply says why (``back_error``) and the trainer sends the rest itself."""
+        if reply.fused is None or reply.back_error is not None:
+            return reply  # the chain broke before its fused end, or the backward chain stopped after this stage
+        after = reply.backs[0] if reply.backs else reply.fused
+        grad = after.grad_inputs
+        if after.stage != req.stage + 1 or grad is None or tuple(grad.shape) != tuple(shape):
+            return dataclasses.replace(reply, back_error=f"stage {req.stage + 1} answered no input gradient for "
+                                                         f"stage {req.stage}'s outputs")
+        ex = runtime.executor
+        deadline = received + ((req.budget_ms or 0) - HOP_MARGIN_MS) / 1000.0
+        self.hop_stats["backward"] += 1
+        try:
+            try:
+                result = await ex.backward(None if kept else req.inputs, grad, None, step=reply.step, mb=req.mb,
+                                           deadline=deadline, attempt=0, source=origin)
+            except InputsNotCached:  # evicted since the forward (refused before anything counted): this peer has them
+                result = await ex.backward(req.inputs, grad, None, step=reply.step, mb=req.mb, deadline=deadline,
+                                           attempt=0, source=origin)
+        except SwarmdError as exc:
+            self.hop_stats["backward_failed"] += 1
+            log.info("stage %d: its backward in a chain failed (%s); the trainer sends it", req.stage, exc)
+            return dataclasses.replace(reply, back_error=f"stage {req.stage}: {exc}")
+        self.served["backward"] += 1
+        mine = BackwardReply(stage=req.stage, step=result.step, samples=result.samples, accumulated=ex.grad_samples,
+                             grad_inputs=result.grad_inputs, duplicate=result.duplicate, precision=ex.precision)
+        rest = tuple(dataclasses.replace(b, grad_inputs=None) for b in reply.backs)  # only the first's is needed
+        return dataclasses.replace(reply, fused=dataclasses.replace(reply.fused, grad_inputs=None), backs=(mine, *rest))
 
     async def _backward(self, request: web.Request) -> web.Response:
         received = time.monotonic()  # the sender's deadline runs from here (exactly once: step_protocol.py)

@@ -15,7 +15,10 @@ the backwards are routed as without it. Where a hop failed, the chain ends there
 on from the next stage itself. The trainer never sees the hops' inputs: a backward to a hop omits them
 (the hop kept them), and should they be needed after all (that peer lost them or is gone), they are
 computed again through the earlier stages at the same steps (:meth:`Microbatches._recovery`).
-Spot-checked pairs go through the trainer, every stage, as without it.
+When the chain ends in the last stage's fused call, the backwards go back through the same peers (the
+backward chain: ``reply.backs``), and the trainer sends only those a chain did not run, after settling
+(a claim) each one a broken chain may have counted. Spot-checked pairs go through the trainer, every
+stage, as without it.
 
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
@@ -113,12 +116,14 @@ class Microbatches:
         served_by: list[str] = []
         pair_by: list[str | None] = []
         kept: list[str | None] = []  # per stage: where each half's forward peer kept its inputs (else None)
+        at: list[str] = []  # per stage: where its forward's peer was dialled
         pair_kept: list[str | None] = []
         # peer to peer, unpaired: up to the last stage's fused call, unless a forward may be sent again to catch
         # up with the lease's step (the fused call counts: it is never sent twice)
         chain_to = None if not self.p2p or paired else last if lease_step is None else last - 1
         fused_served: Served[BackwardReply] | None = None
-        lost_at: list[str] = []  # where chains' fused calls went and their answers were lost
+        chained: dict[int, BackwardReply] = {}  # the backward chain's answers, by stage (their peers ran them)
+        lost_at: dict[int, list[str]] = {}  # per stage: where chains' backwards went and their answers were lost
         prefer: str | None = None  # the peer a chain stopped before (relayed, on probation): asked next
         stage = 0
         while stage < last:
@@ -131,7 +136,7 @@ class Microbatches:
                     on_forward = None
                 try:
                     forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, chain_to,
-                                                        y if chain_to == last else None, prefer)
+                                                        y if chain_to == last else None, prefer, back=chain_to == last)
                 finally:
                     if on_forward is not None:
                         on_forward()
@@ -146,6 +151,7 @@ class Microbatches:
             pair_steps.append(pair.reply.step if pair is not None else None)
             pair_by.append(pair.peer_id if pair is not None else None)
             kept.append(forward.addr if forward.reply.kept else None)
+            at.append(forward.addr)
             pair_kept.append(pair.addr if pair is not None and pair.reply.kept else None)
             # the stages its outputs went on to, peer to peer (as many hops as answered: Served.hops)
             answered = forward.hops[:len(reply.chain)]
@@ -156,19 +162,30 @@ class Microbatches:
                 steps.append(result.step)
                 served_by.append(hop.peer_id)
                 kept.append(hop.addr if result.kept else None)
+                at.append(hop.addr)
                 pair_steps.append(None)
                 pair_by.append(None)
                 pair_kept.append(None)
+            for lost_stage, addr in forward.unsettled:  # earlier attempts at this forward whose chain named a fused end
+                lost_at.setdefault(lost_stage, []).append(addr)
             if reply.fused is not None:
                 fused_served = Served(reply.fused, answered[-1].peer_id, 1, answered[-1].addr)
+                chained = {b.stage: b for b in reply.backs}  # the stages whose peers ran their backward
+                if reply.back_error is not None:
+                    # the backward chain stopped at the stage below those: its peer's own attempt (0) failed, said
+                    # it; settled all the same (a claim) before the trainer sends that backward itself
+                    stopped_stage = min(chained, default=last) - 1
+                    if stopped_stage >= 0:
+                        lost_at.setdefault(stopped_stage, []).append(at[stopped_stage])
                 break
             broken = forward.hops[len(reply.chain):]
             prefer = forward.stopped_at if not broken else None
-            lost_at += forward.unsettled  # earlier attempts at this forward whose chain named a fused end
             if broken and broken[-1].deadline_ms is not None:
                 # the chain broke before its fused end answered, which may have counted all the same (a hop that
-                # timed out while the stages after it went on): the trainer sends that call itself, after a claim
-                lost_at.append(broken[-1].addr)
+                # timed out while the stages after it went on), and with the backward chain so may every hop from
+                # the broken one on: the trainer sends those backwards itself, after a claim at each
+                for hop in (broken if chain_to == last else broken[-1:]):
+                    lost_at.setdefault(hop.stage, []).append(hop.addr)
             if lost_at:
                 chain_to = last - 1
             acts.append(reply.outputs)
@@ -181,7 +198,7 @@ class Microbatches:
             assert held_top is not None  # without a fused end, the last forward's outputs come back to the trainer
             top = held_top
             fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (prefer, None),
-                                                     (None, None), lost_at=lost_at)
+                                                     (None, None), lost_at=lost_at.get(last, ()))
         backward = await checks.backward(last, top, None, y, fused, fused_pair)
         if backward.loss is None:
             raise TrainerError(f"stage {last} answered a backward with targets without its loss")
@@ -190,11 +207,15 @@ class Microbatches:
         duplicates = int(backward.duplicate)
         pair_reply = fused_pair.reply if fused_pair is not None else None
         for stage in range(last - 1, -1, -1):
-            served, pair_served = await self._backward(stage, acts[stage], grad, None,
-                                                       (steps[stage], pair_steps[stage]), mbs,
-                                                       (served_by[stage], pair_by[stage]),
-                                                       (kept[stage], pair_kept[stage]),
-                                                       recover=self._recovery(acts, steps, stage))
+            if stage in chained:  # run by its forward's peer in the backward chain: nothing to send
+                served, pair_served = Served(chained[stage], served_by[stage], 1, at[stage]), None
+            else:
+                served, pair_served = await self._backward(stage, acts[stage], grad, None,
+                                                           (steps[stage], pair_steps[stage]), mbs,
+                                                           (served_by[stage], pair_by[stage]),
+                                                           (kept[stage], pair_kept[stage]),
+                                                           recover=self._recovery(acts, steps, stage),
+                                                           lost_at=lost_at.get(stage, ()))
             held = acts[stage]
             backward = await checks.backward(stage, held if held is not None else _NOT_SEEN, grad, None, served,
                                              pair_served)
@@ -231,16 +252,16 @@ class Microbatches:
     async def _forward(
         self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, pair_mb: int | None,
         paired: bool = True, chain_to: int | None = None, fused_targets: torch.Tensor | None = None,
-        prefer: str | None = None,
+        prefer: str | None = None, *, back: bool = False,
     ) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
         """A forward, and its pair's when ``paired`` (sent at once under ``pair_mb``, to another peer where
         there is one; a validation forward's pair, like any validation forward, carries no id). Unpaired,
         ``chain_to``: its outputs may go on peer to peer up to that stage (``StageCalls.forward``), ending
-        in the last stage's fused call with ``fused_targets``."""
+        in the last stage's fused call with ``fused_targets`` (and ``back``: the backward chain after it)."""
         calls = self.calls
         if not paired:
             return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to,
-                                       fused_targets=fused_targets, prefer=prefer), None
+                                       fused_targets=fused_targets, prefer=prefer, back=back), None
 
         def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
             return calls.forward(stage, inputs, targets, mb=mb if how is not None and how.tally is None else pair_mb,

@@ -138,9 +138,10 @@ class Served(Generic[R]):
     attempts: int
     addr: str = ""  # where the answering peer was dialled
     hops: tuple[Hop, ...] = ()  # a peer-to-peer forward's next hops, as sent (their answers: ``reply.chain``)
-    #: a peer-to-peer forward's earlier attempts that failed after naming a fused hop: where each such hop went
-    #: (it may have counted: the caller settles it before sending the last stage's call itself)
-    unsettled: tuple[str, ...] = ()
+    #: a peer-to-peer forward's earlier attempts that failed after naming a fused hop: ``(stage, addr)`` of each
+    #: backward they may have counted (the fused hop's; with the backward chain, every peer of the chain's): the
+    #: caller settles each (a claim) before sending that stage's backward itself
+    unsettled: tuple[tuple[int, str], ...] = ()
     #: the peer picked for the stage after the chain's end that the chain could not name (relayed, on
     #: probation): the caller's own call of that stage asks it first, so it is not passed over
     stopped_at: str | None = None
@@ -391,7 +392,8 @@ class StageCalls:
 
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
                       mb: int | None = None, how: How | None = None, chain_to: int | None = None,
-                      fused_targets: torch.Tensor | None = None, prefer: str | None = None) -> Served[ForwardReply]:
+                      fused_targets: torch.Tensor | None = None, prefer: str | None = None,
+                      back: bool = False) -> Served[ForwardReply]:
         """A forward through ``stage`` (with ``targets`` on the last stage: its loss too); ``how``: a
         spot check's pair or arbiter (whom to ask, how hard, who pays), else a microbatch's call.
 
@@ -403,6 +405,9 @@ class StageCalls:
         ``fused_targets`` (``chain_to`` the last stage), the chain's last hop is that stage's fused
         forward and backward (``reply.fused``), sent by the peer before it with attempt 0 and a deadline,
         as the caller's own would be; where that hop failed, the caller settles it (a claim) first.
+        ``back`` (with ``fused_targets``): the backward chain, each stage's peer running its backward once
+        the stages after it ran theirs (``reply.backs``, attempt 0 as the fused hop's); every attempt that
+        failed after asking for it may have counted anywhere along its chain (``Served.unsettled``).
         ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before)."""
         client, codec, model, samples = self.client, self.codec, self.model, inputs.shape[0]
 
@@ -412,29 +417,42 @@ class StageCalls:
         if chain_to is None or chain_to <= stage or mb is None or targets is not None or how is not None:
             return await self._observed(stage, "forward", samples, send, how=how, prefer=prefer)
         sent: dict[str, tuple[tuple[Hop, ...], str | None]] = {}  # addr -> the hops of the request answered there
-        unsettled: list[str] = []  # fused hops of failed attempts (once one failed, no attempt names another)
+        # (stage, addr) of failed attempts' backwards that may have counted: their fused hops' (once one failed, no
+        # attempt names another), and with the backward chain every peer of their chains'
+        unsettled: list[tuple[int, str]] = []
 
         async def send_chained(addr: str, timeout: float) -> ForwardReply:
-            hops, stopped = self._hops(stage + 1, chain_to, samples, fused=fused_targets is not None and not unsettled)
+            fused = fused_targets is not None and not unsettled
+            hops, stopped = self._hops(stage + 1, chain_to, samples, fused=fused, back=back and fused)
             sent[addr] = ((), stopped)
             if not hops:
                 return await send(addr, timeout)
             outcome: ForwardReply | None = None
             fusing = fused_targets if hops[-1].deadline_ms is not None else None
+            backing = back and fusing is not None
             try:
                 budget = timeout + (hops[0].timeout_ms + HOP_MARGIN_MS) / 1000.0
+                if backing:  # and this stage's own backward, after the chain's
+                    budget += self._backward_s(stage, addr, samples)
                 reply = await client.forward(addr, stage, inputs, fusing, codec=codec, model=model, mb=mb, next=hops,
-                                             budget_ms=int(budget * 1000), timeout_s=budget)
+                                             budget_ms=int(budget * 1000), timeout_s=budget, back=backing)
                 if (reply.fused is not None) != (len(reply.chain) == len(hops) and fusing is not None):
                     raise PeerError(200, "BadReply", f"{addr} answered a chain without its fused end, or the reverse")
                 named = [hop.peer_id for hop in hops[:len(reply.chain)]]
                 if len(reply.chain) > len(hops) or [r.peer_id for r in reply.chain] != named:
                     raise PeerError(200, "BadReply", f"{addr} answered for hops it was not sent to")
+                if reply.backs and (not backing or reply.fused is None or reply.backs[0].stage < stage
+                                    or reply.backs[-1].stage != reply.fused.stage - 1
+                                    or (reply.backs[0].grad_inputs is None) != (reply.backs[0].stage == 0)):
+                    raise PeerError(200, "BadReply", f"{addr} answered backwards of stages it was not asked for, "
+                                                     "or without the input gradient the next one needs")
                 outcome = reply
             finally:
-                self._settled_hops(hops, samples, outcome)
-                if outcome is None and fusing is not None:
-                    unsettled.append(hops[-1].addr)
+                self._settled_hops(hops, samples, outcome, back=backing)
+                if outcome is None and backing:
+                    unsettled.extend([(stage, addr), *((hop.stage, hop.addr) for hop in hops)])
+                elif outcome is None and fusing is not None:
+                    unsettled.append((hops[-1].stage, hops[-1].addr))
             sent[addr] = (hops, stopped)
             return outcome
 
@@ -443,16 +461,25 @@ class StageCalls:
         hops, stopped = sent.get(served.addr, ((), None))
         return dataclasses.replace(served, hops=hops, unsettled=tuple(unsettled), stopped_at=stopped)
 
+    def _backward_s(self, stage: int, addr: str, samples: int) -> float:
+        """How long a backward of ``samples`` at the peer of ``stage`` dialled at ``addr`` may take: its
+        own backward call's timeout (the backward chain's part of a chained forward's budget)."""
+        router = self.stages.routers[stage]
+        peer_id = next((p.peer_id for p in router.snapshot() if p.addr == addr), "")
+        return router.timeout_for(peer_id, samples, "backward",
+                                  floor_s=self.timing.timeout_floor("backward", self.request_timeout_s))
+
     def _hops(self, first: int, last: int, samples: int, *,
-              fused: bool = False) -> tuple[tuple[Hop, ...], str | None]:
+              fused: bool = False, back: bool = False) -> tuple[tuple[Hop, ...], str | None]:
         """Peers of stages ``first .. last`` for a peer-to-peer forward, each picked as its own call
         would pick it and counted in flight there: the chain stops before a stage whose pick is on
         probation (its calls are watched from here) or relayed (its stage-mates cannot dial it), and
         that pick comes back with the hops (the caller's call of that stage asks it first: a peer the
         chain cannot name is not passed over, and one on probation gets its first calls).
         ``fused``: stage ``last``'s hop is its fused forward and backward, timed as a backward and
-        given the deadline the caller's own backward would have."""
-        picked: list[tuple[int, str, str, float, int | None]] = []
+        given the deadline the caller's own backward would have. ``back`` (with ``fused``): the backward
+        chain, each earlier hop timed as its forward and its backward."""
+        picked: list[tuple[int, str, str, float, int | None, float]] = []
         stopped: str | None = None
         for stage in range(first, last + 1):
             router = self.stages.routers[stage]
@@ -468,15 +495,18 @@ class StageCalls:
             timeout = router.timeout_for(peer_id, samples, kind,
                                          floor_s=self.timing.timeout_floor(kind, self.request_timeout_s))
             deadline = self.timing.backward_deadline_ms(timeout) if kind == "backward" else None
-            picked.append((stage, addr, peer_id, timeout, deadline))
+            extra = self._backward_s(stage, addr, samples) if back and fused and kind == "forward" else 0.0
+            picked.append((stage, addr, peer_id, timeout, deadline, extra))
+        backed = back and fused and bool(picked) and picked[-1][0] == last  # the backward chain needs the fused end
         hops, rest = [], 0.0
-        for stage, addr, peer_id, timeout, deadline in reversed(picked):  # each hop's wait covers those after it
-            rest += timeout + (HOP_MARGIN_MS / 1000.0 if rest else 0.0)  # and each one's margin to answer
+        for stage, addr, peer_id, timeout, deadline, extra in reversed(picked):  # each hop's wait covers those after
+            rest += timeout + (extra if backed else 0.0) + (HOP_MARGIN_MS / 1000.0 if rest else 0.0)  # and a margin
             hops.append(Hop(stage=stage, addr=addr, peer_id=peer_id, timeout_ms=max(1, int(rest * 1000)),
                             deadline_ms=deadline))
         return tuple(reversed(hops)), stopped
 
-    def _settled_hops(self, hops: tuple[Hop, ...], samples: int, reply: ForwardReply | None) -> None:
+    def _settled_hops(self, hops: tuple[Hop, ...], samples: int, reply: ForwardReply | None, *,
+                      back: bool = False) -> None:
         """A peer-to-peer forward ended (``reply`` None: it failed): the hops that answered are
         reported to their routers, their latency being the wait of the hop before them less their
         own wait on the next; the rest are released, neither banned (a hop that failed another peer
@@ -488,13 +518,14 @@ class StageCalls:
             if i < len(results) and results[i].peer_id == hop.peer_id:
                 own_s = max(0.0, (before_ms - results[i].wait_ms) / 1000.0)
                 router.report_success(hop.peer_id, samples, own_s,
-                                      "backward" if hop.deadline_ms is not None else "forward")
+                                      "backward" if hop.deadline_ms is not None or back else "forward")
                 before_ms = results[i].wait_ms
             else:
                 router.release(hop.peer_id)
         if reply is not None:
             self.summary.p2p_hops += len(results)
             self.summary.p2p_fallbacks += int(reply.hop_error is not None)
+            self.summary.p2p_backwards += len(reply.backs)
 
     async def backward(
         self, stage: int, inputs: torch.Tensor | None, *, grad_outputs: torch.Tensor | None = None,

@@ -1,7 +1,8 @@
 """scripts/bench_p2p.py on loopback with its smallest settings: the report's shape, and the bytes p2p saves.
 
 Real daemons through the CLI and the real trainer, without and with ``--p2p``: the trainer's bytes per
-microbatch are exact (the same frames every time), so the half that p2p saves at 2 stages is asserted;
+microbatch are exact (the same frames every time), so what p2p saves at 2 stages is asserted (every
+activation and gradient: with the backward chain the trainer sends and receives meta and token ids only);
 how fast each mode is goes in docs/BENCHMARKS.md, never asserted here.
 """
 
@@ -18,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_p2p.py"
 
 
 @pytest.mark.timeout(600)  # two daemons and four trainer runs: minutes on a busy 2-core machine
-def test_p2p_halves_the_trainers_bytes_per_microbatch_and_the_report_says_so(tmp_path: Path) -> None:
+def test_p2p_takes_the_tensors_off_the_trainers_bytes_and_the_report_says_so(tmp_path: Path) -> None:
     argv = [sys.executable, str(SCRIPT), "--stages", "2", "--rounds", "1", "--steps", "1", "--warmup", "2",
             "--batch-size", "16", "--microbatch-size", "8", "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=540, cwd=tmp_path)
@@ -32,7 +33,8 @@ def test_p2p_halves_the_trainers_bytes_per_microbatch_and_the_report_says_so(tmp
         assert run["microbatches"] == 2 and run["samples_per_s"] > 0 and run["issued_equals_completed"]
     off, on = result["runs"]
     # warm-up: the first calls go through the trainer (peers on probation); then every microbatch's chain
-    assert off["p2p_hops"] == 0 and on["p2p_hops"] > 0 and on["p2p_fallbacks"] == 0
-    # without p2p: an activation out and back and a gradient back and out; with it: the gradient only
-    assert result["ratio_trainer_bytes_per_microbatch"] == pytest.approx(0.5, abs=0.01)
+    assert off["p2p_hops"] == 0 and on["p2p_hops"] > 0 and on["p2p_fallbacks"] == 0 and on["p2p_backwards"] > 0
+    # without p2p: an activation out and back and a gradient back and out; with it (the backward chain): neither,
+    # only the token ids, the targets and the chain's meta (under 2 KB against 0.5 MB)
+    assert on["trainer_bytes_per_microbatch"] < 2048 and result["ratio_trainer_bytes_per_microbatch"] < 0.01
     assert result["ratio_samples_per_s"] == pytest.approx(on["samples_per_s"] / off["samples_per_s"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -399,6 +400,9 @@ def hop(stage: int = 2, addr: Any = "10.0.0.2:7000", peer: Any = "b" * 64, timeo
     ({"next": [hop()], "budget_ms": -1}, None, "budget_ms"),
     ({"peer": 5}, None, "meta.peer"),
     ({"origin": "o" * 65}, None, "meta.origin"),
+    ({"next": [hop()], "back": True}, None, "meta.back"),  # a backward chain needs the fused end
+    ({"back": True}, None, "meta.back"),
+    ({"next": [hop() + [500]], "back": "yes"}, {"inputs": hidden(), "targets": tokens()}, "meta.back"),
 ])
 def test_a_bad_next_hop_gets_a_422(meta: dict[str, Any], tensors: Any, words: str) -> None:
     meta = {"stage": 1, "mb": 3, "budget_ms": 1000, **meta}
@@ -425,7 +429,43 @@ def test_a_bad_chain_in_a_forward_reply_is_malformed(chain: Any) -> None:
             ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "fused": fused}, {}))
 
 
-@given(meta=st.dictionaries(st.sampled_from(["stage", "mb", "next", "peer", "origin"]),
+def test_a_backward_chain_request_and_its_reply_round_trip() -> None:
+    fused = (Hop(stage=2, addr="10.0.0.2:7000", peer_id="b" * 64, timeout_ms=3000),
+             Hop(stage=3, addr="[::1]:7001", peer_id="c" * 64, timeout_ms=1500, deadline_ms=1200))
+    req = ForwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=9, next=fused, budget_ms=4000, back=True)
+    assert ForwardRequest.from_frame(wire(req.encode()), TARGET).back
+    assert "back" not in wire(dataclasses.replace(req, back=False).encode()).meta
+    # stages 1 and 2 ran their backwards: only stage 1's input gradient travels, the fused end's is dropped
+    chain = (HopResult(stage=2, step=4, peer_id="b" * 64), HopResult(stage=3, step=4, peer_id="c" * 64))
+    last = BackwardReply(stage=3, step=4, samples=2, accumulated=6, grad_inputs=hidden(), loss=1.5)
+    backs = (BackwardReply(stage=1, step=4, samples=2, accumulated=6, grad_inputs=hidden()),
+             BackwardReply(stage=2, step=4, samples=2, accumulated=8, duplicate=True, precision="bf16"))
+    reply = ForwardReply(stage=1, step=4, outputs=torch.empty(0), chain=chain, fused=last, backs=backs)
+    frame = wire(reply.encode())
+    assert set(frame.tensors) == {"back_grad_inputs"}
+    got = ForwardReply.from_frame(frame)
+    assert got.fused is not None and got.fused.grad_inputs is None and got.fused.loss == 1.5
+    assert [(b.stage, b.accumulated, b.duplicate, b.precision) for b in got.backs] == [
+        (1, 6, False, "fp32"), (2, 8, True, "bf16")]
+    assert got.backs[0].grad_inputs is not None and torch.equal(got.backs[0].grad_inputs, hidden())
+    assert got.backs[1].grad_inputs is None and got.back_error is None
+    stopped = ForwardReply.from_frame(wire(dataclasses.replace(reply, backs=(), back_error="stage 1: late").encode()))
+    assert stopped.back_error == "stage 1: late" and stopped.fused is not None and stopped.fused.grad_inputs is not None
+
+
+@pytest.mark.parametrize("backs", [
+    "all", [], [1], [{"stage": 1}], [{"stage": 1, "step": 0, "samples": 1}, {"stage": 3, "step": 0, "samples": 1}],
+    [{"stage": 1, "step": 0, "samples": 1}] * 65,
+])
+def test_a_bad_backward_chain_in_a_forward_reply_is_malformed(backs: Any) -> None:
+    fused = {"stage": 3, "step": 0, "samples": 1}
+    with pytest.raises(MalformedFrame):
+        ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "fused": fused, "backs": backs}, {}))
+    with pytest.raises(MalformedFrame):
+        ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "fused": fused, "back_error": 1}, {}))
+
+
+@given(meta=st.dictionaries(st.sampled_from(["stage", "mb", "next", "peer", "origin", "back"]),
                             st.none() | st.booleans() | st.integers(-5, 2**64 - 1) | st.text(max_size=70)
                             | st.lists(st.lists(st.integers(0, 5) | st.text(max_size=8), max_size=5), max_size=3),
                             max_size=5))
