@@ -510,6 +510,12 @@ async def test_real_daemons_refuse_a_lying_leader_and_a_joiner_never_downloads_f
             x, y = text_batch(rng, MICRO)  # 4 more samples: the honest two now hold the batch without the liar
             await client.backward(str(a.data_addr), 0, x, None, y)
             await wait_for(lambda: a.executor.step == 1 and b.executor.step == 1, 30, "the honest peers step")
+
+            def round_recorded() -> bool:  # a peer steps a moment before it writes the round's record down
+                return all(any(r["status"] == "ok" and r["step"] == 0 for r in d.status()["averaging"]["recent"])
+                           for d in (a, b))
+
+            await wait_for(round_recorded, 10, "the honest peers record their round")
             statuses = [d.status() for d in real]
 
             async def records_show_the_step() -> bool:  # what the joiner will read: every peer, announced at step 1
