@@ -43,10 +43,10 @@ from swarmd.dht.identity import Identity
 from swarmd.finite import strict_json_dumps
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import WireLimits
-from swarmd.pipeline.allreduce import AllReduceAverager
-from swarmd.pipeline.averaging import StageAverager
-from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.runtime import StageRuntime
+from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
+from swarmd.pipeline.averaging.averager import StageAverager
+from swarmd.pipeline.stage.executor import StageExecutor
+from swarmd.pipeline.stage.runtime import StageRuntime
 from swarmd.pipeline.spec import GRAD_CODECS, PRESETS, TrainingSpec
 
 TARGET = 32  # a multiple of every n below 32 would be neater; each peer holds TARGET // n (+1 for the rest)

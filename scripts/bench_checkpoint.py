@@ -25,7 +25,7 @@ import torch
 from swarmd.checkpoint import Checkpointer
 from swarmd.export import from_checkpoints, write_model
 from swarmd.finite import strict_json_dumps
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 
 

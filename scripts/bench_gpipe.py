@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # netlab.py and bench_
 import bench_wan  # noqa: E402
 import netlab  # noqa: E402
 from swarmd.finite import strict_json_dumps  # noqa: E402
-from swarmd.local_swarm import DaemonProcess, DaemonStartError, stop_all  # noqa: E402
+from swarmd.local_swarm import DaemonProcess, DaemonStartError, stopping  # noqa: E402
 
 SEED = 0
 CORPUS_BYTES = 8 * 2**20  # as bench_pipeline.py: both the trainer and the GPipe ranks load this much
@@ -106,7 +106,7 @@ class Settings:
     warmup: int = 2
     batch_size: int = 32
     microbatch_size: int = 8
-    window: int = 4  # the swarmd trainer's microbatches in flight
+    window: int | None = 4  # the swarmd trainer's microbatches in flight (None: auto, swarmd.train.window)
     taper: bool = False  # the swarmd trainer tapers a step's ends (then its microbatches differ from GPipe's)
 
     def spec(self) -> Any:
@@ -161,14 +161,15 @@ def swarm_trainer_child(s: Settings, api: str) -> dict[str, Any]:
     if window.t1 == 0.0:
         raise BenchError(f"the trainer finished without reaching step {window.last}")
     return {"window_s": window.t1 - window.t0, "samples": window.samples1 - window.samples0,
-            "step_losses": summary.step_losses, "retries": summary.retries}
+            "step_losses": summary.step_losses, "retries": summary.retries,
+            "in_flight": summary.window, "in_flight_need": summary.window_need}
 
 
 def run_swarmd(s: Settings, net: Net, workdir: Path, tag: str) -> dict[str, Any]:
     model_file = workdir / "model.json"
     model_file.write_text(json.dumps(s.spec().to_dict()))
     daemons: list[DaemonProcess] = []
-    try:
+    with stopping(daemons):
         for k in range(s.stages):
             addr = net.addr(k)
             args = ["--host", addr, "--dht-host", addr, "--api-host", "127.0.0.1", "--swarm", "bench-gpipe",
@@ -188,12 +189,6 @@ def run_swarmd(s: Settings, net: Net, workdir: Path, tag: str) -> dict[str, Any]
         if done.returncode != 0:
             raise BenchError(f"the swarmd trainer exited with {done.returncode}: {done.stderr[-3000:]}")
         result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    except BaseException:
-        for d in daemons:
-            print(f"--- {d.name} log (end) ---\n{d.log_tail()}", file=sys.stderr)
-        raise
-    finally:
-        stop_all(daemons)
     return result
 
 
@@ -261,7 +256,7 @@ def gpipe_rank_child(c: dict[str, Any]) -> dict[str, Any]:
 
     from swarmd.allocator import keep_freed_memory
     from swarmd.pipeline.model import build_stage
-    from swarmd.pipeline.optimizer import apply_step, build_optimizer
+    from swarmd.pipeline.stage.optimizer import apply_step, build_optimizer
     from swarmd.pipeline.spec import TrainingSpec
     from swarmd.train.data import BatchSampler, load_corpus
 
@@ -428,6 +423,15 @@ def print_summary(r: dict[str, Any]) -> None:
         print(f"{sc['scenario']:<10} samples/s: {rates}\n{'':<10} {ratios}\n{'':<10} losses vs {REFERENCE}: {diffs}")
 
 
+def _window(text: str) -> int | None:
+    if text == "auto":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("--window must be at least 1, or auto")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="model preset, cut into --stages equal stages (default: tiny)")
@@ -436,7 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them, at least 1 (default: 2)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--microbatch-size", type=int, default=8)
-    p.add_argument("--window", type=int, default=4, help="the swarmd trainer's microbatches in flight (default: 4)")
+    p.add_argument("--window", type=_window, default=4, metavar="N|auto",
+                   help="the swarmd trainer's microbatches in flight; auto: sized from what it measures "
+                        "(swarmd.train.window) (default: 4)")
     p.add_argument("--taper", action="store_true",
                    help="let the swarmd trainer taper a step's ends (then its microbatches differ from GPipe's)")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))

@@ -37,7 +37,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmd.finite import strict_json_dumps
-from swarmd.local_swarm import DaemonProcess, stop_all
+from swarmd.local_swarm import DaemonProcess, stopping
 
 SEED = 0
 CORPUS_BYTES = 8 * 2**20
@@ -151,7 +150,7 @@ def run_stages(s: Settings, stages: int, workdir: Path) -> dict[str, Any]:
     model_file.write_text(json.dumps(s.spec(stages).to_dict()))
     daemons: list[DaemonProcess] = []
     runs: list[dict[str, Any]] = []
-    try:
+    with stopping(daemons):
         for k in range(stages):
             args = ["--host", "127.0.0.1", "--dht-host", "127.0.0.1", "--api-host", "127.0.0.1", "--swarm",
                     f"bench-p2p{stages}", "--device", "cpu", "--drain-timeout", "5", "--log-level", "WARNING",
@@ -170,12 +169,6 @@ def run_stages(s: Settings, stages: int, workdir: Path) -> dict[str, Any]:
         for _ in range(s.rounds):
             for p2p in (False, True):
                 runs.append(asyncio.run(train(s, api, p2p)))
-    except BaseException:
-        for d in daemons:
-            print(f"--- {d.name} log (end) ---\n{d.log_tail()}", file=sys.stderr)
-        raise
-    finally:
-        stop_all(daemons)
 
     def median(p2p: bool, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["p2p"] == p2p)

@@ -114,9 +114,9 @@ from swarmd.allocator import keep_freed_memory
 from swarmd.errors import ConfigError
 from swarmd.finite import strict_json_dumps
 from swarmd.local_swarm import DaemonProcess, DaemonStartError
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.model import build_stage
-from swarmd.pipeline.optimizer import build_optimizer
+from swarmd.pipeline.stage.optimizer import build_optimizer
 from swarmd.pipeline.partition import flop_costs, stage_costs, tapered_sizes
 from swarmd.pipeline.schedule import StageCalls, sync_step, unimodal_splits
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec

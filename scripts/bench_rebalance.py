@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from swarmd.finite import strict_json_dumps
-from swarmd.pipeline.rebalance import (
+from swarmd.pipeline.placement.rebalance import (
     POLICIES,
     PeerLoad,
     SwarmSnapshot,

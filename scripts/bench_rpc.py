@@ -5,7 +5,7 @@ The work of hivemind's RemoteExpert benchmark: one pre-norm transformer block (`
 backward RPC, one microbatch after the other (nothing overlaps), with the activations and
 gradients sent as ``8bit`` (and ``none`` and ``fp16``). The block is swarmd's own stage: a
 middle stage of a 3-stage custom ``ModelSpec`` with one layer per stage (no embedding, no
-head), computed by a real :class:`~swarmd.pipeline.executor.StageExecutor` behind a real
+head), computed by a real :class:`~swarmd.pipeline.stage.executor.StageExecutor` behind a real
 aiohttp :class:`~swarmd.net.server.DataPlane` on 127.0.0.1, and called with
 :class:`~swarmd.net.client.DataPlaneClient` exactly as the trainer calls it: the forward names
 its microbatch (``mb``), so the backward hits the activation cache and sends back ``step``.
@@ -52,9 +52,9 @@ from swarmd.finite import strict_json_dumps
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import DEFAULT_LIMITS
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.model import build_stage
-from swarmd.pipeline.runtime import StageRuntime
+from swarmd.pipeline.stage.runtime import StageRuntime
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
 
 STAGE = 1  # the middle stage: one block, hidden states in and out

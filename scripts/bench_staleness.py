@@ -1,6 +1,6 @@
 """What one-step-old gradients cost in held-out loss, in one process, side by side with sync training.
 
-Delayed parameter updates (``--delay-updates``, ``swarmd.pipeline.delayed_updates``) let a stage
+Delayed parameter updates (``--delay-updates``, ``swarmd.pipeline.stage.delayed_updates``) let a stage
 keep computing while its averaging round is on the wire, so the backwards it runs meanwhile are
 computed at the parameters of step ``s`` and join the update applied to those of ``s + 1``:
 they are one update old. ``scripts/bench_wan.py --compare-loss`` measures the whole swarm's loss
@@ -18,9 +18,11 @@ process under each of these rules, from the same initial weights and the same mi
   backwards recomputed at the current ones (each stage but the last; the last one's forward and
   backward are one call at the current parameters), against the next stage's input gradients of
   the old forward: what a swarmd stage does with a backward one step old whose graph an update
-  dropped (``swarmd.pipeline.stage_passes``: it recomputes from the kept inputs);
+  dropped (``swarmd.pipeline.stage.passes``: it recomputes from the kept inputs);
 - ``delayed``: each step's whole gradient applied one update later (the paper's description of
-  delayed updates: the update of step ``s`` runs while step ``s + 1`` computes).
+  delayed updates: the update of step ``s`` runs while step ``s + 1`` computes);
+- ``delayed-predicted``: ``delayed``, each step computed at the parameters moved once more by the
+  last update (``2 x theta - theta_before_it``: weight prediction for the update still on the wire).
 
 Each run's held-out loss (``--val-batches`` microbatches of the corpus's held-out part every
 ``--val-every`` steps) and its ratio to ``sync``'s at the last validation, as one JSON object::
@@ -44,13 +46,14 @@ from torch.func import functional_call
 
 from swarmd.finite import strict_json_dumps
 from swarmd.pipeline.model import StageModule, build_stage
-from swarmd.pipeline.optimizer import apply_step, build_optimizer
+from swarmd.pipeline.stage.optimizer import apply_step, build_optimizer
 from swarmd.pipeline.spec import TrainingSpec
 from swarmd.pipeline.spec_files import load_spec, with_partition
 from swarmd.train.corpus import Corpus
 from swarmd.train.data import BatchSampler, load_corpus, val_batches
+from swarmd.train.reference import apply_mean_step
 
-MODES = ("sync", "stale", "predicted", "recomputed", "delayed")
+MODES = ("sync", "stale", "predicted", "recomputed", "delayed", "delayed-predicted")
 CORPUS_BYTES = 8 * 2**20  # the trainer's default
 Params = list[dict[str, torch.Tensor]]
 
@@ -97,6 +100,9 @@ def train(mode: str, args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]
     optimizers = [build_optimizer(training, st.named_parameters()) for st in stages]
     per_step = args.batch_size // args.microbatch_size
     n_old = round(args.stale_fraction * per_step) if mode in ("stale", "predicted", "recomputed") else 0
+    if mode == "delayed-predicted":
+        n_old = per_step  # every microbatch at the predicted parameters, once there are any
+    predicted_next: Params | None = None  # delayed-predicted: 2 x theta - theta before the last update
     previous: Params | None = None  # the parameters of the step before this one
     before_previous: Params | None = None
     pending: list[list[torch.Tensor]] | None = None  # delayed: the last step's mean gradient
@@ -106,6 +112,8 @@ def train(mode: str, args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]
         if mode == "predicted" and previous is not None and before_previous is not None:
             pairs = zip(previous, before_previous, strict=True)
             old: Params | None = [{n: 2 * p[n] - q[n] for n in p} for p, q in pairs]
+        elif mode == "delayed-predicted":
+            old = predicted_next
         else:
             old = previous
         for i, (x, y) in enumerate(microbatches):
@@ -121,22 +129,21 @@ def train(mode: str, args: argparse.Namespace, corpus: Corpus) -> dict[str, Any]
                 (_run(stages, None, x, y) * x.shape[0]).backward()
         before_previous, previous = previous, _snapshot(stages)
         samples = per_step * args.microbatch_size
-        if mode == "delayed":
+        if mode in ("delayed", "delayed-predicted") and step >= args.delay_after:
             current = [[p.grad / samples for p in st.parameters()] for st in stages]
             for st in stages:
                 st.zero_grad(set_to_none=True)
             if pending is not None:
+                before_update = _snapshot(stages)
                 for st, opt, grads_k in zip(stages, optimizers, pending, strict=True):
                     for p, g in zip(st.parameters(), grads_k, strict=True):
                         p.grad = g
                     apply_step(opt, training, list(st.parameters()), step - 1)
+                after = _snapshot(stages)
+                predicted_next = [{n: 2 * a[n] - b[n] for n in a} for a, b in zip(after, before_update, strict=True)]
             pending = current
         else:
-            for st, opt in zip(stages, optimizers, strict=True):
-                ps = list(st.parameters())
-                for p in ps:
-                    p.grad /= samples
-                apply_step(opt, training, ps, step)
+            apply_mean_step(stages, optimizers, training, samples, step)
         if (step + 1) % args.val_every == 0 or step + 1 == args.steps:
             with torch.no_grad():
                 val = sum(float(_run(stages, None, x, y)) for x, y in held_out) / len(held_out)
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale-fraction", type=float, default=0.5,
                    help="share of each step's microbatches computed one update late (default: 0.5)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--delay-after", type=int, default=0, metavar="N",
+                   help="the delayed modes take their first N updates at once, as sync does (default: 0)")
     p.add_argument("--val-every", type=int, default=5)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--corpus-bytes", type=int, default=CORPUS_BYTES,
@@ -173,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = next((r["val_loss"] for r in runs if r["mode"] == "sync"), None)
     for r in runs:
         r["vs_sync"] = None if ref is None else round(r["val_loss"] / ref - 1, 4)
-    settings = {k: getattr(args, k) for k in ("model", "steps", "batch_size", "microbatch_size", "lr",
-                                              "stale_fraction", "val_every", "val_batches", "corpus_bytes", "seed")}
+    settings = {k: getattr(args, k) for k in ("model", "steps", "batch_size", "microbatch_size", "lr", "stale_fraction",
+                                              "delay_after", "val_every", "val_batches", "corpus_bytes", "seed")}
     out = {"settings": settings, "runs": runs, "wall_s": round(time.perf_counter() - started, 1)}
     if args.json:
         print(strict_json_dumps(out))

@@ -13,7 +13,9 @@ times the target batch, over the time between them: start-up excluded, the rate 
 ``stale_fraction`` (microbatches redone as stale over microbatches issued), ``steps_per_s``, and
 the issue-13 targets: stale fraction <= 5% with 4 trainers, and 4 trainers' steady samples/s >= 0.9
 x one trainer's. ``--no-reservations`` paces each trainer on its own (the behaviour before the lease
-book), for comparison.
+book), for comparison. ``requests_per_step``: the requests the daemons served during the run, by
+endpoint (their ``/metrics``, summed over the daemons), per step of the swarm: what the trainers'
+coordination costs, counted rather than timed (a rate on a loaded machine is noisy, a count is not).
 
     .venv/bin/python scripts/bench_trainers.py --json
     .venv/bin/python scripts/bench_trainers.py --preset tiny --steps 10 --trainers 1 2 4
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,30 @@ def start_swarm(workdir: Path, preset: str, stages: int, peers: int, batch: int,
     for d in daemons[1:]:
         d.wait_ready()
     return daemons
+
+
+REQUESTS = re.compile(r'^swarmd_(?:data|control)_plane_requests_total\{endpoint="([^"]+)",status="\d+"\} (\S+)$', re.M)
+
+
+def request_counts(daemons: list[DaemonProcess]) -> dict[str, float]:
+    """Requests served so far by endpoint, summed over the daemons (from their ``/metrics``)."""
+    counts: dict[str, float] = {}
+    for d in daemons:
+        with urllib.request.urlopen(f"{d.api}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for endpoint, value in REQUESTS.findall(text):
+            counts[endpoint] = counts.get(endpoint, 0.0) + float(value)
+    return counts
+
+
+def measured(daemons: list[DaemonProcess], n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of ``n`` trainers, with the requests it cost the daemons per step of the swarm."""
+    before = request_counts(daemons)
+    result = asyncio.run(run(daemons[0].api, n, args))
+    after = request_counts(daemons)
+    result["requests_per_step"] = {k: round((after[k] - before.get(k, 0.0)) / args.steps, 2)
+                                   for k in sorted(after) if after[k] > before.get(k, 0.0) and k != "/metrics"}
+    return result
 
 
 async def run(api: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,7 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-trainers-") as tmp:
         daemons = start_swarm(Path(tmp), args.preset, args.stages, args.peers, args.batch, args.threads)
         try:
-            results = [asyncio.run(run(daemons[0].api, n, args)) for n in args.trainers]
+            results = [measured(daemons, n, args) for n in args.trainers]
         finally:
             for d in daemons:
                 d.stop()

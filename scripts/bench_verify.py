@@ -21,10 +21,10 @@ seeds):
 
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
-the leader's reduction bounds and scores them (``swarmd.pipeline.round_reduction``), and their
+the leader's reduction bounds and scores them (``swarmd.pipeline.averaging.reduction``), and their
 ``excluded_at`` is when a leader convicted them (``hostile_contributions``); ``routed_out_at`` when
 two of its stage-mates excluded it (the leader, and a stage-mate that seconded the leader's signed
-evidence: ``swarmd.pipeline.accusations``), after which the trainers route nothing to it
+evidence: ``swarmd.pipeline.averaging.trust.accusations``), after which the trainers route nothing to it
 (``swarmd.train.verify.excluded_by_stage``); ``seconded``: accusations the honest peers seconded.
 Each such liar is its stage's largest peer id, so it never leads (a leader's own contribution is
 not scored). ``clipped`` and ``struck``: contributions the honest leaders' robust mean clipped,
@@ -75,7 +75,8 @@ AVERAGING = ("minus20", "flipped")
 
 def plain_averaging() -> None:
     """Make every leader in this process average as before issue 29 (see the module docstring)."""
-    from swarmd.pipeline import averaging_leader, round_reduction
+    from swarmd.pipeline.averaging import leader as averaging_leader
+    from swarmd.pipeline.averaging import reduction as round_reduction
 
     original = round_reduction.reduce_contributions
 
@@ -98,7 +99,7 @@ SCORED: list[tuple[str, int, str, float, float]] = []
 
 def record_scores() -> None:
     """Make every leader in this process record its scores in SCORED (see ``--directions``)."""
-    from swarmd.pipeline import averaging_leader
+    from swarmd.pipeline.averaging import leader as averaging_leader
 
     original = averaging_leader.reduce_contributions
 
@@ -117,7 +118,7 @@ def directions(daemons: list[Any], liar: Any) -> dict[str, Any]:
     in a window of WINDOW scored rounds and the steps where an honest peer reached STRIKES of them,
     the liar's first such step, the largest honest ``far`` and the most *far* strikes an honest peer had in
     a window (STRIKES of them convict): what a direction rule would convict, and how near honest peers came."""
-    from swarmd.pipeline.hostile_contributions import AGAINST_COS, FAR_FACTOR, STRIKES, WINDOW
+    from swarmd.pipeline.averaging.trust.hostile_contributions import AGAINST_COS, FAR_FACTOR, STRIKES, WINDOW
 
     stage_of = {d.peer_id: d.stage for d in daemons}
     out: dict[str, Any] = {}
@@ -209,9 +210,21 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         caught = {p for s in summaries for p in s.verify["caught"]}
         averagers = [d.averager for d in honest if d.averager is not None]
         convicted = {p for a in averagers for p in a.hostile_convictions}
-        # and the peers a stage-mate excluded on another's accusation (swarmd.pipeline.accusations)
+        # and the peers a stage-mate excluded on another's accusation (swarmd.pipeline.averaging.trust.accusations)
         convicted |= {p for a in averagers for p, e in a.suspicions.status().items()
                       if e["reason"].startswith("hostile")}
+        # opened contributions (contribution_proofs): their checks, and their cost on the last stage
+        last = [d for d in daemons if d.stage == SPEC.n_stages - 1 and d.averager is not None and d.executor is not None]
+        openings: dict[str, int] = {}
+        for d in last:
+            if d is not liar:
+                for k, v in d.averager.openings.items():  # type: ignore[union-attr]
+                    openings[k] = openings.get(k, 0) + v
+        honest_last = [d for d in last if d is not liar]
+        grad_bytes = sum(sum(d.averager.codecs_sent.values()) for d in honest_last  # type: ignore[union-attr]
+                         ) * 4 * (honest_last[0].executor.grad_numel if honest_last else 0)  # type: ignore[union-attr]
+        opening_cpu = sum(d.averager.opening_costs["cpu_s"] for d in honest_last)  # type: ignore[union-attr]
+        worker_cpu = sum(d.executor.worker_cpu_s for d in honest_last)  # type: ignore[union-attr]
         return {
             "lie": lie or "honest",
             "stage": STAGE.get(lie or "", None),
@@ -234,6 +247,14 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "redone": sum(s.verify["redone"] for s in summaries),
             "suspicions": sum(s.verify["suspicions"] for s in summaries),
             "probes": sum(s.verify["probes"] for s in summaries),
+            "openings": openings,
+            # sketching CPU on the honest last-stage peers, per CPU second of their stage work; opening bytes
+            # per byte of the gradients they sent
+            "opening_compute": round(opening_cpu / max(worker_cpu, 1e-9), 4),
+            "opening_traffic": round(sum(d.averager.opening_costs["bytes"] for d in honest_last)  # type: ignore[union-attr]
+                                     / max(grad_bytes, 1), 6),
+            # the largest gap of an opening found consistent (tolerance 1e-3 exact; per codec when lossy; a sign flip: 1.0)
+            "opening_max_gap": max((d.averager.opening_costs["max_gap"] for d in last), default=0.0),  # type: ignore[union-attr]
             "steps": min(s.steps for s in summaries),
             "val_loss": final.val_loss,
             "wall_s": round(wall, 1),

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # netlab.py beside thi
 
 import netlab  # noqa: E402
 from swarmd.finite import strict_json_dumps  # noqa: E402
-from swarmd.local_swarm import DaemonProcess, DaemonStartError  # noqa: E402
+from swarmd.local_swarm import DaemonProcess, DaemonStartError, stopping  # noqa: E402
 
 SEED = 0
 CORPUS_BYTES = 8 * 2**20
@@ -215,7 +215,7 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path,
             for i in range(hosts):
                 lab.sysctl(i, {"net.ipv4.tcp_slow_start_after_idle": "0"})
         link = netlab.measure(lab, 1, 0, nbytes=4 << 20)
-        try:
+        with stopping(daemons) as codes:
             for i in range(hosts):  # host i serves stage stage_of[i]; host 0 founds the swarm
                 addr = lab.addr(i)
                 args = ["--host", addr, "--dht-host", addr, "--api-host", "127.0.0.1", "--swarm", "bench-wan",
@@ -240,7 +240,7 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path,
             try:
                 stdout, stderr = trainer.communicate(timeout=trainer_timeout_s)
             except subprocess.TimeoutExpired:
-                # what it waits on: every asyncio task's stack (swarmd.train.task_dump), then the daemons' state
+                # what it waits on: every asyncio task's stack (swarmd.task_dump), then the daemons' state
                 trainer.send_signal(signal.SIGUSR1)
                 time.sleep(2.0)
                 trainer.kill()
@@ -254,12 +254,6 @@ def run_scenario(s: Settings, sc: Scenario, workdir: Path,
             if trainer.returncode != 0:
                 raise BenchError(f"the trainer exited with {trainer.returncode}: {stderr[-3000:]}")
             result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-        except BaseException:
-            for d in daemons:
-                print(f"--- {d.name} log (end) ---\n{d.log_tail()}", file=sys.stderr)
-            raise
-        finally:
-            codes = [d.stop() for d in daemons]
     result.update({
         "scenario": sc.name, "rtt_ms": sc.rtt_ms, "rate": sc.rate, "link": link,
         "daemons": [{"host": i, "stage": stage_of[i], "addr": st.get("data_addr"), "exit_code": code,

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from swarmd.local_swarm import DaemonProcess  # noqa: E402  (the demo's child-process harness)
 from swarmd.finite import strict_json_dumps  # noqa: E402
 from swarmd.pipeline.model import build_stage  # noqa: E402
-from swarmd.pipeline.optimizer import build_optimizer  # noqa: E402
+from swarmd.pipeline.stage.optimizer import build_optimizer  # noqa: E402
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec  # noqa: E402
 from swarmd.train.data import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarmd.train.reference import single_process_step  # noqa: E402
@@ -92,9 +92,9 @@ def stop_all(peers: list[DaemonProcess], timeout_s: float = 30.0) -> None:
 
 
 def collect_rounds(peers: list[DaemonProcess], rounds: dict[tuple[int, int], int]) -> None:
-    """Merge every live peer's recent successful rounds into {(stage, step): samples}."""
-    for p in peers:
-        if p.proc.poll() is not None:
+    """Merge every live, ready peer's recent successful rounds into {(stage, step): samples}."""
+    for p in list(peers):  # a replacement joins the list while this runs (off the loop)
+        if p.proc.poll() is not None or "api_addr" not in p.info:
             continue
         try:
             st = httpx.get(f"http://{p.info['api_addr']}/status", timeout=2).json()
@@ -112,6 +112,25 @@ async def chaos_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     step_times: list[float] = []
     kills = 0
     rng = random.Random(args.seed)
+
+    async def kill_and_replace(started: float) -> None:
+        """Every ``kill_every`` seconds of the run, SIGKILL a peer (never the founder) and start its
+        replacement. Its own task: reading the peers' rounds can take seconds on a loaded machine, and
+        a kill that waited for it could miss the whole run (CI once saw a run of 8 s with none)."""
+        nonlocal kills
+        while time.monotonic() - started + args.kill_every < args.duration or kills == 0:
+            await asyncio.sleep(max(0.0, started + (kills + 1) * args.kill_every - time.monotonic()))
+            live = [p for p in peers[1:] if p.proc.poll() is None]
+            victim = rng.choice(live)
+            victim.proc.kill()
+            kills += 1
+            replacement = _peer(len(peers), workdir / "chaos",
+                                ["--swarm", "chaos-run", "--announce-period", str(ANNOUNCE_S), "--log-level",
+                                 "WARNING", "--rebalance-policy", "none", "--join", peers[0].info["dht_addr"],
+                                 "--stage", str(victim.info["stage"])])
+            peers.append(replacement)
+            await asyncio.to_thread(replacement.wait_ready)
+
     try:
         config = TrainerConfig(api=f"http://{peers[0].info['api_addr']}", steps=10**6, sync=True,
                                microbatch_size=args.microbatch_size, seed=args.seed, val_every=0,
@@ -119,24 +138,16 @@ async def chaos_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                request_timeout_s=REQUEST_TIMEOUT_S, max_corpus_bytes=CORPUS_BYTES)
         trainer = Trainer(config, on_step=lambda step, loss, info: step_times.append(time.monotonic()))
         training = asyncio.create_task(trainer.run())
-        started = time.monotonic()
-        next_kill = started + args.kill_every
-        while not training.done():
-            await asyncio.sleep(0.25)
-            await asyncio.to_thread(collect_rounds, peers, rounds)
-            if time.monotonic() >= next_kill and time.monotonic() - started < args.duration:
-                next_kill += args.kill_every
-                live = [p for p in peers[1:] if p.proc.poll() is None]
-                victim = rng.choice(live)
-                victim.proc.kill()
-                kills += 1
-                replacement = _peer(len(peers), workdir / "chaos",
-                                    ["--swarm", "chaos-run", "--announce-period", str(ANNOUNCE_S), "--log-level",
-                                     "WARNING", "--rebalance-policy", "none", "--join", peers[0].info["dht_addr"],
-                                     "--stage", str(victim.info["stage"])])
-                peers.append(replacement)
-                await asyncio.to_thread(replacement.wait_ready)
-        summary = await training
+        killing = asyncio.create_task(kill_and_replace(time.monotonic()))
+        try:
+            while not training.done():
+                await asyncio.sleep(0.25)
+                await asyncio.to_thread(collect_rounds, peers, rounds)
+            summary = await training
+            await killing  # its last replacement ready: every peer's rounds are read below
+        finally:
+            killing.cancel()
+            await asyncio.gather(killing, return_exceptions=True)
         await asyncio.to_thread(collect_rounds, peers, rounds)
     finally:
         await asyncio.to_thread(stop_all, peers)

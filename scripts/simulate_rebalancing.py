@@ -15,7 +15,7 @@ Event-driven: between events both curves are constant, so the integrals are exac
 rectangles. Events at one instant are handled in this order: downloads that finish, then the
 trace's joins and leaves (in file order), then the periodic decision (at T, 2T, ...). ``swarm``
 decides only on the period; ``adaptive`` also right after every join and leave. Decisions call
-the daemon's functions (``swarmd.pipeline.rebalance``) on a snapshot built from the simulated
+the daemon's functions (``swarmd.pipeline.placement.rebalance``) on a snapshot built from the simulated
 swarm, with each peer's trace ``speed`` as its measured throughput and ``queue`` 0.
 
 Choices where the definitions leave room (see also the module docstring of ``rebalance``):
@@ -44,7 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarmd.pipeline.rebalance import (
+from swarmd.pipeline.placement.rebalance import (
     DEFAULT_DOWNLOAD_S,
     POLICIES,
     AdaptiveRebalancing,

@@ -76,7 +76,8 @@ if _dir:
         def find_spec(self, name, path, target=None):
             if name == "swarmd.daemon":
                 sys.meta_path.remove(self)
-                from swarmd.pipeline import averaging, executor
+                from swarmd.pipeline.stage import executor
+                from swarmd.pipeline.averaging import averager as averaging
                 for n in ("_forward_sync", "_backward_sync", "_take_contribution_sync", "_apply_average_sync"):
                     _wrap(executor.StageExecutor, n)
                 for n in ("_tick", "_reduce"):

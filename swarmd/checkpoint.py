@@ -25,7 +25,7 @@ naming it, and the next newest is used), then the parameters' digest.
 The decisions are pure functions over what was read: :func:`mismatch` (is this checkpoint of
 this swarm, model and training settings) and :func:`prune` (which to delete to keep the last K
 per stage); which state a peer takes for its stage (its own checkpoint, a live stage-mate's,
-another peer's checkpoint, fresh) is ``swarmd.pipeline.resume``'s. A peer offers the newest
+another peer's checkpoint, fresh) is ``swarmd.pipeline.placement.resume``'s. A peer offers the newest
 checkpoint it holds of every stage to the swarm (:attr:`Checkpointer.held`).
 :class:`Checkpointer` is the daemon's task that takes the snapshot on the stage's worker
 thread (between jobs, so between steps) and writes it on another thread, so serving and
@@ -56,8 +56,8 @@ from swarmd.errors import SwarmdError
 from swarmd.pipeline.model import tensors_digest
 
 if TYPE_CHECKING:
-    from swarmd.pipeline.executor import StageExecutor
     from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+    from swarmd.pipeline.stage.executor import StageExecutor
 
 __all__ = [
     "CHECKPOINT_FORMAT",

@@ -67,7 +67,7 @@ class DHTConfig:
 
 @dataclass(frozen=True)
 class RebalanceConfig:
-    """The live rebalancing task: which policy, how often (``swarmd.pipeline.rebalance``)."""
+    """The live rebalancing task: which policy, how often (``swarmd.pipeline.placement.rebalance``)."""
 
     policy: str = "adaptive"  # every peer of a swarm should run the same one
     period_s: float = 300.0  # a decision every period, and on membership changes (adaptive)
@@ -82,10 +82,10 @@ class PipelineConfig:
     stage: int | None = None  # None: --stage auto, the stage that needs this peer most
     training: TrainingSpec | None = None  # a founder's settings (None: defaults); joiners take the swarm's
     device: str = "cpu"  # already resolved: "cpu", "cuda" or "cuda:N"
-    precision: str = "fp32"  # fp32, bf16 or fp16: autocast of the stage's compute (swarmd.pipeline.precision)
+    precision: str = "fp32"  # fp32, bf16 or fp16: autocast of the stage's compute (swarmd.pipeline.stage.precision)
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_batch_tokens: int = 1 << 16  # B*T above this is refused with 413 (keeps one request from OOMing a peer)
-    # forwards kept for their backwards (swarmd.pipeline.activation_cache): a kept forward's backward
+    # forwards kept for their backwards (swarmd.pipeline.stage.activation_cache): a kept forward's backward
     # skips the recompute and may omit its inputs; 0 entries or bytes turn it off (every backward resends)
     activation_cache_entries: int = 64
     activation_cache_bytes: int = 256 * 2**20

@@ -213,7 +213,7 @@ class InputsNotCached(SwarmdError):
     """A backward that omitted its stage inputs, naming a microbatch whose forward this peer does
     not hold (it restarted, evicted the entry, never ran that forward, or the forward came from
     another address): nothing was computed or counted; the sender resends it with the inputs
-    (``swarmd.pipeline.activation_cache``)."""
+    (``swarmd.pipeline.stage.activation_cache``)."""
 
     http_status = 409
 

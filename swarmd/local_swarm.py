@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,19 @@ def stop_all(daemons: Sequence[DaemonProcess], timeout_s: float = 30.0) -> list[
         except subprocess.TimeoutExpired:
             codes.append(d.kill())
     return codes
+
+
+@contextmanager
+def stopping(daemons: Sequence[DaemonProcess]) -> Iterator[list[int]]:
+    """Stop the daemons of ``daemons`` (which the block may still be filling) when the block ends,
+    side by side (:func:`stop_all`); if it raised, print each one's log tail to stderr first, so a
+    failed benchmark says what its daemons saw. Yields the list their exit codes go into."""
+    codes: list[int] = []
+    try:
+        yield codes
+    except BaseException:
+        for d in daemons:
+            print(f"--- {d.name} log (end) ---\n{d.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        codes.extend(stop_all(daemons))

@@ -8,7 +8,11 @@ traceback is logged, then the task is either restarted after a short backoff
 ``on_fatal`` callback is told, so the daemon drains and exits non-zero (a loop it cannot do
 without, e.g. the control plane).
 
-Cancelling a task through :meth:`TaskSet.cancel` or :meth:`TaskSet.close` is not a crash.
+Cancelling a task through :meth:`TaskSet.cancel` or :meth:`TaskSet.close` is not a crash. A task
+that has not ended ``CANCEL_GRACE_S`` after its cancellation (it caught the cancellation, or waits on
+something a cancellation does not reach) is a bug: it is logged as an error with the chain of
+coroutines it is suspended in (``swarmd.task_dump``) and left behind, so that a daemon's shutdown
+(SIGTERM) still completes instead of hanging on it.
 """
 
 from __future__ import annotations
@@ -17,11 +21,17 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
+
+from swarmd.task_dump import format_tasks
 
 log = logging.getLogger(__name__)
 
 #: Backoff between restarts of a crashing loop: doubles from the first to the last value.
 RESTART_BACKOFF_S = (0.5, 30.0)
+
+#: How long :meth:`TaskSet.cancel` waits for a cancelled task to end before it logs it and moves on.
+CANCEL_GRACE_S = 15.0
 
 
 @dataclass
@@ -85,17 +95,32 @@ class TaskSet:
             delay = min(RESTART_BACKOFF_S[1], delay * 2)
 
     async def cancel(self, name: str) -> None:
-        """Cancel task ``name`` (if running) and wait until it has ended."""
+        """Cancel task ``name`` (if running) and wait until it has ended (at most ``CANCEL_GRACE_S``)."""
         entry = self._tasks.pop(name, None)
         if entry is None or entry.task is None:
             return
         if entry.task is asyncio.current_task():
             return  # a task ending itself: it returns on its own
         entry.task.cancel()
-        await asyncio.wait({entry.task})
+        await wait_cancelled({entry.task}, f"background task {name!r}")
 
     async def close(self) -> None:
         """Cancel every task, newest first, and wait for each to end."""
         self._closed = True
         for name in reversed(list(self._tasks)):
             await self.cancel(name)
+
+
+async def wait_cancelled(tasks: set[asyncio.Task[Any]], what: str, grace_s: float | None = None) -> None:
+    """Wait for cancelled ``tasks`` to end, at most ``grace_s`` (``CANCEL_GRACE_S``): those still running
+    then are logged as an error with what they wait on, and left behind (a shutdown must not hang)."""
+    if not tasks:
+        return
+    grace_s = CANCEL_GRACE_S if grace_s is None else grace_s
+    done, pending = await asyncio.wait(tasks, timeout=grace_s)
+    for task in done:  # retrieved, as gather(return_exceptions=True) would: a cancelled task's error is no news
+        if not task.cancelled():
+            task.exception()
+    if pending:
+        log.error("%s did not end within %gs of its cancellation; left behind, waiting in:\n%s", what,
+                  grace_s, format_tasks(pending, why="not ended after cancel"))

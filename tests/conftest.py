@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import shutil
+import os
+
+# One OpenMP thread per process, for the test workers and every process they start (before torch is
+# imported): two xdist workers, their in-process daemons and the daemons they spawn share two cores,
+# and oversubscribed OpenMP threads spin. Measured in the full suite under -n 2: a unit test that
+# takes 0.06 s alone took 14 s (tests/unit/test_optimizer.py, test_model.py, test_codecs.py: 64 s -> 5 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import shutil  # noqa: E402
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -12,14 +21,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_timeout
 
 from swarmd import local_swarm
 from swarmd.config import ApiConfig, Config, NetConfig, PipelineConfig, RebalanceConfig
 from swarmd.daemon import Daemon
 from swarmd.pipeline.spec import PRESETS, ModelSpec
+from swarmd.task_dump import format_tasks
 from tests.support.netlab_fixture import netlab  # noqa: F401  (the network lab: separate hosts as namespaces)
 
 TINY: ModelSpec = PRESETS["tiny"]
+
+_dump_threads = pytest_timeout.dump_stacks
+
+
+def _dump_threads_and_tasks(terminal: Any) -> None:
+    """pytest-timeout's dump of every thread's stack, then every asyncio task's await chain: an async test
+    that times out sits in its loop's ``select`` (the SIGALRM handler runs in that thread, with the loop
+    running), and only the tasks say what it waits on."""
+    _dump_threads(terminal)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not an async test
+        return
+    terminal.write(format_tasks(asyncio.all_tasks(loop), why="test timeout"))
+
+
+pytest_timeout.dump_stacks = _dump_threads_and_tasks
 
 
 def daemon_config(stage: int = 0, spec: ModelSpec = TINY, **net: Any) -> Config:

@@ -63,9 +63,9 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 #: Averaging round buckets: a loopback round of a tiny model takes milliseconds; the averaging
 #: timeout (default 30 s) bounds a round that waits for a silent stage-mate.
 ROUND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-#: How a recorded round ended (``swarmd.pipeline.averaging``): the label's only values.
+#: How a recorded round ended (``swarmd.pipeline.averaging.averager``): the label's only values.
 ROUND_RESULTS = ("ok", "aborted", "refused")
-#: How a move between stages ended, or that it was refused (``swarmd.pipeline.migration``).
+#: How a move between stages ended, or that it was refused (``swarmd.pipeline.placement.migration``).
 MIGRATION_RESULTS = ("done", "failed", "cancelled", "refused")
 STATES = ("starting", "joining", "serving", "migrating", "draining", "stopped")
 
@@ -128,7 +128,8 @@ class StatusCollector(Collector):
 
     @staticmethod
     def _coverage(stages: list[StageHealthInfo]) -> Iterator[Metric]:
-        """Every stage's health (``swarmd.pipeline.coverage``): alert on ``swarmd_stage_health{health!="ok"}``."""
+        """Every stage's health (``swarmd.pipeline.placement.coverage``): alert on
+        ``swarmd_stage_health{health!="ok"}``."""
         health = GaugeMetricFamily("swarmd_stage_health", "1 for each stage's health as the swarm's records show it: "
                                    "ok, thin (one peer), starting, empty (no peer), lost (no peer, no state)",
                                    labels=["stage", "health"])
@@ -237,7 +238,7 @@ class StatusCollector(Collector):
 
     @staticmethod
     def _precision(precision: PrecisionInfo | None) -> Iterator[Metric]:
-        """``--precision`` and, for fp16, the stage's loss scale (``swarmd.pipeline.precision``)."""
+        """``--precision`` and, for fp16, the stage's loss scale (``swarmd.pipeline.stage.precision``)."""
         info = InfoMetricFamily("swarmd_precision", "the precision this peer computes its stage in")
         if precision is not None:
             info.add_metric([], {"precision": precision.mode})
@@ -286,6 +287,11 @@ class StatusCollector(Collector):
         yield _by("swarmd_averaging_accusations", "convictions of hostile contributions shown to the stage-mates "
                   "as signed evidence (sent), and stage-mates' accusations this peer seconded or not (issue 29)",
                   "outcome", {k: averaging.accusations.get(k, 0) for k in ("sent", "seconded", "not_seconded")})
+        yield _by("swarmd_averaging_openings", "opened contributions (issue 29, item 3): sent by this peer, and "
+                  "checked as leader: ok, missing, bad (refused), inconsistent (convicted); a sampled microbatch "
+                  "recomputed, its part a mismatch (convicted), or unchecked (other parameters)", "outcome",
+                  {k: averaging.openings.get(k, 0) for k in ("sent", "ok", "missing", "bad", "inconsistent",
+                                                              "recomputed", "mismatch", "unchecked")})
         yield _counter("swarmd_averaging_leaders_refused", "leaders' answers this peer refused (each counts once "
                        "per refusal, summed over leaders)", sum(averaging.leaders_refused.values()))
         yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "

@@ -18,7 +18,7 @@ class ModelInfo(BaseModel):
 
 
 class PrecisionInfo(BaseModel):
-    """How this peer computes its stage (``--precision``, ``swarmd.pipeline.precision``): a peer's own
+    """How this peer computes its stage (``--precision``, ``swarmd.pipeline.stage.precision``): a peer's own
     choice, like its device; weights, optimizer state and the wire stay float32 whatever it is."""
 
     model_config = ConfigDict(extra="forbid")
@@ -32,7 +32,7 @@ class PrecisionInfo(BaseModel):
 
 
 class StageHealthInfo(BaseModel):
-    """One stage as the swarm's records show it (``swarmd.pipeline.coverage``)."""
+    """One stage as the swarm's records show it (``swarmd.pipeline.placement.coverage``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -54,7 +54,7 @@ class _Part(BaseModel):
 
 
 class ActivationCacheInfo(_Part):
-    """Forwards' activations kept for their backward on this peer (``swarmd.pipeline.activation_cache``)."""
+    """Forwards' activations kept for their backward on this peer (``swarmd.pipeline.stage.activation_cache``)."""
 
     entries: int = 0
     bytes: int = 0
@@ -70,7 +70,7 @@ class ActivationCacheInfo(_Part):
 
 
 class ExactlyOnceInfo(_Part):
-    """Each microbatch's gradient counted once per step (``swarmd.pipeline.step_protocol``)."""
+    """Each microbatch's gradient counted once per step (``swarmd.pipeline.stage.step_protocol``)."""
 
     duplicates: int = Field(default=0, description="an id counted at that step already: answered, not added again")
     late_refused: int = Field(default=0, description="finished past the sender's deadline: not added")
@@ -93,6 +93,8 @@ class ReservationsInfo(_Part):
     expired_samples: int = 0
     written_off: int = Field(default=0, description="done samples the stage lost with a peer")
     outside: int = Field(default=0, description="held without a lease")
+    fair_cuts: int = Field(default=0, description="requests granted fewer leases than fit, to keep other "
+                                                  "trainers' fair shares")
 
 
 class ProofsInfo(_Part):
@@ -138,7 +140,7 @@ class Exclusion(BaseModel):
 
 
 class AveragingInfo(BaseModel):
-    """The stage's averaging rounds and their checks (``swarmd.pipeline.averaging``, ``round_checks``)."""
+    """The stage's averaging rounds and their checks (``swarmd.pipeline.averaging.averager``, ``round_checks``)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -162,8 +164,17 @@ class AveragingInfo(BaseModel):
     accusations: dict[str, int] = Field(default_factory=dict, description="convictions of hostile contributions "
                                         "shown to the stage-mates as signed evidence, by outcome: sent (this peer "
                                         "convicted), seconded (a stage-mate's, checked against this peer's own "
-                                        "contributions: the accused is excluded here too), not_seconded, "
-                                        "seconded_sent, accepted_by_mates (their ledgers counted it)")
+                                        "contributions or, for a conviction by recomputation, redone here: the "
+                                        "accused is excluded here too), not_seconded, seconded_sent, "
+                                        "accepted_by_mates (their ledgers counted it), rechecked (convictions by "
+                                        "recomputation this peer recomputed), unchecked (... it could not: no "
+                                        "parameters of that step left, inputs that do not fit)")
+    openings: dict[str, int] = Field(default_factory=dict, description="opened contributions (issue 29, item 3: "
+                                     "each last-stage contribution's sketch against its microbatches'): sent (by "
+                                     "this peer), and as leader ok, missing, bad (refused), inconsistent (convicted); "
+                                     "recomputed (a sampled microbatch's gradient, recomputed from the inputs its "
+                                     "contribution shipped), mismatch (its opened part was not that: convicted), "
+                                     "unchecked (computed at other parameters or precision)")
     duplicate_microbatches: int = 0
     silent_contributors: int = 0
     excluded: dict[str, Exclusion] = Field(default_factory=dict, description="peer id -> why and for how long")
@@ -178,7 +189,7 @@ class AveragingInfo(BaseModel):
 
 
 class MigrationInfo(_Part):
-    """The last move between stages (``swarmd.pipeline.migration``)."""
+    """The last move between stages (``swarmd.pipeline.placement.migration``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
@@ -194,7 +205,8 @@ class MigrationInfo(_Part):
 
 
 class StateTransferInfo(_Part):
-    """The stage's state between stage-mates (``swarmd.net.state_transfer``, ``swarmd.pipeline.state_sync``)."""
+    """The stage's state between stage-mates (``swarmd.net.state_transfer``,
+    ``swarmd.pipeline.placement.state_sync``)."""
 
     downloaded_bytes: int = Field(default=0, description="read from donors, failed attempts included")
     downloads_ok: int = 0

@@ -73,7 +73,10 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="samples per step in --sync mode (default: the swarm's target_batch_size)")
     p.add_argument("--microbatch-size", type=positive_int, default=8, help="samples per microbatch (default: 8)")
-    p.add_argument("--window", type=positive_int, default=8, help="microbatches in flight at once (default: 8)")
+    p.add_argument("--window", type=_window, default=None, metavar="N|auto",
+                   help="microbatches in flight at once; auto: enough to keep the slowest stage busy, from the "
+                   "compute and round trips this trainer measures (Little's law; swarmd.train.window) "
+                   "(default: auto)")
     p.add_argument("--codec", choices=("none", "fp16", "bf16", "8bit", "4bit"), default="8bit",
                    help="how activations and their gradients travel between stages (default: 8bit)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="data order (default: 0)")
@@ -98,6 +101,19 @@ def build_parser(prog: str = "swarmd train") -> argparse.ArgumentParser:
                    "plot it with scripts/plot_training.py FILE")
     add_log_level(p, "WARNING")
     return p
+
+
+def _window(text: str) -> int | None:
+    """``--window``: a positive number of microbatches, or ``auto`` (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of microbatches (at least 1) or auto, got {text!r}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -156,8 +172,8 @@ CSV_COLUMNS = ("step", "elapsed_s", "loss", "samples_per_s", "val_loss")
 
 async def run_trainer(config: TrainerConfig, *, show_progress: bool = True, log_csv: Path | None = None,
                       events: TrainerListener | None = None) -> TrainSummary:
-    """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage) on stderr, and with
-    ``log_csv`` one row per step (:data:`CSV_COLUMNS`; an undefined loss is an empty cell);
+    """Run a Trainer with a tqdm bar (step, loss, samples/s, peers per stage, microbatches in flight) on
+    stderr, and with ``log_csv`` one row per step (:data:`CSV_COLUMNS`; an undefined loss is an empty cell);
     ``events`` hears the trainer's typed events (``swarmd.train.events``: the demo narrates them)."""
     from tqdm import tqdm
 
@@ -183,7 +199,8 @@ async def run_trainer(config: TrainerConfig, *, show_progress: bool = True, log_
                            cell(info["samples"] / elapsed_s if elapsed_s else None), cell(info["val_loss"])])
             csv_file.flush()  # a run that dies still leaves its curve
         rate = info["samples"] / elapsed_s if elapsed_s else 0.0
-        postfix = {"loss": f"{loss:.3f}", "samples/s": f"{rate:.0f}", "peers": "/".join(map(str, info["peers"]))}
+        postfix = {"loss": f"{loss:.3f}", "samples/s": f"{rate:.0f}", "peers": "/".join(map(str, info["peers"])),
+                   "window": str(info["window"])}
         if info["val_loss"] is not None:
             postfix["val"] = f"{info['val_loss']:.3f}"
         bar.set_postfix(postfix, refresh=False)

@@ -6,7 +6,7 @@ announcing (``swarmd.dht.records``). The announcer builds that record from the d
 publishes it (and its copy of the swarm record) every period, withdraws it on a graceful stop (a
 ``stopped`` record, so every view drops the peer at once), keeps the stage's list of stage-mates
 for the averaging rounds, and sums up every stage's health from what it reads
-(``swarmd.pipeline.coverage``): a stage without a peer, or with one, is a warning with what to
+(``swarmd.pipeline.placement.coverage``): a stage without a peer, or with one, is a warning with what to
 do.
 """
 
@@ -23,7 +23,7 @@ from swarmd.dht.records import MAX_HELD, PeerRecord
 from swarmd.errors import SwarmdError
 from swarmd.net.addresses import format_addr
 from swarmd.peer_state import PeerState
-from swarmd.pipeline.coverage import StageHealth, stage_health
+from swarmd.pipeline.placement.coverage import StageHealth, stage_health
 
 if TYPE_CHECKING:
     from swarmd.daemon.host import Host
@@ -65,7 +65,7 @@ class Announcer:
         stage = host.stage
         state = state or host.state
         if state == PeerState.STARTING:
-            state = PeerState.JOINING  # a stage chosen, nothing built yet: a claim (swarmd.pipeline.claims)
+            state = PeerState.JOINING  # a stage chosen, nothing built yet: a claim (swarmd.pipeline.placement.claims)
         throughput = ex.throughput if ex else 0.0
         target = host.migrator.target
         if host.state == PeerState.MIGRATING and target is not None:
@@ -137,7 +137,7 @@ class Announcer:
                         host.config.dht.record_ttl_s, exc or "timed out")
 
     async def refresh_coverage(self) -> None:
-        """Sum up every stage's health from the swarm's records (``swarmd.pipeline.coverage``); a stage that
+        """Sum up every stage's health from the swarm's records (``swarmd.pipeline.placement.coverage``); a stage that
         turns empty, thin or lost is a warning with what to do, one that recovers a line saying so."""
         host = self.host
         assert host.membership is not None and host.spec is not None

@@ -27,12 +27,12 @@ if TYPE_CHECKING:
     from swarmd.net.relay import RelayClient, RelayServer
     from swarmd.net.server import DataPlane
     from swarmd.peer_state import PeerState
-    from swarmd.pipeline.averaging import StageAverager
-    from swarmd.pipeline.executor import StageExecutor
-    from swarmd.pipeline.migration import Migrator
+    from swarmd.pipeline.averaging.averager import StageAverager
+    from swarmd.pipeline.placement.migration import Migrator
     from swarmd.pipeline.reports import ReportLedger
-    from swarmd.pipeline.runtime import StageRuntime
     from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+    from swarmd.pipeline.stage.executor import StageExecutor
+    from swarmd.pipeline.stage.runtime import StageRuntime
     from swarmd.tasks import TaskSet
     from swarmd.training_summary import TrainingLog
 

@@ -9,7 +9,7 @@ Steps 1-3 of a daemon's start-up (``swarmd.daemon``), after its DHT node is up:
   with checkpoints re-founds the swarm with their model and training settings); a joiner reads
   the swarm record and refuses an explicit ``--model`` that disagrees;
 - the stage: ``--stage N``, or for ``--stage auto`` the stage its claim gets in turn
-  (``swarmd.pipeline.claims``: newcomers started at the same moment spread over the stages),
+  (``swarmd.pipeline.placement.claims``: newcomers started at the same moment spread over the stages),
   announced as ``joining`` at once so that newcomers a moment later count it where it will serve.
 """
 
@@ -32,7 +32,7 @@ from swarmd.net.addresses import (
     loopback_mismatch,
     route_source,
 )
-from swarmd.pipeline.claims import CLAIM_WAIT_S, Claim, claims_of, settled_loads, take_turns
+from swarmd.pipeline.placement.claims import CLAIM_WAIT_S, Claim, claims_of, settled_loads, take_turns
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class Joining:
         self.host = host
         self.stage_state = stage_state
         self.stage: int | None = None  # chosen before the runtime is built
-        self.claimed_at: float | None = None  # when --stage auto claimed it (swarmd.pipeline.claims)
+        self.claimed_at: float | None = None  # when --stage auto claimed it (swarmd.pipeline.placement.claims)
 
     # ---- the address others dial ----------------------------------------------------------------
 

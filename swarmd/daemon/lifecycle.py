@@ -10,25 +10,25 @@ half-started peer; hivemind #634 announced before its DHT was up):
    record (and refuses an explicit ``--model`` that disagrees);
 3. pick the stage (``--stage auto``: where the rebalancing policy needs a peer most, claimed in
    the DHT and taken in turn with the newcomers that start at the same moment,
-   ``swarmd.pipeline.claims``) and announce it as ``joining`` at once;
+   ``swarmd.pipeline.placement.claims``) and announce it as ``joining`` at once;
 4. build the stage off the loop, start the data plane and the control plane;
 5. announce ``joining`` with its addresses; take the stage's newest state wherever it is
-   (``swarmd.pipeline.resume``: a live stage-mate, this peer's own checkpoint, another peer's
+   (``swarmd.pipeline.placement.resume``: a live stage-mate, this peer's own checkpoint, another peer's
    checkpoint offered through the swarm), fresh parameters only while nothing has trained, and
    wait, saying so loudly, while a trained stage's state is nowhere;
 6. announce ``serving``; set ``ready``; re-announce every announce period, take part in the
-   stage's averaging rounds (``swarmd.pipeline.averaging``) and run the rebalancing loop
-   (``swarmd.pipeline.migration``).
+   stage's averaging rounds (``swarmd.pipeline.averaging.averager``) and run the rebalancing loop
+   (``swarmd.pipeline.placement.migration``).
 
 ``Daemon`` keeps the lifecycle and the wiring; its parts live beside it, each in the file named
 after its job, and see the daemon as a :class:`~swarmd.daemon.host.Host`: choosing the address,
 model and stage (``joining.py``), the served stage's state in and out (``stage_state.py``), what
 it announces and reads back (``announcing.py``), reachability and relays (``relaying.py``), and
 ``/status`` and ``/swarm`` (``views.py``). Elsewhere: moving between stages
-(``pipeline/migration.py``), choosing a donor and checking a downloaded state
-(``pipeline/state_sync.py``), the state-directory lock (``state_dir.py``), supervising background
+(``pipeline/placement/migration.py``), choosing a donor and checking a downloaded state
+(``pipeline/placement/state_sync.py``), the state-directory lock (``state_dir.py``), supervising background
 tasks (``tasks.py``) and the control plane's schema (``api/models.py``). The stage it serves is
-one :class:`~swarmd.pipeline.runtime.StageRuntime` (executor + averager) held in
+one :class:`~swarmd.pipeline.stage.runtime.StageRuntime` (executor + averager) held in
 ``Daemon.runtime``, which a migration replaces in one assignment.
 
 Every background loop is a task of one :class:`~swarmd.tasks.TaskSet`. A loop that crashes is
@@ -82,14 +82,14 @@ from swarmd.net.proof import ProofService, Prover
 from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
 from swarmd.peer_state import PeerState
-from swarmd.pipeline.allreduce import AllReduceAverager
-from swarmd.pipeline.averaging import StageAverager
-from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.migration import Migrator
+from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
+from swarmd.pipeline.averaging.averager import StageAverager
+from swarmd.pipeline.placement.migration import Migrator
+from swarmd.pipeline.placement.resume import Plan, Source
 from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
-from swarmd.pipeline.resume import Plan, Source
-from swarmd.pipeline.runtime import StageRuntime
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+from swarmd.pipeline.stage.executor import StageExecutor
+from swarmd.pipeline.stage.runtime import StageRuntime
 from swarmd.state_dir import lock_state_dir
 from swarmd.tasks import TaskSet
 from swarmd.training_summary import TrainingLog
@@ -180,7 +180,7 @@ class Daemon:
 
     @property
     def migration(self) -> dict[str, Any] | None:
-        """The last move between stages (see ``swarmd.pipeline.migration``)."""
+        """The last move between stages (see ``swarmd.pipeline.placement.migration``)."""
         status = self.migrator.status
         return status.to_dict() if status is not None else None
 

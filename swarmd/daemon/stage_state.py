@@ -5,7 +5,7 @@ optimizer state, step) from a peer serving it (paper, section 3.2). Here that is
 the I/O around it:
 
 - **in** (:meth:`StageState.obtain`): the newest state of the stage wherever it is
-  (``swarmd.pipeline.resume`` decides): a live stage-mate's (``swarmd.pipeline.state_sync``), this
+  (``swarmd.pipeline.placement.resume`` decides): a live stage-mate's (``swarmd.pipeline.placement.state_sync``), this
   peer's own checkpoint, or another peer's checkpoint offered through the swarm
   (``swarmd.net.checkpoint_offers``); fresh parameters only while nothing in the swarm has
   trained; otherwise the stage is lost, and a joiner waits, saying so, rather than restart it;
@@ -29,16 +29,16 @@ from swarmd.errors import StageStateLost, SwarmdError
 from swarmd.net.checkpoint_offers import CheckpointOffers, checkpoint_path
 from swarmd.net.handover import GradientsRequest, hand_over, handover_order
 from swarmd.peer_state import PeerState
-from swarmd.pipeline.resume import Offer, Plan, Source, plan
-from swarmd.pipeline.state_sync import adopt_state, choose_donors, proven_donors
+from swarmd.pipeline.placement.resume import Offer, Plan, Source, plan
+from swarmd.pipeline.placement.state_sync import adopt_state, choose_donors, proven_donors
 
 if TYPE_CHECKING:
     import torch
 
     from swarmd.daemon.host import Host
-    from swarmd.pipeline.executor import StageExecutor
-    from swarmd.pipeline.runtime import StageRuntime
     from swarmd.pipeline.spec import TrainingSpec
+    from swarmd.pipeline.stage.executor import StageExecutor
+    from swarmd.pipeline.stage.runtime import StageRuntime
 
 __all__ = ["CHECKPOINT_TASK", "StageState"]
 
@@ -61,10 +61,10 @@ class StageState:
         self.checkpoints = None if state_dir is None else Checkpointer(
             state_dir, swarm=cfg.swarm, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
         self.offers = CheckpointOffers(self.offered_checkpoint)  # GET /v1/checkpoint/{stage}
-        self.source: str | None = None  # where the served stage's state came from (swarmd.pipeline.resume)
+        self.source: str | None = None  # where the served stage's state came from (swarmd.pipeline.placement.resume)
         self.synced_from: str | None = None  # the peer whose state this peer adopted last
         self.last_sync_s: float | None = None  # how long the last state download took
-        # state downloads (swarmd.pipeline.state_sync): /status -> state_transfer
+        # state downloads (swarmd.pipeline.placement.state_sync): /status -> state_transfer
         self.downloads: dict[str, Any] = {"downloaded_bytes": 0, "downloads_ok": 0, "downloads_failed": 0,
                                           "last_download_s": None}
         self.handover: dict[str, Any] = {"handed_out": 0, "dropped": 0, "to": None}  # on graceful leave
@@ -80,7 +80,7 @@ class StageState:
         await self.sync(min_step=step, required=False)
 
     async def sync(self, *, min_step: int, required: bool, runtime: StageRuntime | None = None) -> bool:
-        """Adopt the state of a live stage-mate at step >= ``min_step`` (``swarmd.pipeline.state_sync``)
+        """Adopt the state of a live stage-mate at step >= ``min_step`` (``swarmd.pipeline.placement.state_sync``)
         into ``runtime`` (default: the one served now)."""
         host = self.host
         assert host.dht is not None and host.session is not None and host.spec is not None
@@ -116,7 +116,7 @@ class StageState:
                 host.migrator.last_throughput = result.donor.throughput
             return True
 
-    # ---- in: the newest state wherever it is (swarmd.pipeline.resume) -----------------------------
+    # ---- in: the newest state wherever it is (swarmd.pipeline.placement.resume) -----------------------------
 
     async def plan(self, stage: int, *, min_step: int = 0) -> Plan:
         """Every source of ``stage``'s state the swarm shows now, newest first."""

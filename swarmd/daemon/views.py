@@ -3,7 +3,7 @@
 Built from the control plane's own schema (``swarmd.api.models``), so the OpenAPI document at
 ``/docs``, ``/metrics`` (read from ``/status`` at scrape time) and what the daemon reports are one
 definition. ``/swarm`` is the DHT's view, every stage with its health and each peer's own
-report and its age (``swarmd.pipeline.coverage``): a number is never shown without how old it is.
+report and its age (``swarmd.pipeline.placement.coverage``): a number is never shown without how old it is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from swarmd import __version__
 from swarmd.api import models as m
 from swarmd.api.models import ModelInfo, PrecisionInfo, StageHealthInfo, Status
 from swarmd.net.addresses import format_addr
-from swarmd.pipeline.coverage import StageHealth, stage_health
+from swarmd.pipeline.placement.coverage import StageHealth, stage_health
 
 if TYPE_CHECKING:
     from swarmd.daemon.host import Host

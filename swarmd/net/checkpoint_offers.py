@@ -5,8 +5,8 @@ worth something to the swarm only if the peer that serves the stage next can hav
 peer offers the newest checkpoint it holds of each stage (its DHT record lists them,
 ``PeerRecord.held``), whatever stage it serves now, and streams one on request in the very
 format of ``GET /v1/state`` (``swarmd.net.state_transfer``): the receiver checks it, and adopts
-it, exactly as it would a live stage-mate's state (``swarmd.pipeline.state_sync``). Which source a
-peer takes is ``swarmd.pipeline.resume``'s decision.
+it, exactly as it would a live stage-mate's state (``swarmd.pipeline.placement.state_sync``). Which source a
+peer takes is ``swarmd.pipeline.placement.resume``'s decision.
 
 One stream at a time: a checkpoint is read from disk and hashed before it is sent, so a second
 request while one is under way is refused with 503 ``Busy`` rather than queued.

@@ -44,6 +44,7 @@ from swarmd.net.messages import (
     InfoReply,
     ProgressReply,
     ProgressRequest,
+    RecheckRequest,
     ReportReply,
     ReportRequest,
     ReserveReply,
@@ -201,13 +202,18 @@ class DataPlaneClient:
 
     async def claim(self, addr: str, request: ClaimRequest, *, timeout_s: float | None = None) -> ClaimReply:
         """Ask a peer whether it counted a microbatch whose backward there failed without an answer
-        (and fence the attempt off if not: ``swarmd.pipeline.step_protocol``, exactly once)."""
+        (and fence the attempt off if not: ``swarmd.pipeline.stage.step_protocol``, exactly once)."""
         frame = await self._post(addr, "claim", request.encode, 0, timeout_s=timeout_s)
         return self._read(addr, ClaimReply.from_frame, frame)
 
     async def report(self, addr: str, request: ReportRequest, *, timeout_s: float | None = None) -> ReportReply:
         """Hand a peer a signed misbehaviour report (``swarmd.pipeline.reports``)."""
         frame = await self._post(addr, "report", request.encode, 0, timeout_s=timeout_s)
+        return self._read(addr, ReportReply.from_frame, frame)
+
+    async def recheck(self, addr: str, request: RecheckRequest, *, timeout_s: float | None = None) -> ReportReply:
+        """Show a stage-mate a conviction by recomputation to check (``POST /v1/recheck``)."""
+        frame = await self._post(addr, "recheck", request.encode, request.inputs.numel() * 4, timeout_s=timeout_s)
         return self._read(addr, ReportReply.from_frame, frame)
 
     async def info(self, addr: str, *, timeout_s: float | None = None) -> InfoReply:
@@ -226,7 +232,7 @@ class DataPlaneClient:
     async def allreduce(self, addr: str, op: str, encode: Callable[[], bytes], nbytes: int = 0, *,
                         timeout_s: float | None = None) -> Frame:
         """One call of the chunked all-reduce round (``POST /v1/allreduce/<op>``,
-        ``swarmd.pipeline.allreduce_messages``); the decoded answer frame, for the caller to validate."""
+        ``swarmd.pipeline.averaging.allreduce.messages``); the decoded answer frame, for the caller to validate."""
         return await self._post(addr, f"allreduce/{op}", encode, nbytes, timeout_s=timeout_s)
 
     # ---- plumbing --------------------------------------------------------------------------

@@ -36,7 +36,7 @@ Codecs (``CODECS``, looked up with :func:`get_codec`):
     float32 absmax per block: about 7.1x fewer bytes than float32 at block size 64.
 
 ``3bit`` / ``2bit``
-    For averaged gradients, which carry error feedback (:mod:`swarmd.pipeline.error_feedback`):
+    For averaged gradients, which carry error feedback (:mod:`swarmd.pipeline.averaging.error_feedback`):
     the ``4bit`` codec with fewer levels. Rotated blocks (``blocksize`` a power of two, default
     128, and the same short tail block), each divided by its absmax and rounded to the nearest of
     ``L = 2**bits`` evenly spaced levels from -1 to 1 (8 or 4). The frame carries the codes as
@@ -109,7 +109,7 @@ on Gaussian values, the relative RMS error is 0.09 / 0.10 / 0.11 / 0.12 at block
 rotation spreads them); the largest per-element error stayed below 0.02 of the tensor's absmax
 (``tests/unit/test_codec_4bit.py``). The rounding is deterministic (nearest level), so an
 error that accumulates (averaged gradients) needs error feedback
-(:mod:`swarmd.pipeline.error_feedback`). Blocks holding ``inf`` or ``nan`` decode as ``nan``
+(:mod:`swarmd.pipeline.averaging.error_feedback`). Blocks holding ``inf`` or ``nan`` decode as ``nan``
 throughout, blocks of zeros as zeros; the rotation sums a block in float32, so a block with values
 beyond about ``3e38 / blocksize`` overflows and decodes as ``nan`` too (the stage refuses
 non-finite values; no activation or gradient comes near).

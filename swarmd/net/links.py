@@ -5,7 +5,7 @@ leader or a part's owner, the mean back), so their timings measure the link betw
 no probe traffic, and a measurement of exactly what matters (TCP with its slow start after an idle second,
 the relays in the path, the other traffic sharing the uplink). The data-plane client times every reply body
 from its first byte to its last (:class:`swarmd.net.client.DataPlaneClient`) and records it here, keyed
-by the address it dialled; ``swarmd.pipeline.grad_codec_choice`` turns an estimate into a codec.
+by the address it dialled; ``swarmd.pipeline.averaging.codec_choice`` turns an estimate into a codec.
 
 Only bodies of at least :data:`MIN_SAMPLE_BYTES` count: a smaller one fits in TCP's first window and
 arrives in one burst, so its time says nothing about the link's rate. A sample of a cold connection reads

@@ -16,7 +16,7 @@ three) -- are taken only among peers that *proved themselves* over the data plan
   that the signed address is the one it dialed and the stage the one it expects.
 
 So a proof shows the answerer holds the record's identity *and* serves at the announced
-address, now. It does not show that the peer computes correctly (``swarmd.pipeline.round_checks``
+address, now. It does not show that the peer computes correctly (``swarmd.pipeline.averaging.trust.round_checks``
 and the trainers' spot checks do that); it makes fake records cost nothing but one bounded
 challenge each, retried with a growing backoff (:class:`ProvenPeers`).
 
@@ -52,7 +52,7 @@ from swarmd.net.addresses import dial_target
 
 
 class Served(Protocol):
-    """What a proof says of the stage a peer serves (``swarmd.pipeline.executor.StageExecutor`` is one)."""
+    """What a proof says of the stage a peer serves (``swarmd.pipeline.stage.executor.StageExecutor`` is one)."""
 
     @property
     def stage(self) -> int: ...
@@ -246,6 +246,11 @@ class ProvenPeers:
         """Whether a failed challenge at ``addr`` holds off the next one now."""
         f = self._failures.get(peer_id)
         return f is not None and f.addr == addr and self.clock() < f.until
+
+    def failures(self, peer_id: str, addr: str) -> int:
+        """How many challenges at ``addr`` failed in a row (0 once it proves itself)."""
+        f = self._failures.get(peer_id)
+        return f.count if f is not None and f.addr == addr else 0
 
     def tried(self, peer_id: str) -> bool:
         """Whether the peer was ever challenged (and the answer is still remembered)."""

@@ -24,20 +24,24 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   ``T`` seconds, at most 10), so a trainer waiting for a step learns of it at once.
 - ``POST /v1/average``  a stage-mate's gradient contribution (float32, sent with any codec; the
   swarm's ``grad_codec``); answered with the round's mean, encoded once with that codec for all
-  contributors (``swarmd.pipeline.averaging``).
+  contributors (``swarmd.pipeline.averaging.averager``).
 - ``POST /v1/allreduce/<op>`` the chunked all-reduce round's reports, parts, ready reports,
-  decisions and part means (``swarmd.pipeline.allreduce``, ``swarmd.pipeline.allreduce_messages``),
+  decisions and part means (``swarmd.pipeline.averaging.allreduce.averager``,
+  ``swarmd.pipeline.averaging.allreduce.messages``),
   when the swarm's ``TrainingSpec.averaging`` is ``allreduce``.
 - ``POST /v1/reserve`` a trainer's sample reservations for the stage's current step: leases
   from the stage's lease book (``swarmd.pipeline.reservations``), so several trainers together
   never start more than one step's batch.
 - ``POST /v1/claim``   whether this stage counted a microbatch whose backward's answer a trainer
-  lost; if not, the lost attempt is fenced off (``swarmd.pipeline.step_protocol``, exactly once).
+  lost; if not, the lost attempt is fenced off (``swarmd.pipeline.stage.step_protocol``, exactly once).
 - ``POST /v1/gradients`` a leaving stage-mate's accumulated gradients, accepted for this very
   step only (``swarmd.net.handover``).
 - ``POST /v1/report``   a trainer's signed misbehaviour report (``swarmd.pipeline.reports``),
   counted in this daemon's ledger; two independent ones exclude the accused. Answered
   whatever this peer serves (even while starting), with what the ledger made of it.
+- ``POST /v1/recheck``  a stage-mate's conviction by recomputation: the accused's signed opening and
+  one microbatch's inputs, checked and recomputed by the averager, which seconds it (and counts its
+  report in the ledger) when it holds (``swarmd.pipeline.averaging.trust.recomputation``).
 - ``GET /v1/state``     a consistent snapshot of the stage (parameters, optimizer state, step),
   streamed in checksummed chunks for a joining peer (``swarmd.net.state_transfer``).
 - ``GET /v1/proof?nonce=N`` JSON: this peer's signature over the nonce, its peer id, announced
@@ -48,7 +52,7 @@ request was computed; a backward sends back, as ``meta.step``, the step its forw
 ``meta.mb`` (optional, forward and backward) is the trainer's 64-bit id of the microbatch: a
 peer keeps a forward's activations under it for a while, so the backward of the same
 microbatch on the same peer at the same step skips the recomputed forward
-(``swarmd.pipeline.executor``, activation cache).
+(``swarmd.pipeline.stage.executor``, activation cache).
 
 ``meta.codec`` picks the codec of the reply's float tensors (default ``none``); ``meta.model``,
 when sent, must equal this peer's spec digest. Errors are JSON ``{"error", "message"}`` with the
@@ -59,7 +63,7 @@ header signed with the swarm key (``swarmd.swarm_key``); any other gets 401 befo
 and is counted in ``/status`` (``auth.refused.data_plane``).
 
 The stage being served is never held here: every request asks the daemon's getter for the
-current ``StageRuntime`` (``swarmd.pipeline.runtime``) once, and uses that one throughout, so a
+current ``StageRuntime`` (``swarmd.pipeline.stage.runtime``) once, and uses that one throughout, so a
 migration swaps the stage with one assignment. Before there is one, requests get 503
 ``Starting``; while draining 503 ``Draining``, while paused for a move 503 ``Migrating``.
 
@@ -117,6 +121,7 @@ from swarmd.net.messages import (
     ModelInfo,
     ProgressReply,
     ProgressRequest,
+    RecheckRequest,
     ReportReply,
     ReportRequest,
     ReserveReply,
@@ -125,9 +130,9 @@ from swarmd.net.messages import (
 )
 from swarmd.net.state_transfer import StateSnapshot, stream_state
 from swarmd.net.wire import CONTENT_TYPE, WIRE_VERSION, Frame, WireLimits, decode_frame, media_type
-from swarmd.pipeline.accusations import Evidence
+from swarmd.pipeline.averaging.trust.accusations import RecomputedEvidence, decode_evidence
 from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
-from swarmd.pipeline.runtime import RuntimeGetter, StageRuntime
+from swarmd.pipeline.stage.runtime import RuntimeGetter, StageRuntime
 from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
 
 __all__ = ["CODEC_KEY", "MAX_REPORT_FRAME_BYTES", "DataPlane", "error_response"]
@@ -212,10 +217,11 @@ class DataPlane:
         self.app.router.add_get("/v1/progress", self._progress)
         self.app.router.add_post("/v1/average", self._average)
         self.app.router.add_post("/v1/reserve", self._reserve)  # sample reservations (pipeline/reservations.py)
-        self.app.router.add_post("/v1/claim", self._claim)  # exactly once across peers (pipeline/step_protocol.py)
+        self.app.router.add_post("/v1/claim", self._claim)  # exactly once across peers (stage/step_protocol.py)
         self.app.router.add_post("/v1/gradients", self._gradients)  # a leaver's hand-over (net/handover.py)
         self.app.router.add_post("/v1/report", self._report)  # misbehaviour reports (pipeline/reports.py)
-        self.app.router.add_post("/v1/allreduce/{op}", self._allreduce)  # chunked all-reduce (pipeline/allreduce.py)
+        self.app.router.add_post("/v1/recheck", self._recheck)  # convictions by recomputation (averaging/trust/)
+        self.app.router.add_post("/v1/allreduce/{op}", self._allreduce)  # chunked all-reduce (pipeline/averaging/)
         # no HEAD: a streamed state would be written after the HEAD answer, corrupting the connection
         self.app.router.add_get("/v1/state", self._state, allow_head=False)
 
@@ -537,13 +543,33 @@ class DataPlane:
         report = MisbehaviourReport.decode(req.body, req.signature)
         evidence = None
         if report.kind == "averaging":  # a leader's conviction: the accused's own signed claims (422 if not)
-            evidence = Evidence.decode(report.evidence)
+            evidence = decode_evidence(report.evidence)  # far claims, or an opening that contradicts itself
             evidence.verify(report.stage, report.accused)
         result = self.reports.add(report, request.remote or "")
         runtime = self._runtime()
         if evidence is not None and runtime is not None and runtime.averager is not None and not self._paused:
             runtime.averager.consider_accusation(report, evidence)  # a stage-mate may second it
         reply = ReportReply(accepted=result.accepted, reason=result.reason, excluded=result.excluded)
+        return await self._reply(reply.encode, "none")
+
+    async def _recheck(self, request: web.Request) -> web.Response:
+        """A stage-mate's conviction by recomputation: its signatures and digests checked (422 naming what
+        is wrong), and handed to the averager, which recomputes the microbatch itself and counts the report
+        in the ledger only when it holds (answered at once: ``reason`` says ``checking``, ``queued`` or
+        ``ignored``, ``accepted`` is false until then)."""
+        if self.reports is None:
+            raise web.HTTPNotFound(reason="this peer keeps no report ledger")
+        req = RecheckRequest.from_frame(await self._read_frame(request))
+        evidence = await self._in_pool(RecomputedEvidence.check, req.body, req.signature, req.opening, req.mb,
+                                       req.inputs, req.targets)  # hashes the inputs: off the loop
+        reports, source = self.reports, request.remote or ""
+        runtime = self._runtime()
+        consider = getattr(runtime.averager, "consider_recheck", None) if runtime is not None else None
+        verdict = "not_checked"
+        if consider is not None and not self._paused:
+            # recomputed by the averager, which counts the report in the ledger only if it holds (and seconds it)
+            verdict = consider(evidence, lambda: reports.add(evidence.report, source))
+        reply = ReportReply(accepted=False, reason=verdict, excluded=evidence.report.accused in reports.excluded())
         return await self._reply(reply.encode, "none")
 
     async def _average(self, request: web.Request) -> web.Response:
@@ -567,8 +593,9 @@ class DataPlane:
         return await self._reply(result.to_reply(req.stage).encode, "none")
 
     async def _allreduce(self, request: web.Request) -> web.Response:
-        """One request of the chunked all-reduce round (``swarmd.pipeline.allreduce``; the messages
-        are ``swarmd.pipeline.allreduce_messages``): answered by the stage's averager when it runs that round."""
+        """One request of the chunked all-reduce round (``swarmd.pipeline.averaging.allreduce.averager``; the
+        messages are ``swarmd.pipeline.averaging.allreduce.messages``): answered by the stage's averager when it
+        runs that round."""
         runtime = self._current()
         handle = getattr(runtime.averager, "handle", None)
         if handle is None:
@@ -587,13 +614,15 @@ class DataPlane:
         grant = ex.reservations.reserve(req.trainer, step=ex.step, size=req.size, count=req.count,
                                         lease_s=req.lease_s, done=req.done, renew=req.renew,
                                         held=req.held if req.step == ex.step else None)
-        reply = ReserveReply(stage=ex.stage, step=grant.step, leases=grant.leases, reserved=max(0, grant.reserved),
-                             target=grant.target)
+        # "reserved" is what the step has spoken for, the shares kept for other trainers included: a trainer
+        # told the step is full waits for the next one (an older trainer reads it the same way)
+        reply = ReserveReply(stage=ex.stage, step=grant.step, leases=grant.leases,
+                             reserved=max(0, grant.reserved + grant.promised), target=grant.target)
         return await self._reply(reply.encode, "none")
 
     async def _claim(self, request: web.Request) -> web.Response:
         """Whether this stage counted a microbatch; if not, the claimed attempts never will be
-        (``swarmd.pipeline.step_protocol``, exactly once). No compute, answered at once."""
+        (``swarmd.pipeline.stage.step_protocol``, exactly once). No compute, answered at once."""
         runtime = self._current()
         req = ClaimRequest.from_frame(await self._read_frame(request), self._target(runtime))
         # fences only the attempts sent from the claimant's own address (step_protocol.py)

@@ -48,7 +48,7 @@ from swarmd.errors import (
     WrongStage,
 )
 
-__all__ = ["Action", "classify", "timed_out"]
+__all__ = ["Action", "classify", "refused_connection", "timed_out"]
 
 
 class Action(enum.Enum):
@@ -85,3 +85,11 @@ def timed_out(error: PeerError) -> bool:
     own refusal (a 408 whose body did not arrive at the peer in time, say) is not this client's
     timeout."""
     return error.status == 0 and isinstance(error.__cause__, TimeoutError)
+
+
+def refused_connection(error: PeerError) -> bool:
+    """Whether ``error`` is the peer's address refusing the connection (status 0, caused by a
+    ``ConnectionRefusedError``, which aiohttp wraps as its ``os_error``): no process listens
+    there, so the peer is gone (a loaded or partitioned peer times out instead)."""
+    cause = error.__cause__
+    return error.status == 0 and isinstance(getattr(cause, "os_error", cause), ConnectionRefusedError)

@@ -9,7 +9,7 @@ one :class:`ReportLedger`: accused peer -> the distinct reporters that accused i
 ``window_s``; at ``reporters_needed`` (2) the accused is excluded for
 ``exclusion_base_s * 2 ** k`` (``k``: its earlier exclusions, capped at ``exclusion_max_s``).
 The daemon's progress reply lists the excluded peers (``ProgressReply.excluded``) and its
-averager leaves them out (``swarmd.pipeline.averaging``, the ``exclude`` view).
+averager leaves them out (``swarmd.pipeline.averaging.averager``, the ``exclude`` view).
 
 Independence. A trainer's identity costs nothing, so "two reporters" must not mean "two keys
 one process minted": reporters count as independent only from distinct source addresses (the
@@ -19,7 +19,7 @@ What is left: a colluding pair of trainers on two hosts can get an honest peer e
 the ban period; see docs/SECURITY.md ("Wrong answers from members").
 
 An ``averaging`` report is a round leader's conviction of hostile contributions, or a stage-mate
-seconding one (``swarmd.pipeline.accusations``): it carries the accused's own signed claims as
+seconding one (``swarmd.pipeline.averaging.trust.accusations``): it carries the accused's own signed claims as
 ``evidence``, which the daemon checks before counting it; the ledger counts it like any other.
 
 A report is evidence, not proof: it names the request's digest and the digests of the answers
@@ -58,7 +58,8 @@ __all__ = [
 REPORT_VERSION = 1
 _SIGNING_PREFIX = b"swarmd-misbehaviour-report\x00"
 #: What a report may accuse a peer of: a wrong answer to one of these calls, or hostile averaging
-#: contributions (a round leader's conviction, or a stage-mate seconding it: ``swarmd.pipeline.accusations``).
+#: contributions (a round leader's conviction, or a stage-mate seconding it:
+#: ``swarmd.pipeline.averaging.trust.accusations``).
 KINDS = ("forward", "backward", "averaging")
 MAX_REPORT_BYTES = 2048
 MAX_ANSWERS = 3
@@ -107,7 +108,7 @@ class MisbehaviourReport:
     disagreed with it, the arbiter's), sorted by peer id; the accused is among them.
     ``reporter``: the reporter's raw ed25519 public key; ``at``: unix time of the verdict.
     ``evidence``: only in an ``averaging`` report (and required there): the accused's signed claims,
-    encoded (``swarmd.pipeline.accusations.Evidence``; checked by the daemon, not here).
+    encoded (``swarmd.pipeline.averaging.trust.accusations.Evidence``; checked by the daemon, not here).
     """
 
     accused: str

@@ -1,6 +1,6 @@
 """Sample reservations: how many trainers share one step's batch without overfilling it.
 
-A stage steps once its peers hold ``target_batch_size`` samples (``swarmd.pipeline.averaging``).
+A stage steps once its peers hold ``target_batch_size`` samples (``swarmd.pipeline.averaging.averager``).
 With one trainer, pacing to that target from what the stages hold and what *it* has in flight is
 enough; with several, each one's in-flight work is invisible to the others, they overfill the
 step together, and every microbatch that straddles the step boundary is refused as stale and
@@ -22,6 +22,16 @@ is cut to what fits, so the step's samples add up to exactly the target. The boo
 looks at one step: when the stage steps, every lease of the old step is void and the new step
 starts empty.
 
+Who gets what fits: each trainer's *fair share* (``swarmd.pipeline.fair_share``), not first come,
+first served. The book remembers what every trainer last asked for and was not granted; a trainer
+that asked within ``active_s`` keeps its claim on the next step too (it is waiting for that step),
+and a grant to another trainer leaves room for it: the samples are shared out microbatch by
+microbatch to whoever holds the fewest of the step. First come, the trainer whose request arrived
+first after a step opened took as many leases as its window held, whole steps when the window was
+as large as the step, and a trainer that happened to ask later got none for many steps in a row.
+A claim lapses ``active_s`` after its trainer's last request (a trainer that died or left stalls
+the step at most that long), and a request for no leases withdraws it.
+
 Failure cases, and what the rule does about them:
 
 - **A trainer dies holding leases.** Open leases expire ``lease_s`` after their last renewal
@@ -38,6 +48,8 @@ Failure cases, and what the rule does about them:
   stale, counted; nothing is lost or counted twice).
 - **Work without a lease** (a ``--sync`` trainer's top-ups, an older trainer) shows up in the held
   samples and becomes ``base``; leases already granted may then overfill the step by it.
+- **A trainer asks and stops asking** (it died, or left without a last report): the share kept for
+  it lapses ``active_s`` after its last request, and the others are granted it then.
 - **Two trainers' views of the stage differ** (a peer joined and is the smallest id for one of
   them only): two books serve one step for a moment, with the overfill of the case above.
 """
@@ -49,13 +61,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_LEASE_S", "MAX_LEASES", "MIN_LEASE_S", "Grant", "Lease", "LeaseBook"]
+from swarmd.pipeline.fair_share import Claim, fair_shares
+
+__all__ = ["MAX_ASKERS", "MAX_LEASE_S", "MAX_LEASES", "MIN_LEASE_S", "Grant", "Lease", "LeaseBook"]
 
 #: Bounds on the lease a trainer may ask for, in seconds.
 MIN_LEASE_S = 0.5
 MAX_LEASE_S = 300.0
 #: Leases one book holds at most (a step of 4096 microbatches; more is refused, not stored).
 MAX_LEASES = 4096
+#: Trainers whose claims one book remembers at most (past it, the one that asked longest ago is forgotten).
+MAX_ASKERS = 256
 
 
 @dataclass
@@ -69,6 +85,16 @@ class Lease:
     done: bool = False
 
 
+@dataclass
+class Asker:
+    """What a trainer last asked the book for (its claim on the step, see :mod:`swarmd.pipeline.fair_share`)."""
+
+    size: int
+    wants: int  # samples asked for and not granted
+    asked: float  # when, on the book's clock
+    granted: int = 0  # samples granted it so far (a newcomer starts level with the least granted claimant)
+
+
 @dataclass(frozen=True)
 class Grant:
     """A reservation's answer: the leases granted now (``(lease_id, samples)``, possibly none),
@@ -78,10 +104,12 @@ class Grant:
     leases: tuple[tuple[int, int], ...]
     reserved: int  # base + every lease of the step, after this grant
     target: int
+    promised: int = 0  # free samples kept for other trainers' fair shares (they asked, and will be granted them)
 
     @property
     def full(self) -> bool:
-        return self.reserved >= self.target
+        """Whether the step is spoken for: leased, held, or kept for another trainer's share."""
+        return self.reserved + self.promised >= self.target
 
 
 @dataclass
@@ -95,6 +123,7 @@ class BookCounters:
     expired_samples: int = 0
     written_off: int = 0  # done samples the stage lost (a peer died holding them)
     outside: int = 0  # samples held at a step without a lease of this book
+    fair_cuts: int = 0  # requests granted fewer leases than fit, to keep other trainers' fair shares
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -107,9 +136,11 @@ class LeaseBook:
     target: int
     clock: Callable[[], float] = time.monotonic
     grace_s: float = 2.0
+    active_s: float = 2.0  # a trainer's claim on the step lasts this long after its last request
     step: int = 0
     base: int = 0
     leases: dict[int, Lease] = field(default_factory=dict)
+    askers: dict[str, Asker] = field(default_factory=dict)
     counters: BookCounters = field(default_factory=BookCounters)
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _deficit_since: float | None = None
@@ -142,7 +173,8 @@ class LeaseBook:
         """Grant ``trainer`` up to ``count`` leases of at most ``size`` samples each for ``step``
         (the stage's step now), after marking its ``done`` leases, renewing its ``renew`` leases
         for ``lease_s``, expiring leases nobody renewed, and reconciling with ``held``: the
-        samples the stage holds at ``step``, as the trainer last saw them (None: unknown)."""
+        samples the stage holds at ``step``, as the trainer last saw them (None: unknown). The
+        grant is at most the trainer's fair share of what is free (see the module docstring)."""
         now = self.clock()
         lease_s = min(max(lease_s, MIN_LEASE_S), MAX_LEASE_S)
         self._roll(step)
@@ -158,17 +190,48 @@ class LeaseBook:
         self._expire(now)
         if held is not None:
             self._reconcile(held, now)
-        granted: list[tuple[int, int]] = []
+        asker = self._asked(trainer, size=size, count=count, now=now)
         room = self.target - self.reserved
-        while len(granted) < count and room > 0 and size > 0 and len(self.leases) < MAX_LEASES:
-            samples = min(size, room)
+        shares = fair_shares(self._claims(now), room, max_grants=MAX_LEASES - len(self.leases))
+        share = shares.get(trainer, 0)
+        granted: list[tuple[int, int]] = []
+        while len(granted) < count and share > 0 and size > 0 and len(self.leases) < MAX_LEASES:
+            samples = min(size, share)
             lease = Lease(next(self._ids), trainer, samples, now + lease_s)
             self.leases[lease.lease_id] = lease
             granted.append((lease.lease_id, samples))
-            room -= samples
+            share -= samples
             self.counters.granted += 1
             self.counters.granted_samples += samples
-        return Grant(step=self.step, leases=tuple(granted), reserved=self.reserved, target=self.target)
+        asker.wants = (count - len(granted)) * size if size > 0 else 0
+        asker.granted += sum(n for _, n in granted)
+        if len(granted) < count and sum(n for _, n in granted) < min(room, count * size):
+            self.counters.fair_cuts += 1
+        promised = sum(n for t, n in shares.items() if t != trainer)
+        return Grant(step=self.step, leases=tuple(granted), reserved=self.reserved, target=self.target,
+                     promised=promised)
+
+    def _asked(self, trainer: str, *, size: int, count: int, now: float) -> Asker:
+        """Note ``trainer``'s request (its claim, until it is granted), forgetting claims older than
+        ``active_s``, and past :data:`MAX_ASKERS` (a flood of names) the one that asked longest ago."""
+        for name in [t for t, a in self.askers.items() if now - a.asked > self.active_s and t != trainer]:
+            del self.askers[name]
+        asker = self.askers.get(trainer)
+        if asker is None:
+            while len(self.askers) >= MAX_ASKERS:
+                del self.askers[min(self.askers, key=lambda t: self.askers[t].asked)]
+            level = min((a.granted for a in self.askers.values()), default=0)  # no head start, no catching up
+            asker = self.askers[trainer] = Asker(size=size, wants=0, asked=now, granted=level)
+        asker.size, asker.wants, asker.asked = size, count * size if size > 0 else 0, now
+        return asker
+
+    def _claims(self, now: float) -> list[Claim]:
+        """Every live claim on the step: what each trainer holds of it and still asks for."""
+        has: dict[str, int] = {}
+        for lease in self.leases.values():
+            has[lease.trainer] = has.get(lease.trainer, 0) + lease.samples
+        return [Claim(trainer=t, has=has.get(t, 0), wants=a.wants, size=a.size, credit=a.granted)
+                for t, a in self.askers.items() if a.wants > 0 and now - a.asked <= self.active_s]
 
     def _roll(self, step: int) -> None:
         """The stage is at ``step``: a book of another step starts over (its leases are void)."""

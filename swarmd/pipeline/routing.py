@@ -121,6 +121,7 @@ class PeerView:
     addr: str  # where its data plane listens (the record's ``data_addr``)
     state: PeerState = PeerState.SERVING
     reachable: Reachability = "unknown"
+    announced: float = 0.0  # samples/s of a forward and a backward, as the peer announces its own compute
 
     @property
     def usable(self) -> bool:

@@ -12,7 +12,7 @@ updates, and the next step's first forward must wait for that update).
 :func:`sync_step` replays that schedule as the swarm runs it, one peer per stage:
 
 - every stage is one worker that runs its calls one at a time, in the order they arrive (the
-  daemon's single stage worker thread, :mod:`swarmd.pipeline.executor`);
+  daemon's single stage worker thread, :mod:`swarmd.pipeline.stage.executor`);
 - the trainer (:meth:`swarmd.train.trainer.Trainer._run_sync`) sends microbatch ``i``'s first
   forward once microbatch ``i - 1``'s (``chained``) or microbatch 0's first forward is back, and
   keeps at most ``window`` microbatches in flight (one leaves when stage 0's backward is back);

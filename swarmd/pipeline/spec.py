@@ -14,7 +14,7 @@ same step to the same averaged gradient, so the settings of that step must be sh
 exactly as the model. :class:`TrainingSpec` holds them (batch size, optimizer, schedule,
 clipping, averaging), read by every peer from the swarm's DHT record, validated and digested
 like ``ModelSpec``; :meth:`TrainingSpec.lr_at` is the learning-rate schedule as a pure
-function of the swarm's step. How a step is taken is :mod:`swarmd.pipeline.optimizer`.
+function of the swarm's step. How a step is taken is :mod:`swarmd.pipeline.stage.optimizer`.
 
 Both specs are plain data: this module imports neither torch nor anything that does, so the
 configuration and the CLI can build and check them without loading torch.
@@ -56,7 +56,7 @@ TRAINING_DIGEST_VERSION = "swarmd.TrainingSpec/2"  # /2: grad_codec
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 #: How a stage's averaging traffic carries gradients (codecs of ``swarmd.net.codecs``).
-#: ``auto``: chosen per link from its measured speed (``swarmd.pipeline.grad_codec_choice``).
+#: ``auto``: chosen per link from its measured speed (``swarmd.pipeline.averaging.codec_choice``).
 GRAD_CODECS: tuple[str, ...] = ("auto", "none", "fp16", "8bit", "4bit", "3bit", "5level", "2bit")
 #: How a stage averages its gradients (TrainingSpec.averaging): one leader, or a chunked all-reduce.
 AVERAGING_MODES: tuple[str, ...] = ("leader", "allreduce")
@@ -482,11 +482,11 @@ class TrainingSpec:
     # back (one of GRAD_CODECS). Lossy codecs keep the peers bit-identical: the leader encodes
     # the mean once and every peer, the leader included, applies the decoded mean. "auto": none on
     # fast links (and loopback), 8bit or 5level on slow ones, from each link's measured throughput
-    # (swarmd.pipeline.grad_codec_choice); a founder pins one by naming it.
+    # (swarmd.pipeline.averaging.codec_choice); a founder pins one by naming it.
     grad_codec: str = "auto"
     # how a stage's peers average (one of AVERAGING_MODES): "leader", one peer receives every
-    # contribution and answers everyone (swarmd.pipeline.averaging); "allreduce", a chunked
-    # all-reduce with one atomic decision (swarmd.pipeline.allreduce), per-peer traffic ~2 x |grads|
+    # contribution and answers everyone (swarmd.pipeline.averaging.averager); "allreduce", a chunked
+    # all-reduce with one atomic decision (swarmd.pipeline.averaging.allreduce.averager), per-peer traffic ~2 x |grads|
     averaging: str = "leader"
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from swarmd.errors import ConfigError
 from swarmd.swarm_key import SwarmKey
 from swarmd.train.timing import Timing
+from swarmd.train.window import START
 
 __all__ = ["TrainerConfig"]
 
@@ -25,7 +26,9 @@ class TrainerConfig:
     microbatch_size: int = 8
     codec: str = "8bit"  # activations and their gradients between stages
     seed: int = 0
-    window: int = 8  # microbatches in flight at once
+    # microbatches in flight at once; None (``--window auto``): sized from what the trainer measures of its stages'
+    # compute and round trips, and resized as they move (swarmd.train.window)
+    window: int | None = None
     taper: bool = True  # sync mode: taper the step's ends (swarmd.pipeline.partition.tapered_sizes)
     max_taper_depth: int = 2  # ... at most this finely (1: halves only; 2: quarters, when measured to pay)
     sync: bool = False
@@ -49,9 +52,11 @@ class TrainerConfig:
     timing: Timing = field(default_factory=Timing)  # every timeout, grace and pause of its loops
 
     def __post_init__(self) -> None:
-        for name in ("steps", "microbatch_size", "window", "val_batches", "max_corpus_bytes", "data_shards"):
+        for name in ("steps", "microbatch_size", "val_batches", "max_corpus_bytes", "data_shards"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.window is not None and self.window < 1:
+            raise ConfigError("--window must be at least 1 (or auto)")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError("--batch-size must be at least 1")
         if self.val_every < 0:
@@ -64,3 +69,8 @@ class TrainerConfig:
             raise ConfigError("--verify-fraction must lie in [0, 1]")
         if self.max_taper_depth not in (0, 1, 2):
             raise ConfigError("max_taper_depth must be 0, 1 or 2")
+
+    @property
+    def start_window(self) -> int:
+        """The window before anything is measured: the fixed ``window``, or ``swarmd.train.window.START``."""
+        return self.window if self.window is not None else START

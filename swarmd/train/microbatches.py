@@ -5,7 +5,7 @@ SWARM's trainers hold no parameters (paper, section 3.2): a microbatch goes forw
 trip), then backward through ``S-2..0``, each call to one peer picked by stochastic wiring
 (``swarmd.train.stage_calls``). Each attempt carries a random 64-bit id (``meta.mb``), and its
 backward on a stage goes to the peer that ran its forward while that peer is usable, where the
-activations are still cached (``swarmd.pipeline.executor``), so the forward is not recomputed; any
+activations are still cached (``swarmd.pipeline.stage.executor``), so the forward is not recomputed; any
 other peer serves it statelessly.
 
 Peer to peer (``p2p``, issue #31): an unpaired microbatch's forward to stage 0 names the peers of

@@ -30,14 +30,15 @@ import torch
 from swarmd.errors import PeerError
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import ReserveReply, ReserveRequest
-from swarmd.pipeline.delayed_updates import needs_pacing
 from swarmd.pipeline.failures import Action, classify
 from swarmd.pipeline.routing import RoutedPeer, StageRouter
 from swarmd.pipeline.spec import TrainingSpec
+from swarmd.pipeline.stage.delayed_updates import needs_pacing
 from swarmd.train.config import TrainerConfig
 from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import PeerProgress, TrainerError
 from swarmd.train.swarm_view import front_step
+from swarmd.train.window import MOST
 
 __all__ = ["AsyncPacing", "BookLag", "LeaseBook", "book_peer", "pace_budget", "rounds_pending"]
 
@@ -148,7 +149,7 @@ class LeaseBook:
             return None
         router = self.view.routers[0]
         peers = router.snapshot()
-        # an excluded peer's samples are never averaged in (swarmd.pipeline.averaging): not the stage's
+        # an excluded peer's samples are never averaged in (swarmd.pipeline.averaging.averager): not the stage's
         excluded = {p.peer_id for p in peers if p.excluded}
         seen = [p for p in progress[0] if p.step is not None and p.peer_id not in excluded] if progress else []
         front = max((p.step for p in seen if p.step is not None), default=None)
@@ -197,11 +198,15 @@ class Sampler(Protocol):
 
 
 class AsyncPacing:
-    """Keeps up to ``window`` microbatches in flight until the swarm has taken ``steps`` steps."""
+    """Keeps up to a window of microbatches in flight (``window(microbatches of a step)``, by default the
+    config's start) until the swarm has taken ``steps`` steps."""
 
     def __init__(self, config: TrainerConfig, training: TrainingSpec, *, view: Polls, book: LeaseBook,
-                 microbatches: Runner, summary: TrainSummary, on_step: Callable[[int, int], Awaitable[None]]) -> None:
+                 microbatches: Runner, summary: TrainSummary, on_step: Callable[[int, int], Awaitable[None]],
+                 window: Callable[[int], int] | None = None) -> None:
         self.config = config
+        # microbatches in flight for a step of so many (the trainer's swarmd.train.window sizing; by default the start)
+        self.window = window if window is not None else (lambda _: config.start_window)
         self.training = training
         self.view = view
         self.book = book
@@ -222,18 +227,26 @@ class AsyncPacing:
         sizes: dict[asyncio.Task[None], int] = {}
         leases: dict[asyncio.Task[None], list[int]] = {}  # task -> its lease ids (two: a paired check's)
         done_leases: list[int] = []  # finished under a lease, not reported yet
+        waited: Progress | None = None  # the answer of the long-poll for the next step, when the loop waited
         try:
             while True:
-                progress = await self.view.poll()
+                # the long-poll's answer is as fresh as a poll's (every peer answered it just now, at the step
+                # it waited for or at its wait's end): polling again would only add a round trip to each step
+                progress = waited if waited is not None else await self.view.poll()
+                waited = None
                 step_now = front_step(progress)
                 while done_steps < step_now - start:
                     done_steps += 1
                     await self.on_step(start + done_steps - 1, done_steps)
                 if step_now >= target or (cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds):
                     break
-                room = cfg.window - sum(len(leases.get(task, [0])) for task in in_flight)  # a paired check holds two
+                # not capped at a step's microbatches: the lease book caps what is in flight at the step's samples
+                # already, and without it (delayed updates) microbatches may span steps
+                window = self.window(MOST)
+                room = window - sum(len(leases.get(task, [0])) for task in in_flight)  # a paired check holds two
                 held = [lease for ids in leases.values() for lease in ids]
                 reply = await self.book.reserve(progress, room, done_leases, held)
+                asked_at = time.monotonic()
                 if reply is not None:
                     done_leases.clear()
                     if reply.leases:
@@ -257,7 +270,7 @@ class AsyncPacing:
                     budget = pace_budget(progress, target=self.training.target_batch_size,
                                          in_flight_samples=sum(sizes[t] for t in in_flight),
                                          delay_updates=self.training.delay_updates)
-                    while len(in_flight) < cfg.window and (budget is None or budget > 0):
+                    while len(in_flight) < window and (budget is None or budget > 0):
                         x, y = sampler.sample(cfg.microbatch_size)
                         task = asyncio.create_task(self.microbatches.run(x, y))
                         in_flight.add(task)
@@ -268,25 +281,37 @@ class AsyncPacing:
                     if reply is None and self.book.active:  # the book did not answer: ask again shortly
                         await asyncio.sleep(cfg.timing.book_retry_s)
                     else:
-                        await self.view.poll(wait_step=(reply.step if reply is not None else step_now) + 1)
+                        waited = await self.view.poll(wait_step=(reply.step if reply is not None else step_now) + 1)
                     continue
-                done, in_flight = await asyncio.wait(in_flight, timeout=cfg.timing.window_poll_s,
-                                                     return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    sizes.pop(task, None)
-                    lease_done = leases.pop(task, [])
-                    if not task.cancelled() and task.exception() is None:
-                        done_leases += lease_done
-                # retrieve every error (else asyncio logs "Task exception was never retrieved" for
-                # each failed microbatch after the first), then raise the first one
-                failed = [task for task in done if not task.cancelled() and task.exception() is not None]
-                for task in failed[:1] or done:
-                    task.result()
+                spoken_for = reply is not None and reply.reserved >= reply.target
+                while True:
+                    done, in_flight = await asyncio.wait(in_flight, timeout=cfg.timing.window_poll_s,
+                                                         return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        sizes.pop(task, None)
+                        lease_done = leases.pop(task, [])
+                        if not task.cancelled() and task.exception() is None:
+                            done_leases += lease_done
+                    # retrieve every error (else asyncio logs "Task exception was never retrieved" for
+                    # each failed microbatch after the first), then raise the first one
+                    failed = [task for task in done if not task.cancelled() and task.exception() is not None]
+                    for task in failed[:1] or done:
+                        task.result()
+                    # the book said the step is spoken for and more of this trainer's microbatches are in flight:
+                    # the book has nothing to grant, and the step closes only once they are in (when they are
+                    # leases of it), so a poll and a request now would only load the peers (they were 3 of a tiny
+                    # step's 5 control requests per microbatch). The done leases are reported with the next
+                    # request, after the last microbatch in flight (the book's write-off needs them), and the
+                    # open ones are renewed well within lease_s.
+                    if not (done and in_flight and spoken_for and time.monotonic() - asked_at < cfg.lease_s / 4):
+                        break
             for finished in asyncio.as_completed(in_flight):
                 await finished
             done_leases += [lease for ids in leases.values() for lease in ids]
             in_flight = set()
-            if done_leases:  # report them, or the book would take them for a dead trainer's and grant them again
+            # report the done leases (or the book would take them for a dead trainer's and grant them again),
+            # and withdraw this trainer's claim on the step (the book would keep its fair share for it a while)
+            if self.book.active:
                 await self.book.reserve(await self.view.poll(), 0, done_leases, [])
         finally:
             for task in in_flight:  # only after an error: cancel the rest

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from swarmd.pipeline.model import StageModule
-from swarmd.pipeline.optimizer import apply_step
 from swarmd.pipeline.spec import TrainingSpec
+from swarmd.pipeline.stage.optimizer import apply_step
 
 
 def single_process_step(
@@ -35,10 +35,22 @@ def single_process_step(
         (loss * x.shape[0]).backward()
         total += x.shape[0]
         weighted += loss.item() * x.shape[0]
+    apply_mean_step(stages, optimizers, training, total, step)
+    return weighted / total
+
+
+def apply_mean_step(
+    stages: Sequence[StageModule],
+    optimizers: Sequence[torch.optim.Optimizer],
+    training: TrainingSpec,
+    samples: int,
+    step: int,
+) -> None:
+    """Divide the gradients ``loss * samples`` accumulated over ``samples`` by their count and take
+    every stage's ``apply_step``: the update of a ``--sync`` step, however its gradients were made."""
     for stage, opt in zip(stages, optimizers, strict=True):
         params = list(stage.parameters())
         for p in params:
             assert p.grad is not None, "every parameter takes part in the loss"
-            p.grad /= total
+            p.grad /= samples
         apply_step(opt, training, params, step)
-    return weighted / total

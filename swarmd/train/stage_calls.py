@@ -33,7 +33,7 @@ back, and the caller goes on).
 Timeouts follow what the stage's peers take (``StageRouter.timeout_for``); a peer never seen
 answering is on probation, and a forward to it (no side effect) is cut short once overdue by what
 the stage takes *now* (issue #18: a tarpit costs about one typical call). A backward is exactly
-once (``swarmd.pipeline.step_protocol``): its peer adds the gradient only within its deadline, and
+once (``swarmd.pipeline.stage.step_protocol``): its peer adds the gradient only within its deadline, and
 an attempt whose answer was lost is settled by asking that peer (``POST /v1/claim``) before the next.
 """
 
@@ -56,7 +56,7 @@ from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimRequest, ForwardReply, Hop
 from swarmd.pipeline.failures import Action, classify, timed_out
 from swarmd.pipeline.routing import StageRouter
-from swarmd.pipeline.step_protocol import BackwardAttempts
+from swarmd.pipeline.stage.step_protocol import BackwardAttempts
 from swarmd.train.events import CallDone, TrainerEvent
 from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import TrainerError
@@ -534,7 +534,7 @@ class StageCalls:
         recover: Callable[[], Awaitable[torch.Tensor]] | None = None, lost_at: Collection[str] = (),
     ) -> Served[BackwardReply]:
         """A backward through ``stage`` (with ``targets`` on the last stage: the fused forward and
-        backward), counted exactly once by the stage (``swarmd.pipeline.step_protocol``): the peer
+        backward), counted exactly once by the stage (``swarmd.pipeline.stage.step_protocol``): the peer
         adds the gradient only within its deadline (past it, this trainer gave up and retries
         elsewhere), and an attempt whose answer was lost is settled by asking its peer before the
         next attempt, which only computes if it counted.

@@ -47,6 +47,8 @@ class TrainSummary:
     leases: int = 0  # sample reservations granted to this trainer
     full_waits: int = 0  # times the step was fully reserved and the trainer waited for it
     shard: int | None = None  # the shard of the training split it started on (None: the whole split at once)
+    window: int = 0  # microbatches in flight at the end (swarmd.train.window; --window N: N)
+    window_need: float | None = None  # ... the smoothed estimate of what keeps the slowest stage busy (auto's basis)
     elapsed_s: float = 0.0
     step_losses: list[float] = field(default_factory=list)
     step_samples: list[int] = field(default_factory=list)  # its share of each step: samples counted at it

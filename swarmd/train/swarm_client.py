@@ -24,7 +24,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from pydantic import ValidationError
@@ -72,6 +72,8 @@ class PeerProgress:
     error: PeerError | None = None  # why it did not answer (step None)
     excluded: tuple[str, ...] = ()  # peers its stage excluded after two independent reports (issue #17)
     params_digest: str | None = None  # of its parameters at ``step`` (a forked peer's differs from its stage's)
+    # how long it took to answer (a round trip, when it answered at once): a measurement, not part of the answer
+    seconds: float | None = field(default=None, compare=False)
 
 
 class SwarmClient:
@@ -303,6 +305,7 @@ class SwarmClient:
         async def one(peer_id: str, addr: str) -> PeerProgress:
             limit = (self.timing.probation_progress_timeout_s if peer_id in probation
                      else self.timing.progress_timeout_s)
+            sent = loop.time()
             try:
                 reply = await self._data.progress(addr, wait_step=wait_step, wait_s=wait_s if waits else None,
                                                   timeout_s=limit + (wait_s if waits else 0.0))
@@ -311,7 +314,7 @@ class SwarmClient:
                 return PeerProgress(peer_id, None, error=exc)
             self._answered.add(peer_id)
             return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging, excluded=reply.excluded,
-                                params_digest=reply.params_digest)
+                                params_digest=reply.params_digest, seconds=loop.time() - sent)
 
         self._answered &= {pid for peers in stages for pid, _ in peers}  # bounded by the listed peers
         trusted: dict[asyncio.Task[PeerProgress], int] = {}

@@ -23,12 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import get_args
 
 from swarmd.api import models
-from swarmd.peer_state import ANNOUNCED
+from swarmd.peer_state import ANNOUNCED, PeerState
 from swarmd.pipeline.failures import Action, classify, timed_out
 from swarmd.pipeline.routing import PeerView, Reachability, RoutedPeer, StageRouter
 from swarmd.train.stage_calls import unreachable_hint
@@ -51,7 +51,8 @@ def peer_views(body: models.SwarmView) -> dict[int, list[PeerView]]:
     return {
         stage.stage: [
             PeerView(p.peer_id, stage.stage, p.data_addr, _STATES[p.state],
-                     p.reachable if p.reachable in _REACHABILITY else "unknown")  # type: ignore[arg-type]
+                     p.reachable if p.reachable in _REACHABILITY else "unknown",  # type: ignore[arg-type]
+                     p.throughput)
             for p in stage.peers if p.state in _STATES
         ]
         for stage in body.stages
@@ -114,14 +115,16 @@ class SwarmView:
     """One router per stage, kept up to date from ``/swarm`` and from the stages' progress answers."""
 
     def __init__(self, swarm: SwarmClient, *, request_timeout_s: float, window: int, timing: Timing,
-                 stage_wait_timeout_s: float = 120.0) -> None:
+                 stage_wait_timeout_s: float = 120.0,
+                 on_answer: Callable[[int, str, float], None] | None = None) -> None:
         self.swarm = swarm
+        self.on_answer = on_answer  # (stage, peer, seconds): every progress answer's time (a round trip, at best)
         self.timing = timing
         self.stage_wait_timeout_s = stage_wait_timeout_s  # how long swarm_step waits for a silent stage
         self.routers: list[StageRouter] = []
         self._ceiling_s = request_timeout_s
         self._probation_slots = max(1, window // 4)
-        self._unreachable: dict[int, list[str]] = {}  # stage -> listed data addrs nobody could dial
+        self._listed: dict[int, list[PeerView]] = {}  # stage -> its peers, as /swarm last listed them
         self._steps: dict[int, dict[str, int]] = {}  # stage -> peer -> the step it last reported
 
     def adopt(self, n_stages: int) -> None:
@@ -142,15 +145,21 @@ class SwarmView:
         body = await self.swarm.stage_map(force=force)
         if body is None:
             return
-        for stage, peers in peer_views(body).items():
-            # a peer the swarm could not dial (``reachable: no``, swarmd.net.reachability) would only cost timeouts
-            self._unreachable[stage] = [p.addr for p in peers if p.reachable == "no"]
+        self._listed = peer_views(body)
+        for stage, peers in self._listed.items():
             if 0 <= stage < len(self.routers):
                 self.routers[stage].update_peers(peers)
 
+    def announced(self, stage: int) -> list[float]:
+        """The throughputs (samples/s of a forward and a backward) ``stage``'s serving peers announce in
+        their records, as ``/swarm`` last listed them: their own compute, what ``swarmd.train.window``
+        sizes the window by."""
+        return [p.announced for p in self._listed.get(stage, []) if p.state is PeerState.SERVING]
+
     def unreachable(self, stage: int) -> list[str]:
         """The data addresses listed for ``stage`` that no member of the swarm could dial."""
-        return self._unreachable.get(stage, [])
+        # a peer the swarm could not dial (``reachable: no``, swarmd.net.reachability) would only cost timeouts
+        return [p.addr for p in self._listed.get(stage, []) if p.reachable == "no"]
 
     async def swarm_step(self) -> int:
         """The step the whole swarm has reached, once every stage has a peer that answered: a run
@@ -212,6 +221,8 @@ class SwarmView:
         if answer.step is not None:
             self._steps.setdefault(stage, {})[answer.peer_id] = answer.step
             router.report_alive(answer.peer_id)
+            if self.on_answer is not None and answer.seconds is not None:
+                self.on_answer(stage, answer.peer_id, answer.seconds)
         elif answer.error is not None and answer.error.status in (0, 200) and not router.stats(answer.peer_id).proven:
             router.report_failure(answer.peer_id, timeout=timed_out(answer.error))
 

@@ -155,8 +155,11 @@ class SyncSteps:
 
     def __init__(self, config: TrainerConfig, training: TrainingSpec, *, view: Polls, microbatches: Runner,
                  summary: TrainSummary, on_step: Callable[[int, int], Awaitable[None]],
-                 emit: Callable[[TrainerEvent], None] | None = None) -> None:
+                 emit: Callable[[TrainerEvent], None] | None = None,
+                 window: Callable[[int], int] | None = None) -> None:
         self.config = config
+        # microbatches in flight for a step of so many (the trainer's swarmd.train.window sizing; by default the start)
+        self.window = window if window is not None else (lambda _: config.start_window)
         self.training = training
         self.view = view
         self.microbatches = microbatches
@@ -194,7 +197,7 @@ class SyncSteps:
         depth = taper_depth_for(self.view.routers, taper=cfg.taper, most=cfg.max_taper_depth,
                                 microbatch_size=cfg.microbatch_size)
         microbatches = [sampler.sample(size) for size in tapered_sizes(batch, cfg.microbatch_size, depth)]  # in order
-        window = asyncio.Semaphore(cfg.window)
+        window = asyncio.Semaphore(self.window(len(microbatches)))
         led = [asyncio.Event() for _ in microbatches]
         # a spot check is a paired microbatch: the same sample twice, in two slots of the same size (the
         # second slot's sample is not used: the step still holds the batch it was planned with)

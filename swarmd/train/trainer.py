@@ -15,6 +15,7 @@ wires the parts together and runs one of two modes; each part is a file named af
 ``sync_steps``                  ``--sync`` mode: one tapered global batch per step, then the wait
 ``summary``                     the step ledger and the summary ``--json`` prints
 ``config`` / ``timing``         what the trainer is told, and every wait with its reason
+``window``                      how many microbatches in flight: Little's law over measured costs
 ``data`` / ``corpus``           the corpus (``shards``: pre-tokenized) and its sampling
 ==============================  ===============================================================
 
@@ -39,9 +40,10 @@ import torch
 from swarmd.net.client import DataPlaneClient, client_session
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import ModelSpec, TrainingSpec
+from swarmd.task_dump import dump_on_signal
 from swarmd.train.config import TrainerConfig
 from swarmd.train.data import BatchSampler, load_corpus, val_batches
-from swarmd.train.events import StepDone, TrainerEvent, TrainerListener
+from swarmd.train.events import CallDone, StepDone, TrainerEvent, TrainerListener
 from swarmd.train.microbatches import Microbatches
 from swarmd.train.pacing import AsyncPacing, LeaseBook
 from swarmd.train.spot_checks import SpotChecks
@@ -50,8 +52,8 @@ from swarmd.train.summary import StepLedger, TrainSummary
 from swarmd.train.swarm_client import Registration, SwarmClient, TrainerError
 from swarmd.train.swarm_view import SwarmView
 from swarmd.train.sync_steps import SyncSteps, split_batch
-from swarmd.train.task_dump import dump_on_signal
 from swarmd.train.verify import VerifyStats
+from swarmd.train.window import CallCosts, WindowSizer
 
 __all__ = ["TrainSummary", "Trainer", "TrainerConfig", "TrainerError", "split_batch"]
 
@@ -93,6 +95,8 @@ class Trainer:
         self._microbatches: Microbatches | None = None
         self._ledger = StepLedger()
         self._validation: Batches = []
+        self.costs = CallCosts()  # what its calls and polls took: the window's inputs (swarmd.train.window)
+        self.sizer = WindowSizer(start=config.start_window)
 
     @property
     def routers(self) -> list[StageRouter]:
@@ -103,7 +107,7 @@ class Trainer:
 
     async def run(self) -> TrainSummary:
         """Register, train ``config.steps`` steps, say goodbye. ``kill -USR1`` meanwhile prints every
-        asyncio task's stack to stderr (``swarmd.train.task_dump``: what a stalled trainer waits on)."""
+        asyncio task's stack to stderr (``swarmd.task_dump``: what a stalled trainer waits on)."""
         with dump_on_signal():
             return await self._run()
 
@@ -117,14 +121,15 @@ class Trainer:
             registration = await swarm.register()
             spec, training = registration.spec, registration.training
             self.spec, self.training, self.trainer_id = spec, training, registration.trainer_id
-            view = self.view = SwarmView(swarm, request_timeout_s=cfg.request_timeout_s, window=cfg.window,
-                                         timing=cfg.timing, stage_wait_timeout_s=cfg.stage_wait_timeout_s)
+            view = self.view = SwarmView(swarm, request_timeout_s=cfg.request_timeout_s, window=cfg.start_window,
+                                         timing=cfg.timing, stage_wait_timeout_s=cfg.stage_wait_timeout_s,
+                                         on_answer=self.costs.poll)
             view.adopt(spec.n_stages)
             calls = self.calls = StageCalls(view, client, model=spec.digest, codec=cfg.codec, summary=self.summary,
                                             timing=cfg.timing, request_timeout_s=cfg.request_timeout_s,
                                             stage_wait_timeout_s=cfg.stage_wait_timeout_s, emit=self._emit)
             checks = SpotChecks(calls, client, stats=self.checks, codec=cfg.codec, fraction=cfg.verify_fraction,
-                                window=cfg.window, timing=cfg.timing, stage_steps=view.stage_steps)
+                                window=cfg.start_window, timing=cfg.timing, stage_steps=view.stage_steps)
             self._microbatches = Microbatches(calls, checks, n_stages=spec.n_stages, summary=self.summary,
                                               ledger=self._ledger, timing=cfg.timing, p2p=cfg.p2p)
             corpus = await asyncio.to_thread(
@@ -171,6 +176,7 @@ class Trainer:
             "val_loss": s.val_loss,
             "checks": self.checks.checks,
             "liars": self.checks.liars,
+            "window": s.window,
         }
 
     # ---- the parts -------------------------------------------------------------------------------
@@ -182,12 +188,30 @@ class Trainer:
         microbatches = self._require_microbatches()
         if cfg.sync:
             await SyncSteps(cfg, training, view=view, microbatches=microbatches, summary=self.summary,
-                            on_step=self._finish_step, emit=self._emit).run(sampler)
+                            on_step=self._finish_step, emit=self._emit, window=self.window_for).run(sampler)
             return
         book = LeaseBook(cfg, training, n_stages=spec.n_stages, view=view, client=client, summary=self.summary,
                          trainer_id=lambda: self.trainer_id)
         await AsyncPacing(cfg, training, view=view, book=book, microbatches=microbatches, summary=self.summary,
-                          on_step=self._finish_step).run(sampler)
+                          on_step=self._finish_step, window=self.window_for).run(sampler)
+
+    def window_for(self, microbatches: int) -> int:
+        """Microbatches in flight for a step of ``microbatches`` (``--window N``: N; auto: the
+        :class:`~swarmd.train.window.WindowSizer`'s, from what this trainer measured so far). Either way
+        the estimate is kept up to date and reported (``window``, ``window_need`` in the summary)."""
+        cfg, s, routers = self.config, self.summary, self.routers
+        announced = [self.view.announced(k) for k in range(len(routers))] if self.view is not None else []
+        stages = self.costs.stages(len(routers), cfg.microbatch_size, [max(1, r.usable_count) for r in routers],
+                                   announced) if routers else None
+        window = self.sizer.update(stages, microbatches)
+        if cfg.window is not None:
+            window = cfg.window
+        if window != s.window:
+            log.info("%d microbatches in flight (%s; estimated need %s)", window,
+                     "auto" if cfg.window is None else "--window", _need(self.sizer.estimate))
+        s.window = window
+        s.window_need = None if self.sizer.estimate is None else round(self.sizer.estimate, 2)
+        return window
 
     def _registered_again(self, registration: Registration) -> None:
         """The daemon forgot this trainer and it registered again: only the id changes (the routers
@@ -233,5 +257,11 @@ class Trainer:
             self.summary.val_losses.append((self.summary.steps, val_loss))
 
     def _emit(self, event: TrainerEvent) -> None:
+        if isinstance(event, CallDone) and event.attempts == 1:  # a retried call's time is no stage's cost
+            self.costs.call(event.stage, event.kind, event.samples, event.ended - event.started)
         if self.events is not None:
             self.events(event)
+
+
+def _need(estimate: float | None) -> str:
+    return "not measured yet" if estimate is None else f"{estimate:.1f}"

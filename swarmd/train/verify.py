@@ -2,7 +2,7 @@
 
 The SWARM paper (Ryabinin et al., 2023) assumes honest workers and names security against
 malicious nodes as a limitation (section 6). swarmd has a lever for it: the peers of a stage
-hold bit-identical parameters (they step together, ``swarmd.pipeline.averaging``), so the same
+hold bit-identical parameters (they step together, ``swarmd.pipeline.averaging.averager``), so the same
 request to two peers of a stage at the same step must give the same answer: exactly when both
 run the same build on the same kind of hardware, within the error of the reply's codec
 otherwise. A trainer runs a random ``fraction`` of its microbatches *paired* (issue #29: the
@@ -41,7 +41,8 @@ The first stage's backward answers no tensor (token ids have no gradient): only 
 compared. Asking it for a digest or norm of the parameter gradients it computed would not help
 alone: a peer can answer honestly and accumulate something else, on any stage. What a peer
 accumulates leaves it only as its averaging contribution, so parameter-gradient poisoning is the
-averaging's business (``swarmd.pipeline.round_checks``, ``swarmd.pipeline.robust_aggregation``).
+averaging's business (``swarmd.pipeline.averaging.trust.round_checks``,
+``swarmd.pipeline.averaging.trust.robust_aggregation``).
 
 Whose word a trainer takes about a stage (:func:`stage_distrust`, :func:`excluded_by_stage`). Its
 progress polls tell each peer's step, held samples, params digest and the peers it excludes. A
@@ -207,7 +208,7 @@ def step_lie(step: int, own: int | None, mates: Sequence[int], slack: int = STEP
     ahead of the step its own peer reports now (``own``; a peer's step never goes back while it
     serves), or :func:`step_beyond` its stage-mates'. The step a reply names is its peer's claim:
     checked, not believed. Only steps ahead are lies: an honest peer may be behind (catching up),
-    and the step rule (``swarmd.pipeline.step_protocol``) refuses its backwards anyway."""
+    and the step rule (``swarmd.pipeline.stage.step_protocol``) refuses its backwards anyway."""
     return (own is not None and step > own) or step_beyond(step, mates, slack)
 
 

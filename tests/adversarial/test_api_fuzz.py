@@ -37,7 +37,10 @@ from schemathesis.checks import (
 from tests.conftest import DaemonProcess
 
 TOKEN = "fuzz-token-of-enough-length-0123456789"
-FUZZ = settings(max_examples=100, deadline=None,
+# derandomize: the same 100 examples in every run. Drawn at random, one run in six here generated no valid
+# POST /trainers among them (a 40-way choice of operations and modes) and failed the check that one got past
+# validation; a fuzzer's finds are reproduced by the seed, not by luck
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 # documented answers of a peer that is not serving (a generated POST /migrate can move it)
 NOT_SERVING = {("GET", "/healthz"), ("GET", "/swarm"), ("POST", "/trainers")}

@@ -38,9 +38,9 @@ from swarmd.net.messages import AverageRequest
 from swarmd.net.proof import ProofService, Prover
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import WireLimits, decode_frame, encode_frame
-from swarmd.pipeline.averaging import RoundResult, StageAverager, contribution_message
-from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.round_checks import (
+from swarmd.pipeline.averaging.averager import RoundResult, StageAverager, contribution_message
+from swarmd.pipeline.stage.executor import StageExecutor
+from swarmd.pipeline.averaging.trust.round_checks import (
     StallWatch,
     Suspicions,
     Used,
@@ -50,7 +50,7 @@ from swarmd.pipeline.round_checks import (
     per_sample_norm,
     tensor_digest,
 )
-from swarmd.pipeline.runtime import StageRuntime
+from swarmd.pipeline.stage.runtime import StageRuntime
 from swarmd.pipeline.spec import TrainingSpec
 from tests.support.averaging import MICRO, ONE, Feeder, Peer, text_batch, wait_for
 from tests.support.liars import lie_as_leader, poison_contributions
@@ -561,7 +561,7 @@ _CTL = os.environ.get("SWARMD_TEST_LIAR_CTL")
 if _CTL:
     import dataclasses
     import torch
-    from swarmd.pipeline import averaging as _averaging
+    from swarmd.pipeline.averaging import averager as _averaging
 
     def _ctl():
         try:
@@ -700,7 +700,7 @@ async def test_each_liar_in_a_2x3_swarm_is_caught_excluded_and_training_ends_nea
 def test_a_lone_peers_mean_is_the_float64_paths_bit_for_bit(samples: int) -> None:
     """A round holding only the leader's own gradients skips the float64 sum: its quotient must
     still be the one the general path would apply, signed zeros and subnormals included."""
-    from swarmd.pipeline.averaging import lone_mean
+    from swarmd.pipeline.averaging.averager import lone_mean
 
     gen = torch.Generator().manual_seed(samples)
     tiny = torch.finfo(torch.float32).tiny

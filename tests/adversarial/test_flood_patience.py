@@ -1,10 +1,10 @@
-"""How long a round waits for a contributor (issue #18, item 2): ``swarmd.pipeline.round_patience``."""
+"""How long a round waits for a contributor (issue #18, item 2): ``swarmd.pipeline.averaging.patience``."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarmd.pipeline.round_patience import RoundPatience
+from swarmd.pipeline.averaging.patience import RoundPatience
 
 
 def test_the_round_timeout_holds_until_enough_honest_rounds_were_seen() -> None:

@@ -7,7 +7,7 @@ stage's rounds. The stage's leader then counts samples the fake does not hold an
 contribution that never comes. Real in-process daemons on loopback, a real trainer; the fake is
 a little aiohttp server of this test published in the swarm's DHT with a validly signed record.
 The stage must keep stepping: a round waits for a silent proven contributor only a bounded time
-(``swarmd.pipeline.round_patience``), then goes on without it and excludes it with growing periods.
+(``swarmd.pipeline.averaging.patience``), then goes on without it and excludes it with growing periods.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class Prober:
 
 
 COMPUTED = {"/v1/forward": ("inputs",), "/v1/backward": ("inputs", "grad_outputs"), "/v1/average": ("grads",),
-            "/v1/report": ()}
+            "/v1/report": (), "/v1/recheck": ()}
 
 
 def _non_finite_inputs(body: bytes, names: tuple[str, ...]) -> list[str]:
@@ -540,7 +540,7 @@ def test_report_refuses_hostile_reports() -> None:
     signed reports are counted (200), and no fuzzed report makes the daemon exclude anyone
     without two of them."""
     from swarmd.dht.identity import Identity
-    from swarmd.pipeline.accusations import Claim, Evidence, answers_of, contribution_message
+    from swarmd.pipeline.averaging.trust.accusations import Claim, Evidence, answers_of, contribution_message
     from swarmd.pipeline.reports import MisbehaviourReport
 
     accused = "ab" * 20
@@ -575,7 +575,7 @@ def test_report_refuses_hostile_reports() -> None:
         r = p.post_frame("/v1/report", encode_frame("report", dict(zip(("body", "sig"), signed(time.time()),
                                                                         strict=True)), {}, "none"))
         assert r.status_code == 200 and decode_frame(r.content).meta["reason"] == "counted"
-        # an averaging report (a leader's conviction, swarmd.pipeline.accusations) whose claim the accuser
+        # an averaging report (a leader's conviction, swarmd.pipeline.averaging.trust.accusations) whose claim the accuser
         # signed itself, not the accused: refused, so a lone accuser cannot show made-up contributions
         accuser, liar = Identity.generate(), Identity.generate()
 
@@ -607,7 +607,7 @@ PARSER_METHODS = frozenset(
 def test_get_endpoints_and_unknown_methods_and_paths() -> None:
     """Every endpoint with any method, query string, body and content type; unknown paths too."""
     paths = ["/v1/forward", "/v1/backward", "/v1/average", "/v1/info", "/v1/progress", "/v1/state", "/v1/proof",
-             "/v1/report"]
+             "/v1/report", "/v1/recheck"]
     methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]) | st.sampled_from(
         sorted(PARSER_METHODS - {"CONNECT"})  # CONNECT takes host:port, not a path
     ) | st.text(st.characters(min_codepoint=ord("A"), max_codepoint=ord("Z")), min_size=1, max_size=8)
@@ -683,3 +683,66 @@ def test_head_of_the_state_stream_is_refused_not_streamed() -> None:
             assert p.send("GET", "/v1/state", content_type=None).status_code == 200
         finally:
             p.close()
+
+
+def test_recheck_refuses_hostile_evidence() -> None:
+    """``POST /v1/recheck`` (a conviction by recomputation: swarmd.pipeline.averaging.trust.recomputation):
+    raw bodies, frames with any meta, and a validly signed conviction with one byte of its report or of the
+    accused's opening changed, or one bit of its inputs, are all a 4xx; only the intact one is taken up
+    (200), and it excludes nobody (this peer holds no parameters it could recompute it at, so it counts for
+    nothing)."""
+    from swarmd.dht.identity import Identity
+    from swarmd.net.messages import RecheckRequest
+    from swarmd.pipeline.averaging.trust.accusations import answers_of
+    from swarmd.pipeline.averaging.trust.contribution_proofs import K, Opening
+    from swarmd.pipeline.averaging.trust.recomputation import inputs_digest
+    from swarmd.pipeline.reports import MisbehaviourReport
+
+    last = TINY.n_stages - 1
+    accused, accuser = Identity.generate(), Identity.generate()
+    x, y = torch.randn(2, 8, TINY.boundary_width), torch.randint(0, TINY.vocab_size, (2, 8))
+    rows = torch.randn(4, K, dtype=torch.float64)
+    opening = Opening.signed(accused, stage=last, step=3, peer_id=accused.peer_id, leader=accuser.peer_id,
+                             digest="cd" * 32, codec="none", mbs=[6], parts=rows[:1], extra=rows[2], sent=rows[3],
+                             ins=[inputs_digest(6, x, y)], at=["e3" * 32, "fp32"], lead="f4" * 32)
+    body, sig = MisbehaviourReport.signed(accuser, accused=accused.peer_id, stage=last, step=3, kind="averaging", mb=1,
+                                          request_digest="00" * 32, at=time.time(),
+                                          answers=answers_of(opening.evidence, accused.peer_id, accuser.peer_id),
+                                          evidence=opening.evidence.encode()).encode()
+    raw = opening.encode()
+    with daemon_thread(last) as d, state_must_survive(d, last) as p:
+
+        @settings(FUZZ, max_examples=60)
+        @given(data=st.data())
+        def fuzz(data: st.DataObject) -> None:
+            what = data.draw(st.integers(0, 4))
+            if what == 0:
+                p.post_frame("/v1/recheck", data.draw(raw_bodies()), data.draw(CONTENT_TYPES))
+                return
+            if what == 1:
+                meta = {k: data.draw(SCALARS) for k in data.draw(st.sets(st.sampled_from(["body", "sig", "opening"])))}
+                p.post_frame("/v1/recheck", encode_frame("recheck", meta, {"in_x": x.view(torch.int32), "in_y": y,
+                                                                            "in_idx": torch.tensor([[6, *x.shape]])},
+                                                         "none"))
+                return
+            parts = [bytearray(body), bytearray(raw)]
+            if what < 4:
+                field = parts[what - 2]
+                field[data.draw(st.integers(0, len(field) - 1))] ^= data.draw(st.integers(1, 255))
+                bumped = x
+            else:
+                bumped = x.clone()
+                bumped.view(torch.int32).view(-1)[data.draw(st.integers(0, x.numel() - 1))] ^= 1 << data.draw(
+                    st.integers(0, 22))  # one mantissa bit: still finite
+            r = p.post_frame("/v1/recheck", RecheckRequest(bytes(parts[0]), sig, bytes(parts[1]), 6, bumped,
+                                                           y).encode())
+            assert r.status_code == 422, r.text
+
+        fuzz()
+        assert p.statuses[422], p.statuses
+        assert d.daemon.reports.excluded() == frozenset()
+        r = p.post_frame("/v1/recheck", RecheckRequest(body, sig, raw, 6, x, y).encode())
+        assert d.daemon.reports.status()["received"] == 0
+        # taken up to be recomputed, and counted in the ledger only if it holds (it cannot: no such parameters)
+        assert r.status_code == 200 and decode_frame(r.content).meta["reason"] == "checking", r.text
+        assert d.daemon.reports.excluded() == frozenset()

@@ -29,8 +29,8 @@ from swarmd.net.proof import (
 )
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import WireLimits
-from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.runtime import StageRuntime
+from swarmd.pipeline.stage.executor import StageExecutor
+from swarmd.pipeline.stage.runtime import StageRuntime
 from tests.conftest import TINY, running_daemon
 
 
@@ -183,7 +183,7 @@ async def test_a_daemon_answers_its_own_proof() -> None:
 def test_donors_are_only_proven_ones_holding_the_majority_digest_of_the_newest_step() -> None:
     from swarmd.dht.records import PeerRecord
     from swarmd.net.proof import Proof
-    from swarmd.pipeline.state_sync import rank_proven
+    from swarmd.pipeline.placement.state_sync import rank_proven
 
     def record(pid: str, addr: str) -> PeerRecord:
         return PeerRecord(peer_id=pid, stage=0, state="serving", data_addr=addr, api_addr="", throughput=1.0, queue=0,

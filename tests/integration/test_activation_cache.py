@@ -17,8 +17,8 @@ import torch
 from swarmd.errors import InputsNotCached, PeerError, RequestError, StaleStep
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.wire import CONTENT_TYPE, encode_frame
-from swarmd.pipeline.activation_cache import ActivationCache, CacheStats, CapturedForward
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.stage.activation_cache import ActivationCache, CacheStats, CapturedForward
+from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from tests.conftest import TINY, running_daemon
@@ -97,7 +97,7 @@ async def test_cached_backward_is_bit_identical_to_the_recompute(executors, stag
         assert torch.equal(b_cached.grad_inputs, b_plain.grad_inputs)
     assert b_cached.samples == b_plain.samples == B and cached.grad_samples == B
     # consumed: the entry and its bytes are gone; a second backward under the id at the same step (a
-    # retried request) recomputes its answer but counts once (exactly-once, swarmd.pipeline.step_protocol)
+    # retried request) recomputes its answer but counts once (exactly-once, swarmd.pipeline.stage.step_protocol)
     assert cached.cache_stats()["entries"] == 0 and cached.cache_bytes == 0
     again = await cached.backward(x, g, step=0, mb=42)
     assert again.duplicate and cached.duplicates == 1 and cached.grad_samples == B
@@ -429,7 +429,7 @@ def test_the_router_prefers_the_forwards_peer_while_usable() -> None:
 
 
 async def test_a_rounds_hooks_run_before_queued_backwards(executors) -> None:
-    # the worker runs a round's hooks ahead of queued microbatches (swarmd.pipeline.stage_worker): a
+    # the worker runs a round's hooks ahead of queued microbatches (swarmd.pipeline.stage.worker): a
     # contribution taken while five backwards wait holds at most the one already running
     ex = executors(1, training=TrainingSpec(delay_updates=True))
     queued = [asyncio.create_task(ex.backward(hidden(i), grad_out(i), step=0)) for i in range(5)]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,12 +23,12 @@ import pytest
 import torch
 
 from swarmd.dht.identity import Identity
-from swarmd.net.proof import ProofService, Prover
+from swarmd.net.proof import ProofService, ProvenPeers, Prover
 from swarmd.net.server import DataPlane
 from swarmd.net.wire import WireLimits, decode_frame
-from swarmd.pipeline.allreduce import AllReduceAverager
-from swarmd.pipeline.allreduce_messages import ArPart, ArReport, ArReportReply
-from swarmd.pipeline.allreduce_plan import (
+from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
+from swarmd.pipeline.averaging.allreduce.messages import ArPart, ArReport, ArReportReply
+from swarmd.pipeline.averaging.allreduce.plan import (
     Decision,
     Ready,
     RoundPlan,
@@ -34,10 +36,11 @@ from swarmd.pipeline.allreduce_plan import (
     decide,
     part_bounds,
     plan_round,
+    quorum,
     reduce_part,
 )
-from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.runtime import StageRuntime
+from swarmd.pipeline.stage.executor import StageExecutor
+from swarmd.pipeline.stage.runtime import StageRuntime
 from swarmd.pipeline.spec import TrainingSpec
 from tests.support.averaging import ONE, Feeder, Peer, wait_for
 
@@ -79,11 +82,16 @@ def test_a_plan_round_trips_and_bad_plans_are_refused() -> None:
     for bad in ({**plan.to_wire(), "bounds": [[0, 3], [4, 7], [7, 10]]},
                 {**plan.to_wire(), "owners": ["p0", "p1", "zz"]},
                 {**plan.to_wire(), "members": [["p1", "h"], ["p0", "h"]]},
-                {**plan.to_wire(), "timeout_s": -1}):
+                {**plan.to_wire(), "timeout_s": -1}, {**plan.to_wire(), "patience_s": 6.0},
+                {**plan.to_wire(), "patience_s": True}):
         with pytest.raises(ValueError):
             RoundPlan.from_wire(bad, numel=10)
     with pytest.raises(ValueError):
         RoundPlan.from_wire(plan.to_wire(), numel=11)
+    patient = plan_round(stage=0, step=7, coordinator="p0", members=dict(plan.members), numel=10, nonce="n",
+                         timeout_s=5.0, patience_s=2.0)
+    assert RoundPlan.from_wire(patient.to_wire(), numel=10) == patient and patient.wait_s == 2.0
+    assert plan.wait_s == 5.0  # no patience: the owners wait the round's timeout
 
 
 def test_reduce_part_is_the_float64_mean_in_peer_order() -> None:
@@ -113,6 +121,74 @@ def test_decide_commits_only_a_complete_consistent_round() -> None:
     assert d.status == "abort" and d.refused == (("p2", "outlier"),)
     wrong_owner = {**ok, 1: Ready(plan.round_id, 1, "p2", "e" * 64, counts)}
     assert decide(plan, wrong_owner, target=12).status == "abort"
+    # a member whose parts no owner had at the plan's patience is dropped: the round commits without it
+    # (if the rest hold the target; the quorum is the coordinator's to check), and the decision names it
+    silent = {j: Ready(plan.round_id, j, plan.owners[j], f"{j:064x}", counts[:2], ("p2",)) for j in range(3)}
+    d = decide(plan, silent, target=8)
+    assert d.status == "commit" and d.samples == 8 and d.dropped == ("p2",)
+    assert Decision.from_wire(d.to_wire()) == d and d.message() != decide(plan, ok, target=8).message()
+    assert decide(plan, silent, target=9).status == "abort"  # the rest are short of the target
+    # owners that missed different members (a part sent to some owners only): abort, naming every one missed
+    split = {**silent, 0: Ready(plan.round_id, 0, "p0", f"{0:064x}", counts[1:], ("p0",))}
+    d = decide(plan, split, target=4)
+    assert d.status == "abort" and d.dropped == ("p0", "p2")
+    nobody = {j: Ready(plan.round_id, j, plan.owners[j], "", (), ("p0", "p1", "p2")) for j in range(3)}
+    assert decide(plan, nobody, target=0).status == "abort"
+
+
+def test_a_quorum_is_half_the_listed_stage_and_a_majority_of_the_trusted() -> None:
+    listed = {"a", "b", "c", "d"}
+    assert quorum({"a", "b", "c"}, listed) is None
+    assert "no majority" in (quorum({"a", "b"}, listed) or "")  # half: the other half may commit too
+    assert quorum({"a", "b"}, listed, {"d"}) is None  # a convicted peer does not count ...
+    assert "less than half" in (quorum({"a"}, listed, {"b", "c", "d"}) or "")  # ... but the excluded are no majority
+    assert quorum({"a"}, {"a"}) is None and quorum({"a"}, ()) is None  # a stage of one
+    assert quorum({"a"}, {"a", "dead"}) is not None  # a listed peer may be alive elsewhere until its record expires
+    assert quorum({"a", "b", "e"}, {"a", "b", "c"}) is None  # members count as listed (the listing lags a joiner)
+    assert quorum({"a", "e"}, {"a", "b", "c"}) is not None  # ... in the denominator too
+    # the safety property, exhaustively on small stages: two disjoint rounds never both have a quorum, unless
+    # each coordinator excludes a member of the other's round (two camps that refuse each other anyway)
+    for n in range(1, 6):
+        peers = [f"p{i}" for i in range(n)]
+        subsets = [frozenset(c) for k in range(n + 1) for c in itertools.combinations(peers, k)]
+        for x in subsets[1:]:
+            for y in (y for y in subsets[1:] if not x & y):
+                for ex_x in (e for e in subsets if not e & x):
+                    if quorum(x, peers, ex_x) is not None:
+                        continue
+                    for ex_y in (e for e in subsets if not e & y):
+                        if quorum(y, peers, ex_y) is None:
+                            assert ex_x & y and ex_y & x, (x, y, ex_x, ex_y)
+
+
+def test_scores_claims_and_convictions_travel_signed_and_validated() -> None:
+    """An owner's ready report carries its part's score terms, part 0 a member's signed claim, and a
+    commit the members struck and convicted; each covered by its signature's message, each refused
+    malformed (remote input)."""
+    from swarmd.errors import RequestError
+    from swarmd.pipeline.averaging.trust.hostile_contributions import PartTerms
+
+    ready = Ready("r", 0, "o", "a" * 64, (("m", 4), ("o", 4)), scores=(("m", PartTerms(1.0, 2.0, -1.0, 4.0)),))
+    assert Ready.from_wire(ready.to_wire()) == ready
+    assert ready.message(0) != dataclasses.replace(ready, scores=()).message(0)
+    assert Ready.from_wire(dataclasses.replace(ready, scores=()).to_wire()).scores == ()  # 7 fields: none
+    for bad in ([["m", [1.0, 2.0]]], [["m", [1.0, -2.0, 0.0, 1.0]]], [[1, [1.0, 2.0, 0.0, 1.0]]], "x"):
+        with pytest.raises(ValueError):
+            Ready.from_wire([*ready.to_wire()[:7], bad])
+    d = Decision("r", 0, 3, "commit", 8, ("a" * 64,), "c", struck=("m",), convicted=(("m", "far"),))
+    assert Decision.from_wire(d.to_wire()) == d
+    assert d.message() != dataclasses.replace(d, convicted=()).message()  # a relayed copy cannot add or drop one
+    assert d.message() != dataclasses.replace(d, struck=()).message()
+    for key, bad in (("struck", [1]), ("convicted", [["m"]]), ("convicted", [["m", 5]])):
+        with pytest.raises(ValueError):
+            Decision.from_wire({**d.to_wire(), key: bad})
+    part = ArPart(0, "r", 0, "p", 2, torch.ones(2), claim_norm=0.5, claim_sig=b"s" * 64)
+    got = ArPart.from_frame(decode_frame(part.encode()), 2)
+    assert (got.claim_norm, got.claim_sig) == (0.5, b"s" * 64)
+    for norm, sig in ((-1.0, b"s" * 64), (float("inf"), b"s" * 64), (0.5, b"short")):
+        frame = decode_frame(ArPart(0, "r", 0, "p", 2, torch.ones(2), claim_norm=norm, claim_sig=sig).encode())
+        with pytest.raises(RequestError, match="claim"):
+            ArPart.from_frame(frame, 2)
 
 
 def test_the_messages_refuse_bad_input() -> None:
@@ -124,6 +200,8 @@ def test_the_messages_refuse_bad_input() -> None:
         ArPart.from_frame(frame, 2)
     with pytest.raises(RequestError):
         ArPart.from_frame(decode_frame(ArPart(0, "r", 0, "p", 0, torch.ones(2)).encode()), 2)
+    part = ArPart(0, "r", 0, "p", 2, torch.ones(2), mbs=(1, 2**64 - 1))  # microbatch ids: unsigned 64-bit
+    assert ArPart.from_frame(decode_frame(part.encode()), 2).mbs == (1, 2**64 - 1)
     report = ArReport(0, "p", 3, 5, "d", "c", 1.0)
     assert ArReport.from_frame(decode_frame(report.encode())) == report
     with pytest.raises(RequestError):
@@ -139,14 +217,19 @@ def test_the_messages_refuse_bad_input() -> None:
 
 @contextlib.asynccontextmanager
 async def stage(n: int, *, target: int, codec: str = "none", timeout_s: float = 5.0,
-                slack_s: float = 3.0) -> AsyncIterator[list[Peer]]:
-    """``n`` proven peers of one stage averaging with the chunked all-reduce, sorted by peer id."""
+                slack_s: float = 3.0, proof_backoff_s: float = 2.0,
+                directory: dict[str, str] | None = None) -> AsyncIterator[list[Peer]]:
+    """``n`` proven peers of one stage averaging with the chunked all-reduce, sorted by peer id
+    (``proof_backoff_s``: how long a failed proof holds off the next challenge; ``directory``: the
+    stage's records, peer id -> address, filled here, for a test to drop one as if it expired)."""
     training = TrainingSpec(target_batch_size=target, grad_codec=codec, averaging_timeout_s=timeout_s, lr=3e-3,
                             warmup_steps=2, averaging="allreduce")
-    directory: dict[str, str] = {}
+    if directory is None:
+        directory = {}
+    listing = directory
 
     async def stage_peers(*, fresh: bool = False) -> dict[str, str]:
-        return dict(directory)
+        return dict(listing)
 
     peers: list[Peer] = []
     async with aiohttp.ClientSession() as session:
@@ -156,16 +239,18 @@ async def stage(n: int, *, target: int, codec: str = "none", timeout_s: float = 
                 ex = StageExecutor(ONE, 0, training=training)
                 runtime = StageRuntime(ex)
                 plane = DataPlane(lambda r=runtime: r, limits=WireLimits())
-                ProofService(lambda i=identity: i, lambda i=identity: directory.get(i.peer_id),
+                ProofService(lambda i=identity: i, lambda i=identity: listing.get(i.peer_id),
                              lambda e=ex: e).install(plane.app)
                 host, port = await plane.start("127.0.0.1", 0)
                 avg = AllReduceAverager(ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session,
-                                        poll_s=0.02, identity=identity, prover=Prover(lambda: session, timeout_s=0.5),
+                                        poll_s=0.02, identity=identity,
+                                        prover=Prover(lambda: session, ProvenPeers(backoff_s=proof_backoff_s),
+                                                      timeout_s=0.5),
                                         on_behind=_resync_from(ex, peers))
                 avg.reply_slack_s = slack_s
                 avg.commit_grace_s = slack_s / 3
                 runtime.averager = avg
-                directory[identity.peer_id] = f"{host}:{port}"
+                listing[identity.peer_id] = f"{host}:{port}"
                 peers.append(Peer(identity, ex, plane, avg, f"{host}:{port}"))
             peers.sort(key=lambda p: p.pid)
             yield peers
@@ -217,6 +302,9 @@ async def test_a_stage_steps_bit_identical_with_every_sample(n: int, codec: str)
             for p in peers:
                 await feed(p)
             await wait_for(lambda s=step: all(p.ex.step == s + 1 for p in peers), 30, f"step {step + 1}")
+        # a peer steps a moment before it writes the round down: wait for every peer's record too
+        await wait_for(lambda: all(any(r["step"] == 2 and r["status"] == "ok" for r in p.averager.history)
+                                   for p in peers), 10, "every peer's record of the round of step 2")
         assert len({p.ex.digest for p in peers}) == 1
         assert ok_steps(peers) == {0: 4 * n, 1: 4 * n, 2: 4 * n}
         for p in peers:
@@ -224,6 +312,8 @@ async def test_a_stage_steps_bit_identical_with_every_sample(n: int, codec: str)
             assert checks["contributions_refused"] == {} and checks["rounds_refused"] == 0, checks
             # O(n) control: a few requests per round and peer, not a poll of every mate every 20 ms
             assert sum(checks["control_requests"].values()) <= 3 * 8, checks["control_requests"]
+            # a lossy codec: what it dropped from the parts sent is kept for the next round (error feedback)
+            assert p.ex._feedback.rounds_kept == (3 if codec == "8bit" else 0), p.ex._feedback.rounds_kept
 
 
 async def test_the_mean_is_the_leaders_mean_bit_for_bit() -> None:
@@ -318,7 +408,7 @@ def _victim(peers: list[Peer], role: str) -> Peer:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(("role", "phase"), list(PHASES))
 async def test_a_role_killed_at_a_phase_never_splits_the_stage(role: str, phase: str) -> None:
-    from swarmd.pipeline import allreduce_member
+    from swarmd.pipeline.averaging.allreduce import member as allreduce_member
 
     n = 4
     async with stage(n, target=4 * n, timeout_s=3.0, slack_s=2.0) as peers, running(peers) as tasks:
@@ -377,3 +467,210 @@ async def test_control_requests_stay_linear_in_the_stage() -> None:
         # idle members re-report once per hold (1 s) while they wait: allow for that time
         idle = (time.monotonic() - t0) * n / peers[0].averager.hold_s
         assert spent <= 4 * n * rounds + idle, (spent, idle)
+
+
+# ---- one round per step: two coordinators that cannot prove each other ---------------------------
+
+
+@contextlib.asynccontextmanager
+async def forks_watched(peers: list[Peer]) -> AsyncIterator[dict[int, set[str]]]:
+    """Every params digest seen at each step, sampled from each peer's own (step, digest) snapshot
+    until the block ends: a step with two digests means the stage forked."""
+    seen: dict[int, set[str]] = {}
+
+    async def watch() -> None:
+        while True:
+            for p in peers:
+                snap = p.ex.progress_snapshot
+                seen.setdefault(snap.step, set()).add(snap.digest)
+            await asyncio.sleep(0.01)
+
+    task = asyncio.get_running_loop().create_task(watch())
+    try:
+        yield seen
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def coordinators_of_ok_rounds(peers: list[Peer]) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for p in peers:
+        for r in p.averager.history:
+            if r["status"] == "ok":
+                out.setdefault(r["step"], set()).add(r["leader"])
+    return out
+
+
+async def test_two_coordinators_that_cannot_prove_each_other_never_both_commit_a_step() -> None:
+    """The split-brain of tests/system/test_allreduce_scale.py under load, made deterministic: a stage
+    of 4 where {p0, p1} and {p2, p3} lost their proofs of the other pair and every new challenge
+    times out (the provers' timeout cut to nothing, as a loaded machine does to a 2 s one), so p0
+    coordinates p1 and p2 coordinates p3, each pair holding a full batch at step 0 and seeing the
+    other pair at step 0 too. Each pair is half the listed stage: neither commits, however long the
+    split lasts. Once proofs come through again, the four take one round together."""
+    directory: dict[str, str] = {}
+    async with stage(4, target=8, directory=directory) as peers, forks_watched(peers) as seen, running(peers):
+        await wait_for(lambda: all(len(p.averager.prover.proven(directory)) == 3  # type: ignore[union-attr]
+                                   for p in peers), 20, "every peer proved every other")
+        provers = [p.averager.prover for p in peers]
+        for prover in provers:
+            assert prover is not None
+            prover.timeout_s = 1e-4  # a loaded machine: every challenge from now on times out
+        groups = (peers[:2], peers[2:])
+        for mine, theirs in (groups, groups[::-1]):
+            for p in mine:
+                for q in theirs:
+                    p.averager.prover.table.failed(q.pid, q.addr, "timeout")  # type: ignore[union-attr]
+        feed = Feeder()
+        for p in peers:
+            await feed(p, 4)  # each pair holds the target
+        coordinators = (peers[0].averager, peers[2].averager)
+        # a while of the split: both coordinators hold a full batch (or, without the quorum, both commit it)
+        await wait_for(lambda: all(getattr(c, "quorum_holds", 0) >= 5 for c in coordinators)
+                       or all(p.ex.step > 0 for p in peers), 60, "two coordinators held")
+        assert all(p.averager._leader_view == p.pid for p in (peers[0], peers[2]))
+        assert all(len(d) == 1 for d in seen.values()), seen  # never two parameter sets at one step
+        assert all(p.ex.step == 0 and p.ex.grad_samples == 4 for p in peers), [p.ex.step for p in peers]
+        for prover in provers:
+            assert prover is not None
+            prover.timeout_s = 0.5  # the load is gone: the next challenges (out of turn, while held) succeed
+        # (a peer steps a moment before it writes the round down: wait for both)
+        await wait_for(lambda: all(p.ex.step == 1 and any(r["status"] == "ok" for r in p.averager.history)
+                                   for p in peers), 60, "the stage steps")
+        assert all(len(d) == 1 for d in seen.values()), seen
+    assert len({p.ex.digest for p in peers}) == 1
+    assert coordinators_of_ok_rounds(peers) == {0: {peers[0].pid}}, coordinators_of_ok_rounds(peers)
+    assert ok_steps(peers) == {0: 16}  # the one round holds all four peers' samples
+
+
+async def test_a_survivor_of_two_waits_for_its_dead_mates_record_to_expire() -> None:
+    """A stage of 2 whose other peer died: its record stays listed until it expires, and until then it
+    may be alive and stepping elsewhere, so the survivor holding a full batch does not step alone;
+    once the record is gone, it does (it never hangs for good)."""
+    directory: dict[str, str] = {}
+    async with stage(2, target=8, directory=directory) as peers, running(peers) as tasks:
+        survivor, dead = peers
+        await wait_for(lambda: survivor.averager._leader_view == survivor.pid
+                       and dead.averager._leader_view == survivor.pid, 10, "both proven")
+        await _kill(dead, tasks)
+        await Feeder()(survivor, 8)
+        await wait_for(lambda: survivor.averager.quorum_holds >= 3, 20, "held for a quorum")  # type: ignore[attr-defined]
+        # (a round may have started with the dead peer's last report, held here: it aborted, nothing lost)
+        assert survivor.ex.step == 0 and ok_steps([survivor]) == {} and survivor.ex.grad_samples == 8
+        del directory[dead.pid]  # its record expired
+        # (it steps a moment before it writes the round down: wait for both)
+        await wait_for(lambda: survivor.ex.step == 1 and ok_steps([survivor]), 30, "the survivor steps alone")
+        assert ok_steps([survivor]) == {0: 8}
+
+
+
+# ---- silent members: bounded patience, then excluded (issue #18's rule, for the all-reduce) ------------
+
+
+@pytest.mark.parametrize("silence", ["never reports", "never sends its parts"])
+async def test_a_silent_member_is_dropped_after_the_patience_and_holds_no_later_round(silence: str) -> None:
+    """A proven stage-mate at the stage's step that names the coordinator but never reports to it
+    (a fake that mirrors an honest peer's progress), or that reports and is planned with but never
+    sends its parts, is waited for at most the stage's patience (the round's timeout before any
+    round was seen): then the round goes on with the others, which hold the target and are a quorum
+    (2 of 3), and the silent one is excluded, so the next round does not wait for it at all."""
+    from swarmd.pipeline.averaging.allreduce import member as allreduce_member
+
+    original = allreduce_member.MemberRound._scatter
+    async with stage(3, target=8, timeout_s=3.0) as peers:
+        honest, silent = peers[:2], peers[2]  # peers[0] coordinates
+        if silence == "never reports":
+            async def never(*args: Any) -> None:
+                await asyncio.Event().wait()
+
+            silent.averager._report = never  # type: ignore[method-assign]
+        else:
+            async def scatter(self: Any, own: Any) -> None:
+                if self.av is not silent.averager:
+                    await original(self, own)
+
+            allreduce_member.MemberRound._scatter = scatter  # type: ignore[method-assign]
+        try:
+            async with running(peers):
+                feed = Feeder()
+                for p in honest:
+                    await feed(p, 4)
+                await wait_for(lambda: all(p.ex.step == 1 for p in honest), 20, "the others step without it")
+                coordinator = honest[0].averager
+                assert silent.pid in coordinator.excluded() and coordinator.silent_contributors >= 1
+                for p in honest:  # the next round: the silent one is excluded, nobody waits for it
+                    await feed_when_free(feed, p, 4)
+                await wait_for(lambda: all(p.ex.step == 2 for p in honest), 20, "the second step")
+                await wait_for(lambda: all(len([r for r in p.averager.history if r["status"] == "ok"]) == 2
+                                           for p in honest), 10, "both rounds recorded")
+            assert honest[0].ex.digest == honest[1].ex.digest
+            assert ok_steps(honest) == {0: 8, 1: 8}  # every sample of the others, none lost
+            second = [r for r in honest[0].averager.history if r["status"] == "ok"][-1]
+            assert second["contributors"] == 2 and second["missing"] == []  # not even planned with
+        finally:
+            allreduce_member.MemberRound._scatter = original  # type: ignore[method-assign]
+
+
+async def test_records_that_expire_under_load_still_count_toward_the_quorum() -> None:
+    """A stage of 4 split into pairs that cannot prove each other (as in the test above), and the
+    records of one pair drop out of the listing (a loaded machine missing its refreshes) while its
+    peers still serve: the other pair holding a full batch must not commit a round of 2 as if the
+    stage were 2. Its coordinator remembers the records it listed and probes them: they answer, so
+    they count. Once the records and proofs are back, the four take one round together."""
+    directory: dict[str, str] = {}
+    async with stage(4, target=8, directory=directory) as peers, forks_watched(peers) as seen, running(peers):
+        await wait_for(lambda: all(len(p.averager.prover.proven(directory)) == 3  # type: ignore[union-attr]
+                                   for p in peers), 20, "every peer proved every other")
+        first = peers[0].averager
+        membership = getattr(first, "membership", None)  # (None before it existed: the listing was the count)
+        await wait_for(lambda: membership is None or len(membership.counted(time.monotonic())) == 4, 10,
+                       "the coordinator counted the stage")
+        provers = [p.averager.prover for p in peers]
+        for prover in provers:
+            assert prover is not None
+            prover.timeout_s = 1e-4
+        groups = (peers[:2], peers[2:])
+        for mine, theirs in (groups, groups[::-1]):
+            for p in mine:
+                for q in theirs:
+                    p.averager.prover.table.failed(q.pid, q.addr, "timeout")  # type: ignore[union-attr]
+        expired = {p.pid: directory.pop(p.pid) for p in peers[2:]}  # their records expired
+        feed = Feeder()
+        for p in peers[:2]:
+            await feed(p, 4)  # the listed pair holds the target
+        await wait_for(lambda: getattr(first, "quorum_holds", 0) >= 5 or peers[0].ex.step > 0, 30, "held")
+        assert all(p.ex.step == 0 for p in peers), [p.ex.step for p in peers]  # no round of 2 in a stage of 4
+        assert membership is not None and membership.status(time.monotonic())["remembered"] == 2
+        directory.update(expired)
+        for prover in provers:
+            assert prover is not None
+            prover.timeout_s = 0.5
+        for p in peers[2:]:
+            await feed(p, 4)
+        await wait_for(lambda: all(p.ex.step == 1 and any(r["status"] == "ok" for r in p.averager.history)
+                                   for p in peers), 60, "the stage steps")
+        assert all(len(d) == 1 for d in seen.values()), seen
+    assert ok_steps(peers) == {0: 16}
+
+
+async def test_a_mate_claiming_samples_it_never_reports_is_excluded_so_trainers_stop_counting_them() -> None:
+    """A proven mate at the stage's step that names the coordinator and says (in its progress, which
+    trainers read) it holds samples, but never reports them: with its claim the stage holds the
+    target, so trainers wait for the step while the coordinator waits for samples (test_tarpit's
+    mirror of an honest peer's progress). After the stage's patience it is excluded as silent, and the
+    coordinator's progress names it, so trainers no longer count its samples (swarmd.train.pacing)."""
+    async with stage(2, target=8, timeout_s=2.0) as peers:
+        coordinator, silent = peers
+
+        async def never(*args: Any) -> None:
+            await asyncio.Event().wait()
+
+        silent.averager._report = never  # type: ignore[method-assign]
+        async with running(peers):
+            feed = Feeder()
+            for p in peers:
+                await feed(p, 4)  # 8 in all: the target, but only 4 are reported
+            await wait_for(lambda: silent.pid in coordinator.averager.excluded(), 20, "the silent claimer excluded")
+        assert coordinator.averager.silent_contributors == 1 and coordinator.ex.step == 0
+        assert coordinator.ex.grad_samples == 4  # its own samples wait for the next reported ones: none lost

@@ -43,8 +43,8 @@ import asyncio, json, os, signal
 
 _CTL = os.environ.get("SWARMD_TEST_STOP_CTL")
 if _CTL:
-    from swarmd.pipeline import averaging as _averaging
-    from swarmd.pipeline import averaging_round as _round  # the protocol's timing constants live there
+    from swarmd.pipeline.averaging import averager as _averaging
+    from swarmd.pipeline.averaging import round as _round  # the protocol's timing constants live there
 
     # a shorter patience for the leader's answer (and commit grace), so that a test that must
     # outwait it does not take 40 s: the same protocol, scaled down
@@ -58,7 +58,7 @@ if _CTL:
     # itself, so the leader waits it out as it did before issue #18's patience (which gives up on a
     # silent contributor after ~3 s here, a race with the test's look at the open round; the
     # patience has its own tests: tests/adversarial/test_flood_patience.py, tests/adversarial/test_flood_silent.py)
-    from swarmd.pipeline import round_patience as _patience
+    from swarmd.pipeline.averaging import patience as _patience
 
     _patience_init = _patience.RoundPatience.__init__
 

@@ -13,7 +13,7 @@ import torch
 from swarmd.cli.serve import with_tokenizer
 from swarmd.errors import ConfigError
 from swarmd.pipeline.model import build_stage
-from swarmd.pipeline.optimizer import build_optimizer
+from swarmd.pipeline.stage.optimizer import build_optimizer
 from swarmd.train.data import BatchSampler, load_corpus, stdlib_root
 from swarmd.train.reference import single_process_step
 from swarmd.train.shards import ShardStream, prepare

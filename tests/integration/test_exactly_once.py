@@ -1,4 +1,4 @@
-"""Exactly once across a stage's peers (issue #13, item 2; ``swarmd.pipeline.step_protocol``).
+"""Exactly once across a stage's peers (issue #13, item 2; ``swarmd.pipeline.stage.step_protocol``).
 
 A backward that a peer counted and whose answer was then lost is retried on a stage-mate. The
 trainer first asks the peer (``POST /v1/claim``): "counted" makes the retry compute-only, "not
@@ -26,7 +26,7 @@ from swarmd.net.messages import AverageRequest, BackwardReply, BackwardRequest, 
 from swarmd.net.server import DataPlane, error_response
 from swarmd.net.wire import CONTENT_TYPE, decode_frame, encode_frame
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
-from swarmd.pipeline.step_protocol import BackwardAttempts, StepProtocol, may_have_counted, repeated_microbatches
+from swarmd.pipeline.stage.step_protocol import BackwardAttempts, StepProtocol, may_have_counted, repeated_microbatches
 from swarmd.train.trainer import Trainer, TrainerConfig
 from tests.support.swarms import swarm
 

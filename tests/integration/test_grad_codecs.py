@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from swarmd.net.wire import decode_frame, encode_frame
-from swarmd.pipeline.averaging import _wire_codec
+from swarmd.pipeline.averaging.averager import _wire_codec
 from swarmd.train.trainer import Trainer, TrainerConfig
 from tests.support.swarms import CORPUS_BYTES, MICRO, TINY, TRAINING, swarm
 
@@ -110,8 +110,8 @@ async def test_huge_finite_contributions_cannot_overflow_the_mean() -> None:
     """Two stage-mates may each send finite gradients near float32's largest value (hostile, or a
     diverging run): summed in float32 they would make Inf, which the optimizer would write into
     every peer's parameters. The leader sums in float64, so the mean stays finite and exact."""
-    from swarmd.pipeline.averaging import StageAverager, _OpenRound
-    from swarmd.pipeline.executor import Contribution, StageExecutor
+    from swarmd.pipeline.averaging.averager import StageAverager, _OpenRound
+    from swarmd.pipeline.stage.executor import Contribution, StageExecutor
 
     ex = StageExecutor(TINY, 0, training=replace(TRAINING, target_batch_size=2))
     try:

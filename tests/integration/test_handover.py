@@ -12,7 +12,7 @@ from swarmd.errors import PeerBehind, RequestError, StaleStep, WrongStage
 from swarmd.net.client import client_session
 from swarmd.net.handover import GradientsRequest, send_gradients
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
-from swarmd.pipeline.step_protocol import StepProtocol
+from swarmd.pipeline.stage.step_protocol import StepProtocol
 from tests.support.swarms import config
 
 TINY = PRESETS["tiny"]

@@ -96,6 +96,12 @@ async def test_three_trainers_pace_through_reservations_and_every_step_is_exactl
     # the trainers' shares of each step they all saw add up to the batch
     steps = min(len(line["step_samples"]) for line in lines)
     assert steps >= 6 and all(sum(line["step_samples"][k] for line in lines) == TARGET for k in range(steps - 1))
+    # ... and each trainer has its fair share of each of them (swarmd.pipeline.fair_share): their windows of 4
+    # each hold a whole step, and granted first come one trainer took whole steps while another got nothing in
+    # all 6 (a loaded full-suite run). The first steps may still go first come: a trainer claims its share by
+    # asking, and one whose registration or corpus came later may ask only once a step or two went by
+    shares = [[line["step_samples"][k] for line in lines] for k in range(2, steps - 1)]
+    assert all(n > 0 for step in shares for n in step), [line["step_samples"] for line in lines]
     assert sorted(line["shard"] for line in lines) == [0, 1, 2]  # disjoint data shards by rank ...
     assert len(splits) == 3 and all(split == splits[0] for split in splits)  # ... of one split, whatever their seeds
     assert sorted(t["rank"] for t in listed) == [0, 1, 2]  # while they train
@@ -285,7 +291,12 @@ async def test_three_trainers_and_a_sigkilled_peer_keep_the_books(spawn, tmp_pat
     redone = MICRO * sum(s.stale_redos + s.claims_unanswered + s.verify["redone"] for s in summaries)
     assert computed <= counted_last <= computed + lost + redone, (computed, counted_last, lost, redone, books)
     # each sample counted at most once; the ones not counted died with the victim, and the book wrote them off
-    assert lost > 0 and stepped <= computed <= stepped + lost, (stepped, computed, lost, books)
+    assert stepped <= computed <= stepped + lost, (stepped, computed, lost, books)
+    # the victim died holding samples: answered ones the book wrote off, unless every backward it held died
+    # unanswered with it (two accumulated at once and it was killed before either answer went out: CI saw
+    # held 16, three answers lost, nothing written off and nothing missing), and those were all redone
+    unanswered = MICRO * sum(s.claims_unanswered for s in summaries)
+    assert lost > 0 or unanswered >= json.loads(fired.read_text())["held"], (lost, unanswered, books)
     issued = sum(s.microbatches_issued for s in summaries)
     redos = sum(s.stale_redos for s in summaries)
     assert redos <= 0.1 * issued, (redos, issued, kept["reservations"], [s.to_json() for s in summaries])

@@ -317,7 +317,7 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
                                   "leaders_refused": {"p4": 2, "p5": 1}, "leaders_stalling": {"p4": 1},
                                   "silent_contributors": 6, "duplicate_microbatches": 7,
                                   "hostile_convictions": {"p6": 2, "p7": 1}, "contributions_clipped": 5,
-                                  "contributions_struck": 8,
+                                  "contributions_struck": 8, "openings": {"sent": 4, "ok": 3, "inconsistent": 1},
                                   "excluded": {"p1": {"offences": 1, "excluded_for_s": 30.0, "reason": "outlier: 80x"}}, "excluded_by_reports": ["p2", "p3"],
                                   "proofs": {"proven": 2, "failing": 1, "unproven": 0, "proofs_ok": 9,
                                              "proofs_failed": {"unreachable": 3}}},
@@ -339,6 +339,8 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
     assert got[("swarmd_averaging_hostile_convictions_total", ())] == 3  # issue 29: robust averaging
     assert got[("swarmd_averaging_contributions_clipped_total", ())] == 5
     assert got[("swarmd_averaging_contributions_struck_total", ())] == 8
+    assert got[("swarmd_averaging_openings_total", (("outcome", "inconsistent"),))] == 1  # issue 29, item 3
+    assert got[("swarmd_averaging_openings_total", (("outcome", "bad"),))] == 0
     assert got[("swarmd_averaging_excluded_peers", (("by", "checks"),))] == 1
     assert got[("swarmd_averaging_excluded_peers", (("by", "reports"),))] == 2
     assert got[("swarmd_proof_peers", (("state", "failing"),))] == 1 and got[("swarmd_proofs_ok_total", ())] == 9

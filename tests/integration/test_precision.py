@@ -12,8 +12,8 @@ import torch
 
 from swarmd.cli.serve import build_parser, config_from_args
 from swarmd.errors import ConfigError
-from swarmd.pipeline.executor import StageExecutor
-from swarmd.pipeline.precision import LossScale, autocast_dtype, check_precision
+from swarmd.pipeline.stage.executor import StageExecutor
+from swarmd.pipeline.stage.precision import LossScale, autocast_dtype, check_precision
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 
 # two stages of one llama block each (RMSNorm, rotary, SwiGLU in the autocast path too)

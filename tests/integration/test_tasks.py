@@ -88,3 +88,33 @@ async def test_one_task_per_name() -> None:
     with pytest.raises(RuntimeError, match="already running"):
         ts.spawn("x", lambda: asyncio.sleep(10))
     await ts.close()
+
+
+async def test_a_task_that_ignores_its_cancellation_is_logged_with_what_it_waits_on_and_left_behind(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shutdown must not hang on one loop that swallowed its cancellation: after the grace, the set
+    moves on and says which task, and where it waits."""
+    monkeypatch.setattr(tasks, "CANCEL_GRACE_S", 0.2)
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                continue  # the bug: carries on waiting
+
+    ts = TaskSet(on_fatal=lambda name, exc: None)
+    task = ts.spawn("announce", stubborn)
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR, logger="swarmd.tasks"):
+        await asyncio.wait_for(ts.close(), 5)
+    assert not task.done()  # left behind, not waited for
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "background task 'announce' did not end within 0.2s of its cancellation" in errors[0]
+    assert "in stubborn" in errors[0] and "await asyncio.Event().wait()" in errors[0]  # where it waits
+    release.set()
+    task.cancel()
+    await asyncio.wait({task}, timeout=5)
+    assert task.done()

@@ -178,3 +178,40 @@ async def test_the_trainer_reports_its_calls_and_steps_as_events() -> None:
     assert [e.done for e in dones] == [1, 2] and all(e.loss is not None for e in dones)
     assert dones[-1].progress["samples"] == summary.samples
     json.dumps(summary.to_json(), allow_nan=False)
+
+
+def _most_in_flight(events: list[TrainerEvent]) -> int:
+    """The most microbatches in flight at once: from a first forward's start to its stage-0 backward's end."""
+    calls = [e for e in events if isinstance(e, CallDone) and e.stage == 0]
+    edges = sorted([(e.started, 1) for e in calls if e.kind == "forward"] + [(e.ended, -1) for e in calls
+                                                                           if e.kind == "backward"])
+    most = now = 0
+    for _, change in edges:
+        now += change
+        most = max(most, now)
+    return most
+
+
+async def test_the_auto_window_is_sized_from_measurements_and_bounds_what_is_in_flight() -> None:
+    """``--window auto`` (the default): once every stage was measured (calls and progress polls) the
+    window is swarmd.train.window's, between 2 and the step's microbatches, and the last step never had
+    more in flight; ``--window N`` is kept as given, with the estimate still reported."""
+    async with swarm(TINY, TRAINING, peers_per_stage=1) as daemons:
+        api = f"http://{daemons[0].status()['api_addr']}"
+        runs = []
+        for window in (None, 3):
+            events: list[TrainerEvent] = []
+            run = TrainerConfig(api=api, steps=3, sync=True, codec="none", microbatch_size=2, window=window,
+                                val_every=0, max_corpus_bytes=CORPUS_BYTES, verify_fraction=0.0)
+            runs.append((await Trainer(run, events=events.append).run(), events))
+    microbatches = TRAINING.target_batch_size // 2
+    (auto, auto_events), (fixed, fixed_events) = runs
+    assert auto.window_need is not None and auto.window_need >= 1.0  # at least the bottleneck's own microbatch
+    assert 2 <= auto.window <= microbatches
+    done = [i for i, e in enumerate(auto_events) if isinstance(e, StepDone)]
+    assert 1 <= _most_in_flight(auto_events[done[-2] + 1:done[-1]]) <= auto.window
+    assert fixed.window == 3 and fixed.window_need is not None
+    last = max(i for i, e in enumerate(fixed_events) if isinstance(e, StepDone))  # then: validation's forwards
+    assert _most_in_flight(fixed_events[:last]) == 3
+    for summary in (auto, fixed):
+        assert summary.steps == 3 and summary.microbatches_issued == summary.microbatches_completed

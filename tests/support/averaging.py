@@ -16,8 +16,8 @@ import torch
 
 from swarmd.dht.identity import Identity
 from swarmd.net.server import DataPlane
-from swarmd.pipeline.averaging import StageAverager
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.averaging.averager import StageAverager
+from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.spec import PRESETS
 
 MICRO = 4

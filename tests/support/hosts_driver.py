@@ -33,7 +33,7 @@ async def main(spec: dict[str, Any]) -> dict[str, Any]:
             killed.append(step)
 
     config = TrainerConfig(api=spec["api"], api_token=spec.get("token"), steps=spec["steps"], sync=True,
-                           codec=spec.get("codec", "none"),
+                           codec=spec.get("codec", "none"), verify_fraction=spec.get("verify_fraction", 0.02),
                            microbatch_size=4, window=4, val_every=0, max_corpus_bytes=1 << 20, seed=0,
                            stage_wait_timeout_s=60.0)
     summary = await Trainer(config, on_step=on_step).run()

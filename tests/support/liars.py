@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 
-from swarmd.pipeline.averaging import RoundResult, StageAverager
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
+from swarmd.pipeline.averaging.averager import RoundResult, StageAverager
+from swarmd.pipeline.stage.executor import StageExecutor
 
-__all__ = ["AWARE_HONEST_ANSWERS", "LIES", "SITECUSTOMIZE", "Told", "lie_as_leader", "make_liar", "poison_contributions"]
+__all__ = ["AWARE_HONEST_ANSWERS", "LIES", "SITECUSTOMIZE", "Told", "lie_about_a_microbatch", "lie_as_leader",
+           "make_liar", "poison_contributions", "withhold_inputs"]
 
 LIES = ("scale", "noise", "grad", "sometimes", "gradnoise", "stale", "ahead", "far", "aware", "awareflip")
 #: How many answers the check-aware liar (``aware``) gives honestly first: a peer's first answers
@@ -139,9 +141,8 @@ def poison_contributions(averager: StageAverager, how: str) -> None:
     keeps the true gradients, so a refused contribution is restored intact."""
     if how not in ("scaled", "noisy", "nan", "minus20", "flipped"):
         raise ValueError(f"unknown poison {how!r}")
-    original = averager._post
 
-    async def _post(addr: str, own: Any, leader: str) -> Any:
+    def poisoned(own: Any) -> Any:
         if own.grads is not None:
             g = torch.Generator().manual_seed(own.step)
             if how == "scaled":
@@ -155,9 +156,88 @@ def poison_contributions(averager: StageAverager, how: str) -> None:
                 grads = own.grads.clone()
                 grads[::97] = float("nan")
             own = dataclasses.replace(own, grads=grads)
-        return await original(addr, own, leader)
+        return own
+
+    if isinstance(averager, AllReduceAverager):  # a member: every part it sends (not its own part: it owns
+        original_parts = averager._to_send  # that one as a leader owns its round, honestly)
+        averager._to_send = lambda own: poisoned(original_parts(own))  # type: ignore[method-assign]
+        return
+    original = averager._post
+
+    async def _post(addr: str, own: Any, leader: str) -> Any:
+        return await original(addr, poisoned(own), leader)
 
     averager._post = _post  # type: ignore[method-assign]
+
+
+def withhold_openings(averager: StageAverager) -> None:
+    """Make ``averager`` never open its contributions (``swarmd.pipeline.averaging.trust.openings``): the liar
+    that dodges the sum check by never showing its sums."""
+
+    def _opened(leader: str, opened: Any) -> None:
+        return None
+
+    averager._opened = _opened  # type: ignore[method-assign]
+
+
+def lie_about_a_microbatch(averager: StageAverager, where: str = "part") -> list[int]:
+    """Make ``averager``'s contributions hold one microbatch's gradient sign-flipped, consistently: the
+    contribution is ``c - 2 g_1`` and its part for that microbatch ``-g_1``, so its opening's parts sum to its
+    contribution (no sum check sees it) and it ships that microbatch's true inputs. Only a recomputation of
+    that microbatch (``swarmd.pipeline.averaging.trust.recomputation``) tells. ``where="extra"``: the whole contribution
+    flipped (``c - 2 t``, ``t`` the microbatches' sum) and the lie opened as a part no microbatch explains
+    (``-2 t``), every part true: only the bound on that part tells. ``where="unlisted"``: the contribution
+    true, but that microbatch opened as a part no microbatch explains (so no recomputation could draw it):
+    only the check that an opening lists every shipped microbatch tells. Returns the microbatch ids it lied
+    about, kept up to date; a contribution put back after a failed round is put back true."""
+    if where not in ("part", "extra", "unlisted"):
+        raise ValueError(f"unknown place for the lie {where!r}")
+    executor = averager.executor
+    take, restore = executor.take_contribution, executor.restore_contribution
+    lied: list[int] = []
+    originals: dict[int, Any] = {}
+
+    async def take_lying() -> Any:
+        own = await take()
+        index = next((i for i, (mb, _) in enumerate(own.parts) if mb is not None), None)
+        if own.grads is None or index is None:
+            return own
+        mb, part = own.parts[index]
+        if where == "unlisted":
+            lie = dataclasses.replace(own, parts=(*own.parts[:index], (None, part), *own.parts[index + 1:]))
+            originals[id(lie)] = own
+            lied.append(mb)
+            return lie
+        if where == "extra":
+            part = torch.stack([t for m, t in own.parts if m is not None]).sum(0)
+            parts = (*own.parts, (None, -2 * part))
+        else:
+            parts = (*own.parts[:index], (mb, -part), *own.parts[index + 1:])
+        lie = dataclasses.replace(own, grads=own.grads - 2 * part, parts=parts)
+        originals[id(lie)] = own
+        while len(originals) > 4:  # those of applied rounds are never put back
+            originals.pop(next(iter(originals)))
+        lied.append(mb)
+        return lie
+
+    async def restore_true(contribution: Any) -> None:
+        await restore(originals.pop(id(contribution), contribution))
+
+    executor.take_contribution = take_lying  # type: ignore[method-assign]
+    executor.restore_contribution = restore_true  # type: ignore[method-assign]
+    return lied
+
+
+def withhold_inputs(averager: StageAverager) -> None:
+    """Make ``averager`` send its contributions without their microbatches' inputs (``AverageRequest.inputs``):
+    the liar that dodges the recomputation (``swarmd.pipeline.averaging.trust.recomputation``) by never showing them."""
+    executor = averager.executor
+    take = executor.take_contribution
+
+    async def take_bare() -> Any:
+        return dataclasses.replace(await take(), inputs=())
+
+    executor.take_contribution = take_bare  # type: ignore[method-assign]
 
 
 def lie_as_leader(averager: StageAverager, how: str) -> None:
@@ -187,7 +267,7 @@ import os
 
 _LIE = os.environ.get("SWARMD_TEST_LIE")
 if _LIE:
-    from swarmd.pipeline import executor as _executor
+    from swarmd.pipeline.stage import executor as _executor
     from tests.support.liars import make_liar
 
     _init = _executor.StageExecutor.__init__

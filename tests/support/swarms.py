@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from swarmd.config import ApiConfig, Config, DHTConfig, NetConfig, PipelineConfig, RebalanceConfig
 from swarmd.daemon import Daemon
 from swarmd.pipeline.model import build_stage
-from swarmd.pipeline.optimizer import build_optimizer
+from swarmd.pipeline.stage.optimizer import build_optimizer
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
 from swarmd.train.data import BatchSampler, load_corpus
 from swarmd.train.reference import single_process_step

@@ -28,7 +28,7 @@ import json, os, signal
 
 _CTL = os.environ.get("SWARMD_TEST_KILL_CTL")
 if _CTL:
-    from swarmd.pipeline import allreduce_owner as _owner
+    from swarmd.pipeline.averaging.allreduce import owner as _owner
 
     _settle = _owner.PartOwner.settle
 

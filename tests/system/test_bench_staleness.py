@@ -2,7 +2,7 @@
 
 Every mode rebuilds the model from the same seed and draws the same microbatches, so with no stale
 microbatch ``stale``, ``predicted`` and ``recomputed`` must be ``sync`` to the bit, and with some they must not be
-(the one-update-old parameters are really used). How much staleness costs goes in docs/BENCHMARKS.md.
+(the one-update-old parameters are really used); the delayed modes are ``sync`` before ``--delay-after``. How much staleness costs goes in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ def test_no_stale_microbatch_is_sync_and_some_are_not(tmp_path: Path) -> None:
     assert stale["predicted"]["val_curve"][2] not in (sync[2], stale["stale"]["val_curve"][2])
     assert stale["recomputed"]["val_curve"][2] not in (sync[2], stale["stale"]["val_curve"][2])
     assert stale["delayed"]["val_curve"][0] != sync[0]  # its first update is the zero one
+    # prediction needs a non-zero update behind it (the first is the zero one, the second at the
+    # warmup's smallest rate): alike at first, then computed at other parameters
+    both = _bench(tmp_path, "--steps", "6", "--modes", "delayed", "delayed-predicted")
+    delayed, predicted = both["delayed"]["val_curve"], both["delayed-predicted"]["val_curve"]
+    assert predicted[:2] == delayed[:2] and predicted[5] != delayed[5]
+
+    late = _bench(tmp_path, "--modes", "sync", "delayed", "--delay-after", "3")
+    assert late["delayed"]["val_curve"] == late["sync"]["val_curve"]  # every update of the run taken at once
 
 
 def test_bad_arguments_are_one_sentence(tmp_path: Path) -> None:

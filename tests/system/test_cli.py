@@ -154,6 +154,8 @@ def test_ready_file_is_json_with_the_bound_addresses(spawn) -> None:
         (["--codec", "zip"], "invalid choice"),
         (["--stage-wait-timeout", "-3"], "positive number of seconds"),
         (["--verify-fraction", "1.5"], "a number in [0, 1]"),
+        (["--window", "0"], "at least 1) or auto"),
+        (["--window", "many"], "at least 1) or auto"),
     ],
 )
 def test_train_bad_flags_exit_2_with_one_sentence(args: list[str], phrase: str) -> None:

@@ -68,7 +68,7 @@ async def test_the_dashboard_off_loopback_asks_for_the_token_and_shows_the_peers
         assert shown.returncode == 0, shown.stderr[-2000:]
         assert set(re.findall(r'data-peer-id="([0-9a-f]{40})"', shown.stdout)) == {d.peer_id}, shown.stdout[-3000:]
         assert f"This peer {d.peer_id[:12]} is serving" in shown.stdout and "needs its API token" not in shown.stdout
-        assert "computing in fp32" in shown.stdout  # its precision (swarmd.pipeline.precision)
+        assert "computing in fp32" in shown.stdout  # its precision (swarmd.pipeline.stage.precision)
         assert 'class="loss"' not in shown.stdout and "no trainer has reported yet" in shown.stdout  # no curve yet
         read = samples(await scrape(local))
         for endpoint in ("/status", "/swarm", "/training", "/trainers"):  # each read by the page, with the token

@@ -68,8 +68,9 @@ class Swarm:
         return f"http://127.0.0.1:{self.daemons[host].info['api_addr'].rsplit(':', 1)[1]}"
 
     def drive(self, steps: int, *, kill: tuple[int, int] | None = None, settle_s: float = 1.0,
-              codec: str = "none") -> dict[str, Any]:
+              codec: str = "none", verify_fraction: float = 0.02) -> dict[str, Any]:
         spec = {"api": self.api(0), "token": TOKEN, "steps": steps, "codec": codec, "settle_s": settle_s,
+                "verify_fraction": verify_fraction,
                 "kill": [self.daemons[kill[0]].pid, kill[1]] if kill else None}
         try:  # bounded below the test's own timeout, so a hang reports the daemons' logs
             done = self.lab.run(0, [sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
@@ -133,14 +134,15 @@ def test_hosts_bound_to_the_wildcard_train_with_the_losses_of_loopback_even_capp
     for host in range(4):
         s.start(host, host % 2)
     s.wait()
-    summary = s.drive(5)["summary"]
+    # no spot checks: a check's pair takes a slot of its step, which then trains on other samples than
+    # single-process training does (the losses drifted past 1% in CI); checks across hosts: the relay test below
+    summary = s.drive(5, verify_fraction=0.0)["summary"]
     statuses = [s.status(h) for h in range(4)]
     expected, _ = reference_run(TINY, TRAINING, 5, 0)
     assert summary["steps"] == 5
-    # spot checks pair some samples, which then count twice in their step and in the step's mean loss (issue 29):
-    # the losses follow single-process training's closely (measured: within 0.25%), not bit for bit, and it learns
     got_losses = summary["step_losses"]
-    assert all(got == pytest.approx(want, rel=0.01) for got, want in zip(got_losses, expected, strict=True))
+    # not bit for bit: the stage sums its peers' gradients in the order they arrive (measured up to 1.2e-4 apart)
+    assert got_losses == pytest.approx(expected, rel=1e-3), summary
     assert got_losses[-1] < got_losses[0]
     assert summary["microbatches_issued"] == summary["microbatches_completed"]
     assert summary["bans"] == 0 and summary["retries"] == 0, summary  # nothing wasted, NATed peer included

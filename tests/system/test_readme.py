@@ -4,7 +4,9 @@ stop, start again with the same commands and resume where they stopped.
 The commands are read from the README's fenced block (so the test follows the README, not a copy of
 it). Only what must differ on a shared test machine is replaced, consistently in every command: the
 fixed ports by free ones, ``/tmp/peerN`` by folders of the test's own, ``.venv/bin/swarmd`` by this
-interpreter's ``swarmd``, and ``curl`` by an HTTP GET.
+interpreter's ``swarmd``, and ``curl`` by an HTTP GET; and the trainer's ``--steps`` is cut to
+:data:`STEPS` per run (the README's 50 twice took 20-50 s of the suite's time, and 10 show as well that
+the swarm trains, stops and resumes at the step it stopped at).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SECTION = "### Running a swarm by hand"
 # test runs). The bound catches a start that waits on something (a claim, a stage left empty, a trainer
 # giving up), not speed; docs/BENCHMARKS.md has the time on a quiet machine
 START_BOUND_S = 90.0
+STEPS = 10
 
 
 def readme_commands() -> list[str]:
@@ -61,6 +64,8 @@ def localised(commands: list[str], tmp_path: Path) -> list[list[str]]:
         argv = shlex.split(command)
         if argv[0].endswith("bin/swarmd"):
             argv[0] = swarmd
+        if "--steps" in argv:
+            argv[argv.index("--steps") + 1] = str(STEPS)
         out.append(argv)
     return out
 

@@ -12,22 +12,25 @@ import torch
 
 from swarmd.dht.identity import Identity
 from swarmd.errors import RequestError
-from swarmd.pipeline.accusations import (
+from swarmd.pipeline.averaging.trust.accusations import (
     MAX_CLAIMS,
     SECOND_CLAIMS,
     SPAN,
     Claim,
     Evidence,
     OwnNorms,
+    RecomputedEvidence,
     StruckClaims,
     answers_of,
     contribution_message,
     norm_score,
     second,
 )
-from swarmd.pipeline.hostile_contributions import FAR_FACTOR, STRIKES
+from swarmd.pipeline.averaging.trust.contribution_proofs import K, Opening, proof_seed
+from swarmd.pipeline.averaging.trust.hostile_contributions import FAR_FACTOR, STRIKES
+from swarmd.pipeline.averaging.trust.recomputation import inputs_digest
 from swarmd.pipeline.reports import MAX_REPORT_BYTES, MisbehaviourReport
-from swarmd.pipeline.round_checks import per_sample_norm
+from swarmd.pipeline.averaging.trust.round_checks import per_sample_norm
 
 STAGE = 1
 
@@ -184,3 +187,54 @@ def test_struck_claims_keep_the_far_ones_of_the_window() -> None:
     assert ev is not None and ev.key == other.public_key_bytes and [c.step for c in ev.claims] == [1]
     struck.note(accused.peer_id, accused.public_key_bytes, claims[0], far=False)
     assert struck.take(accused.peer_id, leader) is None  # nothing far: no evidence
+
+
+def _recheck_of(accused: Identity, accuser: Identity, *, at: tuple[str, ...] = ("e3" * 32, "fp32"),
+                lead: str = "f4" * 32) -> tuple[bytes, bytes, bytes, torch.Tensor, torch.Tensor]:
+    """A conviction by recomputation of microbatch 6 of ``accused``'s signed opening, by ``accuser``: the
+    report's body and signature, the opening, and the microbatch's inputs."""
+    x, y = torch.randn(2, 4, 8), torch.randint(0, 50, (2, 4))
+    rows = torch.randn(4, K, dtype=torch.float64)
+    opening = Opening.signed(accused, stage=1, step=9, peer_id=accused.peer_id, leader=accuser.peer_id,
+                             digest="cd" * 32, codec="none", mbs=[5, 6], parts=rows[:2], extra=rows[2], sent=rows[3],
+                             ins=["a1" * 32, inputs_digest(6, x, y)], at=at, lead=lead)
+    ev = opening.evidence
+    body, sig = MisbehaviourReport.signed(accuser, accused=accused.peer_id, stage=1, step=9, kind="averaging", mb=3,
+                                          request_digest="00" * 32, answers=answers_of(ev, accused.peer_id,
+                                                                                        accuser.peer_id),
+                                          at=time.time(), evidence=ev.encode()).encode()
+    return body, sig, opening.encode(), x, y
+
+
+def test_a_conviction_by_recomputation_is_checked_before_anything_is_recomputed() -> None:
+    accused, accuser = Identity.generate(), Identity.generate()
+    body, sig, raw, x, y = _recheck_of(accused, accuser)
+    evidence = RecomputedEvidence.check(body, sig, raw, 6, x, y)
+    assert evidence.report.accused == accused.peer_id and evidence.step == 9 and evidence.mb == 6
+    assert (evidence.params, evidence.precision) == ("e3" * 32, "fp32")
+    assert evidence.part == Opening.decode(raw).parts[1]
+    assert evidence.seed() == proof_seed(1, 9, accuser.peer_id, "f4" * 32, "cd" * 32)  # the seed it signed for
+    refused = {
+        "inputs": (body, sig, raw, 6, x + 1, y),
+        "targets": (body, sig, raw, 6, x, y.flip(0)),
+        "microbatch": (body, sig, raw, 5, x, y),  # another microbatch's signed digest
+        "unlisted": (body, sig, raw, 7, x, y),
+        "report signature": (body, bytes(64), raw, 6, x, y),
+        "opening": (body, sig, raw[:-1] + bytes([raw[-1] ^ 1]), 6, x, y),
+        "another opening": (body, sig, _recheck_of(accused, accuser)[2], 6, x, y),  # not the one reported on
+        "another's opening": (body, sig, _recheck_of(Identity.generate(), accuser)[2], 6, x, y),
+        "no parameters": (*_recheck_of(accused, accuser, at=(), lead="")[:3], 6, x, y),
+    }
+    for what, args in refused.items():
+        with pytest.raises(RequestError):
+            RecomputedEvidence.check(*args)
+            pytest.fail(what)
+    # a leader that held no gradients of its own that round: its digest, so the seed's, is empty
+    body0, sig0, raw0, x0, y0 = _recheck_of(accused, accuser, lead="")
+    assert RecomputedEvidence.check(body0, sig0, raw0, 6, x0, y0).seed() == proof_seed(1, 9, accuser.peer_id, "",
+                                                                                          "cd" * 32)
+    spot = MisbehaviourReport.signed(accuser, accused=accused.peer_id, stage=1, step=9, kind="backward", mb=3,
+                                     request_digest="00" * 32, at=time.time(),
+                                     answers={accused.peer_id: "11" * 32, accuser.peer_id: "22" * 32}).encode()
+    with pytest.raises(RequestError, match="'averaging'"):
+        RecomputedEvidence.check(*spot, raw, 6, x, y)

@@ -1,12 +1,12 @@
-"""The all-reduce coordinator's held reports (``swarmd.pipeline.allreduce_coordinator``): a member is
+"""The all-reduce coordinator's held reports (``swarmd.pipeline.averaging.allreduce.coordinator``): a member is
 planned with only while its report is held, so that it hears of the round it is counted in."""
 
 from __future__ import annotations
 
 import asyncio
 
-from swarmd.pipeline.allreduce_coordinator import Coordinator
-from swarmd.pipeline.allreduce_messages import ArReport, ArReportReply
+from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator
+from swarmd.pipeline.averaging.allreduce.messages import ArReport, ArReportReply
 
 
 def report(peer: str, step: int = 3, samples: int = 8) -> ArReport:

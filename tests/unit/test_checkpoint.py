@@ -21,7 +21,7 @@ from swarmd.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 
 TINY = PRESETS["tiny"]

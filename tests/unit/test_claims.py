@@ -1,4 +1,4 @@
-"""swarmd.pipeline.claims: newcomers that start at once take their stages in turn (pure)."""
+"""swarmd.pipeline.placement.claims: newcomers that start at once take their stages in turn (pure)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmd.dht.records import PeerRecord
-from swarmd.pipeline.claims import Claim, claims_of, is_claim, settled_loads, take_turns
-from swarmd.pipeline.rebalance import POLICIES, PeerLoad
+from swarmd.pipeline.placement.claims import Claim, claims_of, is_claim, settled_loads, take_turns
+from swarmd.pipeline.placement.rebalance import POLICIES, PeerLoad
 
 NOW = 1_000_000.0
 

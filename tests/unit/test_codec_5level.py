@@ -1,13 +1,12 @@
 """The ``5level`` gradient codec (five levels with a zero, bfloat16 scales, base-5 packing): its
 packing, its documented bound (a block's error below its norm, whatever the block), what error
-feedback makes of it over many rounds (never more than the bound allows), and every refusal of bad
-input, an older peer's included."""
+feedback makes of it over many rounds (never more than the bound allows), and the refusals
+of its own (those all rotated codecs share: test_codec_refusals.py)."""
 
 from __future__ import annotations
 
 import math
 
-import msgpack
 import numpy as np
 import pytest
 import torch
@@ -15,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from swarmd.errors import MalformedFrame, UnknownCodec, UnsupportedDtype
+from swarmd.errors import MalformedFrame, UnknownCodec
 from swarmd.net import codecs, hadamard
 from swarmd.net.codecs import (
     BF16_SCALE_SLACK,
@@ -28,7 +27,7 @@ from swarmd.net.codecs import (
     five_level_bound,
 )
 from swarmd.net.wire import decode_frame, encode_frame
-from swarmd.pipeline.error_feedback import ErrorFeedback, needs_feedback
+from swarmd.pipeline.averaging.error_feedback import ErrorFeedback, needs_feedback
 
 CODEC = CODECS["5level"]
 
@@ -286,7 +285,7 @@ def test_the_residual_stays_at_one_rounds_error_on_gradient_like_values() -> Non
     assert max(fixed) < 0.35 and max(fixed[50:]) < 1.1 * fixed[0], fixed
 
 
-# --- bytes and refusals --------------------------------------------------------------------------
+# --- bytes and refusals (those all rotated codecs share: test_codec_refusals.py) ----------------
 
 
 def test_frame_size_is_2_58_bits_per_value() -> None:
@@ -297,65 +296,9 @@ def test_frame_size_is_2_58_bits_per_value() -> None:
     assert len(body) < 8192 * 4 / 11.9  # 12.0x fewer bytes than float32, framing included (12.4x without)
 
 
-def test_encoding_is_deterministic() -> None:
-    """The leader encodes the mean once and every peer applies the decoded bytes."""
-    t = torch.randn(1000, generator=torch.Generator().manual_seed(5))
-    first, again = CODEC.encode(t), CODEC.encode(t.clone())
-    assert bytes(first.payload) == bytes(again.payload) and first.absmax == again.absmax
-
-
 def _valid(shape: tuple[int, ...] = (3, 50)) -> EncodedTensor:
     enc = CODEC.encode(torch.randn(shape))
     return EncodedTensor(bytes(enc.payload), enc.absmax, enc.blocksize)
-
-
-@pytest.mark.parametrize(
-    ("absmax", "blocksize", "match"),
-    [
-        (None, 64, "absmax"),
-        (b"\x00" * 6, None, "blocksize"),
-        (b"", 64, "absmax bytes"),
-        (b"\x00" * 4, 64, "absmax bytes"),
-        (b"\x00" * 12, 64, "absmax bytes"),  # float32 scales: 3 blocks of 4 bytes, not 3 of 2
-        (b"\x00" * 6, 0, "blocksize must be one of"),
-        (b"\x00" * 6, 100, "blocksize must be one of"),
-        (b"\x00" * 6, 256, "blocksize must be one of"),
-        (b"\x00" * 6, -64, "blocksize must be one of"),
-        (b"\x00" * 6, 2**70, "blocksize must be one of"),
-    ],
-)
-def test_side_data_is_checked(absmax: bytes | None, blocksize: int | None, match: str) -> None:
-    payload = _valid().payload  # 150 values: two blocks of 64 and a tail of 32
-    with pytest.raises(MalformedFrame, match=match):
-        CODEC.decode(EncodedTensor(payload, absmax, blocksize), torch.float32, (3, 50))
-
-
-@pytest.mark.parametrize("shape", [(3, 60), (2, 50), (200,), (0,), (-3, -50)])
-def test_payload_for_another_shape(shape: tuple[int, ...]) -> None:
-    with pytest.raises(MalformedFrame):
-        CODEC.decode(_valid(), torch.float32, shape)
-
-
-def test_integers_and_unknown_block_sizes_are_refused() -> None:
-    with pytest.raises(TypeError, match="codec 'none'"):
-        CODEC.encode(torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(UnsupportedDtype, match="codec 'none'"):
-        CODEC.decode(_valid(), torch.int32, (3, 50))
-    for size in (100, 256, 8):
-        with pytest.raises(ValueError, match="blocksize"):
-            FiveLevelCodec(size)
-
-
-@settings(max_examples=150, deadline=None)
-@given(payload=st.binary(max_size=80), absmax=st.binary(max_size=16), blocksize=st.integers(-10, 2000),
-       shape=st.lists(st.integers(0, 40), max_size=3))
-def test_hostile_side_data_raises_only_malformed_frame(payload: bytes, absmax: bytes, blocksize: int,
-                                                       shape: list[int]) -> None:
-    try:
-        out = CODEC.decode(EncodedTensor(payload, absmax, blocksize), torch.float32, tuple(shape))
-    except MalformedFrame:
-        return
-    assert tuple(out.shape) == tuple(shape)
 
 
 @settings(max_examples=100, deadline=None)
@@ -370,19 +313,6 @@ def test_any_payload_of_the_right_length_decodes_or_is_refused(payload: bytes) -
         assert "base-5" in str(exc)
         return
     assert bool(torch.isfinite(out).all())
-
-
-@pytest.mark.parametrize(("field", "value", "match"), [
-    ("a", b"\x00" * 2, "absmax bytes"),  # one block's scale for a tensor of three blocks
-    ("b", 4096, "blocksize must be one of"),
-    ("p", b"\x00", "payload bytes"),
-])
-def test_a_tampered_frame_is_a_clear_error(field: str, value: object, match: str) -> None:
-    frame = msgpack.unpackb(encode_frame("average", {"stage": 1}, {"x": torch.randn(3, 50)}, "5level"), raw=False)
-    frame["tensors"][0][field] = value
-    with pytest.raises(MalformedFrame, match=match) as caught:
-        decode_frame(msgpack.packb(frame, use_bin_type=True))
-    assert caught.value.http_status < 500
 
 
 def test_an_older_peer_refuses_the_codec_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

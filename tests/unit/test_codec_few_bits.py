@@ -1,10 +1,9 @@
 """The 2- and 3-bit Hadamard codecs for error-fed gradient averaging: their packing, their
-documented error bound, what error feedback makes of them (a bounded residual), and every
-refusal of bad input."""
+documented error bound and what error feedback makes of them (a bounded residual); their refusals
+of bad input are in test_codec_refusals.py."""
 
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 import pytest
 import torch
@@ -12,11 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from swarmd.errors import LimitExceeded, MalformedFrame, UnsupportedDtype
 from swarmd.net import hadamard
 from swarmd.net.codecs import (
     CODECS,
-    FEW_BIT_BLOCKSIZES,
     FEW_BIT_DEFAULT_BLOCKSIZE,
     FEW_BIT_SLACK,
     Codec,
@@ -24,9 +21,8 @@ from swarmd.net.codecs import (
     ThreeBitCodec,
     TwoBitCodec,
 )
-from swarmd.net.limits import WireLimits
-from swarmd.net.wire import decode_frame, encode_frame
-from swarmd.pipeline.error_feedback import ErrorFeedback, needs_feedback
+from swarmd.net.wire import encode_frame
+from swarmd.pipeline.averaging.error_feedback import ErrorFeedback, needs_feedback
 
 CODEC = CODECS["2bit"]
 KINDS = {"2bit": TwoBitCodec, "3bit": ThreeBitCodec}
@@ -189,92 +185,3 @@ def test_frame_size_is_bits_per_value_plus_the_scales(name: str, bits: int, fact
     assert len(bytes(enc.payload)) == 8192 * bits // 8 and enc.absmax is not None and len(enc.absmax) == 64 * 4
     body = encode_frame("average", {}, {"grads": t}, name)
     assert len(body) < 8192 * 4 / factor  # 13.7x / 9.6x fewer bytes than float32, framing included
-
-
-def test_encoding_is_deterministic() -> None:
-    """The leader encodes the mean once and contributors re-derive their own decoded bytes: the
-    same input must give the same bytes, every time."""
-    t = torch.randn(1000, generator=torch.Generator().manual_seed(5))
-    first = CODEC.encode(t)
-    again = CODEC.encode(t.clone())
-    assert bytes(first.payload) == bytes(again.payload) and first.absmax == again.absmax
-
-
-def _valid(shape: tuple[int, ...] = (3, 50)) -> EncodedTensor:
-    enc = CODEC.encode(torch.randn(shape))
-    return EncodedTensor(bytes(enc.payload), enc.absmax, enc.blocksize)
-
-
-@pytest.mark.parametrize(
-    ("absmax", "blocksize", "match"),
-    [
-        (None, 128, "absmax"),
-        (b"\x00" * 8, None, "blocksize"),
-        (b"", 128, "absmax bytes"),
-        (b"\x00" * 4, 128, "absmax bytes"),
-        (b"\x00" * 12, 128, "absmax bytes"),
-        (b"\x00" * 8, 0, "blocksize must be one of"),
-        (b"\x00" * 8, 100, "blocksize must be one of"),
-        (b"\x00" * 8, 4096, "blocksize must be one of"),
-        (b"\x00" * 8, -128, "blocksize must be one of"),
-        (b"\x00" * 8, 2**70, "blocksize must be one of"),
-    ],
-)
-def test_side_data_is_checked(absmax: bytes | None, blocksize: int | None, match: str) -> None:
-    payload = _valid().payload  # 150 values: one block of 128 and a tail of 32
-    with pytest.raises(MalformedFrame, match=match):
-        CODEC.decode(EncodedTensor(payload, absmax, blocksize), torch.float32, (3, 50))
-
-
-@pytest.mark.parametrize("shape", [(3, 60), (2, 50), (200,), (0,), (-3, -50)])
-def test_payload_for_another_shape(shape: tuple[int, ...]) -> None:
-    with pytest.raises(MalformedFrame):
-        CODEC.decode(_valid(), torch.float32, shape)
-
-
-def test_integers_are_refused() -> None:
-    with pytest.raises(TypeError, match="codec 'none'"):
-        CODEC.encode(torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(UnsupportedDtype, match="codec 'none'"):
-        CODEC.decode(_valid(), torch.int32, (3, 50))
-
-
-def test_codec_refuses_unsupported_blocksize() -> None:
-    with pytest.raises(ValueError, match="blocksize"):
-        TwoBitCodec(100)
-    with pytest.raises(ValueError, match="blocksize"):
-        ThreeBitCodec(100)
-    assert set(FEW_BIT_BLOCKSIZES) >= {16, 128, 1024}
-
-
-def test_wire_limits_apply_before_decoding() -> None:
-    frame = encode_frame("average", {}, {"x": torch.randn(10, 100)}, "2bit")
-    with pytest.raises(LimitExceeded, match="elements"):
-        decode_frame(frame, WireLimits(max_elements=999))
-    assert decode_frame(frame, WireLimits(max_elements=1000)).tensors["x"].shape == (10, 100)
-
-
-@settings(max_examples=100, deadline=None)
-@given(payload=st.binary(max_size=80), absmax=st.binary(max_size=16), blocksize=st.integers(-10, 2000),
-       shape=st.lists(st.integers(0, 40), max_size=3))
-def test_hostile_side_data_raises_only_malformed_frame(payload: bytes, absmax: bytes, blocksize: int,
-                                                       shape: list[int]) -> None:
-    try:
-        out = CODEC.decode(EncodedTensor(payload, absmax, blocksize), torch.float32, tuple(shape))
-    except MalformedFrame:
-        return
-    assert tuple(out.shape) == tuple(shape)
-
-
-@pytest.mark.parametrize(("field", "value", "match"), [
-    ("a", b"\x00" * 4, "absmax bytes"),  # one block's scale for a tensor of two blocks
-    ("b", 4096, "blocksize must be one of"),
-    ("p", b"\x00", "payload bytes"),
-])
-def test_a_tampered_frame_is_a_clear_error(field: str, value: object, match: str) -> None:
-    """The same refusals through the wire layer, as a peer meets them (a 4xx, never a crash)."""
-    frame = msgpack.unpackb(encode_frame("average", {"stage": 1}, {"x": torch.randn(3, 50)}, "2bit"), raw=False)
-    frame["tensors"][0][field] = value
-    with pytest.raises(MalformedFrame, match=match) as caught:
-        decode_frame(msgpack.packb(frame, use_bin_type=True))
-    assert caught.value.http_status < 500

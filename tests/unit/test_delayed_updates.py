@@ -1,9 +1,9 @@
-"""swarmd.pipeline.delayed_updates: the rules of delayed parameter updates (pure)."""
+"""swarmd.pipeline.stage.delayed_updates: the rules of delayed parameter updates (pure)."""
 
 from __future__ import annotations
 
-from swarmd.pipeline.delayed_updates import MAX_STALENESS, accepts_stale, needs_pacing, serves_during_round
-from swarmd.pipeline.step_protocol import Verdict, judge_backward
+from swarmd.pipeline.stage.delayed_updates import MAX_STALENESS, accepts_stale, needs_pacing, serves_during_round
+from swarmd.pipeline.stage.step_protocol import Verdict, judge_backward
 
 
 def test_a_delayed_stage_serves_through_its_round_and_takes_gradients_one_step_old() -> None:

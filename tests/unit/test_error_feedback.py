@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from swarmd.net.wire import decode_frame, encode_frame
-from swarmd.pipeline.error_feedback import FED_CODECS, RESIDUAL_CAP, ErrorFeedback, needs_feedback
-from swarmd.pipeline.executor import StageExecutor
+from swarmd.pipeline.averaging.error_feedback import FED_CODECS, RESIDUAL_CAP, ErrorFeedback, needs_feedback
+from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 
 

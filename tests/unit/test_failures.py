@@ -135,3 +135,23 @@ async def test_a_timeout_is_told_by_the_cause_s_type_not_by_a_name() -> None:
         release.set()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_refused_connection_is_a_gone_peer_and_a_timeout_is_not() -> None:
+    """``refused_connection``: nothing listens at the address (a dead process), told apart from a
+    peer that holds the call (loaded) by a real refused connect and a real timeout."""
+    import asyncio
+
+    from swarmd.net.client import DataPlaneClient
+    from swarmd.pipeline.failures import refused_connection
+
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()  # the port is closed now: connecting to it is refused
+    async with DataPlaneClient(timeout_s=2.0) as client:
+        with pytest.raises(PeerError) as refused:
+            await client.progress(f"127.0.0.1:{port}")
+    assert refused_connection(refused.value), repr(refused.value.__cause__)
+    assert not refused_connection(PeerError(0, "ConnectionRefusedError", "a name alone says nothing"))
+    assert not refused_connection(remote_error(503, "Busy", "an answer"))

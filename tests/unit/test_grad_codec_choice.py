@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from swarmd.net.wire import encode_frame
-from swarmd.pipeline.error_feedback import needs_feedback
-from swarmd.pipeline.grad_codec_choice import (
+from swarmd.pipeline.averaging.error_feedback import needs_feedback
+from swarmd.pipeline.averaging.codec_choice import (
     AUTO,
     CPU_S_PER_VALUE,
     LADDER,
@@ -18,7 +18,7 @@ from swarmd.pipeline.grad_codec_choice import (
     round_s,
     wire_bytes,
 )
-from swarmd.pipeline.round_checks import ANSWER_SLACK
+from swarmd.pipeline.averaging.trust.round_checks import ANSWER_SLACK
 from swarmd.pipeline.spec import GRAD_CODECS, TrainingSpec
 
 SMALL_STAGE = 1_677_824  # gradient values of a `small` stage (6.7 MB as float32)

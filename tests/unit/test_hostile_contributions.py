@@ -12,11 +12,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.pipeline.executor import Contribution as Held
-from swarmd.pipeline.hostile_contributions import FAR_FACTOR, STRIKES, WINDOW, HostileWatch, Score, score_round
-from swarmd.pipeline.robust_aggregation import Contribution
-from swarmd.pipeline.round_checks import Used, check_answer, per_sample_norm, tensor_digest
-from swarmd.pipeline.round_reduction import plain_mean, reduce_contributions
+from swarmd.pipeline.averaging.reduction import plain_mean, reduce_contributions
+from swarmd.pipeline.averaging.trust.hostile_contributions import (
+    AGAINST_COS,
+    FAR_FACTOR,
+    STRIKES,
+    WINDOW,
+    HostileWatch,
+    PartTerms,
+    Score,
+    combine_terms,
+    part_terms,
+    score_round,
+)
+from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution
+from swarmd.pipeline.averaging.trust.round_checks import Used, check_answer, per_sample_norm, tensor_digest
+from swarmd.pipeline.stage.executor import Contribution as Held
 
 DIM = 4096
 
@@ -119,6 +130,21 @@ def test_a_struck_contribution_counts_its_samples_but_moves_nothing(factor: floa
     assert torch.equal(red.mean, plain_mean(held(items[:2]), DIM, 12))  # the mean of the honest two
 
 
+def test_a_contribution_owing_its_opening_is_struck_but_never_all_of_the_mean() -> None:
+    """``strike`` (averaging_openings: a sender that did not open its last contribution): left out of the
+    mean, its samples counted; never the leader's own, and never every sample of the mean."""
+    items = honest(6, [8, 4, 4])
+    contributions = held(items)
+    red = reduce_contributions(contributions, {}, leader=items[0].peer_id, target=16, numel=DIM,
+                               watch=HostileWatch(), strike=frozenset({items[2].peer_id, items[0].peer_id}))
+    assert red.mean is not None and red.total == 16 and red.struck == (items[2].peer_id,)
+    assert torch.equal(red.mean, plain_mean(held(items[:2]), DIM, 12))
+    empty = {items[0].peer_id: Held(step=0, samples=0, grads=None, mbs=()), **held(items[1:2])}
+    red = reduce_contributions(empty, {}, leader=items[0].peer_id, target=4, numel=DIM,
+                               strike=frozenset({items[1].peer_id}))
+    assert red.mean is not None and not red.struck  # the only samples: kept in
+
+
 def test_a_convicted_peer_is_turned_away_when_the_others_hold_the_target_else_left_out() -> None:
     items = honest(6, [8, 8, 4])
     liar = poisoned(items[2], -20.0)
@@ -177,3 +203,70 @@ def test_repeated_honest_rounds_never_convict_anyone() -> None:
         struck += len(red.struck)
         scored += len(red.scores)
     assert struck <= scored // 20, (struck, scored)
+
+
+# ---- the chunked all-reduce: per-part terms, summed by the coordinator ------------------------------
+
+
+def _split(c: Contribution, bounds: list[tuple[int, int]]) -> list[Contribution]:
+    return [Contribution(c.peer_id, c.grads[lo:hi], c.samples) for lo, hi in bounds]
+
+
+def test_summed_part_terms_are_the_leaders_score_with_the_owners_slices_as_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    honest = torch.randn(300, generator=gen)
+    contributions = [Contribution("a", honest * 8 + torch.randn(300, generator=gen), 8),
+                     Contribution("b", honest * 4 + torch.randn(300, generator=gen), 4),
+                     Contribution("c", honest * -20 * 4, 4)]
+    # one part: the leader's own score, exactly
+    whole = combine_terms([part_terms(contributions, "a")])
+    leader = score_round(contributions, "a")
+    assert set(whole) == set(leader) == {"b", "c"}
+    for pid in whole:
+        assert whole[pid].far == pytest.approx(leader[pid].far, rel=1e-12)
+        assert whole[pid].cos == pytest.approx(leader[pid].cos, rel=1e-12)
+    # three parts owned by one peer: still the leader's score (the terms add up)
+    bounds = [(0, 100), (100, 250), (250, 300)]
+    pieces = [_split(c, bounds) for c in contributions]
+    parts = [part_terms([p[j] for p in pieces], "a") for j in range(3)]
+    summed = combine_terms(parts)
+    for pid in summed:
+        assert summed[pid].far == pytest.approx(leader[pid].far, rel=1e-9)
+        assert summed[pid].cos == pytest.approx(leader[pid].cos, rel=1e-9)
+    # each part owned by another member: the liar strikes (far, against), the honest do not
+    owned = [part_terms([p[j] for p in pieces], owner) for j, owner in enumerate("abc")]
+    scores = combine_terms(owned)
+    assert scores["c"].far > FAR_FACTOR and scores["c"].cos < -AGAINST_COS and scores["c"].far_strike()
+    assert scores["a"].strike() is None and scores["b"].strike() is None
+    # a member's own part is scored by nobody; an owner without samples scores nobody
+    assert "a" not in owned[0] and part_terms([Contribution("a", honest, 0), contributions[1]], "a") == {}
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 0.5, 3.0, -20.0, 1e3])
+def test_a_lying_owner_cannot_make_an_honest_member_far(scale: float) -> None:
+    """Whatever slice a lying owner takes for its own part, the honest member's summed ``far`` stays
+    within a small constant (the module docstring's bound), far under FAR_FACTOR."""
+    gen = torch.Generator().manual_seed(5)
+    truth = torch.randn(400, generator=gen)
+    honest = [Contribution(pid, truth * 8 + torch.randn(400, generator=gen) * 2, 8) for pid in "abd"]
+    liar = Contribution("z", truth * 8 * scale, 8)
+    bounds = [(0, 100), (100, 200), (200, 300), (300, 400)]
+    pieces = {c.peer_id: _split(c, bounds) for c in [*honest, liar]}
+    owners = ["a", "b", "d", "z"]
+    terms = []
+    for j, owner in enumerate(owners):
+        slices = [pieces[pid][j] for pid in pieces]
+        if owner == "z":  # its "own" slice is whatever it likes; the members' slices are as sent
+            slices = [s for s in slices if s.peer_id != "z"] + [Contribution("z", liar.grads[300:400], 8)]
+        terms.append(part_terms(slices, owner))
+    scores = combine_terms(terms)
+    for pid in "abd":
+        assert scores[pid].far < 3.0, (pid, scores[pid])
+
+
+def test_part_terms_from_the_wire_refuse_bad_values() -> None:
+    ok = PartTerms(1.0, 2.0, -0.5, 3.0)
+    assert PartTerms.from_wire(ok.to_wire()) == ok
+    for bad in ([1.0, 2.0, 3.0], [1.0, -2.0, 0.0, 1.0], [float("nan"), 1.0, 1.0, 1.0], "x", [1, 2, 3, 4]):
+        with pytest.raises(ValueError):
+            PartTerms.from_wire(bad)

@@ -42,6 +42,7 @@ from swarmd.net.messages import (
     ModelInfo,
     ProgressReply,
     ProgressRequest,
+    RecheckRequest,
     StageTarget,
 )
 from swarmd.net.wire import Frame, WireLimits, decode_frame, encode_frame
@@ -481,3 +482,75 @@ def test_decoding_any_hop_meta_raises_only_typed_errors(meta: dict[str, Any]) ->
                                                   {"outputs": hidden()})))
     except MalformedFrame:
         pass
+
+
+def _inputs_frame(tensors: dict[str, torch.Tensor], at: Any = ("a" * 64, "fp32")) -> Frame:
+    meta = {"stage": 1, "peer_id": "p", "step": 0, "samples": 1, "in_at": list(at) if at is not None else None}
+    return wire(encode_frame("average", {k: v for k, v in meta.items() if v is not None},
+                             {"grads": torch.zeros(10), **tensors}, "8bit"))
+
+
+def test_a_contributions_inputs_round_trip_bit_for_bit_whatever_the_codec() -> None:
+    """Activations travel as their float32 bits (int32): the 8bit codec of the gradients leaves them exact."""
+    x1, x2 = hidden(2, 8, 4) * 1e-7, hidden(1, 3, 4)
+    y1, y2 = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (1, 3))
+    req = AverageRequest(stage=1, peer_id="p", step=0, samples=3, grads=torch.arange(10, dtype=torch.float32),
+                         codec="8bit", mbs=(2**64 - 1, 7), inputs=((2**64 - 1, x1, y1), (7, x2, y2)),
+                         inputs_params="a" * 64, inputs_precision="bf16")
+    back = AverageRequest.from_frame(wire(req.encode()), TARGET)
+    assert (back.inputs_params, back.inputs_precision) == ("a" * 64, "bf16")
+    assert [mb for mb, _, _ in back.inputs] == [2**64 - 1, 7]
+    for (_, x, y), (_, bx, by) in zip(req.inputs, back.inputs, strict=True):
+        assert bx.dtype == torch.float32 and torch.equal(bx, x) and torch.equal(by, y)
+    plain = AverageRequest.from_frame(wire(AverageRequest(stage=1, peer_id="p", step=0, samples=0).encode()), TARGET)
+    assert plain.inputs == () and plain.inputs_params is None
+
+
+GOOD_IN = {"in_x": torch.zeros(2 * 3 * 4, dtype=torch.int32), "in_y": torch.zeros(6, dtype=torch.int64),
+           "in_idx": torch.tensor([[5, 2, 3, 4]])}
+
+
+@pytest.mark.parametrize(("tensors", "at", "words"), [
+    ({"in_x": GOOD_IN["in_x"]}, ("a" * 64, "fp32"), "all of"),
+    ({**GOOD_IN, "in_idx": torch.tensor([[5, 2, 3]])}, ("a" * 64, "fp32"), "shape \\[m, 4\\]"),
+    ({**GOOD_IN, "in_idx": torch.zeros(0, 4, dtype=torch.int64)}, ("a" * 64, "fp32"), "shape \\[m, 4\\]"),
+    ({**GOOD_IN, "in_x": torch.zeros(24)}, ("a" * 64, "fp32"), "int32"),
+    ({**GOOD_IN, "in_idx": torch.tensor([[5, 0, 3, 4]])}, ("a" * 64, "fp32"), "positive"),
+    ({**GOOD_IN, "in_idx": torch.tensor([[5, 2, 3, 5]])}, ("a" * 64, "fp32"), "exactly the sizes"),
+    ({**GOOD_IN, "in_idx": torch.tensor([[5, 2, 3, 4], [5, 1, 1, 1]]),
+      "in_x": torch.zeros(25, dtype=torch.int32), "in_y": torch.zeros(7, dtype=torch.int64)},
+     ("a" * 64, "fp32"), "twice"),
+    ({**GOOD_IN, "in_x": torch.full((24,), 0x7FC00000, dtype=torch.int32)}, ("a" * 64, "fp32"), "NaN"),
+    (GOOD_IN, None, "in_at"),
+    (GOOD_IN, ("a" * 63, "fp32"), "in_at"),
+    (GOOD_IN, ("a" * 64, "fp8"), "in_at"),
+])
+def test_bad_contribution_inputs_get_a_422(tensors: dict[str, torch.Tensor], at: Any, words: str) -> None:
+    with pytest.raises(RequestError, match=words):
+        AverageRequest.from_frame(_inputs_frame(tensors, at), TARGET)
+
+
+def test_a_recheck_carries_a_report_an_opening_and_one_microbatchs_inputs_bit_for_bit() -> None:
+    x, y = hidden(), tokens()
+    x.view(-1)[0] = -0.0  # bits, not values: -0.0 stays -0.0
+    req = RecheckRequest(body=b"b" * 10, signature=b"s" * 64, opening=b"o" * 20, mb=2**64 - 3, inputs=x, targets=y)
+    back = RecheckRequest.from_frame(wire(req.encode()))
+    assert (back.body, back.signature, back.opening, back.mb) == (req.body, req.signature, req.opening, req.mb)
+    assert torch.equal(back.inputs.view(torch.int32), x.view(torch.int32)) and torch.equal(back.targets, y)
+
+
+def test_a_malformed_recheck_is_refused_with_a_reason() -> None:
+    good = wire(RecheckRequest(body=b"b", signature=b"s", opening=b"o", mb=1, inputs=hidden(), targets=tokens())
+                .encode())
+    meta, tensors = dict(good.meta), dict(good.tensors)
+    two = AverageRequest(stage=1, peer_id="p", step=0, samples=0, inputs=((1, hidden(), tokens()),
+                                                                          (2, hidden(), tokens())))
+    cases = [({**meta, "body": "text"}, tensors), ({**meta, "sig": None}, tensors), ({**meta, "opening": b""}, tensors),
+             (meta, {k: v for k, v in tensors.items() if k != "in_y"}), (meta, {**tensors, "grads": torch.zeros(3)}),
+             (meta, dict(wire(two.encode()).tensors)),  # two microbatches
+             (meta, {**tensors, "in_x": torch.full_like(tensors["in_x"], 0x7FC00000)})]  # NaN bits
+    for m, t in cases:
+        with pytest.raises(RequestError):
+            RecheckRequest.from_frame(wire(encode_frame("recheck", m, t)))
+    with pytest.raises(RequestError):
+        RecheckRequest.from_frame(wire(encode_frame("report", meta, tensors)))

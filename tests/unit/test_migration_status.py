@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from swarmd.api.models import MigrationInfo
-from swarmd.pipeline.migration import MigrationPhase, MigrationStatus
+from swarmd.pipeline.placement.migration import MigrationPhase, MigrationStatus
 
 
 def test_every_phase_of_a_move_fits_the_status_schema() -> None:

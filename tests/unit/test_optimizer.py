@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from swarmd.net.wire import WireLimits, decode_frame, encode_frame
 from swarmd.pipeline.model import FullModel, StageModule, build_stage, params_digest
-from swarmd.pipeline.optimizer import Lamb, apply_step, build_optimizer
-from swarmd.pipeline.optimizer_state import STATE_FORMAT, load_optimizer_state_tensors, optimizer_state_tensors
+from swarmd.pipeline.stage.optimizer import Lamb, apply_step, build_optimizer
+from swarmd.pipeline.stage.optimizer_state import STATE_FORMAT, load_optimizer_state_tensors, optimizer_state_tensors
 from swarmd.pipeline.spec import PRESETS, ModelSpec, TrainingSpec
 
 TINY = PRESETS["tiny"]

@@ -1,4 +1,4 @@
-"""Rebalancing (swarmd.pipeline.rebalance) and its trace simulator (scripts/simulate_rebalancing.py)."""
+"""Rebalancing (swarmd.pipeline.placement.rebalance) and its trace simulator (scripts/simulate_rebalancing.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.pipeline.rebalance import (
+from swarmd.pipeline.placement.rebalance import (
     POLICIES,
     AdaptiveRebalancing,
     Move,

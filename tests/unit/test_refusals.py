@@ -7,7 +7,7 @@ from typing import get_args
 
 import pytest
 
-from swarmd.pipeline.refusals import Refusal, RefusalKind
+from swarmd.pipeline.averaging.trust.refusals import Refusal, RefusalKind
 
 
 @pytest.mark.parametrize("kind", get_args(RefusalKind))

@@ -105,6 +105,72 @@ def test_lease_times_are_clamped_and_the_book_is_bounded() -> None:
     assert len(b.leases) == 4096 and len(grant.leases) == 4095
 
 
+def test_a_trainer_that_always_asks_last_still_gets_its_share_of_every_step() -> None:
+    # three trainers whose windows each hold the whole step (4 microbatches of 8), asking in the same order at
+    # every step, each as soon as its leases of the step before are done: first come, first served, "a" took
+    # every step and "c" never got a lease (a loaded machine's full-suite run saw a trainer get 0 in 6 steps)
+    b, clock = book(target=32)
+    got: dict[str, list[int]] = {t: [] for t in "abc"}
+    for step in range(7):
+        for trainer in "abc":
+            clock.now += 0.01
+            grant = reserve(b, trainer, step=step, count=4)
+            got[trainer].append(sum(n for _, n in grant.leases))
+        assert b.reserved == 32, got
+    # the first step goes first come (nobody else had asked yet; the latecomers start level with "a", no
+    # catching up); from then on every trainer has a share of every step, and the spare microbatch goes round
+    assert [got[t][0] for t in "abc"] == [32, 0, 0]
+    assert all(n >= 8 for shares in got.values() for n in shares[1:]), got
+    assert [sum(got[t][1:]) for t in "abc"] == [64, 64, 64], got
+
+
+def test_the_spare_of_a_step_goes_to_the_trainer_granted_least() -> None:
+    # five trainers of one microbatch each, four microbatches per step: the one left out of a step is first next
+    b, clock = book(target=32)
+    left_out = []
+    for step in range(6):
+        for trainer in "abcde":  # in the same order at every step
+            clock.now += 0.01
+            if not reserve(b, trainer, step=step, count=1).leases:
+                left_out.append(trainer)
+        for trainer in "abcde":  # each asks again once its microbatch is done (the step is full: it waits)
+            assert reserve(b, trainer, step=step, count=1).leases == ()
+    assert len(left_out) == 6 and all(x != y for x, y in zip(left_out, left_out[1:], strict=False)), left_out
+    # what each was granted (a latecomer counted from the level of the least granted) is within one microbatch
+    credit = [b.askers[t].granted for t in "abcde"]
+    assert max(credit) - min(credit) <= 8, (credit, left_out)
+
+
+def test_a_share_kept_for_a_trainer_that_stopped_asking_lapses_and_a_last_report_withdraws_it() -> None:
+    b, clock = book(target=32)
+    b.active_s = 2.0
+    reserve(b, "dead", count=4)  # takes the step, asks again (full), and at the next step never asks again
+    reserve(b, "dead", count=4)
+    first = reserve(b, "a", step=1, count=4)
+    assert sum(n for _, n in first.leases) == 16 and first.promised == 16 and first.full
+    clock.now += 1.0
+    assert reserve(b, "a", step=1, count=4).leases == ()  # still kept for it
+    clock.now += 1.5
+    rest = reserve(b, "a", step=1, count=4)
+    assert sum(n for _, n in rest.leases) == 16 and b.reserved == 32 and "dead" not in b.askers
+    # at step 2, "a" (which asked for 16 more at its last request) claims its share; a report for no leases
+    # withdraws that claim, and the whole step is the others'
+    second = reserve(b, "b", step=2, count=4)
+    assert sum(n for _, n in second.leases) == 16 and second.promised == 16
+    reserve(b, "a", step=2, count=0)
+    assert sum(n for _, n in reserve(b, "b", step=2, count=4).leases) == 16 and b.reserved == 32
+
+
+def test_the_book_remembers_a_bounded_number_of_claims() -> None:
+    from swarmd.pipeline.reservations import MAX_ASKERS
+
+    b, clock = book(target=32)
+    for i in range(MAX_ASKERS + 10):
+        clock.now += 0.001
+        reserve(b, f"t{i}", count=0)
+    assert len(b.askers) == MAX_ASKERS and "t0" not in b.askers and f"t{MAX_ASKERS + 9}" in b.askers
+
+
 @pytest.mark.parametrize("size,count", [(0, 4), (8, 0)])
 def test_nothing_is_granted_for_nothing_asked(size: int, count: int) -> None:
     b, _ = book()
@@ -117,7 +183,7 @@ async def test_a_stage_counts_a_microbatch_once_per_step_and_never_past_its_dead
     import torch
 
     from swarmd.errors import RequestTimeout
-    from swarmd.pipeline.executor import StageExecutor
+    from swarmd.pipeline.stage.executor import StageExecutor
     from swarmd.pipeline.spec import PRESETS
 
     spec = PRESETS["tiny"]

@@ -1,8 +1,8 @@
-"""swarmd.pipeline.resume: where a stage's state comes from (pure)."""
+"""swarmd.pipeline.placement.resume: where a stage's state comes from (pure)."""
 
 from __future__ import annotations
 
-from swarmd.pipeline.resume import Offer, Source, plan
+from swarmd.pipeline.placement.resume import Offer, Source, plan
 
 
 def sources(p) -> list[tuple[Source, int, str | None]]:  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""swarmd.pipeline.robust_aggregation (issue #29, item 2): the bound on one contribution's influence
+"""swarmd.pipeline.averaging.trust.robust_aggregation (issue #29, item 2): the bound on one contribution's influence
 whatever its norm or direction, bit-identical results in any order, honest rounds unchanged, and
 the averaging liars of issue 29's table (a gradient times -20, a flipped sign) held to the bound."""
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.pipeline.robust_aggregation import (
+from swarmd.pipeline.averaging.trust.robust_aggregation import (
     ITERATIONS,
     Contribution,
     influence_bound,

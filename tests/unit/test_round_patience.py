@@ -1,8 +1,8 @@
-"""swarmd.pipeline.round_patience: how long a leader waits for its stage-mates (pure, times given)."""
+"""swarmd.pipeline.averaging.patience: how long a leader waits for its stage-mates (pure, times given)."""
 
 from __future__ import annotations
 
-from swarmd.pipeline.round_patience import CatchUp, RoundPatience
+from swarmd.pipeline.averaging.patience import CatchUp, RoundPatience
 
 
 def test_the_round_timeout_holds_until_enough_rounds_then_the_median_and_each_peer_s_slowest() -> None:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from swarmd.pipeline.stage_worker import StageWorker
+from swarmd.pipeline.stage.worker import StageWorker
 
 
 def test_urgent_jobs_overtake_queued_compute_and_each_lane_keeps_its_order() -> None:

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmd.errors import Busy, PeerBehind, RequestError, StaleStep
-from swarmd.pipeline.executor import ProgressSnapshot, StageExecutor
+from swarmd.pipeline.stage.executor import ProgressSnapshot, StageExecutor
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
-from swarmd.pipeline.step_protocol import GradientAccumulator, StepProtocol, Taken, Verdict, judge_backward
+from swarmd.pipeline.stage.step_protocol import GradientAccumulator, StepProtocol, Taken, Verdict, judge_backward
 
 TINY = PRESETS["tiny"]
 
@@ -266,6 +266,42 @@ def test_held_gradients_are_set_aside_and_reinstated() -> None:
     assert all(p.grad is None for p in params)
     acc.reinstate(held)
     assert params[0].grad is None and torch.equal(grad(params[1]), torch.ones(4))
+
+
+def _summed(parts: tuple[tuple[int | None, torch.Tensor], ...] | list[tuple[int | None, torch.Tensor]]) -> torch.Tensor:
+    return torch.stack([t for _, t in parts]).sum(0)
+
+
+def test_kept_parts_follow_the_sums_through_take_put_hold_and_a_refusal() -> None:
+    """``keep_parts`` (contribution_proofs): every addend apart, keyed by microbatch, always summing to the
+    held gradients, whatever happens to them: what an honest opening rests on."""
+    params = two_params()
+    acc = GradientAccumulator(params, keep_parts=True)
+    acc.add(lambda: (params[0].sum() * 2).backward(), mb=7)
+    acc.add(lambda: (params[0].sum() + params[1].sum() * 3).backward(), mb=8)
+    with pytest.raises(RequestError, match="overflow"):  # refused: no part
+        acc.add(lambda: (params[0].sum() * 3e38 + params[0].sum() * 3e38).backward(), mb=9)
+    assert [mb for mb, _ in acc.parts] == [7, 8]
+    assert torch.equal(acc.parts[0][1], torch.tensor([2.0] * 6 + [0.0] * 4))  # the addend, not the running sum
+    acc.put(torch.ones(10), accumulate=True)  # handed-in gradients: a part no microbatch explains
+    held = acc.hold()  # an update in between (apply_average) touches neither the sums nor the parts
+    assert acc.parts == []
+    acc.put(torch.full((10,), 5.0))
+    acc.reinstate(held)
+    assert [mb for mb, _ in acc.parts] == [7, 8, None]
+    parts = acc.take_parts()
+    flat = acc.take()
+    assert acc.parts == [] and torch.equal(_summed(parts), flat)
+    acc.add(lambda: params[1].sum().backward(), mb=10)  # served while the contribution is out
+    acc.put(flat, accumulate=True, parts=parts)  # the round aborted: the contribution comes back, parts and all
+    assert [mb for mb, _ in acc.parts] == [10, 7, 8, None]
+    assert torch.equal(_summed(acc.parts), acc.take())
+    acc.add(lambda: params[1].sum().backward(), mb=11)
+    acc.clear()
+    assert acc.parts == []
+    plain = GradientAccumulator(params)  # without keep_parts nothing is kept
+    plain.add(lambda: params[1].sum().backward(), mb=1)
+    assert plain.parts == [] and plain.take_parts() == ()
 
 
 # ---- what readers see: the executor's published snapshot -------------------------------------------

@@ -32,13 +32,14 @@ def body(*stages: list[dict[str, Any]]) -> SwarmView:
 
 def test_the_listing_becomes_typed_peers_and_unknown_values_do_not_break_it() -> None:
     views = peer_views(body(
-        [{"peer_id": "a"}, {"peer_id": "b", "state": "draining", "reachable": "yes"}],
+        [{"peer_id": "a", "throughput": 3.5}, {"peer_id": "b", "state": "draining", "reachable": "yes"}],
         [{"peer_id": "c", "reachable": "no"}, {"peer_id": "d", "state": "hibernating"},  # a newer peer's state
          {"peer_id": "e", "reachable": "sometimes"}],
     ))
     assert views == {
-        0: [PeerView("a", 0, "a:1", PeerState.SERVING, "unknown"), PeerView("b", 0, "b:1", PeerState.DRAINING, "yes")],
-        1: [PeerView("c", 1, "c:1", PeerState.SERVING, "no"), PeerView("e", 1, "e:1", PeerState.SERVING, "unknown")],
+        0: [PeerView("a", 0, "a:1", PeerState.SERVING, "unknown", 3.5),
+            PeerView("b", 0, "b:1", PeerState.DRAINING, "yes", 1.0)],
+        1: [PeerView("c", 1, "c:1", PeerState.SERVING, "no", 1.0), PeerView("e", 1, "e:1", PeerState.SERVING, "unknown", 1.0)],
     }
     assert [p.usable for p in views[0] + views[1]] == [True, False, False, True]
     router = StageRouter(1)
@@ -98,3 +99,25 @@ async def test_a_run_counts_its_steps_from_a_swarm_step_every_stage_answered_for
                       timing=Timing(no_peer_poll_s=0.001), stage_wait_timeout_s=0.01)
     with pytest.raises(TrainerError, match="stage 1 has had no peer that answers for 0s; giving up"):
         await silent.swarm_step()
+
+
+async def test_what_the_listing_announces_is_read_from_one_record_of_it() -> None:
+    """``announced`` (the window's input: serving peers' own throughputs) and ``unreachable`` read the
+    same record of the last ``/swarm``, and a new listing replaces all of it."""
+    listings = [
+        body([{"peer_id": "a", "throughput": 3.5}, {"peer_id": "b", "state": "draining", "throughput": 9.0}],
+             [{"peer_id": "c", "reachable": "no", "throughput": 2.0}]),
+        body([{"peer_id": "a", "throughput": 4.0}], []),
+    ]
+
+    class Listing:
+        async def stage_map(self, *, force: bool = False) -> SwarmView:
+            return listings.pop(0)
+
+    view = swarm_view.SwarmView(Listing(), request_timeout_s=1.0, window=1, timing=Timing())  # type: ignore[arg-type]
+    view.adopt(2)
+    await view.refresh()
+    assert view.announced(0) == [3.5] and view.announced(1) == [2.0] and view.announced(7) == []
+    assert view.unreachable(0) == [] and view.unreachable(1) == ["c:1"]
+    await view.refresh()
+    assert view.announced(0) == [4.0] and view.announced(1) == [] and view.unreachable(1) == []

@@ -1,4 +1,4 @@
-"""swarmd.train.task_dump: what a stalled trainer waits on, on SIGUSR1."""
+"""swarmd.task_dump: what a stalled trainer waits on, on SIGUSR1."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from swarmd.train.task_dump import await_chain, dump_on_signal, format_tasks
+from swarmd.task_dump import await_chain, dump_on_signal, format_tasks
 
 
 async def _innermost(event: asyncio.Event) -> None:

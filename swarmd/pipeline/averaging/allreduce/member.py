@@ -1,0 +1,585 @@
+"""A member's side of one chunked all-reduce round (the state diagram is in
+``swarmd.pipeline.averaging.allreduce.averager``): scatter its parts, fetch every part mean, wait for the one
+decision (deciding it, on the coordinator), then apply or restore."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from typing import Any, Protocol
+
+import torch
+
+from swarmd.dht.identity import Identity, peer_id_of, verify
+from swarmd.errors import Busy, PeerError, SwarmdError
+from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound
+from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArDecisionReply, ArPart, ArQuery, ArReady, read_mean
+from swarmd.pipeline.averaging.allreduce.openings import open_contribution, opening_codec
+from swarmd.pipeline.averaging.allreduce.owner import PartOwner, PartStrikes
+from swarmd.pipeline.averaging.allreduce.plan import Decision, RoundPlan, claim_digest, part_digest, part_message
+from swarmd.pipeline.averaging.averager import RoundResult, _as_decoded, _wire_codec
+from swarmd.pipeline.averaging.patience import RoundPatience
+from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
+from swarmd.pipeline.averaging.trust.accusations import (
+    NORM_TOLERANCE,
+    SECOND_CLAIMS,
+    Claim,
+    OwnNorms,
+    StruckClaims,
+    contribution_message,
+)
+from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, combine_terms
+from swarmd.pipeline.averaging.trust.refusals import Refusal
+from swarmd.pipeline.averaging.trust.round_checks import Suspicions, Used, check_answer, per_sample_norm, tensor_digest
+from swarmd.pipeline.stage.executor import Contribution, StageExecutor
+
+log = logging.getLogger(__name__)
+
+Part = tuple[torch.Tensor, list[Any]]  # a part mean (decoded float32) and its used list (wire form)
+
+
+class RoundHost(Protocol):
+    """What a member's round uses of the peer's averager (``AllReduceAverager`` is one): its stage,
+    identity and client, the round's coordinator and part owners, and its books of rounds."""
+
+    executor: StageExecutor
+    peer_id: str
+    identity: Identity | None
+    client: DataPlaneClient
+    coord: Coordinator
+    owners: dict[tuple[str, int], PartOwner]
+    control_requests: Counter[str]
+    codecs_sent: Counter[str]
+    commit_grace_s: float
+    reply_slack_s: float
+    rounds_ok: int
+    rounds_aborted: int
+    on_behind: Callable[[int], Awaitable[None]] | None
+    suspicions: Suspicions
+    patience: RoundPatience
+    hostile: HostileWatch
+    struck_claims: StruckClaims
+    own_norms: OwnNorms
+    contributions_refused: Counter[str]
+    accusations: Counter[str]
+    part_strikes: PartStrikes
+
+    @property
+    def target(self) -> int: ...
+
+    def convicts(self) -> bool: ...
+
+    def _to_send(self, own: Contribution) -> Contribution: ...
+
+    def convict_members(self, convicted: dict[str, str], step: int, *, struck: int) -> None: ...
+
+    def await_openings(self, step: int, claims: dict[str, str]) -> None: ...
+
+    def _take_opening_convictions(self) -> dict[str, str]: ...
+
+    def _opened(self, leader: str, opened: tuple[bytes | None, float]) -> None: ...
+
+    def count_repeats(self, step: int, groups: list[Collection[int]]) -> None: ...
+
+    def _refuse_contributor(self, peer_id: str, why: Refusal, step: int) -> None: ...
+
+    async def quorum_lost(self, members: Iterable[str]) -> str | None: ...
+
+    def drop_silent(self, peer_ids: Iterable[str], step: int) -> None: ...
+
+    def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
+                reason: str | None = None, refused: dict[str, str] | None = None,
+                started: float | None = None, clipped: tuple[str, ...] = (), struck: tuple[str, ...] = (),
+                convicted: dict[str, str] | None = None) -> None: ...
+
+
+class MemberRound:
+    """One round, on one member (``rnd``: this peer's coordinator state when it coordinates)."""
+
+    def __init__(self, av: RoundHost, plan: RoundPlan, rnd: CoordRound | None) -> None:
+        self.av = av
+        self.plan = plan
+        self.rnd = rnd
+        self.started = time.monotonic()
+        self.fetched: dict[int, Part] = {}  # as fetched, not yet checked against a decision
+        self.parts: dict[int, Part] = {}  # checked against the commit's digests: served to other members
+        self.mine: dict[int, tuple[Used, torch.Tensor | None]] = {}  # this member's part j as its owner sees it
+        self.lossy = False  # a part of this member's went with a lossy codec (error feedback keeps the residual)
+        self.decision: Decision | None = None
+        self.decision_sig: bytes | None = None
+        self.decision_pk: bytes | None = None
+        self.claim_digest = ""  # this member's signed claim of its contribution (``_scatter``)
+        self.codecs: list[str] = []  # the codec each part went with (its own: none)
+        self.claim_norm = 0.0
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.plan.timeout_s
+
+    def _left(self, slack: float = 0.0) -> float:
+        return max(0.0, self.deadline + slack - time.monotonic())
+
+    async def run(self) -> None:
+        av, plan = self.av, self.plan
+        ex = av.executor
+        try:
+            own: Contribution | None = await ex.take_contribution()
+        except Busy:  # already out: this member sends nothing, its owners report it missing, the round aborts
+            own = None
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._settle_part(j)) for j in plan.parts_of(av.peer_id)]
+        fetches = {j: loop.create_task(self._fetch(j)) for j in range(len(plan.owners))}
+        try:
+            if own is not None:
+                await self._scatter(own)
+            if self.rnd is not None:
+                await self._decide(self.rnd, fetches)
+            else:
+                await self._await_decision()
+            await self._finish(own, fetches)
+        except BaseException:
+            if own is not None and ex.averaging:
+                await asyncio.shield(ex.restore_contribution(own))
+            raise
+        finally:
+            for t in [*tasks, *fetches.values()]:
+                t.cancel()
+            await asyncio.gather(*tasks, *fetches.values(), return_exceptions=True)
+
+    # ---- scatter -------------------------------------------------------------------------
+
+    async def _scatter(self, own: Contribution) -> None:
+        av, plan = self.av, self.plan
+        ex = av.executor
+        sent = av._to_send(own)  # what it sends to the other owners (tests make it lie)
+        codecs: dict[int, str] = {}
+
+        async def prepare(j: int) -> None:
+            lo, hi = plan.bounds[j]
+            owner = plan.owners[j]
+            if owner == av.peer_id:  # its own part, reduced here, as a leader's own contribution is
+                piece = own.grads[lo:hi] if own.grads is not None else None
+                digest = await asyncio.to_thread(tensor_digest, piece)
+                self.mine[j] = (Used(av.peer_id, own.samples, digest, per_sample_norm(piece, own.samples)), piece)
+                return
+            piece = sent.grads[lo:hi] if sent.grads is not None else None
+            codec = ("none" if piece is None
+                     else _wire_codec(piece, ex.training.grad_codec, av.client.links, plan.addr(owner)))
+            if piece is not None:
+                av.codecs_sent[codec] += 1
+                self.lossy = self.lossy or codec != "none"
+            codecs[j] = codec
+            decoded, digest = await asyncio.to_thread(_as_decoded, piece, codec)
+            self.mine[j] = (Used(av.peer_id, own.samples, digest, per_sample_norm(decoded, own.samples)), decoded)
+
+        await asyncio.gather(*(prepare(j) for j in range(len(plan.owners))))
+        self.codecs = [codecs.get(j, "none") for j in range(len(plan.owners))]
+        # the signed claim of the whole contribution, for the coordinator's evidence should it convict this member
+        # (``accusations``): its per-sample norm, and the parts' digests as their owners decode them
+        self.claim_digest = claim_digest([self.mine[j][0].digest for j in range(len(plan.owners))])
+        self.claim_norm = math.sqrt(sum(self.mine[j][0].norm ** 2 for j in range(len(plan.owners))))
+        av.own_norms.note(plan.step, plan.coordinator, self.claim_norm, own.samples)  # to second accusations with
+        claim_sig = None
+        if av.identity is not None and own.samples > 0:
+            claim_sig = av.identity.sign(contribution_message(ex.stage, plan.step, own.samples, self.claim_digest,
+                                                              av.peer_id, plan.coordinator, self.claim_norm))
+
+        async def send(j: int) -> None:
+            owner = plan.owners[j]
+            used, decoded = self.mine[j]
+            claim = (self.claim_norm, claim_sig) if j == 0 and claim_sig is not None else (None, None)
+            if owner == av.peer_id:
+                key = av.identity.public_key_bytes if av.identity is not None and j == 0 else None
+                why = av.owners[(plan.round_id, j)].add(
+                    av.peer_id, own.samples, decoded, used.digest, mbs=own.mbs if j == 0 else (),
+                    claim=(key, self.claim_norm, claim_sig) if key is not None and claim_sig is not None else None)
+                if why is not None:
+                    log.warning("stage %d: own part %d refused by itself (%s)", ex.stage, j, why)
+                return
+            lo, hi = plan.bounds[j]
+            piece = sent.grads[lo:hi] if sent.grads is not None else None
+            codec, digest = codecs[j], used.digest
+            key = sig = None
+            if av.identity is not None:
+                key = av.identity.public_key_bytes
+                sig = av.identity.sign(part_message(ex.stage, plan.round_id, j, own.samples, digest, av.peer_id, owner))
+            req = ArPart(ex.stage, plan.round_id, j, av.peer_id, own.samples, piece, digest, codec, key, sig,
+                         own.mbs if j == 0 else (), *claim)
+            try:
+                frame = await av.client.allreduce(plan.addr(owner), "part", req.encode,
+                                                  0 if piece is None else piece.numel() * 4,
+                                                  timeout_s=self._left(1.0) + 1.0)
+                ack = ArAck.from_frame(frame)
+                if not ack.ok:
+                    log.info("stage %d: owner %s turned part %d away (%s)", ex.stage, owner[:12], j, ack.reason)
+            except (PeerError, SwarmdError) as exc:  # its owner reports this member missing: the round aborts
+                log.info("stage %d: part %d did not reach owner %s (%s)", ex.stage, j, owner[:12], exc)
+
+        await asyncio.gather(*(send(j) for j in range(len(plan.owners))))
+
+    async def _settle_part(self, j: int) -> None:
+        av, plan = self.av, self.plan
+        owner = av.owners[(plan.round_id, j)]
+        # the members' parts are waited for as long as the plan's patience, then the silent ones are dropped
+        ready = await owner.settle(min(self._left(), self.started + plan.wait_s - time.monotonic()))
+        if self.rnd is not None:
+            av.coord.on_ready(ready)
+            return
+        key = sig = None
+        if av.identity is not None:
+            key, sig = av.identity.public_key_bytes, av.identity.sign(ready.message(av.executor.stage))
+        req = ArReady(av.executor.stage, ready, key, sig)
+        av.control_requests["ready"] += 1
+        try:
+            await av.client.allreduce(plan.addr(plan.coordinator), "ready", req.encode, timeout_s=POLL_S)
+        except PeerError as exc:
+            log.info("stage %d: coordinator did not take part %d's ready report (%s)", av.executor.stage, j, exc)
+
+    async def _fetch(self, j: int, addr: str | None = None, wait_s: float | None = None) -> Part | None:
+        """Part ``j``'s mean from its owner (or from ``addr``), long-polled until it is reduced."""
+        av, plan = self.av, self.plan
+        lo, hi = plan.bounds[j]
+        if addr is None and plan.owners[j] == av.peer_id:
+            owner = av.owners[(plan.round_id, j)]
+            if await owner.mean_bytes(self._left(1.0)) is None or owner.mean is None:
+                return None
+            self.fetched[j] = (owner.mean, owner.used)
+            return self.fetched[j]
+        wait = min(60.0, self._left(1.0) if wait_s is None else wait_s)
+        q = ArQuery(av.executor.stage, plan.round_id, j, wait)
+        try:
+            frame = await av.client.allreduce(addr or plan.addr(plan.owners[j]), "mean", q.encode,
+                                              timeout_s=wait + POLL_S)
+            if frame.kind == ArAck.KIND:
+                return None
+            got = read_mean(frame, plan.round_id, j, hi - lo)
+        except (PeerError, SwarmdError) as exc:
+            log.info("stage %d: part %d's mean not fetched (%s)", av.executor.stage, j, exc)
+            return None
+        if addr is None:
+            self.fetched[j] = got
+        return got
+
+    # ---- the decision --------------------------------------------------------------------
+
+    async def _decide(self, rnd: CoordRound, fetches: dict[int, asyncio.Task[Part | None]]) -> None:
+        """The coordinator's one decision: collect readies, verify every part by fetching it, decide."""
+        av, plan = self.av, self.plan
+        # owners heard of the round after this coordinator did: their deadlines are a little later
+        await av.coord.collect(rnd, self._left(min(POLL_S, self.plan.timeout_s / 2)))
+        decision = av.coord.decide(rnd, av.target)
+        if decision.status == "commit":
+            # every member left sent its parts to this round and to no other (a member is in one round at a
+            # time; the dropped ones sent none in time): a quorum of the stage as counted now means no disjoint
+            # round can commit at this step as well
+            why = await av.quorum_lost(set(plan.member_ids) - set(decision.dropped))
+            if why is not None:
+                log.warning("stage %d step %d: round %s aborted: no quorum (%s)", plan.stage, plan.step,
+                            plan.round_id, why)
+                decision = Decision(plan.round_id, plan.stage, plan.step, "abort", 0, (), plan.coordinator,
+                                    f"no quorum: {why}")
+        if decision.status == "commit":
+            await asyncio.wait(list(fetches.values()), timeout=self._left(1.0) + 1.0)
+            for j, digest in enumerate(decision.digests):
+                got = self.fetched.get(j)
+                if got is None or await asyncio.to_thread(part_digest, got[0], got[1]) != digest:
+                    decision = Decision(plan.round_id, plan.stage, plan.step, "abort", 0, (), plan.coordinator,
+                                        f"part {j} could not be fetched and verified by the coordinator")
+                    break
+                self.parts[j] = got
+        late = time.monotonic() - self.deadline
+        if decision.status == "commit" and late > av.commit_grace_s:
+            log.warning("stage %d step %d: this coordinator is %.1fs past the round's deadline (it was frozen?); "
+                        "the round is aborted", plan.stage, plan.step, late)
+            decision = Decision(plan.round_id, plan.stage, plan.step, "abort", 0, (), plan.coordinator, "late")
+        convicted: dict[str, str] = {}
+        claimed: dict[str, str] = {}
+        if decision.status == "commit":  # the owners' scores, summed: strike, and convict on the last stage
+            decision, convicted, claimed = await asyncio.to_thread(self._judge, rnd, decision)
+        if decision.dropped:  # members whose parts no owner (on a commit), or some owner, had at the patience
+            av.drop_silent(decision.dropped, plan.step)
+        if decision.status == "commit":  # how long honest parts took, as this owner saw them (patience)
+            for j in plan.parts_of(av.peer_id):
+                owner = av.owners.get((plan.round_id, j))
+                if owner is not None:
+                    av.patience.observe({pid: t for pid, t in owner.arrived.items() if pid != av.peer_id})
+                    break
+        sig = av.identity.sign(decision.message()) if av.identity is not None else None
+        self.decision, self.decision_sig = decision, sig
+        self.decision_pk = av.identity.public_key_bytes if av.identity is not None else None
+        av.coord.settle(rnd, decision, sig)
+        if decision.status == "commit":
+            av.convict_members(convicted, plan.step, struck=len(decision.struck))
+            av.await_openings(plan.step, {pid: c for pid, c in claimed.items() if pid not in convicted})
+
+    def _judge(self, rnd: CoordRound, decision: Decision) -> tuple[Decision, dict[str, str], dict[str, str]]:
+        """The coordinator's scores of a committed round (off the loop): each member's
+        ``hostile_contributions`` score summed over the owners' reports; those that strike are named in the
+        decision, and on the last stage (``convicts``) the watch convicts repeat offenders, far ones only,
+        with their signed claims as the evidence (``accusations``). The decision to sign, who it convicts, and
+        the claims' digests of the members whose openings this coordinator then awaits (``openings``)."""
+        av, plan = self.av, self.plan
+        left = set(plan.member_ids) - set(decision.dropped)
+        scores = {pid: sc for pid, sc in combine_terms(dict(r.scores) for r in rnd.readies.values()).items()
+                  if pid in left and pid != av.peer_id}
+        struck = tuple(sorted(pid for pid, sc in scores.items() if sc.strike() is not None))
+        if scores:
+            log.debug("stage %d step %d: contribution scores %s", plan.stage, plan.step,
+                      {pid[:8]: (round(sc.far, 2), round(sc.cos, 3)) for pid, sc in scores.items()})
+        convicted: dict[str, str] = {}
+        claims: dict[str, tuple[bytes, Claim]] = {}
+        if av.convicts():
+            claims = self._claims(decision)
+            for pid, sc in sorted(scores.items()):
+                claim = claims.get(pid)
+                if claim is not None:
+                    av.struck_claims.note(pid, claim[0], claim[1], far=sc.far_strike() is not None)
+            convicted = av.hostile.observe(scores)
+        out = dataclasses.replace(decision, struck=struck, convicted=tuple(sorted(convicted.items())))
+        return out, convicted, {pid: c.digest for pid, (_, c) in claims.items() if pid != av.peer_id}
+
+    def _claims(self, decision: Decision) -> dict[str, tuple[bytes, Claim]]:
+        """The members' signed claims of their contributions (kept by part 0's owner, when it is this
+        coordinator) that match the parts the owners reduced: the digest of their parts' digests and the
+        norm of their parts' norms, as the parts' used lists give them."""
+        av, plan = self.av, self.plan
+        owner0 = av.owners.get((plan.round_id, 0)) if plan.owners[0] == av.peer_id else None
+        if owner0 is None or not owner0.claims or len(self.parts) != len(plan.owners):
+            return {}
+        lists: list[dict[str, Used]] = []
+        for j in range(len(plan.owners)):
+            try:
+                lists.append({u.peer_id: u for u in (Used.from_wire(w) for w in self.parts[j][1])})
+            except ValueError:
+                return {}
+        out = {}
+        for pid, (key, norm, sig) in sorted(owner0.claims.items()):
+            entries = [used.get(pid) for used in lists]
+            if any(e is None for e in entries) or peer_id_of(key) != pid:
+                continue
+            digest = claim_digest([e.digest for e in entries if e is not None])
+            whole = math.sqrt(sum(e.norm ** 2 for e in entries if e is not None))
+            samples = entries[0].samples if entries[0] is not None else 0
+            if not math.isclose(norm, whole, rel_tol=NORM_TOLERANCE, abs_tol=1e-30) or not verify(
+                    key, contribution_message(plan.stage, plan.step, samples, digest, pid, av.peer_id, norm), sig):
+                av.contributions_refused["bad_norm"] += 1  # not evidence: its claim is not what it sent
+                log.info("stage %d step %d: %s's signed claim does not match its parts; not kept as evidence",
+                         plan.stage, plan.step, pid[:12])
+                continue
+            out[pid] = (key, Claim(plan.step, samples, digest, norm, sig))
+        return out
+
+    async def _await_decision(self) -> None:
+        """The coordinator's decision, long-polled; while it cannot be asked (gone, overloaded), asked of
+        the other members (it is signed: any copy will do). Given up only once the coordinator can no
+        longer commit (it commits within ``commit_grace_s`` of its deadline, earlier than this member's
+        ``reply_slack_s``): a member that restored its gradients while a commit was still possible
+        would stay behind holding samples the others stepped on."""
+        av, plan = self.av, self.plan
+        coordinator = plan.addr(plan.coordinator)
+        while self.decision is None and self._left(av.reply_slack_s) > 0:
+            av.control_requests["decision"] += 1
+            try:
+                if await self._ask_decision(coordinator, min(60.0, self._left(av.reply_slack_s))) is not None:
+                    return
+                continue
+            except PeerError:
+                pass
+            for pid, addr in plan.members:
+                if pid in (av.peer_id, plan.coordinator):
+                    continue
+                av.control_requests["decision"] += 1
+                try:
+                    if await self._ask_decision(addr, 0.0) is not None:
+                        return
+                except PeerError:
+                    continue
+            await asyncio.sleep(min(1.0, self._left(av.reply_slack_s)))
+
+    async def _ask_decision(self, addr: str, wait: float) -> Decision | None:
+        av, plan = self.av, self.plan
+        q = ArQuery(av.executor.stage, plan.round_id, 0, wait)
+        frame = await av.client.allreduce(addr, "decision", q.encode, timeout_s=wait + POLL_S)
+        try:
+            reply = ArDecisionReply.from_frame(frame)
+        except SwarmdError as exc:
+            raise PeerError(200, "BadReply", str(exc)) from exc
+        d = reply.decision
+        if d is None or d.round_id != plan.round_id or d.coordinator != plan.coordinator or d.step != plan.step \
+                or (d.status == "commit" and len(d.digests) != len(plan.owners)):
+            return None
+        if av.identity is not None and not (
+                reply.public_key is not None and reply.signature is not None
+                and peer_id_of(reply.public_key) == plan.coordinator
+                and verify(reply.public_key, d.message(), reply.signature)):
+            return None
+        self.decision, self.decision_sig, self.decision_pk = d, reply.signature, reply.public_key
+        return d
+
+    # ---- apply or restore ----------------------------------------------------------------
+
+    async def _finish(self, own: Contribution | None, fetches: dict[int, asyncio.Task[Part | None]]) -> None:
+        av, plan = self.av, self.plan
+        ex = av.executor
+        d = self.decision
+        for pid, bad in (d.refused if d is not None else ()):
+            if pid != av.peer_id:
+                av._refuse_contributor(pid, Refusal.from_wire(bad), plan.step)
+        if d is None or d.status != "commit":
+            if own is not None:
+                await ex.restore_contribution(own)
+            av.rounds_aborted += 1
+            reason = d.reason if d is not None else "no decision reached this member"
+            av._record(RoundResult("aborted", plan.step, 0, len(plan.members), None), plan.coordinator,
+                       missing=list(d.dropped) if d is not None else [], reason=reason, started=self.started)
+            return
+        if av.peer_id in d.dropped:  # committed without this member's parts (they came too late, or never)
+            if own is not None and ex.averaging:
+                await ex.restore_contribution(own)
+            log.warning("stage %d step %d: round %s committed without this peer's parts (silent at its owners); "
+                        "resyncing", ex.stage, plan.step, plan.round_id)
+            av.rounds_aborted += 1
+            av._record(RoundResult("aborted", plan.step, d.samples, len(plan.members), None), plan.coordinator,
+                       missing=[av.peer_id], status="missed", reason="dropped", started=self.started)
+            if av.on_behind is not None:
+                await av.on_behind(plan.step + 1)
+            return
+        missing = await self._gather_parts(d, fetches)
+        why: str | None = None if missing else await asyncio.to_thread(self._check, d)
+        if missing or why is not None or own is None:
+            if own is not None and ex.averaging:
+                await ex.restore_contribution(own)
+            reason = why or (f"part(s) {missing[:8]} missing after the commit" if missing else "not contributing")
+            log.warning("stage %d step %d: round %s committed but this peer cannot apply it (%s); resyncing",
+                        ex.stage, plan.step, plan.round_id, reason)
+            av.rounds_aborted += 1
+            av._record(RoundResult("aborted", plan.step, d.samples, len(plan.members), None), plan.coordinator,
+                       missing=[], status="missed", reason=reason, started=self.started)
+            if missing and av.on_behind is not None:  # (a refused mean is not adopted through a resync either)
+                await av.on_behind(plan.step + 1)
+            return
+        mean = torch.cat([self.parts[j][0] for j in range(len(plan.owners))])
+        await ex.apply_average(mean, plan.step)
+        self._second(d)
+        if self.lossy and own.grads is not None and len(self.mine) == len(plan.owners):  # error feedback:
+            decoded = [self.mine[j][1] for j in range(len(plan.owners))]  # each part as its owner decoded it
+            if all(d is not None for d in decoded):
+                await ex.keep_residual(own.grads, torch.cat([d for d in decoded if d is not None]))
+        av.rounds_ok += 1
+        self._count_repeats()
+        convicted = dict(d.convicted)
+        if plan.coordinator == av.peer_id:  # and those its openings convicted since its last round (as a leader's)
+            convicted |= av._take_opening_convictions()
+        av._record(RoundResult("ok", plan.step, d.samples, len(plan.members) - len(d.dropped), None),
+                   plan.coordinator, missing=list(d.dropped), started=self.started, struck=d.struck,
+                   convicted=convicted)
+        if (av.convicts() and av.identity is not None and own.grads is not None and own.parts
+                and plan.coordinator != av.peer_id and len(self.mine) == len(plan.owners)):
+            # open the contribution for the coordinator, now that the commit fixed the projection (``openings``)
+            identity, sent = av.identity, [self.mine[j][1] for j in range(len(plan.owners))]
+            if all(t is not None for t in sent):
+                started = time.thread_time()
+                opening = await asyncio.to_thread(
+                    open_contribution, identity, stage=plan.stage, step=plan.step, peer_id=av.peer_id,
+                    coordinator=plan.coordinator, digests=d.digests, claim=self.claim_digest,
+                    codec=opening_codec(self.codecs), own=own, decoded=torch.cat([t for t in sent if t is not None]),
+                    numel=ex.grad_numel)
+                av._opened(plan.coordinator, (opening, time.thread_time() - started))
+
+    async def _gather_parts(self, d: Decision, fetches: dict[int, asyncio.Task[Part | None]]) -> list[int]:
+        """Every part, checked against the commit's digests: from its owner, else from the coordinator
+        or any member holding a checked copy (the part re-assigned). The parts still missing."""
+        av, plan = self.av, self.plan
+        await asyncio.wait(list(fetches.values()), timeout=self._left(1.0) + 1.0)
+        missing = []
+        for j, digest in enumerate(d.digests):
+            if j in self.parts:
+                continue
+            got = self.fetched.get(j)
+            if got is not None and await asyncio.to_thread(part_digest, got[0], got[1]) == digest:
+                self.parts[j] = got
+                continue
+            sources = [plan.coordinator] + [pid for pid, _ in plan.members if pid not in (plan.coordinator, av.peer_id)]
+            for pid in sources:
+                if pid == av.peer_id or pid == plan.owners[j]:
+                    continue
+                alt = await self._fetch(j, plan.addr(pid), wait_s=0.0)
+                if alt is not None and await asyncio.to_thread(part_digest, alt[0], alt[1]) == digest:
+                    self.parts[j] = alt
+                    break
+            else:
+                missing.append(j)
+        return missing
+
+    def _second(self, d: Decision) -> None:
+        """After a commit: score this round's slices of this peer's parts into its own window, and second
+        the decision's convictions that its own parts bear out (``SECOND_CLAIMS`` far strikes of the
+        accused's slices against this owner's own among the last ``WINDOW`` committed rounds): the accused
+        is excluded here too (``hostile: ...``), so the stage's progress answers name it from two peers and
+        the trainers stop routing to it (``swarmd.train.verify.excluded_by_stage``). A member that owns no
+        part, or whose parts do not bear it out, does not second: one coordinator alone cannot have a peer
+        excluded by its mates (as one leader cannot: ``accusations``)."""
+        av, plan = self.av, self.plan
+        if not av.convicts():
+            return
+        worst: dict[str, Score] = {}
+        for j in plan.parts_of(av.peer_id):
+            owner = av.owners.get((plan.round_id, j))
+            for pid, sc in (owner.scores.items() if owner is not None else ()):
+                if pid not in worst or sc.far > worst[pid].far:
+                    worst[pid] = sc
+        av.part_strikes.observe({pid: sc for pid, sc in worst.items() if pid not in d.dropped})
+        for pid, why in d.convicted:
+            if pid == av.peer_id or plan.coordinator == av.peer_id or pid in av.suspicions.excluded():
+                continue
+            far = av.part_strikes.far(pid)
+            if far < SECOND_CLAIMS:
+                av.accusations["not_seconded"] += 1
+                log.warning("stage %d step %d: coordinator %s convicted %s (%s); not seconded: %d of its slices of "
+                            "this peer's parts were far from this peer's own lately (%d needed)", plan.stage,
+                            plan.step, plan.coordinator[:12], pid[:12], why, far, SECOND_CLAIMS)
+                continue
+            av.accusations["seconded"] += 1
+            period = av.suspicions.accuse(pid, f"hostile: {far} of its last parts here far from this peer's own "
+                                          f"(seconding coordinator {plan.coordinator[:12]}: {why})",
+                                          base_s=HOSTILE_EXCLUSION_S)
+            log.warning("stage %d step %d: seconded coordinator %s's conviction of %s (%d far parts here); excluded "
+                        "from this peer's rounds for %.0fs", plan.stage, plan.step, plan.coordinator[:12], pid[:12],
+                        far, period)
+
+    def _count_repeats(self) -> None:
+        """On part 0's owner, after the commit: microbatch ids held by two members' gradients, or by
+        this round and the last one it saw (the exactly-once rule's last resort, as the leader's):
+        counted twice, and seen in ``duplicate_microbatches``."""
+        av, plan = self.av, self.plan
+        owner = av.owners.get((plan.round_id, 0)) if plan.owners[0] == av.peer_id else None
+        if owner is None:
+            return
+        av.count_repeats(plan.step, [owner.mbs.get(pid, ()) for pid in sorted(owner.parts)])
+
+    def _check(self, d: Decision) -> str | None:
+        """Why this member refuses the committed mean (the round checks, part by part; off the loop)."""
+        av, plan = self.av, self.plan
+        for j, (mean, used_wire) in sorted(self.parts.items()):
+            if plan.owners[j] == av.peer_id or j not in self.mine:
+                continue
+            try:
+                used = tuple(Used.from_wire(u) for u in used_wire)
+            except ValueError as exc:
+                return f"part {j}'s used list is malformed ({exc})"
+            own, decoded = self.mine[j]
+            why = check_answer(own=own, own_grads=decoded, mean=mean, used=used, total=d.samples,
+                               leader=plan.owners[j], codec=av.executor.training.grad_codec)
+            if why is not None:
+                av.suspicions.accuse(plan.owners[j], why)
+                return f"part {j} (owner {plan.owners[j][:12]}): {why}"
+        return None
+
+
+POLL_S = 5.0  # slack for one control request's round trip on top of its long-poll

@@ -1,0 +1,478 @@
+"""What both sides of a stage's averaging round share (``swarmd.pipeline.averaging.averager`` has the protocol).
+
+The round's messages and outcomes (:class:`RoundResult`, the leader's :class:`_OpenRound`, the
+signed :func:`contribution_message`), the wire-codec choice for gradients, the protocol's timing
+constants, and :class:`AveragerCore`: one peer's state in its stage's rounds, its view of the
+stage-mates (listed, not excluded, proven; polled for progress), and its records of rounds and
+checks for ``/status``. The leader's side is :class:`~swarmd.pipeline.averaging.leader.RoundLeader`,
+the contributor's :class:`~swarmd.pipeline.averaging.contributor.RoundContributor`, and the loop
+that chooses between them :class:`~swarmd.pipeline.averaging.averager.StageAverager` (SWARM section 3.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import aiohttp
+import torch
+
+from swarmd.dht.identity import Identity
+from swarmd.errors import PeerError
+from swarmd.net.client import DataPlaneClient
+from swarmd.net.links import LinkMeter, dials_loopback
+from swarmd.net.messages import AverageReply, ProgressReply
+from swarmd.net.wire import decode_frame, encode_frame
+from swarmd.pipeline.averaging.codec_choice import AUTO, resolve
+from swarmd.pipeline.averaging.patience import CatchUp, RoundPatience
+from swarmd.pipeline.averaging.trust.accusations import Claim, OwnNorms, RecomputedEvidence, StruckClaims
+from swarmd.pipeline.averaging.trust.contribution_proofs import Awaited
+from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch
+from swarmd.pipeline.averaging.trust.recomputation import RECOMPUTE_SHARE
+from swarmd.pipeline.averaging.trust.refusals import Refusal
+from swarmd.pipeline.averaging.trust.round_checks import (
+    StallWatch,
+    Suspicions,
+    Used,
+    tensor_digest,
+)
+from swarmd.pipeline.stage.executor import Contribution, StageExecutor
+from swarmd.pipeline.stage.step_protocol import repeated_microbatches
+from swarmd.tasks import wait_cancelled
+
+if TYPE_CHECKING:
+    from swarmd.net.proof import Prover
+
+# one logger for the whole protocol, whichever module of it speaks
+log = logging.getLogger("swarmd.pipeline.averaging.averager")
+
+
+class StagePeers(Protocol):
+    """The serving stage-mates (peer_id -> data_addr), this peer included; ``fresh``: read now,
+    not from a listing cached for a moment (the daemon's DHT lookup)."""
+
+    def __call__(self, *, fresh: bool = False) -> Awaitable[dict[str, str]]: ...
+
+
+#: A contributor waits this long past ``averaging_timeout_s`` for the leader's answer (upload,
+#: reduction, the optimizer step, download), then takes its gradients back.
+REPLY_SLACK_S = 30.0
+#: A leader commits a round only this soon after the round's deadline; later (it was frozen:
+#: a VM pause, SIGSTOP, swapping), its contributors may have given up and stepped without it,
+#: so it aborts instead. Well below REPLY_SLACK_S: a leader that commits is still awaited.
+COMMIT_GRACE_S = 10.0
+#: How long one poll of a stage-mate's ``/v1/progress`` may take before it counts as silent.
+POLL_TIMEOUT_S = 2.0
+#: A leader holds off its next round for the contributors of its last one while they apply its answer
+#: (``patience.CatchUp``) for the stage's patience, and at most this long.
+CATCH_UP_MAX_S = 10.0
+#: A round does not start while a few stage-mates never challenged before are being proven, at
+#: most this long (once per new identity: a failed one backs off and is not waited for again).
+FIRST_PROOF_WAIT_S = 2.0
+#: ... and only when at most this many are new at once: a joining honest peer or two, not a flood
+#: of minted identities (those are proven in the background while rounds go on without them).
+FIRST_PROOF_WAIT_MAX = 8
+#: At most one warning per peer and reason in this many seconds (a liar must not flood the log).
+LOG_EVERY_S = 30.0
+
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    status: Literal["ok", "aborted"]
+    step: int
+    samples: int  # total samples averaged
+    contributors: int
+    mean_grads: torch.Tensor | None  # flat float32, on "ok": exactly what every peer applies
+    reply: bytes | None = None  # the leader's answer frame on "ok", encoded once for all contributors
+    used: tuple[Used, ...] | None = None  # the contributions the mean holds (published in the answer)
+    reason: str | None = None  # why this contribution was turned away, when it was
+
+    def to_reply(self, stage: int) -> AverageReply:
+        """The ``POST /v1/average`` answer that says this outcome."""
+        return AverageReply(stage=stage, status=self.status, step=self.step, samples=self.samples,
+                            contributors=self.contributors, grads=self.mean_grads,
+                            used=tuple((u.peer_id, u.samples, u.digest, u.norm) for u in self.used)
+                            if self.used is not None else None, reason=self.reason)
+
+
+def _aborted(step: int, reason: str | None = None) -> RoundResult:
+    return RoundResult("aborted", step, 0, 0, None, reason=reason)
+
+
+@dataclass
+class _OpenRound:
+    """The leader's side of one round."""
+
+    step: int
+    expected: set[str]
+    deadline: float
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # of the contributions' gradients, as decoded here
+    codecs: dict[str, str] = field(default_factory=dict)  # the codec each contribution came with
+    claims: dict[str, tuple[bytes, Claim]] = field(default_factory=dict)  # signed contributions: key, claim
+    refused: dict[str, Refusal] = field(default_factory=dict)  # contributions the reduction refused, and why
+    refused_samples: int = 0  # their samples (kept by their senders)
+    convicted: dict[str, str] = field(default_factory=dict)  # peers the reduction convicted (reduction)
+    clipped: tuple[str, ...] = ()  # contributions whose influence the robust mean cut
+    struck: tuple[str, ...] = ()  # contributions counted for their samples but left out of the mean
+    sketched: dict[str, Awaited] = field(default_factory=dict)  # contributions sketched to check openings against
+    sketch_cpu_s: float = 0.0  # what sketching them cost
+    # the inputs each contribution came with: (mb, activations, targets)s, parameters' digest, precision
+    inputs: dict[str, tuple[tuple[tuple[int, torch.Tensor, torch.Tensor], ...], str, str]] = field(default_factory=dict)
+    closed: bool = False  # reduced: the mean is fixed, a contribution arriving now is turned away
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    result: asyncio.Future[RoundResult] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def lone_mean(grads: torch.Tensor, samples: int) -> torch.Tensor:
+    """The mean of one peer's float32 gradient sum over ``samples``, bit for bit what the round's
+    float64 path gives for a lone contribution (``((zeros + grads) / samples).float()``), in
+    one float32 copy (see :meth:`StageAverager._reduce_alone`)."""
+    return torch.add(grads, 0.0).div_(samples)
+
+
+def _as_decoded(grads: torch.Tensor | None, codec: str) -> tuple[torch.Tensor | None, str]:
+    """``grads`` as the leader will decode them from a frame sent with ``codec``, and their digest."""
+    if grads is None:
+        return None, ""
+    if codec != "none":
+        grads = decode_frame(encode_frame("grads", {}, {"grads": grads}, codec)).tensors["grads"]
+    return grads, tensor_digest(grads)
+
+
+# float16's largest finite value is 65504; anything from 65520 up rounds to inf
+_FP16_LIMIT = 65504.0
+
+
+def _wire_codec(grads: torch.Tensor, codec: str, links: LinkMeter | None = None, addr: str = "") -> str:
+    """The codec to send ``grads`` with to ``addr``: the swarm's ``grad_codec`` (under ``auto``, the one
+    ``codec_choice`` picks for the link to ``addr`` as ``links`` measured it), except that gradients
+    float16 cannot carry (overflow to inf, which the leader would refuse) go uncompressed. Each
+    frame names its codec, so the receiver needs no agreement on it."""
+    if codec == AUTO:
+        link = links.estimate(addr) if links is not None else None
+        codec = resolve(codec, grads.numel(), link.bytes_per_s if link is not None else None,
+                        loopback=links.is_local(addr) if links is not None else dials_loopback(addr))
+    if codec == "fp16" and grads.numel() and float(grads.abs().max()) > _FP16_LIMIT:
+        return "none"
+    return codec
+
+
+class AveragerCore:
+    """One peer's state in its stage's rounds, its view of the stage-mates, and its records."""
+
+    def __init__(
+        self,
+        executor: StageExecutor,
+        *,
+        peer_id: str,
+        stage_peers: StagePeers,
+        session: aiohttp.ClientSession,
+        poll_s: float = 0.05,
+        on_behind: Callable[[int], Awaitable[None]] | None = None,
+        identity: Identity | None = None,
+        prover: Prover | None = None,
+        exclude: Callable[[], set[str]] | None = None,
+        suspicions: Suspicions | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """``session``: the daemon's (signed in a private swarm); the averager talks to its
+        stage-mates through a :class:`DataPlaneClient` on it and leaves it open.
+
+        ``identity``: signs this peer's contributions, and makes it refuse unsigned ones (None:
+        neither, for tests of the reduction alone). ``prover``: the daemon's proofs of its peers
+        (``swarmd.net.proof``); with it, only proven stage-mates are polled, waited for, led by
+        or accepted (None: every listed stage-mate is trusted). ``exclude``: peers excluded from
+        elsewhere (the trainers' reports), treated as this averager's own excluded peers.
+        ``on_round``: told of every round this peer recorded (``last_round``, with its ``duration_s``),
+        for the daemon's ``swarmd_averaging_round_duration_seconds``."""
+        self.executor = executor
+        self.peer_id = peer_id
+        self.stage_peers = stage_peers
+        self.session = session
+        self.client = DataPlaneClient(session=session)
+        self.poll_s = poll_s
+        self.on_behind = on_behind
+        self.identity = identity
+        self.prover = prover
+        self.exclude = exclude or set
+        self.suspicions = suspicions or Suspicions()
+        self.on_round = on_round
+        self.rounds_ok = 0
+        self.rounds_aborted = 0
+        self.control_requests: Counter[str] = Counter()  # averaging requests without gradients sent, by kind
+        self.rounds_refused = 0  # answers of a leader this peer refused to apply
+        self.codecs_sent: Counter[str] = Counter()  # gradients this peer sent (contributions, parts), by codec
+        self.leaders_refused: Counter[str] = Counter()  # by leader peer id
+        self.leaders_stalling: Counter[str] = Counter()  # leaders accused of aborting every round, by peer id
+        self.stalls = StallWatch()
+        self.contributions_refused: Counter[str] = Counter()  # by reason (outlier, unproven, unsigned, ...)
+        self.refused_samples = 0  # samples of contributions this leader refused
+        self.hostile = HostileWatch()  # strikes of the contributions this peer scored as leader (issue #29)
+        self.hostile_convictions: Counter[str] = Counter()  # peers convicted of hostile contributions
+        self.contributions_clipped = 0  # contributions whose influence the robust mean cut, in rounds led
+        self.contributions_struck = 0  # contributions left out of the mean as hostile-looking, in rounds led
+        # a conviction's evidence, and what this peer seconds others' with (swarmd.pipeline.averaging.trust.accusations)
+        self.struck_claims = StruckClaims()
+        self.own_norms = OwnNorms()
+        self.accusations: Counter[str] = Counter()  # sent, seconded, not_seconded, refused (bad evidence)
+        # opened contributions (swarmd.pipeline.averaging.trust.openings): sent; as leader ok, missing, bad,
+        # inconsistent
+        self.openings: Counter[str] = Counter()
+        self._due_openings: dict[str, bytes] = {}  # leader -> this peer's opening of its last contribution there
+        self._awaited: dict[str, Awaited] = {}  # contributor -> its last contribution here, sketched
+        self._opening_convictions: dict[str, str] = {}  # convicted on openings since the last round recorded
+        self._owing: dict[str, int] = {}  # contributor -> the step of its contribution that came without its opening
+        # the step -> parameters' digest and precision of the inputs this peer shipped with its contribution (its
+        # opening signs them), and the convictions by recomputation it checked for stage-mates (accuser)
+        self._shipped_at: dict[int, tuple[str, str]] = {}
+        self._rechecked: dict[tuple[str, int], None] = {}
+        self._recheck_queue: deque[tuple[RecomputedEvidence, Callable[[], object]]] = deque()
+        self._sent_codec = "none"  # the codec of this peer's last contribution
+        # sketching (both sides), openings sent, the largest gap of a consistent opening checked here
+        # and the recomputations of sampled microbatches (wall seconds on the leader, input bytes shipped, the
+        # largest gap of an honest recomputed part: swarmd.pipeline.averaging.trust.recomputation)
+        self.opening_costs: dict[str, float] = {"cpu_s": 0.0, "bytes": 0.0, "max_gap": 0.0, "recompute_s": 0.0,
+                                                "recomputed_samples": 0.0, "input_bytes": 0.0,
+                                                "max_recompute_gap": 0.0, "max_extra_share": 0.0}
+        # the share of its contributors' samples a leader recomputes, in expectation (recomputation)
+        self.recompute_share = RECOMPUTE_SHARE
+        # microbatch ids two contributions to a round this peer led both held: counted twice, seen
+        # (the exactly-once rule's last resort, swarmd.pipeline.stage.step_protocol)
+        self.duplicate_microbatches = 0
+        self.patience = RoundPatience()  # how long rounds wait for contributors (issue #18)
+        self.catch_up = CatchUp()  # the last round's contributors, still applying its answer, are waited for
+        self.silent_contributors = 0  # expected contributors that never came (then excluded)
+        self._led_mbs: tuple[int, frozenset[int]] = (-1, frozenset())  # the step and ids of the last round led
+        self.last_round: dict[str, Any] | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=256)  # recent rounds this peer took part in
+        self._leader_view: str | None = None
+        self._round: _OpenRound | None = None
+        self._suspects: dict[str, float] = {}  # leaders that failed us, excluded until this time
+        self._tasks: set[asyncio.Task[None]] = set()  # rounds opened by a stage-mate's request; proofs
+        self._proving: asyncio.Task[None] | None = None
+        self._mates_samples = 0  # what the stage-mates held at this step, as last polled
+        self._mates: dict[str, str] = {}  # the stage-mates last listed (for /status: how many are unproven)
+        self._logged: dict[tuple[str, str], float] = {}
+        self._own_addr = ""  # this peer's address, as the stage's records list it
+
+    def count_repeats(self, step: int, groups: list[Collection[int]]) -> None:
+        """The microbatch ids of a round this peer led (one group per contribution, peer-id order):
+        ids two groups hold, or the last round led (``step - 1``) held too, were counted twice. The
+        step weighs them twice; they are counted in ``duplicate_microbatches`` and logged (the
+        exactly-once rule's last resort, ``swarmd.pipeline.stage.step_protocol``)."""
+        last_step, last_ids = self._led_mbs
+        repeated = repeated_microbatches([*groups, last_ids] if last_step == step - 1 else groups)
+        self._led_mbs = (step, frozenset(m for g in groups for m in g))
+        if repeated:
+            self.duplicate_microbatches += len(repeated)
+            log.warning("stage %d step %d: %d microbatch(es) were counted by two peers (a lost backward answer "
+                        "whose peer could not be asked); the step weighs them twice",
+                        self.executor.stage, step, len(repeated))
+
+    def _own(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run ``coro`` as a task this averager owns: cancelled and awaited by :meth:`close`."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        """Cancel and await the rounds this peer leads on behalf of others and its proofs; stop the
+        client's codec threads (the session is the daemon's)."""
+        tasks = set(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await wait_cancelled(tasks, f"an averaging task of stage {self.executor.stage}")
+        await self.client.close()
+
+    @property
+    def target(self) -> int:
+        return self.executor.training.target_batch_size
+
+    @property
+    def timeout_s(self) -> float:
+        return self.executor.training.averaging_timeout_s
+
+    def excluded(self) -> set[str]:
+        """Peers this stage does not average with now: caught by the round checks, or excluded by
+        the trainers' reports (``exclude``)."""
+        return self.suspicions.excluded() | set(self.exclude())
+
+    def distrusted(self) -> set[str]:
+        """Peers this one must not take state from: excluded now, or caught lying to it lately
+        (``Suspicions.offenders``) -- a refused leader stepped on its own lie, and its state is that."""
+        return self.excluded() | self.suspicions.offenders()
+
+    def checks_status(self) -> dict[str, Any]:
+        """The round checks' counts for ``/status`` (``averaging``)."""
+        out: dict[str, Any] = {
+            "rounds_refused": self.rounds_refused,
+            "leaders_refused": dict(self.leaders_refused),
+            "leaders_stalling": dict(self.leaders_stalling),
+            "contributions_refused": dict(self.contributions_refused),
+            "refused_samples": self.refused_samples,
+            "hostile_convictions": dict(self.hostile_convictions),
+            "contributions_clipped": self.contributions_clipped,
+            "contributions_struck": self.contributions_struck,
+            "accusations": dict(self.accusations),
+            "openings": dict(self.openings),
+            "duplicate_microbatches": self.duplicate_microbatches,
+            "silent_contributors": self.silent_contributors,
+            "excluded": self.suspicions.status(),
+            "excluded_by_reports": sorted(self.exclude()),
+            "control_requests": dict(self.control_requests),
+            "codecs_sent": dict(self.codecs_sent),
+            "links_mbit_s": {a: round(e.bytes_per_s * 8 / 1e6, 1) for a, e in self.client.links.snapshot().items()},
+        }
+        if self.prover is not None:
+            out["proofs"] = self.prover.table.status(self._mates)
+        return out
+
+    def progress(self) -> ProgressReply:
+        """This peer's answer to ``GET /v1/progress`` while it takes part in rounds."""
+        ex = self.executor
+        rnd = self._round
+        open_ = rnd is not None and not rnd.result.done()  # not answered yet
+        snapshot = ex.progress_snapshot  # step and digest of one moment
+        return ProgressReply(
+            peer_id=self.peer_id,
+            stage=ex.stage,
+            step=snapshot.step,
+            samples=ex.grad_samples + ex.out_samples,  # held, whether accumulating or out for averaging
+            averaging=ex.averaging,
+            leader=self._leader_view,
+            round=rnd.step if rnd is not None and open_ and not rnd.closed else None,  # open here to contributions
+            # the open round: whom it waits for, and the samples of those already in
+            round_expected=tuple(sorted(rnd.expected)) if rnd is not None and open_ else None,
+            round_contributors=({pid: c.samples for pid, c in sorted(rnd.contributions.items())}
+                                if rnd is not None and open_ else None),
+            dropped_samples=ex.dropped_samples,  # discarded by adopting a stage-mate's state (resync)
+            target_batch_size=self.target,
+            params_digest=snapshot.digest,
+        )
+
+    async def _trusted_mates(self) -> dict[str, str]:
+        """The stage-mates (not this peer) this peer averages with: listed, not excluded, proven."""
+        mates = await self.stage_peers()
+        self._own_addr = mates.pop(self.peer_id, "")
+        excluded = self.excluded()
+        mates = {pid: addr for pid, addr in mates.items() if pid not in excluded}
+        self._mates = mates
+        if self.prover is None:
+            return mates
+        prover = self.prover
+        fresh = [pid for pid, addr in mates.items() if prover.table.due(pid, addr) and not prover.table.tried(pid)]
+        task = self._prove(mates)
+        if fresh and len(fresh) <= FIRST_PROOF_WAIT_MAX and task is not None:  # new: a moment to prove themselves
+            await asyncio.wait({task}, timeout=FIRST_PROOF_WAIT_S)
+        return {pid: mates[pid] for pid in prover.proven(mates)}
+
+    async def _newly_listed(self) -> bool:
+        """Whether a fresh read of the stage's listing names a stage-mate (not excluded) that the
+        last one did not. Asked before a round of this peer alone: stage-mates that began serving
+        within the listing's cache age may hold samples of this step (trainers route to a peer as
+        soon as its record is out), and a lone step would leave them behind together, where the
+        rule of :meth:`_tick` keeps them (two of them outnumber the one ahead) for good."""
+        listed = await self.stage_peers(fresh=True)
+        listed.pop(self.peer_id, None)
+        excluded = self.excluded()
+        return any(pid not in self._mates and pid not in excluded for pid in listed)
+
+    def _prove(self, mates: dict[str, str]) -> asyncio.Task[None] | None:
+        """Challenge the due stage-mates in a task this averager owns (one at a time); the task."""
+        prover = self.prover
+        if prover is None:
+            return None
+        if self._proving is not None and not self._proving.done():
+            return self._proving
+        due = prover.due(mates)
+        if not due:
+            return None
+
+        async def prove() -> None:
+            await prover.prove_all(due, stage=self.executor.stage)
+
+        task = self._proving = self._own(prove(), "swarmd-prove")
+        return task
+
+    async def _poll(self, mates: dict[str, str]) -> dict[str, ProgressReply]:
+        """The progress of the stage-mates that answered and take part in this stage's rounds."""
+
+        async def one(pid: str, addr: str) -> tuple[str, ProgressReply | None]:
+            try:
+                body = await self.client.progress(addr, timeout_s=POLL_TIMEOUT_S)
+            except PeerError:  # silent, refusing or unreadable: not part of this round
+                return pid, None
+            # a peer leaving the stage (away) takes no part in its rounds; nor one that answers for another
+            ok = not body.away and body.stage == self.executor.stage and body.peer_id in (None, pid)
+            return pid, body if ok else None
+
+        self.control_requests["progress"] += len(mates)
+        answers = await asyncio.gather(*(one(pid, addr) for pid, addr in mates.items()))
+        return {pid: body for pid, body in answers if body is not None}
+
+    def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
+                reason: str | None = None, refused: dict[str, str] | None = None,
+                started: float | None = None, clipped: tuple[str, ...] = (), struck: tuple[str, ...] = (),
+                convicted: dict[str, str] | None = None) -> None:
+        """Keep the round in ``last_round``/``history`` (``duration_s``: from taking this peer's
+        contribution to the outcome, leader or contributor) and tell ``on_round``."""
+        self.last_round = {
+            "status": status or result.status,
+            "step": result.step,
+            "leader": leader,
+            "samples": result.samples,
+            "contributors": result.contributors,
+            "missing": missing,
+        }
+        if reason is not None:
+            self.last_round["reason"] = reason
+        if refused:
+            self.last_round["refused"] = refused
+        if clipped:
+            self.last_round["clipped"] = list(clipped)  # contributions whose influence the robust mean cut
+        if struck:
+            self.last_round["struck"] = list(struck)  # counted for their samples, left out of the mean
+        if convicted:
+            self.last_round["convicted"] = convicted  # peers convicted of hostile contributions by this round
+        if leader == self.peer_id and result.used is not None:
+            self.last_round["used"] = {u.peer_id: u.samples for u in result.used}  # whose samples the mean holds
+        if started is not None:
+            self.last_round["duration_s"] = round(time.monotonic() - started, 6)
+        self.history.append(self.last_round)
+        if self.on_round is not None:
+            self.on_round(self.last_round)
+        log.info("stage %d step %d: round %s with %d samples from %d peer(s)%s%s",
+                 self.executor.stage, result.step, status or result.status, result.samples, result.contributors,
+                 f", missing {len(missing)}" if missing else "", f", refused {len(refused)}" if refused else "")
+
+    def accuse_silent(self, peer_ids: Iterable[str], step: int, what: str) -> None:
+        """Exclude stage-mates that a round waited for in vain (issue #18: a proof shows a peer holds its
+        identity, not that it will contribute), with the growing periods of the round checks; ``what``:
+        what each one failed to do. The leader's expected contributors that never came and the
+        all-reduce's members and mates that never sent their parts or reports (``patience``)."""
+        excluded = self.suspicions.excluded()  # already (a peer convicted while the round was open): not "silent"
+        for pid in sorted(set(peer_ids) - excluded - {self.peer_id}):
+            period = self.suspicions.accuse(pid, f"silent: {what}")
+            self.silent_contributors += 1
+            self._warn(pid, "silent", "stage %d step %d: stage-mate %s %s; excluded from this stage's rounds for "
+                       "%.0fs", self.executor.stage, step, pid[:12], what, period)
+
+    def _warn(self, peer_id: str, reason: str, msg: str, *args: Any) -> None:
+        """A warning at most once per peer and reason every LOG_EVERY_S."""
+        now = time.monotonic()
+        if now - self._logged.get((peer_id, reason), -1e9) < LOG_EVERY_S:
+            return
+        self._logged[(peer_id, reason)] = now
+        if len(self._logged) > 4096:
+            self._logged.pop(next(iter(self._logged)))
+        log.warning(msg, *args)
+
+

@@ -1,0 +1,365 @@
+"""Accountable averaging contributions: a contributor opens its contribution after the round (issue #29, item 3).
+
+A contribution claims to be the sum of the gradients of the microbatches its sender served. The
+robust mean bounds what a false one does (``robust_aggregation``), and a far one is convicted on its
+signed norm (``accusations``); but a contribution that is the true gradient with its sign flipped has
+an honest norm, and judging its direction against the others convicts honest peers (an earlier stage's
+directions follow the next stage's input gradients) with evidence nobody else can check
+(docs/BENCHMARKS.md, "The sign-flip liar"). This module makes the claim itself checkable.
+
+**The opening.** While computing, a last-stage peer keeps each microbatch's parameter gradient
+``g_i`` apart (``step_protocol.GradientAccumulator`` with ``keep_parts``), and whatever its
+contribution holds that no microbatch of its own explains (gradients handed in by a leaving peer, the
+error-feedback residual of a lossy codec) as ``extra`` parts. It sends its contribution ``c`` as
+always. Only once the round is answered is the projection fixed: its seed (:func:`proof_seed`) hashes
+the stage, the step, the leader, the leader's own contribution's digest (published in the answer's
+``used`` list; the contributor cannot know it when it sends ``c``) and ``c``'s digest. The contributor
+then signs an :class:`Opening`: ``p_i = R g_i`` for every microbatch, ``e = R (sum of extra)``, and
+``s = R c`` (``c`` as the leader decoded it), where ``R`` is a CountSketch of ``K`` signed buckets
+drawn from the seed (:func:`sketch`: each coordinate goes to one bucket with a random sign, so ``R x``
+costs one pass over ``x`` and ``R`` is linear). It rides to the leader with the contributor's next
+contribution (no new endpoint, no extra round trip).
+
+**The checks.** By linearity an honest opening has ``sum_i p_i + e == s`` up to float32 rounding (the
+accumulator's float32 sums and the sketch's float32 buckets: ~1e-6 measured, tolerance :data:`TOLERANCE`; a
+lossy codec's quantisation moves ``s``, tolerance per codec: :data:`CODEC_TOLERANCE`). A peer that sent ``-c`` and
+opened its true microbatches signs ``s = -(sum p_i + e)``: a gap of 1.0 on the scale below, and a
+statement **anyone can check from the signed opening alone** (:func:`inconsistency`): no gradient, no
+parameters, no trust in the leader. So the leader convicts and its stage-mates second
+(``accuser``), as for a far contribution. The leader also checks what only it can: that
+``s`` is the sketch of the ``c`` it received (:func:`sketch` of the decoded gradients at reduce time)
+and that the parts sum to the signed total; failing those, the contribution is refused and the peer
+excluded from this leader's rounds (not seconded: the proof needs ``c``).
+
+**What it costs.** Memory: one float32 copy of the stage's gradients per microbatch held (``m x
+|grads|``, the last stage only; ``m`` is 1-2 on the default fixtures), plus one for a residual. Compute:
+a contributor sketches ``m + 2`` vectors of ``|grads|`` after each round (one ``index_add`` pass each,
+plus drawing ``|grads|`` bucket indices); the leader sketches each contribution it receives once.
+Traffic: ``(m + 3) * K`` float64 values and a signature per round (~0.5-1 KB against the gradients'
+``4 |grads|`` bytes).
+
+**What it does not catch on its own**: a liar that opens false parts consistent with its false ``c``
+(``p_i = -R g_i``): a leader recomputes one sampled microbatch's ``g_j`` from the inputs shipped with the
+contribution, on the step's parameters, and compares ``R g_j`` with the signed ``p_j``
+(``recomputation``); a liar that moves its lie into ``extra`` (unbounded here). One that never opens
+is not convicted, but its contributions are left out of every mean after its first
+(``openings``). The first and last stage differ: only the last stage opens (an earlier
+stage's gradients follow input gradients another peer answered, so a recomputation would have to use
+the trainer's copy of them).
+
+Pure: seeds, sketches, the wire form (every byte hostile: ``RequestError``) and the checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from swarmd.dht.identity import PEER_ID_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
+from swarmd.errors import RequestError
+from swarmd.net.messages.averaging import MAX_OPENING_BYTES
+from swarmd.pipeline.reports import unpack_bounded
+
+__all__ = ["CHUNK", "CODEC_TOLERANCE", "K", "LOSSY_TOLERANCE", "MAX_OPENING_BYTES", "MAX_PARTS", "TOLERANCE",
+           "Awaited", "Opening", "OpeningEvidence", "gap", "inconsistency", "parts_digest", "proof_seed", "sketch",
+           "tolerance"]
+
+#: Buckets of the sketch. A flipped contribution's gap does not depend on it; more buckets only make the
+#: sketch of a small lie less likely to vanish (a lie ``d`` has ``||R d|| ~ ||d||``, spread over ``K``).
+K = 16
+#: Coordinates drawn and summed at a time (bounds the sketch's scratch memory to ~16 MB).
+CHUNK = 1 << 20
+#: ``gap`` an honest opening stays under with exact gradients (``none``): float32 sums and float32 buckets
+#: differ by ~1e-6 relative.
+TOLERANCE = 1e-3
+#: ... and with a lossy codec, whose quantisation error is in ``s`` alone. Honest gaps measured on heavy-tailed
+#: random gradients (``tests/unit/test_contribution_proofs.py``): fp16 1.3e-4, 8bit 0.014, 4bit 0.044, 5level
+#: 0.25; a sign flip's gap stays near 1.0 under every codec. A codec this build does not know: the loosest.
+CODEC_TOLERANCE = {"none": TOLERANCE, "fp16": 2e-3, "8bit": 0.1, "4bit": 0.25, "5level": 0.6}
+LOSSY_TOLERANCE = max(CODEC_TOLERANCE.values())
+#: Most microbatch parts an opening carries (as ``AverageRequest``'s ``mbs``).
+MAX_PARTS = 256
+MAX_EVIDENCE_BYTES = 1400
+_SEED_DOMAIN = b"swarmd-proof-seed/1\x00"
+_OPENING_DOMAIN = b"swarmd-opening/1\x00"
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class Awaited:
+    """A contribution a leader sketched at its reduction, whose opening it expects with the next one."""
+
+    step: int
+    digest: str
+    codec: str
+    sent: tuple[float, ...]  # its sketch under the contribution's seed
+    # the microbatches whose inputs came with it (None: none came), the one the leader drew and recomputed, and
+    # the recomputed gradient's sketch under the same seed (None: not recomputed; ``recomputation``)
+    input_mbs: frozenset[int] | None = None
+    unexplained: int | None = None  # its samples no shipped microbatch holds (None: none shipped)
+    sampled: int | None = None
+    recomputed: tuple[float, ...] | None = None
+    # what its opening must sign of the recomputation (``Opening.ins``, ``at``, ``lead``): the shipped inputs'
+    # digests by microbatch, the parameters' digest and precision they ran at, this leader's own digest (the
+    # seed's); and the drawn microbatch's inputs, the evidence a conviction shows the stage-mates
+    input_digests: tuple[tuple[int, str], ...] = ()
+    at: tuple[str, str] | None = None
+    lead: str = ""
+    sampled_inputs: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+
+def proof_seed(stage: int, step: int, leader: str, leader_digest: str, digest: str) -> int:
+    """The sketch's seed for one contribution: fixed only by the round's answer (the leader's digest)."""
+    raw = hashlib.sha256(_SEED_DOMAIN + msgpack.packb([stage, step, leader, leader_digest, digest])).digest()
+    return int.from_bytes(raw[:8], "big") & (2**63 - 1)
+
+
+def sketch(vectors: Sequence[torch.Tensor | None], seed: int, numel: int, k: int = K) -> torch.Tensor:
+    """``R x`` for each flat vector (None: zeros), float64 ``[len(vectors), k]``: a CountSketch drawn from
+    ``seed`` (coordinate ``j`` goes to bucket ``b_j`` with sign ``s_j``; ``(R x)_b = sum_{b_j = b} s_j x_j``).
+    The indices come from torch's CPU generator, drawn in chunks; the sums are float32 within a chunk, so two
+    peers' sketches of one vector agree to float32 rounding (the checks' tolerances are far above it)."""
+    gen = torch.Generator().manual_seed(seed)
+    acc = torch.zeros(len(vectors), 2 * k, dtype=torch.float64)
+    for lo in range(0, numel, CHUNK):
+        hi = min(numel, lo + CHUNK)
+        idx = torch.randint(0, 2 * k, (hi - lo,), generator=gen)
+        for row, v in enumerate(vectors):
+            if v is not None:
+                # float32 within a chunk (float64 index_add is ~200x slower on CPU: 19 ms against 0.09 ms for
+                # 66k values), float64 across chunks: relative error ~1e-5 at most, against TOLERANCE 1e-3
+                part = torch.zeros(2 * k, dtype=torch.float32).index_add_(0, idx, v[lo:hi].to("cpu", torch.float32))
+                acc[row] += part.to(torch.float64)
+    return acc[:, 0::2] - acc[:, 1::2]
+
+
+def tolerance(codec: str) -> float:
+    return CODEC_TOLERANCE.get(codec, LOSSY_TOLERANCE)
+
+
+def _norm(v: Sequence[float]) -> float:
+    return math.sqrt(sum(x * x for x in v))
+
+
+def gap(total: Sequence[float], extra: Sequence[float], sent: Sequence[float]) -> float:
+    """``||s - (t + e)|| / (||s|| + ||t + e||)``: 0 for an honest opening, 1 for a sign flip, in [0, 1]."""
+    explained = [t + e for t, e in zip(total, extra, strict=True)]
+    scale = _norm(sent) + _norm(explained)
+    if scale == 0:
+        return 0.0
+    return _norm([s - x for s, x in zip(sent, explained, strict=True)]) / scale
+
+
+def _floats(value: object, k: int, what: str) -> tuple[float, ...]:
+    if not (isinstance(value, list) and len(value) == k and all(type(x) is float and math.isfinite(x) for x in value)):
+        raise RequestError(f"an opening's {what} must be {k} finite floats")
+    return tuple(value)
+
+
+def _peer(value: object, what: str) -> str:
+    if not (isinstance(value, str) and len(value) == 2 * PEER_ID_BYTES and set(value) <= _HEX):
+        raise RequestError(f"an opening's {what} must be a peer id")
+    return value
+
+
+def _digest(value: object, what: str) -> str:
+    if not (isinstance(value, str) and len(value) == 64 and set(value) <= _HEX):
+        raise RequestError(f"an opening's {what} must be 64 hex characters")
+    return value
+
+
+def _int(value: object, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= 2**53:
+        raise RequestError(f"an opening's {what} must be a non-negative integer")
+    return value
+
+
+def parts_digest(mbs: Sequence[int], parts: Sequence[Sequence[float]], ins: Sequence[str] = (),
+                 at: Sequence[str] = (), lead: str = "") -> str:
+    """What an opening's signature covers of its per-microbatch sketches (the evidence leaves them out), and
+    of what a recomputation needs (``ins``, ``at``, ``lead``: :class:`Opening`; an opening without them
+    digests as before they existed)."""
+    fields: list[object] = [list(mbs), [list(p) for p in parts]]
+    if ins or at or lead:
+        fields += [list(ins), list(at), lead]
+    return hashlib.sha256(msgpack.packb(fields)).hexdigest()
+
+
+@dataclass(frozen=True)
+class OpeningEvidence:
+    """An opening without its per-microbatch parts (they are signed through ``parts_digest``): what a
+    leader shows its stage-mates, small enough for a report, and enough to check :func:`inconsistency`."""
+
+    stage: int
+    step: int
+    peer_id: str
+    leader: str
+    digest: str  # of the contribution as the leader decoded it
+    codec: str
+    parts_digest: str
+    total: tuple[float, ...]  # sum of the parts' sketches
+    extra: tuple[float, ...]  # sketch of what no own microbatch explains
+    sent: tuple[float, ...]  # sketch of the contribution
+    key: bytes
+    signature: bytes
+
+    def message(self) -> bytes:
+        return _OPENING_DOMAIN + msgpack.packb(
+            [self.stage, self.step, self.peer_id, self.leader, self.digest, self.codec, self.parts_digest,
+             list(self.total), list(self.extra), list(self.sent)], use_bin_type=True)
+
+    def _fields(self) -> dict[str, object]:
+        return {"stage": self.stage, "step": self.step, "peer_id": self.peer_id, "leader": self.leader,
+                "digest": self.digest, "codec": self.codec, "parts_digest": self.parts_digest,
+                "total": list(self.total), "extra": list(self.extra), "sent": list(self.sent),
+                "key": self.key, "sig": self.signature}
+
+    def encode(self) -> bytes:
+        return msgpack.packb(self._fields(), use_bin_type=True)
+
+    @classmethod
+    def _from_fields(cls, fields: dict[str, object]) -> OpeningEvidence:
+        codec, key, sig = fields["codec"], fields["key"], fields["sig"]
+        if not (isinstance(codec, str) and 0 < len(codec) <= 16):
+            raise RequestError("an opening's codec must be a codec's name")
+        if type(key) is not bytes or len(key) != PUBLIC_KEY_BYTES:
+            raise RequestError(f"an opening's key must be a {PUBLIC_KEY_BYTES}-byte ed25519 public key")
+        if type(sig) is not bytes or len(sig) != SIGNATURE_BYTES:
+            raise RequestError(f"an opening's signature must be {SIGNATURE_BYTES} bytes")
+        return cls(stage=_int(fields["stage"], "stage"), step=_int(fields["step"], "step"),
+                   peer_id=_peer(fields["peer_id"], "peer_id"), leader=_peer(fields["leader"], "leader"),
+                   digest=_digest(fields["digest"], "digest"), codec=codec,
+                   parts_digest=_digest(fields["parts_digest"], "parts_digest"),
+                   total=_floats(fields["total"], K, "total"), extra=_floats(fields["extra"], K, "extra"),
+                   sent=_floats(fields["sent"], K, "sent"), key=key, signature=sig)
+
+    @classmethod
+    def decode(cls, raw: object) -> OpeningEvidence:
+        if type(raw) is not bytes or not 0 < len(raw) <= MAX_EVIDENCE_BYTES:
+            raise RequestError(f"an opening's evidence must be 1..{MAX_EVIDENCE_BYTES} bytes of msgpack")
+        fields = unpack_bounded(raw, "an opening's evidence", MAX_EVIDENCE_BYTES, max_array_len=K, max_map_len=12)
+        if not isinstance(fields, dict) or set(fields) != set(_EVIDENCE_KEYS):
+            raise RequestError("an opening's evidence must be a map of " + ", ".join(_EVIDENCE_KEYS))
+        evidence = cls._from_fields(fields)
+        if evidence.encode() != raw:
+            raise RequestError("an opening's evidence is not in its canonical encoding")
+        return evidence
+
+    def verify(self, stage: int, accused: str) -> None:
+        """Signed by ``accused`` (its key hashing to that id), for ``stage``; ``RequestError`` when not."""
+        if self.stage != stage or self.peer_id != accused:
+            raise RequestError("an opening must be the accused's, of this stage")
+        if peer_id_of(self.key) != accused:
+            raise RequestError("an opening's key is not the accused's")
+        if not verify(self.key, self.message(), self.signature):
+            raise RequestError("an opening is not signed by the peer it names")
+
+
+_EVIDENCE_KEYS = ("stage", "step", "peer_id", "leader", "digest", "codec", "parts_digest", "total", "extra", "sent",
+                  "key", "sig")
+
+
+def inconsistency(evidence: OpeningEvidence) -> str | None:
+    """Why the signed opening contradicts itself (None: it does not): its contribution's sketch is not
+    the sum of its parts' (module docstring; checkable by anyone, signatures checked first)."""
+    g = gap(evidence.total, evidence.extra, evidence.sent)
+    if g <= tolerance(evidence.codec):
+        return None
+    return (f"unaccountable contribution: its signed opening of step {evidence.step} shows a contribution whose "
+            f"sketch is {g:.3f} away from the sum of its microbatches' (tolerance {tolerance(evidence.codec):g}"
+            f"{'' if evidence.codec == 'none' else ', codec ' + evidence.codec})")
+
+
+@dataclass(frozen=True)
+class Opening:
+    """A contributor's full opening of one round's contribution: the evidence's fields plus the
+    per-microbatch sketches (``mbs[i]`` -> ``parts[i]``) the leader keeps for a recomputation check.
+
+    When the contribution shipped its microbatches' inputs (``recomputation``), the opening also signs
+    (through ``parts_digest``) what a stage-mate needs to recompute one of them itself: ``ins[i]``, the
+    digest of ``mbs[i]``'s inputs (``recomputation.inputs_digest``), ``at``, the parameters' digest and the
+    precision they ran at, and ``lead``, the leader's digest its seed hashes (:func:`proof_seed`). Else all
+    three are empty."""
+
+    evidence: OpeningEvidence
+    mbs: tuple[int, ...]
+    parts: tuple[tuple[float, ...], ...]
+    ins: tuple[str, ...] = ()
+    at: tuple[str, ...] = ()
+    lead: str = ""
+
+    @classmethod
+    def signed(cls, identity: Identity, *, stage: int, step: int, peer_id: str, leader: str, digest: str, codec: str,
+               mbs: Sequence[int], parts: torch.Tensor, extra: torch.Tensor, sent: torch.Tensor,
+               ins: Sequence[str] = (), at: Sequence[str] = (), lead: str = "") -> Opening:
+        """Sign the sketches (``parts`` ``[m, K]``, ``extra`` and ``sent`` ``[K]``, float64) with ``identity``
+        (its key goes with them), and ``ins``, ``at``, ``lead`` when given."""
+        rows = tuple(tuple(float(x) for x in row) for row in parts.tolist())
+        total = tuple(float(x) for x in parts.sum(0).tolist()) if rows else (0.0,) * K
+        unsigned = OpeningEvidence(stage=stage, step=step, peer_id=peer_id, leader=leader, digest=digest, codec=codec,
+                                   parts_digest=parts_digest(mbs, rows, ins, at, lead), total=total,
+                                   extra=tuple(float(x) for x in extra.tolist()),
+                                   sent=tuple(float(x) for x in sent.tolist()),
+                                   key=identity.public_key_bytes, signature=b"\x00" * SIGNATURE_BYTES)
+        evidence = dataclasses.replace(unsigned, signature=identity.sign(unsigned.message()))
+        return cls(evidence=evidence, mbs=tuple(mbs), parts=rows, ins=tuple(ins), at=tuple(at), lead=lead)
+
+    def encode(self) -> bytes:
+        fields: dict[str, object] = {**self.evidence._fields(), "mbs": list(self.mbs),
+                                     "parts": [list(p) for p in self.parts]}
+        if self.ins or self.at or self.lead:
+            fields.update(ins=list(self.ins), at=list(self.at), lead=self.lead)
+        return msgpack.packb(fields, use_bin_type=True)
+
+    def part_of(self, mb: int) -> tuple[tuple[float, ...], str] | None:
+        """The signed part of microbatch ``mb`` and its signed inputs' digest (None: not listed with one)."""
+        if mb not in self.mbs or len(self.ins) != len(self.mbs):
+            return None
+        i = self.mbs.index(mb)
+        return self.parts[i], self.ins[i]
+
+    @classmethod
+    def decode(cls, raw: object) -> Opening:
+        """Shapes, ranges, the parts' digest and canonical encoding (:meth:`OpeningEvidence.verify` checks the
+        signature); ``RequestError`` naming what is wrong."""
+        if type(raw) is not bytes or not 0 < len(raw) <= MAX_OPENING_BYTES:
+            raise RequestError(f"an opening must be 1..{MAX_OPENING_BYTES} bytes of msgpack")
+        fields = unpack_bounded(raw, "an opening", MAX_OPENING_BYTES, max_array_len=MAX_PARTS, max_map_len=17)
+        keys = {*_EVIDENCE_KEYS, "mbs", "parts"}
+        if not isinstance(fields, dict) or set(fields) not in (keys, keys | {"ins", "at", "lead"}):
+            raise RequestError("an opening must be a map of " + ", ".join((*_EVIDENCE_KEYS, "mbs", "parts"))
+                               + " (and ins, at, lead)")
+        mbs, parts = fields.pop("mbs"), fields.pop("parts")
+        ins, at, lead = fields.pop("ins", []), fields.pop("at", []), fields.pop("lead", "")
+        if not (isinstance(mbs, list) and all(type(m) is int and 0 <= m < 2**64 for m in mbs)):
+            raise RequestError("an opening's mbs must be microbatch ids")
+        if not isinstance(parts, list) or len(parts) != len(mbs):
+            raise RequestError("an opening must carry one part per microbatch")
+        if not (isinstance(ins, list) and len(ins) in (0, len(mbs))):
+            raise RequestError("an opening's ins must give one inputs' digest per microbatch, or none")
+        ins_t = tuple(_digest(d, "inputs' digest") for d in ins)
+        if not (isinstance(at, list) and (at == [] or (len(at) == 2 and at[1] in ("fp32", "bf16", "fp16")))):
+            raise RequestError("an opening's at must be [parameters' digest, precision], or empty")
+        at_t = (_digest(at[0], "parameters' digest"), at[1]) if at else ()
+        lead = _digest(lead, "lead") if lead != "" else ""
+        rows = tuple(_floats(p, K, "part") for p in parts)
+        evidence = OpeningEvidence._from_fields(fields)
+        if evidence.parts_digest != parts_digest(mbs, rows, ins_t, at_t, lead):
+            raise RequestError("an opening's parts are not the ones its signature covers")
+        opening = cls(evidence=evidence, mbs=tuple(mbs), parts=rows, ins=ins_t, at=at_t, lead=lead)
+        if opening.encode() != raw:
+            raise RequestError("an opening is not in its canonical encoding")
+        return opening
+
+    def parts_gap(self) -> float:
+        """How far the parts' sum lies from the signed total (0 for an honest opening)."""
+        if not self.parts:
+            return gap(self.evidence.total, (0.0,) * K, (0.0,) * K)
+        summed = [math.fsum(col) for col in zip(*self.parts, strict=True)]
+        return gap(summed, (0.0,) * K, self.evidence.total)
