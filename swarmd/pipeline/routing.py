@@ -189,6 +189,7 @@ class PeerStats:
     timeouts: int = 0  # failures that were this router's timeout (a tarpit's signature)
     consecutive_failures: int = 0
     banned_until: float | None = None  # clock() value; None when never banned
+    convicted: bool = False  # the ban in force is a sentence (``ban``), not a failure's backoff
     in_flight: int = 0
     picks: int = 0  # how often choose() returned this peer
     alive: bool = False  # answered a progress poll since its last failure (see ``require_alive``)
@@ -358,6 +359,8 @@ class StageRouter:
         for peer_id in sorted(peers):
             known = self._peers.get(peer_id) or self._gone.pop(peer_id, None)
             stats = known if known is not None else PeerStats(peer_id, peers[peer_id], alpha=self.alpha)
+            if stats.addr != peers[peer_id] and not stats.convicted and stats.banned_for(now) > 0.0:
+                stats.banned_until = now  # moved: the backoff was for the old address
             stats.addr = peers[peer_id]
             self._peers[peer_id] = stats
 
@@ -550,8 +553,12 @@ class StageRouter:
 
         The length is ``base * 2 ** (k - 1)`` for the ``k``-th consecutive failure, where
         ``base`` is ``ban_base_s`` for a proven peer and ``probation_ban_s`` for one that never
-        answered, with +-10% jitter from ``rng``, and never more than ``ban_max_s``.
-        ``timeout``: the failure was this router's timeout (counted). Unknown peers: 0.0.
+        answered, with +-10% jitter from ``rng``, and never more than ``ban_max_s``. A failure
+        reported while the peer is banned is a call sent before that ban, failed by the same
+        outage: counted, but neither ``k`` nor the ban grows (a trainer with ten calls in flight
+        to a peer whose relay died would otherwise ban it for 2 ** 10 times the base at once, and
+        wait out minutes after the peer came back). ``timeout``: the failure was this router's
+        timeout (counted). Unknown peers: 0.0.
         """
         stats = self._peers.get(peer_id)
         if stats is None:
@@ -559,13 +566,17 @@ class StageRouter:
         stats.in_flight = max(0, stats.in_flight - 1)
         stats.failures += 1
         stats.timeouts += int(timeout)
-        stats.consecutive_failures += 1
         stats.alive = False
+        now = self._clock()
+        if stats.banned_for(now) > 0.0:
+            return stats.banned_for(now)
+        stats.consecutive_failures += 1
         exponent = min(stats.consecutive_failures - 1, _MAX_BACKOFF_EXPONENT)
         jitter = 1.0 + self._rng.uniform(-JITTER, JITTER)
         base = self.ban_base_s if stats.proven else self.probation_ban_s
         ban = min(base * 2.0**exponent * jitter, self.ban_max_s)
-        self._ban_until(stats, self._clock() + ban)
+        self._ban_until(stats, now + ban)
+        stats.convicted = False
         return ban
 
     def ban(self, peer_id: str, seconds: float) -> None:
@@ -578,6 +589,7 @@ class StageRouter:
             return
         stats.successes = 0
         self._ban_until(stats, max(self._clock() + seconds, stats.banned_until or 0.0))
+        stats.convicted = True
 
     @staticmethod
     def _ban_until(stats: PeerStats, until: float) -> None:

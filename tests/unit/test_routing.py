@@ -174,17 +174,52 @@ def test_ban_jitter_is_deterministic_given_rng() -> None:
     def bans(seed: int) -> list[float]:
         router = StageRouter(0, clock=FakeClock(), rng=random.Random(seed))
         router.update_peers(listed({"a": "1"}))
-        return [router.report_failure("a") for _ in range(5)]
+        clock = router._clock
+        out = []
+        for _ in range(5):
+            out.append(router.report_failure("a"))
+            clock.advance(out[-1])  # type: ignore[attr-defined]
+        return out
 
     assert bans(1) == bans(1)
     assert bans(1) != bans(2)
 
 
 def test_huge_failure_streak_does_not_overflow() -> None:
-    router, _ = make_router(ban_max_s=60.0)
+    router, clock = make_router(ban_max_s=60.0)
     for _ in range(2000):
         ban = router.report_failure("a")
+        clock.advance(ban)
     assert 54.0 <= ban <= 60.0
+
+
+def test_failures_of_calls_sent_before_the_ban_do_not_lengthen_it() -> None:
+    # ten calls in flight to a peer whose relay died fail together: one outage, one base ban
+    router, clock = make_router()
+    router.report_success("a", 1, 1.0)
+    bans = [router.report_failure("a") for _ in range(10)]
+    assert 1.0 * (1 - JITTER) <= bans[0] <= 1.0 * (1 + JITTER)
+    assert all(b <= bans[0] for b in bans[1:])
+    assert router.stats("a").consecutive_failures == 1 and router.stats("a").failures == 10
+    clock.advance(bans[0])
+    again = router.report_failure("a")  # a call sent after the ban failed: the next step of the backoff
+    assert 2.0 * (1 - JITTER) <= again <= 2.0 * (1 + JITTER)
+
+
+def test_a_peer_banned_for_failures_that_moves_gets_a_new_try_and_a_sentenced_one_does_not() -> None:
+    router, clock = make_router({"a": "a@relay1", "b": "2"})
+    router.report_success("a", 1, 1.0)
+    router.report_failure("a")
+    clock.advance(1.5)
+    router.report_failure("a")  # ~2 s
+    router.update_peers(listed({"a": "a@relay1", "b": "2"}))  # the same address: still banned
+    assert "a" not in picks(router, 5)
+    router.update_peers(listed({"a": "a@relay2", "b": "2"}))  # relayed again: its failures were the old relay's
+    assert router.stats("a").addr == "a@relay2"
+    assert "a" in picks(router, 4)
+    router.ban("b", 600.0)  # a caught liar keeps its sentence wherever it announces itself
+    router.update_peers(listed({"a": "a@relay2", "b": "2-elsewhere"}))
+    assert router.snapshot()[1].banned_for_s == pytest.approx(600.0)
 
 
 def test_success_does_not_lift_a_ban_in_force() -> None:
@@ -209,7 +244,7 @@ def test_only_failures_peer_is_retried_after_ban_not_starved() -> None:
 def test_all_banned_returns_none_and_next_unban_in_is_the_shortest_ban() -> None:
     router, clock = make_router(ban_base_s=4.0, ban_max_s=100.0)
     assert router.next_unban_in() is None
-    router.report_failure("a")
+    clock.advance(router.report_failure("a"))
     router.report_failure("a")  # second in a row: ~8 s
     ban_b = router.report_failure("b")  # ~4 s
     assert router.choose() is None
