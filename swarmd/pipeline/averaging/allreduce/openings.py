@@ -35,13 +35,10 @@ import msgpack
 import torch
 
 from swarmd.dht.identity import Identity
-from swarmd.errors import RequestError
 from swarmd.pipeline.averaging.trust.contribution_proofs import (
-    Opening,
     OpeningEvidence,
-    inconsistency,
-    proof_seed,
-    sketch,
+    read_opening,
+    sign_opening,
     tolerance,
 )
 from swarmd.pipeline.stage.executor import Contribution
@@ -65,13 +62,9 @@ def open_contribution(identity: Identity, *, stage: int, step: int, peer_id: str
                       decoded: torch.Tensor, numel: int) -> bytes:
     """A member's signed opening of ``own`` (sent as ``decoded``) after the commit of ``digests`` (off the
     loop: it sketches ``m + 2`` vectors)."""
-    seed = proof_seed(stage, step, coordinator, round_digest(digests), claim)
-    mbs = [mb for mb, _ in own.parts if mb is not None]
-    vectors = [t for mb, t in own.parts if mb is not None] + [t for mb, t in own.parts if mb is None] + [decoded]
-    rows = sketch(vectors, seed, numel)
-    n = len(mbs)
-    return Opening.signed(identity, stage=stage, step=step, peer_id=peer_id, leader=coordinator, digest=claim,
-                          codec=codec, mbs=mbs, parts=rows[:n], extra=rows[n:-1].sum(0), sent=rows[-1]).encode()
+    return sign_opening(identity, stage=stage, step=step, peer_id=peer_id, leader=coordinator,
+                        leader_digest=round_digest(digests), digest=claim, codec=codec, parts=own.parts,
+                        decoded=decoded, numel=numel).encode()
 
 
 def judge(raw: bytes, *, stage: int, peer_id: str, coordinator: str, step: int,
@@ -80,15 +73,6 @@ def judge(raw: bytes, *, stage: int, peer_id: str, coordinator: str, step: int,
     ``step`` with claim digest ``claim``: ``(verdict, why, evidence)``, verdict ``ok``, ``other`` (an
     opening of another round: the one awaited is still owed), ``bad`` (unreadable or not its signature)
     or ``inconsistent`` (convict; the evidence goes to the stage-mates). Pure."""
-    try:
-        opening = Opening.decode(raw)
-        opening.evidence.verify(stage, peer_id)
-    except RequestError as exc:
-        return "bad", f"bad opening: {exc}", None
-    ev = opening.evidence
-    if ev.leader != coordinator or (ev.step, ev.digest) != (step, claim):
-        return "other", f"an opening of step {ev.step}, not of its contribution of step {step}", None
-    why = inconsistency(ev)
-    if why is not None:
-        return "inconsistent", why, ev
-    return "ok", "", ev
+    verdict, why, opening = read_opening(raw, stage=stage, peer_id=peer_id, leader=coordinator, step=step,
+                                         digest=claim)
+    return verdict, why, None if opening is None else opening.evidence

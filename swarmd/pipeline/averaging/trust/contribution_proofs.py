@@ -67,8 +67,8 @@ from swarmd.net.messages.averaging import MAX_OPENING_BYTES
 from swarmd.pipeline.reports import unpack_bounded
 
 __all__ = ["CHUNK", "CODEC_TOLERANCE", "K", "LOSSY_TOLERANCE", "MAX_OPENING_BYTES", "MAX_PARTS", "TOLERANCE",
-           "Awaited", "Opening", "OpeningEvidence", "gap", "inconsistency", "parts_digest", "proof_seed", "sketch",
-           "tolerance"]
+           "Awaited", "Opening", "OpeningEvidence", "gap", "inconsistency", "opened_microbatches", "parts_digest",
+           "proof_seed", "read_opening", "sign_opening", "sketch", "tolerance"]
 
 #: Buckets of the sketch. A flipped contribution's gap does not depend on it; more buckets only make the
 #: sketch of a small lie less likely to vanish (a lie ``d`` has ``||R d|| ~ ||d||``, spread over ``K``).
@@ -363,3 +363,48 @@ class Opening:
             return gap(self.evidence.total, (0.0,) * K, (0.0,) * K)
         summed = [math.fsum(col) for col in zip(*self.parts, strict=True)]
         return gap(summed, (0.0,) * K, self.evidence.total)
+
+
+# ---- what the leader's and the all-reduce's openings share --------------------------------------------------
+
+
+def opened_microbatches(parts: Sequence[tuple[int | None, torch.Tensor]]) -> list[int]:
+    """The microbatches an opening of a contribution made of ``parts`` lists, in order (``None``: what
+    no microbatch explains, summed into the opening's ``extra``)."""
+    return [mb for mb, _ in parts if mb is not None]
+
+
+def sign_opening(identity: Identity, *, stage: int, step: int, peer_id: str, leader: str, leader_digest: str,
+                 digest: str, codec: str, parts: Sequence[tuple[int | None, torch.Tensor]], decoded: torch.Tensor,
+                 numel: int, ins: Sequence[str] = (), at: Sequence[str] = (), lead: str = "") -> Opening:
+    """``peer_id``'s signed opening of the contribution made of ``parts`` (its microbatches' gradients and
+    what no microbatch explains), sent as ``decoded``, under the seed :func:`proof_seed` draws from the
+    round's answer (``leader``, ``leader_digest``) and the contribution's ``digest``. Off the loop: it
+    sketches ``len(parts) + 1`` vectors of ``numel`` values."""
+    seed = proof_seed(stage, step, leader, leader_digest, digest)
+    mbs = opened_microbatches(parts)
+    vectors = [t for mb, t in parts if mb is not None] + [t for mb, t in parts if mb is None] + [decoded]
+    rows = sketch(vectors, seed, numel)
+    n = len(mbs)
+    return Opening.signed(identity, stage=stage, step=step, peer_id=peer_id, leader=leader, digest=digest,
+                          codec=codec, mbs=mbs, parts=rows[:n], extra=rows[n:-1].sum(0), sent=rows[-1], ins=ins,
+                          at=at, lead=lead)
+
+
+def read_opening(raw: bytes, *, stage: int, peer_id: str, leader: str, step: int,
+                 digest: str) -> tuple[str, str, Opening | None]:
+    """The checks every opening passes before anything round-specific, for ``leader`` awaiting
+    ``peer_id``'s opening of its contribution of ``step`` with ``digest``: ``(verdict, why, opening)`` with
+    verdict ``bad`` (unreadable or not its signature), ``other`` (an opening of another round: the one
+    awaited is still owed), ``inconsistent`` (it contradicts itself: :func:`inconsistency`) or ``ok``; the
+    opening comes with ``inconsistent`` and ``ok``. Pure."""
+    try:
+        opening = Opening.decode(raw)
+        opening.evidence.verify(stage, peer_id)
+    except RequestError as exc:
+        return "bad", f"bad opening: {exc}", None
+    ev = opening.evidence
+    if ev.leader != leader or (ev.step, ev.digest) != (step, digest):
+        return "other", f"an opening of step {ev.step}, not of its contribution of step {step}", None
+    why = inconsistency(ev)
+    return ("inconsistent", why, opening) if why is not None else ("ok", "", opening)

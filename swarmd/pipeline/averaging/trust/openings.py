@@ -50,10 +50,11 @@ from swarmd.pipeline.averaging.trust.accuser import RoundAccuser
 from swarmd.pipeline.averaging.trust.contribution_proofs import (
     TOLERANCE,
     Awaited,
-    Opening,
     OpeningEvidence,
-    inconsistency,
+    opened_microbatches,
     proof_seed,
+    read_opening,
+    sign_opening,
     sketch,
 )
 from swarmd.pipeline.averaging.trust.contribution_proofs import gap as sketch_gap
@@ -97,21 +98,17 @@ class RoundOpenings(RoundAccuser):
             return None, 0.0
         started = time.thread_time()
         ex = self.executor
-        seed = proof_seed(ex.stage, own.step, leader, mine.digest, digest)
-        mbs = [mb for mb, _ in own.parts if mb is not None]
-        vectors = [t for mb, t in own.parts if mb is not None] + [t for mb, t in own.parts if mb is None] + [decoded]
-        rows = sketch(vectors, seed, ex.grad_numel)
-        n = len(mbs)
+        mbs = opened_microbatches(own.parts)
         # the inputs it shipped, their parameters and the seed's leader digest, signed for a recomputation
         # that the stage-mates can redo (recomputation, "Seconded")
         shipped = {i.mb: i for i in own.inputs}
         at = self._shipped_at.get(own.step)
         signs = at is not None and bool(mbs) and set(shipped) == set(mbs)
         ins = [inputs_digest(mb, shipped[mb].inputs, shipped[mb].targets) for mb in mbs] if signs else []
-        opening = Opening.signed(self.identity, stage=ex.stage, step=own.step, peer_id=self.peer_id, leader=leader,
-                                 digest=digest, codec=codec, mbs=mbs, parts=rows[:n], extra=rows[n:-1].sum(0),
-                                 sent=rows[-1], ins=ins, at=at if signs and at is not None else (),
-                                 lead=mine.digest if signs else "")
+        opening = sign_opening(self.identity, stage=ex.stage, step=own.step, peer_id=self.peer_id, leader=leader,
+                               leader_digest=mine.digest, digest=digest, codec=codec, parts=own.parts,
+                               decoded=decoded, numel=ex.grad_numel, ins=ins,
+                               at=at if signs and at is not None else (), lead=mine.digest if signs else "")
         return opening.encode(), time.thread_time() - started
 
     def _opened(self, leader: str, opened: tuple[bytes | None, float]) -> None:
@@ -226,19 +223,15 @@ class RoundOpenings(RoundAccuser):
             return "none", "", None, None  # it owes this leader nothing
         if raw is None:
             return "missing", f"no opening of its contribution of step {awaited.step}", None, None
-        try:
-            opening = Opening.decode(raw)
-            opening.evidence.verify(self.executor.stage, peer_id)
-        except RequestError as exc:
-            return "bad", f"bad opening: {exc}", None, None
+        verdict, why, opening = read_opening(raw, stage=self.executor.stage, peer_id=peer_id, leader=self.peer_id,
+                                             step=awaited.step, digest=awaited.digest)
+        if verdict == "other":  # an older one (its answer of that round was lost): the one owed is not there
+            return "missing", why, None, None
+        if opening is None:
+            return verdict, why, None, None
         ev = opening.evidence
-        if ev.leader != self.peer_id or (ev.step, ev.digest) != (awaited.step, awaited.digest):
-            # an older one (its answer of that round was lost): the one owed is not there
-            return ("missing", f"an opening of step {ev.step}, not of its contribution of step {awaited.step}",
-                    None, None)
-        why = inconsistency(ev)
-        if why is not None:
-            return "inconsistent", why, ev, None
+        if verdict == "inconsistent":
+            return verdict, why, ev, None
         sent_gap = sketch_gap(ev.sent, (0.0,) * len(ev.sent), awaited.sent)
         # both sketched the very gradients the leader decoded (their digest is signed): exact, whatever the codec
         if ev.codec != awaited.codec or sent_gap > TOLERANCE:
