@@ -285,8 +285,19 @@ class StatusCollector(Collector):
         yield _counter("swarmd_averaging_hostile_convictions", "stage-mates this peer, leading, convicted of hostile "
                        "contributions (then excluded; summed over peers)", sum(averaging.hostile_convictions.values()))
         yield _by("swarmd_averaging_accusations", "convictions of hostile contributions shown to the stage-mates "
-                  "as signed evidence (sent), and stage-mates' accusations this peer seconded or not (issue 29)",
-                  "outcome", {k: averaging.accusations.get(k, 0) for k in ("sent", "seconded", "not_seconded")})
+                  "as signed evidence (sent), stage-mates' accusations this peer seconded or not, and those it "
+                  "seconded shown on to the others (seconded_sent) (issue 29)", "outcome",
+                  {k: averaging.accusations.get(k, 0) for k in ("sent", "seconded", "not_seconded", "seconded_sent")})
+        yield _counter("swarmd_averaging_accusations_accepted", "stage-mates whose ledgers counted an accusation "
+                       "this peer showed them (summed over accusations)",
+                       averaging.accusations.get("accepted_by_mates", 0))
+        yield _by("swarmd_averaging_rechecks", "stage-mates' convictions by recomputation (POST /v1/recheck) this "
+                  "peer took up: recomputed here (rechecked; then seconded or not), or could not be (unchecked: no "
+                  "parameters of that step left, inputs that do not fit)", "outcome",
+                  {k: averaging.accusations.get(k, 0) for k in ("rechecked", "unchecked")})
+        yield _counter("swarmd_averaging_rechecks_not_taken", "stage-mates that did not take up a conviction by "
+                       "recomputation this peer showed them (refused, busy or unreachable at every try)",
+                       averaging.accusations.get("recheck_not_taken", 0))
         yield _by("swarmd_averaging_openings", "opened contributions (issue 29, item 3): sent by this peer, and "
                   "checked as leader: ok, missing, bad (refused), inconsistent (convicted); a sampled microbatch "
                   "recomputed, its part a mismatch (convicted), or unchecked (other parameters)", "outcome",

@@ -168,7 +168,9 @@ class AveragingInfo(BaseModel):
                                         "accused is excluded here too), not_seconded, seconded_sent, "
                                         "accepted_by_mates (their ledgers counted it), rechecked (convictions by "
                                         "recomputation this peer recomputed), unchecked (... it could not: no "
-                                        "parameters of that step left, inputs that do not fit)")
+                                        "parameters of that step left, inputs that do not fit), "
+                                        "recheck_not_taken (stage-mates that did not take up this peer's "
+                                        "conviction by recomputation)")
     openings: dict[str, int] = Field(default_factory=dict, description="opened contributions (issue 29, item 3: "
                                      "each last-stage contribution's sketch against its microbatches'): sent (by "
                                      "this peer), and as leader ok, missing, bad (refused), inconsistent (convicted); "

@@ -7,7 +7,9 @@ as stale, the whole microbatch redone). So it paces itself through the first sta
 reservations (``POST /v1/reserve``, the lease book of ``swarmd.pipeline.reservations``): it starts
 a microbatch only under a lease for the stage's current step, so all trainers' in-flight work plus
 what the stages hold never exceeds the target, each step aggregates exactly the target batch, and
-few microbatches straddle a step. A trainer that finds the step full waits for it (a long-poll).
+few microbatches straddle a step. A trainer that finds the step full waits for it: a long-poll of the
+first stage's next step, and of each later stage only as far as the work leased already takes it
+(:func:`reachable_steps`; a stage a batch behind would hold every wait to its end).
 
 Which book: the smallest usable first-stage peer id (:func:`book_peer`), so that trainers with the
 same stage map use the same book; a book peer seen behind the stage's front step is waited for a
@@ -37,10 +39,11 @@ from swarmd.pipeline.stage.delayed_updates import needs_pacing
 from swarmd.train.config import TrainerConfig
 from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import PeerProgress, TrainerError
-from swarmd.train.swarm_view import front_step
+from swarmd.train.swarm_view import front_step, stage_fronts
+from swarmd.train.verify import excluded_by_stage, forks
 from swarmd.train.window import MOST
 
-__all__ = ["AsyncPacing", "BookLag", "LeaseBook", "book_peer", "pace_budget", "rounds_pending"]
+__all__ = ["AsyncPacing", "BookLag", "LeaseBook", "book_peer", "pace_budget", "reachable_steps", "rounds_pending"]
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +113,47 @@ def rounds_pending(progress: Progress, step: int, target: int) -> bool:
     return False
 
 
+def reachable_steps(progress: Progress, step: int, target: int) -> list[int]:
+    """The step each stage is asked to reach in the long-poll for the lease book's next step (``step + 1``,
+    the first stage's): that step, or for a later stage the one it can reach on the work leased already,
+    when that is less. Every backward reaches a later stage before the first, so a later stage gets at
+    most the samples of ``step`` the first stage does not hold yet (``target`` less what it holds there):
+    with what it holds at its front, that many steps. A later stage behind by a batch (it lost one: a
+    convicted peer's samples are dropped) steps only on leases of the next step, which no trainer is
+    granted before the first stage steps: waiting for it there would cost the whole wait at every step.
+    A stage in its round steps once more; a first stage not at ``step`` or silent, a silent later
+    stage: the book's next step (nothing known to wait less for)."""
+    wanted = step + 1
+    fronts = stage_fronts(progress)
+    if not progress or fronts[0] != step:
+        return [wanted] * len(progress)
+    incoming = max(0, target - _held_at(progress[0], step))
+    reach = [wanted]
+    for peers, front in zip(progress[1:], fronts[1:], strict=True):
+        if front is None or front >= wanted:
+            reach.append(wanted)
+            continue
+        ignored = excluded_by_stage(peers) | forks(peers)
+        averaging = any(p.averaging for p in peers if p.step == front and p.peer_id not in ignored)
+        steps = (_held_at(peers, front) + incoming) // target if target > 0 else 0
+        reach.append(min(wanted, front + max(steps, 1 if averaging else 0)))
+    return reach
+
+
+def _held_at(peers: Sequence[PeerProgress], step: int) -> int:
+    """Samples a stage's peers hold at ``step``, not counting peers most of the stage excludes or forks
+    (their stage-mates do not count their samples either)."""
+    ignored = excluded_by_stage(peers) | forks(peers)
+    return sum(p.samples for p in peers if p.step == step and p.peer_id not in ignored)
+
+
 class Polls(Protocol):
     """Where the stages stand (``swarmd.train.swarm_view.SwarmView``)."""
 
     @property
     def routers(self) -> Sequence[StageRouter]: ...
 
-    async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]: ...
+    async def poll(self, wait_step: int | Sequence[int] | None = None) -> list[list[PeerProgress]]: ...
 
     async def swarm_step(self) -> int: ...
 
@@ -280,8 +317,11 @@ class AsyncPacing:
                 if not in_flight:  # the stages hold (or have reserved) a full batch: wait until they step
                     if reply is None and self.book.active:  # the book did not answer: ask again shortly
                         await asyncio.sleep(cfg.timing.book_retry_s)
+                    elif reply is not None:  # wait for the book's next step, and each later stage as far as it gets
+                        waited = await self.view.poll(wait_step=reachable_steps(
+                            progress, reply.step, self.training.target_batch_size))
                     else:
-                        waited = await self.view.poll(wait_step=(reply.step if reply is not None else step_now) + 1)
+                        waited = await self.view.poll(wait_step=step_now + 1)
                     continue
                 spoken_for = reply is not None and reply.reserved >= reply.target
                 while True:

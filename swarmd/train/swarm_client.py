@@ -284,13 +284,15 @@ class SwarmClient:
     # ---- progress --------------------------------------------------------------------------
 
     async def progress(
-        self, stages: Sequence[Sequence[tuple[str, str]]], *, wait_step: int | None = None, wait_s: float = 0.5,
+        self, stages: Sequence[Sequence[tuple[str, str]]], *, wait_step: int | Sequence[int] | None = None,
+        wait_s: float = 0.5,
         probation: Collection[str] = (), on_late: Callable[[int, PeerProgress], None] | None = None,
     ) -> list[list[PeerProgress]]:
         """Every listed peer's progress (``stages[k]``: ``(peer_id, data_addr)`` pairs), per stage,
         all polled at once. With ``wait_step``, a long-poll: each peer answers once it reaches
-        that step, or after ``wait_s``. Peers in ``probation`` (never answered the trainer's
-        calls) get ``Timing.probation_progress_timeout_s`` instead of ``Timing.progress_timeout_s``.
+        that step (``wait_step[k]`` for stage ``k``'s peers, when one per stage), or after ``wait_s``.
+        Peers in ``probation`` (never answered the trainer's calls) get
+        ``Timing.probation_progress_timeout_s`` instead of ``Timing.progress_timeout_s``.
 
         Peers that never answered a poll of this client (newcomers, or fakes: issue #18) do not
         hold the poll up (:class:`~swarmd.pipeline.routing.NewcomerPolls`): once the others are
@@ -301,13 +303,16 @@ class SwarmClient:
         loop = asyncio.get_running_loop()
         began = loop.time()
         waits = wait_step is not None
+        per_stage = [wait_step] * len(stages) if wait_step is None or isinstance(wait_step, int) else list(wait_step)
+        if len(per_stage) != len(stages):
+            raise ValueError(f"{len(per_stage)} wait steps for {len(stages)} stages")
 
-        async def one(peer_id: str, addr: str) -> PeerProgress:
+        async def one(stage: int, peer_id: str, addr: str) -> PeerProgress:
             limit = (self.timing.probation_progress_timeout_s if peer_id in probation
                      else self.timing.progress_timeout_s)
             sent = loop.time()
             try:
-                reply = await self._data.progress(addr, wait_step=wait_step, wait_s=wait_s if waits else None,
+                reply = await self._data.progress(addr, wait_step=per_stage[stage], wait_s=wait_s if waits else None,
                                                   timeout_s=limit + (wait_s if waits else 0.0))
             except PeerError as exc:
                 self._answered.discard(peer_id)
@@ -329,7 +334,7 @@ class SwarmClient:
             for pid, addr in peers:
                 if pid in self._late or (pid not in self._answered and pid not in allowed):
                     continue  # a poll of it is still out, or over the probe budget: not in this answer
-                task = asyncio.create_task(one(pid, addr), name=f"swarmd-progress-{pid[:12]}")
+                task = asyncio.create_task(one(k, pid, addr), name=f"swarmd-progress-{pid[:12]}")
                 (trusted if pid in self._answered else newcomers)[task] = k
                 order.append((k, pid, task))
         answered = [False] * len(stages)

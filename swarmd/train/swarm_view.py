@@ -184,16 +184,17 @@ class SwarmView:
                                    + unreachable_hint({}, self.unreachable(silent[0])))
             await asyncio.sleep(self.timing.no_peer_poll_s)
 
-    async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
+    async def poll(self, wait_step: int | Sequence[int] | None = None) -> list[list[PeerProgress]]:
         """Every serving peer's ``/v1/progress`` (step, samples held, averaging), per stage.
 
         A peer that does not answer is listed with ``step`` None: it may be dead (its record expires
         soon) or merely slow, and a synchronous trainer must not run ahead of a slow peer. With
-        ``wait_step``, a long-poll: each peer answers once it reaches that step, or after
-        ``Timing.progress_wait_s``. Peers on probation (never answered this trainer) are polled with a
-        short timeout, and one never heard from does not hold the poll up (``SwarmClient.progress``:
-        its poll may end in the background, told to :meth:`heard`). The answers also carry each
-        peer's excluded set, which decides whom the routers leave out (:func:`exclusions_of`).
+        ``wait_step``, a long-poll: each peer answers once it reaches that step (one per stage, or
+        one for all), or after ``Timing.progress_wait_s``. Peers on probation (never answered this
+        trainer) are polled with a short timeout, and one never heard from does not hold the poll up
+        (``SwarmClient.progress``: its poll may end in the background, told to :meth:`heard`). The
+        answers also carry each peer's excluded set, which decides whom the routers leave out
+        (:func:`exclusions_of`).
         """
         await self.refresh()
         stages: list[list[tuple[str, str]]] = []

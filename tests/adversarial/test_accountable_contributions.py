@@ -237,6 +237,7 @@ async def test_a_liar_about_one_microbatch_is_caught_by_recomputing_it_and_exclu
         reason = mate.status()["averaging"]["excluded"][liar.peer_id]["reason"]
         assert reason.startswith("hostile: unaccountable contribution: the signed part"), reason
         assert await _metric(mate, 'swarmd_averaging_accusations_total{outcome="seconded"}') == 1
+        assert await _metric(mate, 'swarmd_averaging_rechecks_total{outcome="rechecked"}') == 1
         # the mate's ledger counted the leader's report once it held (the leader, excluding the liar already,
         # takes no part in the mate's seconding copy)
         assert mate.reports.status().get("accepted") == 1, mate.reports.status()

@@ -318,6 +318,8 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
                                   "silent_contributors": 6, "duplicate_microbatches": 7,
                                   "hostile_convictions": {"p6": 2, "p7": 1}, "contributions_clipped": 5,
                                   "contributions_struck": 8, "openings": {"sent": 4, "ok": 3, "inconsistent": 1},
+                                  "accusations": {"sent": 1, "seconded": 2, "seconded_sent": 2, "accepted_by_mates": 3,
+                                                  "rechecked": 2, "unchecked": 1, "recheck_not_taken": 1},
                                   "excluded": {"p1": {"offences": 1, "excluded_for_s": 30.0, "reason": "outlier: 80x"}}, "excluded_by_reports": ["p2", "p3"],
                                   "proofs": {"proven": 2, "failing": 1, "unproven": 0, "proofs_ok": 9,
                                              "proofs_failed": {"unreachable": 3}}},
@@ -327,7 +329,8 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
         def dht_stats(self) -> None:
             return None
 
-    got = samples(DaemonMetrics(Source()).render().decode())
+    text = DaemonMetrics(Source()).render().decode()
+    got = samples(text)
     assert got[("swarmd_averaging_rounds_refused_total", ())] == 4
     assert got[("swarmd_averaging_contributions_refused_total", (("reason", "outlier"),))] == 2
     assert got[("swarmd_averaging_contributions_refused_total", (("reason", "nonfinite"),))] == 1
@@ -341,6 +344,15 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
     assert got[("swarmd_averaging_contributions_struck_total", ())] == 8
     assert got[("swarmd_averaging_openings_total", (("outcome", "inconsistent"),))] == 1  # issue 29, item 3
     assert got[("swarmd_averaging_openings_total", (("outcome", "bad"),))] == 0
+    # the accusations (issue 29, item 4): shown, seconded and shown on, counted by the mates, and convictions by
+    # recomputation redone here or not, or not taken up by a mate
+    assert got[("swarmd_averaging_accusations_total", (("outcome", "seconded_sent"),))] == 2
+    assert got[("swarmd_averaging_accusations_total", (("outcome", "not_seconded"),))] == 0
+    assert got[("swarmd_averaging_accusations_accepted_total", ())] == 3
+    assert got[("swarmd_averaging_rechecks_total", (("outcome", "rechecked"),))] == 2
+    assert got[("swarmd_averaging_rechecks_total", (("outcome", "unchecked"),))] == 1
+    assert got[("swarmd_averaging_rechecks_not_taken_total", ())] == 1
+    assert "# HELP swarmd_averaging_rechecks_total stage-mates' convictions by recomputation" in text
     assert got[("swarmd_averaging_excluded_peers", (("by", "checks"),))] == 1
     assert got[("swarmd_averaging_excluded_peers", (("by", "reports"),))] == 2
     assert got[("swarmd_proof_peers", (("state", "failing"),))] == 1 and got[("swarmd_proofs_ok_total", ())] == 9

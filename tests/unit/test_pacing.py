@@ -1,12 +1,15 @@
 """Asynchronous pacing's decisions (swarmd.train.pacing): whose lease book, when a book peer lags, how
-much a trainer without a book may start, and when a new step's microbatches must wait."""
+much a trainer without a book may start, when a new step's microbatches must wait, and how far each stage
+is waited for."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from swarmd.pipeline.routing import RoutedPeer
-from swarmd.train.pacing import BookLag, book_peer, pace_budget, rounds_pending
+from swarmd.train.pacing import BookLag, book_peer, pace_budget, reachable_steps, rounds_pending
 from swarmd.train.swarm_client import PeerProgress
 from tests.support.routing import peer
 
@@ -70,3 +73,34 @@ def test_without_a_book_a_trainer_starts_what_the_stages_still_lack() -> None:
 def test_a_new_steps_microbatches_wait_while_a_later_stage_holds_the_step_before(
         later: list[tuple[int | None, int, bool]], pending: bool) -> None:
     assert rounds_pending(progress([(5, 0, False)], later), step=5, target=16) is pending
+
+
+@pytest.mark.parametrize(("first", "later", "reach"), [
+    # the later stage got its samples first (every backward reaches it before the first stage): it steps too
+    ([(5, 12, False)], [(5, 16, False)], 6),
+    ([(5, 16, False)], [(6, 0, False)], 6),  # stepped already
+    ([(5, 16, True)], [(5, 16, True)], 6),  # both in their rounds
+    # a batch behind (a convicted peer's samples were dropped): the work leased already takes it one step, not two
+    ([(5, 12, False)], [(4, 12, False)], 5),
+    # the first stage's samples are out for its round (it says 0): all of step 5 may still come, so wait as before
+    ([(5, 0, True)], [(4, 16, True)], 6),
+    # the first stage holds the whole step: nothing more comes, and a later stage short of a batch stays
+    ([(5, 16, False)], [(5, 8, False)], 5),
+    ([(5, 16, False)], [(4, 8, False), (4, 4, False)], 4),
+    ([(5, 16, False)], [(5, 8, False), (5, 8, False)], 6),  # held together by two peers: it steps
+    ([(5, 16, False)], [(5, 4, True)], 6),  # in its round: it steps once more
+    ([(5, 16, False)], [(None, 0, False)], 6),  # silent: nothing known to wait less for
+    ([(4, 16, False)], [(3, 0, False)], 6),  # the first stage is not at the book's step: the book's next step
+])
+def test_a_long_poll_waits_for_each_later_stage_only_as_far_as_the_leased_work_takes_it(
+        first: list[tuple[int | None, int, bool]], later: list[tuple[int | None, int, bool]], reach: int) -> None:
+    assert reachable_steps(progress(first, later), step=5, target=16) == [6, reach]
+
+
+def test_a_peer_most_of_its_stage_excludes_holds_nothing_the_stage_steps_on() -> None:
+    # the liar's 8 samples do not count: its mates left it out of their rounds (and the trainers, out of their routes)
+    polled = progress([(5, 16, False)], [(5, 4, False), (5, 4, False), (5, 8, False)])
+    polled[1][:2] = [dataclasses.replace(answer, excluded=("p12",)) for answer in polled[1][:2]]
+    assert reachable_steps(polled, step=5, target=16) == [6, 5]
+    assert reachable_steps(progress([(5, 16, False)], [(5, 4, False), (5, 4, False), (5, 8, False)]),
+                           step=5, target=16) == [6, 6]

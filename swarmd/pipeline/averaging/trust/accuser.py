@@ -284,6 +284,7 @@ class RoundAccuser(AveragerCore):
                 if reply.reason in ("checking", "queued", "ignored"):  # ignored: it excludes the liar already, ...
                     return reply.reason != "ignored"
                 why = reply.reason
+            self.accusations["recheck_not_taken"] += 1
             self._warn(accused, "recheck_not_taken", "stage %d: %s did not take up the conviction of %s by "
                        "recomputation (%s)", self.executor.stage, addr, accused[:12], why[:200])
             return False
