@@ -266,6 +266,7 @@ class AllReduceAverager(StageAverager):
         self._dropped: dict[str, None] = {}  # members dropped from a round as silent (still counted by the quorum)
         self.part_strikes = PartStrikes()  # far strikes of the members' slices of this peer's parts (seconding)
         self._ar_awaited: dict[str, ArAwaited] = {}  # member -> the opening it owes this coordinator
+        self._judging = asyncio.Lock()  # openings are judged one at a time (``_check_report_opening``)
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -654,13 +655,22 @@ class AllReduceAverager(StageAverager):
 
     async def _check_report_opening(self, report: ArReport) -> Refusal | None:
         """Judge the opening a report carries, when this coordinator awaits one from its sender
-        (``openings``: the coordinator checks openings as the leader does); why the report is refused."""
-        awaited = self._ar_awaited.get(report.peer_id)
-        if (report.opening is None or awaited is None or awaited.step >= report.step or not self.convicts()
-                or self.identity is None):
+        (``openings``: the coordinator checks openings as the leader does); why the report is refused.
+        One judgment at a time: a member's next report, sent while the last was being judged, carries the
+        same opening, and judging both counted it twice (a conviction too)."""
+        if report.opening is None or not self.convicts() or self.identity is None:
             return None
+        async with self._judging:
+            return await self._judge_report_opening(report, report.opening)
+
+    async def _judge_report_opening(self, report: ArReport, opening: bytes) -> Refusal | None:
         ex, pid = self.executor, report.peer_id
-        verdict, why, evidence = await asyncio.to_thread(judge_opening, report.opening, stage=ex.stage, peer_id=pid,
+        if pid in self.excluded():  # (an earlier report's opening, judged meanwhile, had it excluded)
+            return Refusal("excluded", "by this stage")
+        awaited = self._ar_awaited.get(pid)
+        if awaited is None or awaited.step >= report.step:
+            return None
+        verdict, why, evidence = await asyncio.to_thread(judge_opening, opening, stage=ex.stage, peer_id=pid,
                                                          coordinator=self.peer_id, awaited=awaited,
                                                          grad_codec=ex.training.grad_codec)
         if verdict == "other":  # an older opening (its commit reached it late): the one awaited is still owed
