@@ -4,14 +4,19 @@ whose contribution is its true gradient times -1 (same norm, so no norm rule see
 sketches, and its contribution's, under a projection fixed after it sent it:
 ``swarmd.pipeline.averaging.trust.contribution_proofs``) contradicts itself; the leader convicts it, its honest
 stage-mate checks the opening itself and seconds, and both exclude it (``/status``, ``/metrics``).
-An honest swarm opens every contribution and convicts nobody."""
+An honest swarm opens every contribution and convicts nobody.
+
+The checks of an opening that both averaging modes make (consistency, the microbatches listed, the bound
+on the extra term, striking a contribution whose sender owes an opening) are tested in both, as
+``test_averaging_robust`` does (the single leader's, ``averaging="leader"``, and the all-reduce
+coordinator's, ``"allreduce"``); recomputing a sampled microbatch is the single leader's only
+(``swarmd.pipeline.averaging.allreduce.openings``, "Not done here"), so its tests pin ``"leader"``."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-
 from typing import Any
 
 import aiohttp
@@ -32,6 +37,7 @@ from tests.support.liars import lie_about_a_microbatch, poison_contributions, wi
 from tests.support.swarms import fast_swarm
 
 STEPS = 12
+MODES = ["leader", "allreduce"]
 
 
 async def _train(daemons: list[Daemon], steps: int = STEPS) -> None:
@@ -72,7 +78,8 @@ def _only_the_liar_excluded_as_hostile(daemons: list[Daemon], liar: Daemon) -> N
     """Nobody honest excluded for hostile contributions, anywhere."""
     for d in daemons:
         if d.averager is not None and d is not liar:
-            hostile = {p for p, e in d.averager.checks_status()["excluded"].items() if e["reason"].startswith("hostile")}
+            hostile = {p for p, e in d.averager.checks_status()["excluded"].items()
+                       if e["reason"].startswith("hostile")}
             assert hostile <= {liar.peer_id}, (d.peer_id, hostile)
 
 
@@ -92,15 +99,18 @@ async def _until(condition: object, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("averaging", MODES)
 @pytest.mark.parametrize(("grad_codec", "delayed"), [("auto", False), ("8bit", True), ("5level", False)])
-async def test_an_honest_swarm_opens_its_contributions_and_convicts_nobody(grad_codec: str, delayed: bool) -> None:
+async def test_an_honest_swarm_opens_its_contributions_and_convicts_nobody(grad_codec: str, delayed: bool,
+                                                                           averaging: str) -> None:
     """``auto`` is exact on loopback; ``8bit`` quantises what the leader receives and feeds the residual
     back into the next contribution (a part no microbatch explains), and with delayed updates (the second
     case) the stage keeps accumulating while a contribution is out and the update sets those sums aside:
     still consistent, within tolerance. ``5level``, the loosest codec, leaves the largest residual in the part
     no microbatch explains (0.38-0.60 measured): still under its bound there (``recomputation.extra_bound``:
-    0.9), and the recomputed parts exact (the parts are not quantised; only the contribution is)."""
-    training = dataclasses.replace(TRAINING, grad_codec=grad_codec, delay_updates=delayed)
+    0.9), and the recomputed parts exact (the parts are not quantised; only the contribution is). The
+    all-reduce recomputes nothing (its coordinator checks the rest)."""
+    training = dataclasses.replace(TRAINING, grad_codec=grad_codec, delay_updates=delayed, averaging=averaging)
     async with fast_swarm(SPEC, training, peers_per_stage=3) as daemons:
         _recompute_every_contribution(daemons)
         await _train(daemons)
@@ -120,19 +130,21 @@ async def test_an_honest_swarm_opens_its_contributions_and_convicts_nobody(grad_
         # delayed updates: a microbatch may have run at the step before, so nothing is shipped nor recomputed)
         recomputed = sum(o.get("recomputed", 0) for o in openings)
         assert not any(o.get("mismatch") for o in openings), openings
-        if delayed:
+        if delayed or averaging == "allreduce":
             assert recomputed == 0, openings
         else:
             assert recomputed >= 3, openings
             gaps = [d.averager.opening_costs["max_recompute_gap"] for d in stage1 if d.averager is not None]
             assert max(gaps) < 1e-3, gaps  # far inside RECOMPUTE_TOLERANCE: the same float32 computation
+        if not delayed:
             shares = [d.averager.opening_costs["max_extra_share"] for d in stage1 if d.averager is not None]
             assert max(shares) < extra_bound(grad_codec), shares  # the codec residual, under its bound
 
 
 @pytest.mark.timeout(600)
-async def test_a_sign_flipped_contribution_is_convicted_seconded_and_excluded() -> None:
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+@pytest.mark.parametrize("averaging", MODES)
+async def test_a_sign_flipped_contribution_is_convicted_seconded_and_excluded(averaging: str) -> None:
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging=averaging), peers_per_stage=3) as daemons:
         stage1 = _last_stage_by_id(daemons)
         liar, (leader, mate) = stage1[-1], stage1[:-1]
         assert liar.averager is not None and liar.peer_id is not None
@@ -157,11 +169,14 @@ async def test_a_sign_flipped_contribution_is_convicted_seconded_and_excluded() 
 
 
 @pytest.mark.timeout(600)
-async def test_a_peer_that_never_opens_is_left_out_of_every_mean_after_its_first() -> None:
+@pytest.mark.parametrize("averaging", MODES)
+async def test_a_peer_that_never_opens_is_left_out_of_every_mean_after_its_first(averaging: str) -> None:
     """It cannot be convicted (an honest peer whose answer was lost has nothing to open either), but every
     contribution that comes without the opening it owes is struck: counted for its samples, out of the mean.
-    Its contributions here are its true gradients (no score strikes them), so every strike is the rule's."""
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+    Its contributions here are its true gradients (no score strikes them), so every strike is the rule's. In
+    the all-reduce the coordinator strikes it in the round's plan, every owner leaves its slices out, and the
+    signed commit names it (``allreduce.openings``)."""
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging=averaging), peers_per_stage=3) as daemons:
         stage1 = _last_stage_by_id(daemons)
         liar, leader = stage1[-1], stage1[0]
         assert liar.averager is not None and leader.averager is not None
@@ -188,6 +203,7 @@ def _hostile_to(daemon: Daemon, peer_id: str) -> bool:
 
 @pytest.mark.timeout(600)
 async def test_a_liar_about_one_microbatch_is_caught_by_recomputing_it_and_excluded() -> None:
+    # (the single leader's only: the all-reduce recomputes no microbatch, allreduce.openings)
     """Its contributions hold one microbatch's gradient flipped and its openings say so consistently (their
     parts sum to the contribution: the sum check passes); a leader that draws that microbatch recomputes it
     from the inputs shipped with the contribution and convicts. It posts the liar's signed opening and that
@@ -196,7 +212,7 @@ async def test_a_liar_about_one_microbatch_is_caught_by_recomputing_it_and_exclu
     so the trainers stop routing to it (before, they kept sending it microbatches whose samples no round
     counted, and the stage slowed to their retries: 26-28 s a step in scripts/bench_recompute.py), and the
     stage keeps stepping without it."""
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging="leader"), peers_per_stage=3) as daemons:
         stage1 = _last_stage_by_id(daemons)
         liar, honest = stage1[-1], stage1[:-1]
         assert liar.averager is not None and liar.peer_id is not None
@@ -246,16 +262,20 @@ async def test_a_liar_about_one_microbatch_is_caught_by_recomputing_it_and_exclu
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("averaging", MODES)
 @pytest.mark.parametrize("where", ["extra", "unlisted"])
-async def test_a_lie_hidden_in_the_extra_term_is_refused(where: str) -> None:
+async def test_a_lie_hidden_in_the_extra_term_is_refused(where: str, averaging: str) -> None:
     """Its contribution is flipped and its opening says so consistently through the part no microbatch
     explains (every microbatch part true, so no recomputation sees it either). Every sample of the
     contribution is a shipped microbatch's, so that part can only be a codec's residual, bounded (item 2;
     to half the sketch in a swarm averaging uncompressed, where a flip hidden there is 2/3 of it): the leader
     refuses the opening and excludes the liar from its rounds; nobody is convicted. ``unlisted``: a true
     contribution whose opening moves one microbatch into that part (out of the recomputation's reach): its
-    opening does not list every microbatch whose inputs came, and is refused the same way."""
-    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, grad_codec="none"), peers_per_stage=3) as daemons:
+    opening does not list every microbatch whose inputs came, and is refused the same way. In the all-reduce
+    the coordinator refuses both: no inputs travel there, so it checks the microbatches the contribution
+    named, and how many of its samples none of them explains is the member's word (``allreduce.openings``)."""
+    training = dataclasses.replace(TRAINING, grad_codec="none", averaging=averaging)
+    async with fast_swarm(SPEC, training, peers_per_stage=3) as daemons:
         stage1 = _last_stage_by_id(daemons)
         liar, honest = stage1[-1], stage1[:-1]
         assert liar.averager is not None and liar.peer_id is not None
@@ -274,7 +294,8 @@ async def test_a_lie_hidden_in_the_extra_term_is_refused(where: str) -> None:
         for d in refusing:
             reason = d.status()["averaging"]["excluded"][liar.peer_id]["reason"]
             expected = {"extra": "what no microbatch of its explains",
-                        "unlisted": "its microbatches are not those whose inputs came"}[where]
+                        "unlisted": "its microbatches are not those " + (
+                            "whose inputs came" if averaging == "leader" else "its contribution named")}[where]
             assert reason.startswith(f"bad_opening: bad opening: {expected}"), reason
         assert not any(d.status()["averaging"]["openings"].get(k) for d in honest for k in ("inconsistent", "mismatch"))
         assert not _convictions(daemons)
@@ -282,9 +303,10 @@ async def test_a_lie_hidden_in_the_extra_term_is_refused(where: str) -> None:
 
 @pytest.mark.timeout(600)
 async def test_a_peer_that_ships_no_inputs_is_left_out_of_every_mean() -> None:
+    # (the single leader's only: no inputs travel in the all-reduce, which recomputes nothing)
     """It would dodge the recomputation; each contribution naming microbatches without their inputs is struck
     (counted for its samples, out of the mean), as an unopened one is, and nobody is convicted."""
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging="leader"), peers_per_stage=3) as daemons:
         stage1 = _last_stage_by_id(daemons)
         liar, leader = stage1[-1], stage1[0]
         assert liar.averager is not None and leader.averager is not None
@@ -322,6 +344,7 @@ def _forged(stranger: Identity, raw: bytes, mb: int, x: torch.Tensor, y: torch.T
 
 @pytest.mark.timeout(600)
 async def test_forged_convictions_by_recomputation_convict_nobody() -> None:
+    # (the single leader's only: convictions by recomputation, which the all-reduce does not make)
     """In an honest swarm, a stranger shows a stage-mate an honest peer's signed opening and the inputs of the
     microbatch a leader recomputed, as a conviction (``POST /v1/recheck``). Tampered with (the inputs, a byte
     of the opening, a report resting on another peer's opening) it is a 422 before anything is computed.
@@ -331,7 +354,7 @@ async def test_forged_convictions_by_recomputation_convict_nobody() -> None:
     against the accuser (``not_seconded``). Shown for a step whose parameters it no longer holds, it cannot
     check it and does not second either. Nobody is convicted, nobody excluded, and lone reports exclude
     nobody from any ledger."""
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging="leader"), peers_per_stage=3) as daemons:
         stage1 = _last_stage_by_id(daemons)
         leader = stage1[0]
         assert leader.averager is not None

@@ -1,13 +1,20 @@
 """The all-reduce coordinator's check of the last stage's openings (``swarmd.pipeline.averaging.allreduce.openings``):
 an honest opening is consistent, a sign-flipped contribution opened over its true microbatches is not, and an
-opening of another round, for another coordinator or not signed by its sender is told apart."""
+opening of another round, for another coordinator or not signed by its sender is told apart; one that lists other
+microbatches than its contribution named, or hides a lie in its extra term while every sample is a microbatch's,
+is bad. The owners' strikes of a member that owes one: every slice of it left out, its samples counted."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from swarmd.dht.identity import Identity
-from swarmd.pipeline.averaging.allreduce.openings import judge, open_contribution, opening_codec
+from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, judge, open_contribution, opening_codec
+from swarmd.pipeline.averaging.allreduce.owner import PartOwner
+from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, plan_round
 from swarmd.pipeline.stage.executor import Contribution
 
 NUMEL = 1000
@@ -30,7 +37,9 @@ def test_honest_and_flipped_openings_and_the_ones_not_awaited() -> None:
     member, coordinator = Identity.generate(), "c" * 40
     own = _own(0)
     assert own.grads is not None
-    args = {"stage": 1, "peer_id": member.peer_id, "coordinator": coordinator, "step": 4, "claim": "d" * 64}
+    awaited = ArAwaited(4, "d" * 64)
+    args = {"stage": 1, "peer_id": member.peer_id, "coordinator": coordinator, "awaited": awaited,
+            "grad_codec": "none"}
     verdict, why, evidence = judge(_open(member, own, own.grads), **args)
     assert (verdict, why) == ("ok", "") and evidence is not None
     # sent minus its true gradients on two thirds of the vector, opened over its true microbatches
@@ -39,7 +48,7 @@ def test_honest_and_flipped_openings_and_the_ones_not_awaited() -> None:
     verdict, why, evidence = judge(_open(member, own, lie), **args)
     assert verdict == "inconsistent" and why.startswith("unaccountable contribution") and evidence is not None
     # the opening of another step, or for another coordinator: the one awaited is still owed
-    assert judge(_open(member, own, own.grads), **{**args, "step": 5})[0] == "other"
+    assert judge(_open(member, own, own.grads), **{**args, "awaited": ArAwaited(5, "d" * 64)})[0] == "other"
     assert judge(_open(member, own, own.grads, coordinator="e" * 40), **args)[0] == "other"
     # someone else's opening in its name, or garbage
     other = Identity.generate()
@@ -57,3 +66,55 @@ def test_an_openings_codec_is_the_loosest_of_its_parts() -> None:
     assert opening_codec(["none", "none"]) == "none"
     assert opening_codec(["none", "8bit", "fp16"]) == "8bit"
     assert opening_codec(["5level", "8bit"]) == "5level"
+
+
+def _judge(raw: bytes, member: Identity, mbs: frozenset[int] | None, unexplained: int | None) -> tuple[str, str]:
+    verdict, why, _ = judge(raw, stage=1, peer_id=member.peer_id, coordinator="c" * 40, grad_codec="none",
+                            awaited=ArAwaited(4, "d" * 64, mbs, unexplained))
+    return verdict, why
+
+
+def test_an_opening_lists_the_microbatches_its_contribution_named() -> None:
+    member, own = Identity.generate(), _own(1)
+    assert own.grads is not None
+    named = frozenset({11, 12, 13})
+    assert _judge(_open(member, own, own.grads), member, named, 0) == ("ok", "")
+    # one microbatch opened as a part no microbatch explains: consistent, but not what it named
+    moved = dataclasses.replace(own, parts=((None, own.parts[0][1]), *own.parts[1:]))
+    verdict, why = _judge(_open(member, moved, own.grads), member, named, 0)
+    assert verdict == "bad" and "not those its contribution named" in why
+    # not checked when nothing is known of what it named (delayed updates)
+    assert _judge(_open(member, moved, own.grads), member, None, None)[0] == "ok"
+
+
+@pytest.mark.parametrize("unexplained", [0, 3, None])
+def test_a_lie_in_the_extra_term_is_bad_when_every_sample_is_a_microbatchs(unexplained: int | None) -> None:
+    """The contribution flipped, opened consistently as its true microbatches plus an extra of ``-2 t``: bad
+    when the member says every sample is a microbatch's; with samples handed in (or unsaid) not bounded."""
+    member, own = Identity.generate(), _own(2)
+    assert own.grads is not None
+    lie = dataclasses.replace(own, grads=-own.grads, parts=(*own.parts, (None, -2 * own.grads)))
+    verdict, why = _judge(_open(member, lie, -own.grads), member, frozenset({11, 12, 13}), unexplained)
+    if unexplained == 0:
+        assert verdict == "bad" and why.startswith("bad opening: what no microbatch of its explains"), why
+    else:
+        assert verdict == "ok", why
+
+
+def test_owners_leave_a_struck_members_slices_out_and_count_its_samples() -> None:
+    members = {"a" * 40: "127.0.0.1:1", "b" * 40: "127.0.0.1:2", "c" * 40: "127.0.0.1:3"}
+    plan = plan_round(stage=1, step=4, coordinator="a" * 40, members=members, numel=6, nonce="n", timeout_s=5.0,
+                      struck=["b" * 40, "a" * 40, "z" * 40])
+    assert plan.struck == ("b" * 40,)  # members only, never the coordinator
+    assert RoundPlan.from_wire(plan.to_wire(), numel=6) == plan
+    with pytest.raises(ValueError, match="struck"):
+        RoundPlan.from_wire({**plan.to_wire(), "struck": ["a" * 40]}, numel=6)
+    for part, owner in enumerate(plan.owners):  # the struck member's own part too
+        own = PartOwner(plan, part, owner, "none")
+        lo, hi = plan.bounds[part]
+        for k, pid in enumerate(sorted(members)):
+            own.add(pid, 2, torch.full((hi - lo,), float(k + 1)))
+        ready = own._reduce()
+        assert dict(ready.samples) == dict.fromkeys(members, 2)  # every member's samples counted
+        # the mean of the others' slices, over their samples (as the leader's mean of unstruck contributions)
+        assert own.mean is not None and torch.allclose(own.mean, torch.full((hi - lo,), (1.0 + 3.0) / 4))

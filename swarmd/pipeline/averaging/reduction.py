@@ -87,12 +87,14 @@ def _robust(contributions: Mapping[str, Contribution]) -> RobustMean | None:
 
 def reduce_contributions(contributions: Mapping[str, Contribution], digests: Mapping[str, str], *, leader: str,
                          target: int, numel: int, watch: HostileWatch | None = None,
-                         score: bool = False, strike: frozenset[str] = frozenset()) -> Reduction:
+                         score: bool = False, strike: frozenset[str] = frozenset(),
+                         strike_own: bool = False) -> Reduction:
     """Reduce one round's ``contributions`` (peer id -> contribution; ``digests``: of their gradients as
     decoded here) on its ``leader`` (see the module docstring). ``watch``: the leader's strikes,
     updated by this round (None: no convictions, and no scoring unless ``score``: a part's owner of the
     chunked all-reduce leaves struck slices out but convicts nobody). ``strike``: contributions to leave
-    out of the mean whatever their scores (their senders owe an opening: ``openings``). Pure
+    out of the mean whatever their scores (their senders owe an opening: ``openings``); never the leader's
+    own, unless ``strike_own`` (an all-reduce part's owner may owe its coordinator an opening). Pure
     but for ``watch``; call it off the event loop."""
     kept = dict(contributions)
     refused: dict[str, Refusal] = {}
@@ -119,7 +121,7 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
                 refused_samples += samples
                 total -= samples
                 del kept[pid]
-    unopened = (strike & set(kept)) - {leader}
+    unopened = (strike & set(kept)) - (set() if strike_own else {leader})
     if unopened and any(c.samples for pid, c in kept.items() if pid not in struck | unopened):
         struck |= unopened  # (never all of the mean's samples: a mean of nothing is no step)
     total = sum(c.samples for c in kept.values())

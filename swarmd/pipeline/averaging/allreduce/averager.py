@@ -172,12 +172,15 @@ counts the stage by ``membership`` (``tests/integration/test_allreduce.py`` has 
 each that failed before). Convictions (2026-12-03, third session): issue #29's -20x liar is struck,
 convicted, excluded and seconded here as by the single leader (above: "Hostile contributions";
 ``tests/adversarial/test_averaging_robust.py``, both modes), and the sign flip by its own opening, which
-the coordinator checks as the leader does (``allreduce.openings``: consistency only). Still not the
-default: with it, ``tests/adversarial/test_accountable_contributions.py`` fails where it tests what
-only the single leader does: recomputing a sampled microbatch from shipped inputs (no inputs travel
-in the all-reduce), the bound on what no microbatch explains, striking a contribution whose sender
-owes its opening or shipped no inputs; and ``test_averaging_checks``'s lying-leader test has no
-all-reduce liar (a member lying in the part it owns is not caught: above).
+the coordinator checks as the leader does (``allreduce.openings``). Openings (2026-12-03, fourth
+session): the coordinator also checks that an opening lists the microbatches its contribution named
+and bounds its extra term, strikes a member that owes it an opening (named in the plan, so every owner
+leaves it out alike, and in the signed commit), and its round record lists ``used``;
+``tests/adversarial/test_accountable_contributions.py`` runs those tests in both modes. What stays
+the single leader's: recomputing a sampled microbatch from shipped inputs (no inputs travel in the
+all-reduce, so nothing is struck for not shipping them), and checking an opening's ``sent`` sketch
+against the contribution received; ``test_averaging_checks``'s lying-leader test has no all-reduce
+liar (a member lying in the part it owns is not caught: above).
 
 Control requests per round (``/metrics``: ``swarmd_averaging_control_requests``): one report per
 member (more only when its samples grow slowly), one "ready" per owner, one decision long-poll per
@@ -209,11 +212,13 @@ from swarmd.pipeline.averaging.allreduce.messages import (
     ArReportReply,
     encode_mean,
 )
+from swarmd.pipeline.averaging.allreduce.openings import ArAwaited
 from swarmd.pipeline.averaging.allreduce.openings import judge as judge_opening
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner, PartStrikes
 from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, choose_coordinator, part_message, plan_round, quorum
 from swarmd.pipeline.averaging.averager import COMMIT_GRACE_S, POLL_TIMEOUT_S, REPLY_SLACK_S, StageAverager
 from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
+from swarmd.pipeline.averaging.trust.recomputation import extra_share
 from swarmd.pipeline.averaging.trust.refusals import Refusal, RefusalKind
 from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
 from swarmd.pipeline.failures import refused_connection, timed_out
@@ -260,7 +265,8 @@ class AllReduceAverager(StageAverager):
         self._unreported: tuple[int, float] | None = None  # the step a full batch waits at for mates, and since
         self._dropped: dict[str, None] = {}  # members dropped from a round as silent (still counted by the quorum)
         self.part_strikes = PartStrikes()  # far strikes of the members' slices of this peer's parts (seconding)
-        self._ar_awaited: dict[str, tuple[int, str]] = {}  # member -> (step, claim digest) of the opening owed here
+        self._ar_awaited: dict[str, ArAwaited] = {}  # member -> the opening it owes this coordinator
+        self._judging = asyncio.Lock()  # openings are judged one at a time (``_check_report_opening``)
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -423,7 +429,9 @@ class AllReduceAverager(StageAverager):
         # owners wait for the members' parts as long as honest ones take (patience), then drop the silent
         plan = plan_round(stage=ex.stage, step=step, coordinator=self.peer_id, members=members,
                           numel=ex.grad_numel, nonce=secrets.token_hex(4), timeout_s=self.timeout_s,
-                          patience_s=self.patience.wait_s(self.timeout_s, set(members) - {self.peer_id}))
+                          patience_s=self.patience.wait_s(self.timeout_s, set(members) - {self.peer_id}),
+                          struck=self.owing({pid: r.samples for pid, r in waiting.items()}
+                                            | {self.peer_id: ex.grad_samples}, step))
         rnd = self.coord.open(plan)
         self._register(plan)
         self.coord.answer_waiting({pid: ArReportReply("start", step, 0, len(members), plan) for pid in waiting})
@@ -619,30 +627,60 @@ class AllReduceAverager(StageAverager):
                         pid[:12], why, period)
             self._accuse(pid, step)  # and show the stage-mates the evidence (accuser)
 
-    def await_openings(self, step: int, claims: dict[str, str]) -> None:
-        """After a commit this peer coordinated (last stage): the members whose openings it now awaits,
-        with their claims' digests (``openings``)."""
-        for pid, claim in sorted(claims.items()):
+    def await_openings(self, awaited: dict[str, ArAwaited]) -> None:
+        """After a commit this peer coordinated (last stage): the members whose openings it now awaits, and
+        what it awaits of each (``openings``)."""
+        for pid, owed in sorted(awaited.items()):
             self._ar_awaited.pop(pid, None)
-            self._ar_awaited[pid] = (step, claim)
+            self._ar_awaited[pid] = owed
         while len(self._ar_awaited) > 256:
             self._ar_awaited.pop(next(iter(self._ar_awaited)))
 
+    def owing(self, samples: dict[str, int], step: int) -> frozenset[str]:
+        """The members of a round this coordinator plans at ``step`` (``samples``: each one's, by its report)
+        that still owe it the opening of an earlier contribution (``openings``): struck from the round's mean.
+        None of them when the others hold no samples (a mean of nothing is no step)."""
+        if not self.convicts() or self.identity is None:
+            return frozenset()
+        owing = frozenset(pid for pid in samples if pid != self.peer_id and pid in self._ar_awaited
+                          and self._ar_awaited[pid].step < step)
+        if not owing or not any(n for pid, n in samples.items() if pid not in owing):
+            return frozenset()
+        for pid in sorted(owing):
+            owed = self._ar_awaited[pid]
+            self.openings["missing"] += 1
+            self._warn(pid, "opening_missing", "stage %d step %d: %s sent no opening of its contribution of step %d; "
+                       "its contribution is left out of the mean", self.executor.stage, step, pid[:12], owed.step)
+        return owing
+
     async def _check_report_opening(self, report: ArReport) -> Refusal | None:
         """Judge the opening a report carries, when this coordinator awaits one from its sender
-        (``openings``: the coordinator checks openings as the leader does); why the report is refused."""
-        awaited = self._ar_awaited.get(report.peer_id)
-        if (report.opening is None or awaited is None or awaited[0] >= report.step or not self.convicts()
-                or self.identity is None):
+        (``openings``: the coordinator checks openings as the leader does); why the report is refused.
+        One judgment at a time: a member's next report, sent while the last was being judged, carries the
+        same opening, and judging both counted it twice (a conviction too)."""
+        if report.opening is None or not self.convicts() or self.identity is None:
             return None
+        async with self._judging:
+            return await self._judge_report_opening(report, report.opening)
+
+    async def _judge_report_opening(self, report: ArReport, opening: bytes) -> Refusal | None:
         ex, pid = self.executor, report.peer_id
-        verdict, why, evidence = await asyncio.to_thread(judge_opening, report.opening, stage=ex.stage, peer_id=pid,
-                                                         coordinator=self.peer_id, step=awaited[0], claim=awaited[1])
+        if pid in self.excluded():  # (an earlier report's opening, judged meanwhile, had it excluded)
+            return Refusal("excluded", "by this stage")
+        awaited = self._ar_awaited.get(pid)
+        if awaited is None or awaited.step >= report.step:
+            return None
+        verdict, why, evidence = await asyncio.to_thread(judge_opening, opening, stage=ex.stage, peer_id=pid,
+                                                         coordinator=self.peer_id, awaited=awaited,
+                                                         grad_codec=ex.training.grad_codec)
         if verdict == "other":  # an older opening (its commit reached it late): the one awaited is still owed
             return None
         self._ar_awaited.pop(pid, None)
         self.openings[verdict] += 1
         if verdict == "ok":
+            if evidence is not None:  # the largest extra share of an opening judged honest (bench_verify)
+                share = extra_share(evidence.total, evidence.extra)
+                self.opening_costs["max_extra_share"] = max(self.opening_costs["max_extra_share"], share)
             return None
         if verdict == "bad" or evidence is None:
             period = self.suspicions.accuse(pid, str(Refusal("bad_opening", why)))
@@ -752,7 +790,7 @@ class AllReduceAverager(StageAverager):
             return ArAck(False, "excluded: this stage excludes that peer for now")
         claim = ((req.public_key, req.claim_norm, req.claim_sig) if owner.part == 0 and req.public_key is not None
                  and req.claim_norm is not None and req.claim_sig is not None else None)
-        why = owner.add(req.peer_id, req.samples, req.grads, digest, req.codec, req.mbs, claim)
+        why = owner.add(req.peer_id, req.samples, req.grads, digest, req.codec, req.mbs, claim, req.unexplained)
         return ArAck(why is None, why or "")
 
     def _part_signer(self, frame: Frame, owner: PartOwner, digest: str | None = None) -> str | None:

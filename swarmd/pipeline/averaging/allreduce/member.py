@@ -20,7 +20,7 @@ from swarmd.errors import Busy, PeerError, SwarmdError
 from swarmd.net.client import DataPlaneClient
 from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArDecisionReply, ArPart, ArQuery, ArReady, read_mean
-from swarmd.pipeline.averaging.allreduce.openings import open_contribution, opening_codec
+from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, open_contribution, opening_codec
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner, PartStrikes
 from swarmd.pipeline.averaging.allreduce.plan import Decision, RoundPlan, claim_digest, part_digest, part_message
 from swarmd.pipeline.averaging.averager import RoundResult, _as_decoded, _wire_codec
@@ -79,7 +79,7 @@ class RoundHost(Protocol):
 
     def convict_members(self, convicted: dict[str, str], step: int, *, struck: int) -> None: ...
 
-    def await_openings(self, step: int, claims: dict[str, str]) -> None: ...
+    def await_openings(self, awaited: dict[str, ArAwaited]) -> None: ...
 
     def _take_opening_convictions(self) -> dict[str, str]: ...
 
@@ -185,6 +185,10 @@ class MemberRound:
         self.claim_digest = claim_digest([self.mine[j][0].digest for j in range(len(plan.owners))])
         self.claim_norm = math.sqrt(sum(self.mine[j][0].norm ** 2 for j in range(len(plan.owners))))
         av.own_norms.note(plan.step, plan.coordinator, self.claim_norm, own.samples)  # to second accusations with
+        # (last stage) its samples no microbatch of its explains: those not in the microbatches whose inputs it
+        # kept (handed in; all of them when it kept none): its coordinator bounds its opening's extra by it
+        unexplained = (max(0, own.samples - sum(i.inputs.shape[0] for i in own.inputs))
+                       if own.parts and own.grads is not None else None)
         claim_sig = None
         if av.identity is not None and own.samples > 0:
             claim_sig = av.identity.sign(contribution_message(ex.stage, plan.step, own.samples, self.claim_digest,
@@ -198,7 +202,8 @@ class MemberRound:
                 key = av.identity.public_key_bytes if av.identity is not None and j == 0 else None
                 why = av.owners[(plan.round_id, j)].add(
                     av.peer_id, own.samples, decoded, used.digest, mbs=own.mbs if j == 0 else (),
-                    claim=(key, self.claim_norm, claim_sig) if key is not None and claim_sig is not None else None)
+                    claim=(key, self.claim_norm, claim_sig) if key is not None and claim_sig is not None else None,
+                    unexplained=unexplained if j == 0 else None)
                 if why is not None:
                     log.warning("stage %d: own part %d refused by itself (%s)", ex.stage, j, why)
                 return
@@ -210,7 +215,8 @@ class MemberRound:
                 key = av.identity.public_key_bytes
                 sig = av.identity.sign(part_message(ex.stage, plan.round_id, j, own.samples, digest, av.peer_id, owner))
             req = ArPart(ex.stage, plan.round_id, j, av.peer_id, own.samples, piece, digest, codec, key, sig,
-                         own.mbs if j == 0 else (), *claim)
+                         own.mbs if j == 0 else (), claim_norm=claim[0], claim_sig=claim[1],
+                         unexplained=unexplained if j == 0 else None)
             try:
                 frame = await av.client.allreduce(plan.addr(owner), "part", req.encode,
                                                   0 if piece is None else piece.numel() * 4,
@@ -299,7 +305,7 @@ class MemberRound:
                         "the round is aborted", plan.stage, plan.step, late)
             decision = Decision(plan.round_id, plan.stage, plan.step, "abort", 0, (), plan.coordinator, "late")
         convicted: dict[str, str] = {}
-        claimed: dict[str, str] = {}
+        claimed: dict[str, ArAwaited] = {}
         if decision.status == "commit":  # the owners' scores, summed: strike, and convict on the last stage
             decision, convicted, claimed = await asyncio.to_thread(self._judge, rnd, decision)
         if decision.dropped:  # members whose parts no owner (on a commit), or some owner, had at the patience
@@ -316,19 +322,21 @@ class MemberRound:
         av.coord.settle(rnd, decision, sig)
         if decision.status == "commit":
             av.convict_members(convicted, plan.step, struck=len(decision.struck))
-            av.await_openings(plan.step, {pid: c for pid, c in claimed.items() if pid not in convicted})
+            av.await_openings({pid: c for pid, c in claimed.items() if pid not in convicted})
 
-    def _judge(self, rnd: CoordRound, decision: Decision) -> tuple[Decision, dict[str, str], dict[str, str]]:
+    def _judge(self, rnd: CoordRound, decision: Decision) -> tuple[Decision, dict[str, str], dict[str, ArAwaited]]:
         """The coordinator's scores of a committed round (off the loop): each member's
         ``hostile_contributions`` score summed over the owners' reports; those that strike are named in the
-        decision, and on the last stage (``convicts``) the watch convicts repeat offenders, far ones only,
-        with their signed claims as the evidence (``accusations``). The decision to sign, who it convicts, and
-        the claims' digests of the members whose openings this coordinator then awaits (``openings``)."""
+        decision with those the plan struck (they owed an opening: ``openings``), and on the last stage
+        (``convicts``) the watch convicts repeat offenders, far ones only, with their signed claims as the
+        evidence (``accusations``). The decision to sign, who it convicts, and the openings this coordinator
+        then awaits (``openings``: of the members whose claims it kept)."""
         av, plan = self.av, self.plan
         left = set(plan.member_ids) - set(decision.dropped)
         scores = {pid: sc for pid, sc in combine_terms(dict(r.scores) for r in rnd.readies.values()).items()
                   if pid in left and pid != av.peer_id}
-        struck = tuple(sorted(pid for pid, sc in scores.items() if sc.strike() is not None))
+        struck = tuple(sorted({pid for pid, sc in scores.items() if sc.strike() is not None}
+                              | (set(plan.struck) & left)))
         if scores:
             log.debug("stage %d step %d: contribution scores %s", plan.stage, plan.step,
                       {pid[:8]: (round(sc.far, 2), round(sc.cos, 3)) for pid, sc in scores.items()})
@@ -342,7 +350,13 @@ class MemberRound:
                     av.struck_claims.note(pid, claim[0], claim[1], far=sc.far_strike() is not None)
             convicted = av.hostile.observe(scores)
         out = dataclasses.replace(decision, struck=struck, convicted=tuple(sorted(convicted.items())))
-        return out, convicted, {pid: c.digest for pid, (_, c) in claims.items() if pid != av.peer_id}
+        owner0 = av.owners.get((plan.round_id, 0)) if plan.owners[0] == av.peer_id else None
+        checks = owner0 is not None and not av.executor.training.delay_updates  # (the leader's: nothing shipped)
+        awaited = {pid: ArAwaited(plan.step, c.digest,
+                                  frozenset(owner0.mbs.get(pid, ())) if checks and owner0 is not None else None,
+                                  owner0.unexplained.get(pid) if checks and owner0 is not None else None)
+                   for pid, (_, c) in claims.items() if pid != av.peer_id}
+        return out, convicted, awaited
 
     def _claims(self, decision: Decision) -> dict[str, tuple[bytes, Claim]]:
         """The members' signed claims of their contributions (kept by part 0's owner, when it is this
@@ -474,9 +488,11 @@ class MemberRound:
         av.rounds_ok += 1
         self._count_repeats()
         convicted = dict(d.convicted)
+        used: tuple[Used, ...] | None = None
         if plan.coordinator == av.peer_id:  # and those its openings convicted since its last round (as a leader's)
             convicted |= av._take_opening_convictions()
-        av._record(RoundResult("ok", plan.step, d.samples, len(plan.members) - len(d.dropped), None),
+            used = self._used()  # whose samples the mean holds, in its record as in a leader's
+        av._record(RoundResult("ok", plan.step, d.samples, len(plan.members) - len(d.dropped), None, used=used),
                    plan.coordinator, missing=list(d.dropped), started=self.started, struck=d.struck,
                    convicted=convicted)
         if (av.convicts() and av.identity is not None and own.grads is not None and own.parts
@@ -491,6 +507,17 @@ class MemberRound:
                     codec=opening_codec(self.codecs), own=own, decoded=torch.cat([t for t in sent if t is not None]),
                     numel=ex.grad_numel)
                 av._opened(plan.coordinator, (opening, time.thread_time() - started))
+
+    def _used(self) -> tuple[Used, ...] | None:
+        """The contributions a committed mean holds, by part 0's used list (every part lists the same members
+        and samples: ``decide``); None when it cannot be read."""
+        held = self.parts.get(0)
+        if held is None:
+            return None
+        try:
+            return tuple(Used.from_wire(u) for u in held[1])
+        except ValueError:
+            return None
 
     async def _gather_parts(self, d: Decision, fetches: dict[int, asyncio.Task[Part | None]]) -> list[int]:
         """Every part, checked against the commit's digests: from its owner, else from the coordinator

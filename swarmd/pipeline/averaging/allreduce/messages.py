@@ -162,6 +162,9 @@ class ArPart:
     # ``accusations.contribution_message`` over ``plan.claim_digest``, for the coordinator (its round's "leader")
     claim_norm: float | None = None
     claim_sig: bytes | None = None
+    # (part 0, last stage) how many of its samples no microbatch of its explains (handed in by a leaving peer;
+    # all of them when it keeps no inputs): under 0 of them its opening's extra term is bounded (``openings``)
+    unexplained: int | None = None
 
     KIND = "ar_part"
 
@@ -170,6 +173,8 @@ class ArPart:
                         "samples": self.samples, "digest": self.digest}, self.public_key, self.signature)
         if self.claim_norm is not None and self.claim_sig is not None:
             meta.update(claim_norm=float(self.claim_norm), claim_sig=self.claim_sig)
+        if self.unexplained is not None:
+            meta["unexplained"] = self.unexplained
         tensors = {} if self.grads is None else {"grads": self.grads}
         if self.mbs and len(self.mbs) <= MAX_CONTRIBUTION_MBS:
             tensors["mbs"] = torch.tensor([m - 2**64 if m >= 2**63 else m for m in self.mbs], dtype=torch.int64)
@@ -202,8 +207,11 @@ class ArPart:
                     and type(claim_sig) is bytes and len(claim_sig) == 64):
                 raise RequestError("meta.claim_norm and meta.claim_sig must be a per-sample norm and a 64-byte "
                                    "signature")
+        unexplained = _nat(m, "unexplained") if m.get("unexplained") is not None else None
+        if unexplained is not None and unexplained > samples:
+            raise RequestError("meta.unexplained counts some of the part's samples (at most meta.samples)")
         return cls(_nat(m, "stage"), _str(m, "round_id"), _nat(m, "part"), _str(m, "peer_id"), samples, grads,
-                   digest, str(m.get("codec", "none")), pk, sig, mbs, claim_norm, claim_sig)
+                   digest, str(m.get("codec", "none")), pk, sig, mbs, claim_norm, claim_sig, unexplained)
 
 
 @dataclass(frozen=True)

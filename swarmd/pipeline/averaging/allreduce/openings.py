@@ -9,27 +9,48 @@ can check without the members' gradients (it holds one part of each):
   microbatches' sketches, what no microbatch explains, and the contribution as its owners decoded
   it (its parts, concatenated), under a seed that hashes the commit's part digests (fixed only
   once every member sent its parts) and its own signed claim's digest (``plan.claim_digest``).
-  It rides to the same coordinator with the member's next report (``ArReport.opening``).
+  It rides to the same coordinator with the member's next report (``ArReport.opening``). With part
+  0 of its contribution it says how many of its samples no microbatch of its explains (those not in
+  the microbatches whose inputs it kept: handed in; ``ArPart.unexplained``).
 * **Coordinator.** At each commit it awaits an opening from every member whose signed claim it
-  kept (``member``: claims checked against every part's ``used`` list). An opening that comes is
-  checked (:func:`judge`): signed by the member, for this coordinator, of the awaited step and
-  claim; then **consistent**: its contribution's sketch is the sum of its parts' (``inconsistency``,
-  which anyone can check). An inconsistent one convicts its sender exactly as the leader's does
-  (``hostile: unaccountable contribution ...``, excluded, the opening posted to the stage-mates,
-  which second it: ``accuser``); a bad one (unreadable, badly signed) excludes it as ``bad_opening``.
+  kept (``member``: claims checked against every part's ``used`` list), with what part 0 (its own)
+  got with the member's contribution: the microbatches it named and how many of its samples none
+  of them explains (:class:`ArAwaited`). An opening that comes is checked (:func:`judge`): signed by
+  the member, for this coordinator, of the awaited step and claim; **consistent**: its
+  contribution's sketch is the sum of its parts' (``inconsistency``, which anyone can check); and,
+  as the leader checks an opening whose contribution shipped its inputs (not under delayed
+  updates): it lists exactly the microbatches its contribution named, and when every sample is one
+  of theirs, what no microbatch explains stays under ``recomputation.extra_bound`` (the codec's
+  residual). An inconsistent one convicts its sender exactly as the leader's does (``hostile:
+  unaccountable contribution ...``, excluded, the opening posted to the stage-mates, which second
+  it: ``accuser``); a bad one (unreadable, badly signed, other microbatches, too large an extra)
+  excludes it as ``bad_opening``.
+* **Strikes.** A member that still owes this coordinator an opening when a round is planned (its
+  reports came without it, or with an older one) is struck, as the leader strikes an unopened
+  contribution: the coordinator names it in the plan (``RoundPlan.struck``), every owner leaves
+  its slices out of its part's mean (its samples count: the round goes on), and the signed commit
+  names it among the struck. Decided before any part is reduced, so every owner reduces alike and
+  the members still apply one mean bit for bit, or none. Not when it would leave the mean nothing
+  (the coordinator holds no samples): a mean of nothing is no step. The debt stays until the
+  opening comes or a later committed contribution of the member replaces it.
+  The coordinator's round record lists ``used`` (whose samples the mean holds), as a leader's does.
 
-Not done here (the single leader's only, for now): that the opening's ``sent`` sketch is the sketch
-of the contribution the owners received (needs every owner to sketch its slices under the member's
-seed, known only after the commit), the recomputation of a sampled microbatch
-(``recomputation``), and striking a contribution whose sender owes an opening. So a liar that opens
-its true microbatches and signs the sketch of its *true* contribution while sending another is
-not caught by its opening in the all-reduce; one that sends a sign-flipped contribution and opens
-what it sent is (``tests/adversarial/test_averaging_robust.py``).
+Not done here (the single leader's only): that the opening's ``sent`` sketch is the sketch of the
+contribution the owners received (needs every owner to sketch its slices under the member's seed,
+known only after the commit), and the recomputation of a sampled microbatch (``recomputation``:
+no inputs travel in the all-reduce, so nobody strikes a contribution for not shipping them
+either). So a liar that opens its true microbatches and signs the sketch of its *true*
+contribution while sending another, or that opens false parts consistent with what it sent, is not
+caught by its opening in the all-reduce; one that sends a sign-flipped contribution and opens what
+it sent is (``tests/adversarial/test_averaging_robust.py``). How many samples no microbatch
+explains is the member's word here (the leader counts the rows of the shipped inputs; both rest on
+the contributor's sample count): a member that says some were handed in escapes the extra bound.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import msgpack
 import torch
@@ -41,9 +62,22 @@ from swarmd.pipeline.averaging.trust.contribution_proofs import (
     sign_opening,
     tolerance,
 )
+from swarmd.pipeline.averaging.trust.recomputation import extra_overrun
 from swarmd.pipeline.stage.executor import Contribution
 
-__all__ = ["judge", "opening_codec", "open_contribution", "round_digest"]
+__all__ = ["ArAwaited", "judge", "opening_codec", "open_contribution", "round_digest"]
+
+
+@dataclass(frozen=True)
+class ArAwaited:
+    """The opening a coordinator awaits from a member after a commit: of its contribution of ``step`` with
+    claim digest ``claim``; the microbatches that contribution named and how many of its samples none of them
+    explains (None: not checked, as under delayed updates or when the member did not say)."""
+
+    step: int
+    claim: str
+    mbs: frozenset[int] | None = None
+    unexplained: int | None = None
 
 
 def round_digest(digests: tuple[str, ...]) -> str:
@@ -67,12 +101,23 @@ def open_contribution(identity: Identity, *, stage: int, step: int, peer_id: str
                         decoded=decoded, numel=numel).encode()
 
 
-def judge(raw: bytes, *, stage: int, peer_id: str, coordinator: str, step: int,
-          claim: str) -> tuple[str, str, OpeningEvidence | None]:
-    """What ``peer_id``'s opening shows the coordinator that awaits the opening of its contribution of
-    ``step`` with claim digest ``claim``: ``(verdict, why, evidence)``, verdict ``ok``, ``other`` (an
-    opening of another round: the one awaited is still owed), ``bad`` (unreadable or not its signature)
-    or ``inconsistent`` (convict; the evidence goes to the stage-mates). Pure."""
-    verdict, why, opening = read_opening(raw, stage=stage, peer_id=peer_id, leader=coordinator, step=step,
-                                         digest=claim)
-    return verdict, why, None if opening is None else opening.evidence
+def judge(raw: bytes, *, stage: int, peer_id: str, coordinator: str, awaited: ArAwaited,
+          grad_codec: str) -> tuple[str, str, OpeningEvidence | None]:
+    """What ``peer_id``'s opening shows the coordinator that awaits it (``awaited``) in a swarm averaging
+    with ``grad_codec``: ``(verdict, why, evidence)``, verdict ``ok``, ``other`` (an opening of another
+    round: the one awaited is still owed), ``bad`` (unreadable, not its signature, other microbatches than
+    its contribution named, or an extra term over its bound) or ``inconsistent`` (convict; the evidence goes
+    to the stage-mates); the evidence comes with ``ok`` and ``inconsistent``. Pure."""
+    verdict, why, opening = read_opening(raw, stage=stage, peer_id=peer_id, leader=coordinator, step=awaited.step,
+                                         digest=awaited.claim)
+    if opening is None or verdict != "ok":
+        return verdict, why, None if opening is None else opening.evidence
+    ev = opening.evidence
+    if awaited.mbs is not None and (len(set(opening.mbs)) != len(opening.mbs)
+                                    or frozenset(opening.mbs) != awaited.mbs):
+        return "bad", "bad opening: its microbatches are not those its contribution named", None
+    if awaited.unexplained == 0:  # every sample a microbatch's: its extra can only be a codec's residual
+        overrun = extra_overrun(ev.total, ev.extra, grad_codec)
+        if overrun is not None:
+            return "bad", overrun, None
+    return "ok", "", ev

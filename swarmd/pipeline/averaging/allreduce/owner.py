@@ -7,7 +7,9 @@ against the owner's own slice left out, a CenteredClip of three or more, the pla
 the plain float64 sum in peer-id order when nothing is clipped), encodes the mean once with the
 swarm's codec (under ``auto``, the most compressed its members' slices came with) and keeps those
 bytes: every member fetches and decodes exactly them, so the part means, hence the peers, stay
-bit-identical.
+bit-identical. The members the plan names as struck (they owe the coordinator an opening:
+``allreduce.openings``) are left out of the part's mean, counted for their samples, by every owner
+alike (this owner's own slice too).
 
 Bounded influence per part: one member's slice moves part ``j``'s mean by at most that part's
 bound (``robust_aggregation``), so the whole mean by at most the root of the sum of the parts'
@@ -88,6 +90,9 @@ class PartOwner:
         self.digests: dict[str, str] = {}  # tensor_digest of each member's slice as decoded here
         self.arrived: dict[str, float] = {}  # seconds from the plan to each member's slice (patience)
         self.mbs: dict[str, tuple[int, ...]] = {}  # the microbatch ids each member's gradients hold (part 0)
+        # (part 0) the samples of each member's contribution that no microbatch of its explains, by its word (None:
+        # not said); what its opening's extra term is bounded by (``openings``)
+        self.unexplained: dict[str, int | None] = {}
         self.used: list[list[Any]] = []
         self.refused: dict[str, Refusal] = {}
         self._complete = asyncio.Event()
@@ -103,7 +108,7 @@ class PartOwner:
 
     def add(self, peer_id: str, samples: int, grads: torch.Tensor | None, digest: str | None = None,
             codec: str = "none", mbs: tuple[int, ...] = (),
-            claim: tuple[bytes, float, bytes] | None = None) -> str | None:
+            claim: tuple[bytes, float, bytes] | None = None, unexplained: int | None = None) -> str | None:
         """A member's slice (``digest``: its tensor_digest, computed when None; ``codec``: the one it
         travelled with, which under ``auto`` sets the mean's, ``codec_choice.answer_codec``); why
         it is turned away."""
@@ -118,6 +123,7 @@ class PartOwner:
         self.parts[peer_id] = (samples, grads)
         self.arrived[peer_id] = time.monotonic() - self.started
         self.mbs[peer_id] = mbs
+        self.unexplained[peer_id] = unexplained
         if claim is not None:  # (checked by the coordinator against every part's used list: ``member``)
             self.claims[peer_id] = claim
         if grads is not None:
@@ -161,7 +167,8 @@ class PartOwner:
             return Ready(plan.round_id, self.part, self.owner, "", samples, missing,
                          tuple(sorted((pid, str(why)) for pid, why in refused.items())))
         red = reduce_contributions({pid: Contribution(step=0, samples=s, grads=g) for pid, (s, g) in parts.items()},
-                                   {}, leader=self.owner, target=0, numel=self.size, score=True)
+                                   {}, leader=self.owner, target=0, numel=self.size, score=True,
+                                   strike=frozenset(plan.struck), strike_own=True)
         mean = red.mean if red.mean is not None else reduce_part(parts, self.size)[0]
         self.clipped, self.struck = red.clipped, red.struck
         self.scores = dict(red.scores)  # each other member's slice against this owner's own (PartStrikes)

@@ -101,6 +101,9 @@ class RoundPlan:
     # owners wait this long for every member's part, then reduce those that came (the missing are dropped
     # from the round: ``decide``); None: ``timeout_s`` (the stage's patience, ``patience``)
     patience_s: float | None = None
+    # members whose gradients every owner leaves out of its part's mean (their samples count): they owe the
+    # coordinator the opening of their last contribution to it (``openings``); the commit names them as struck
+    struck: tuple[str, ...] = ()
 
     @property
     def wait_s(self) -> float:
@@ -124,7 +127,8 @@ class RoundPlan:
         return {"round_id": self.round_id, "stage": self.stage, "step": self.step, "coordinator": self.coordinator,
                 "members": [list(m) for m in self.members], "owners": list(self.owners),
                 "bounds": [list(b) for b in self.bounds], "timeout_s": self.timeout_s,
-                **({"patience_s": self.patience_s} if self.patience_s is not None else {})}
+                **({"patience_s": self.patience_s} if self.patience_s is not None else {}),
+                **({"struck": list(self.struck)} if self.struck else {})}
 
     @classmethod
     def from_wire(cls, value: Any, *, numel: int | None = None) -> RoundPlan:
@@ -159,22 +163,28 @@ class RoundPlan:
         if patience is not None and (isinstance(patience, bool) or not isinstance(patience, (int, float))
                                      or not 0 < patience <= timeout):
             raise ValueError("a round plan's patience_s is a number of seconds in (0, timeout_s]")
+        struck = value.get("struck", [])
+        if not (isinstance(struck, list) and all(isinstance(p, str) for p in struck)
+                and struck == sorted(set(struck)) and set(struck) <= set(ids) - {coord}):
+            raise ValueError("a round plan's struck members are distinct members but the coordinator, sorted")
         return cls(round_id=rid, stage=stage, step=step, coordinator=coord,
                    members=tuple((m[0], m[1]) for m in members), owners=tuple(owners),
                    bounds=tuple((b[0], b[1]) for b in bounds), timeout_s=float(timeout),
-                   patience_s=float(patience) if patience is not None else None)
+                   patience_s=float(patience) if patience is not None else None, struck=tuple(struck))
 
 
 def plan_round(*, stage: int, step: int, coordinator: str, members: Mapping[str, str], numel: int, nonce: str,
                timeout_s: float, weights: Mapping[str, float] | None = None,
-               patience_s: float | None = None) -> RoundPlan:
-    """The plan of a round of ``members`` (peer id -> address; the coordinator among them)."""
+               patience_s: float | None = None, struck: Iterable[str] = ()) -> RoundPlan:
+    """The plan of a round of ``members`` (peer id -> address; the coordinator among them); ``struck``: the
+    members whose gradients the owners leave out of the mean (they owe an opening)."""
     owners = part_owners(members)
     w = [weights.get(o, 1.0) for o in owners] if weights else None
     return RoundPlan(round_id=f"{step}-{coordinator[:16]}-{nonce}", stage=stage, step=step, coordinator=coordinator,
                      members=tuple(sorted(members.items())), owners=owners,
                      bounds=part_bounds(numel, len(owners), w), timeout_s=timeout_s,
-                     patience_s=None if patience_s is None else min(max(patience_s, 1e-3), timeout_s))
+                     patience_s=None if patience_s is None else min(max(patience_s, 1e-3), timeout_s),
+                     struck=tuple(sorted(set(struck) & set(members) - {coordinator})))
 
 
 def reduce_part(parts: Mapping[str, tuple[int, torch.Tensor | None]], size: int) -> tuple[torch.Tensor, int]:

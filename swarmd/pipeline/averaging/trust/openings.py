@@ -62,7 +62,7 @@ from swarmd.pipeline.averaging.trust.recomputation import (
     RECOMPUTE_PRECISIONS,
     RECOMPUTE_TOLERANCE,
     draws,
-    extra_bound,
+    extra_overrun,
     extra_share,
     inputs_digest,
     sample,
@@ -250,12 +250,10 @@ class RoundOpenings(RoundAccuser):
                     or opening.lead != awaited.lead):
                 return "bad", ("bad opening: it does not sign the inputs its contribution shipped, the parameters "
                                "they ran at and this leader's digest"), None, None
-        share, bound = extra_share(ev.total, ev.extra), extra_bound(self.executor.training.grad_codec)
-        if awaited.unexplained == 0 and share > bound:
-            # every sample is a shipped microbatch's: its extra can only be a codec's residual (item 2)
-            return "bad", (f"bad opening: what no microbatch of its explains is {share:.3f} of its "
-                           f"contribution (bound {bound:g}: a codec's residual), yet every sample is "
-                           "a microbatch's"), None, None
+        # every sample a shipped microbatch's: its extra can only be a codec's residual (item 2)
+        overrun = extra_overrun(ev.total, ev.extra, self.executor.training.grad_codec)
+        if awaited.unexplained == 0 and overrun is not None:
+            return "bad", overrun, None, None
         if awaited.sampled is None or awaited.recomputed is None:
             return "ok", "", ev, None
         part = opening.parts[opening.mbs.index(awaited.sampled)]

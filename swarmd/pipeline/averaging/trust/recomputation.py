@@ -80,7 +80,7 @@ from swarmd.pipeline.stage.precision import autocast
 
 __all__ = ["EXTRA_BOUND", "LOOSE_EXTRA_BOUND", "PAST_PARAMS", "RECOMPUTE_PRECISIONS", "RECOMPUTE_SHARE",
            "RECOMPUTE_TOLERANCE", "TIGHT_CODECS", "KeptInputs", "MicrobatchInputs", "PastParams", "draws",
-           "extra_bound", "extra_share", "inputs_digest", "recheck", "recompute_gradient", "sample"]
+           "extra_bound", "extra_overrun", "extra_share", "inputs_digest", "recheck", "recompute_gradient", "sample"]
 
 T = TypeVar("T")
 
@@ -228,6 +228,17 @@ def extra_share(total: Sequence[float], extra: Sequence[float]) -> float:
     """``||e|| / (||t|| + ||e||)`` of an opening's sketches: 0 without extra, 1 with nothing but extra."""
     t, e = math.sqrt(math.fsum(x * x for x in total)), math.sqrt(math.fsum(x * x for x in extra))
     return e / (t + e) if t + e > 0 else 0.0
+
+
+def extra_overrun(total: Sequence[float], extra: Sequence[float], grad_codec: str) -> str | None:
+    """Why an opening (its sketches ``total`` and ``extra``) of a contribution whose every sample is one of its
+    microbatches' is ``bad``: its extra share over :func:`extra_bound` (None: within it). The single leader's
+    and the all-reduce coordinator's rule."""
+    share, bound = extra_share(total, extra), extra_bound(grad_codec)
+    if share <= bound:
+        return None
+    return (f"bad opening: what no microbatch of its explains is {share:.3f} of its contribution (bound {bound:g}: "
+            "a codec's residual), yet every sample is a microbatch's")
 
 
 def draws(probability: float) -> bool:
