@@ -223,6 +223,7 @@ class ProvenPeers:
         self.clock = clock
         self._proofs: dict[str, Proof] = {}
         self._failures: dict[str, _Failure] = {}
+        self._answered: dict[str, str] = {}  # peer id -> the address it last proved itself at, kept past failures
         self.succeeded_total = 0
         self.failed_total: Counter[str] = Counter()
 
@@ -252,6 +253,11 @@ class ProvenPeers:
         f = self._failures.get(peer_id)
         return f.count if f is not None and f.addr == addr else 0
 
+    def ever_proved(self, peer_id: str, addr: str) -> bool:
+        """Whether the peer ever proved itself at ``addr`` (remembered after its proof lapsed or a later
+        challenge failed: it answered there once, so it is a live peer, not a record nobody serves)."""
+        return self._answered.get(peer_id) == addr
+
     def tried(self, peer_id: str) -> bool:
         """Whether the peer was ever challenged (and the answer is still remembered)."""
         return peer_id in self._proofs or peer_id in self._failures
@@ -260,8 +266,11 @@ class ProvenPeers:
         self._failures.pop(peer_id, None)
         self._proofs.pop(peer_id, None)
         self._proofs[peer_id] = Proof(addr=addr, at=self.clock(), step=step, params_digest=params_digest)
+        self._answered.pop(peer_id, None)
+        self._answered[peer_id] = addr
         self.succeeded_total += 1
         self._bound(self._proofs)
+        self._bound(self._answered)
 
     def failed(self, peer_id: str, addr: str, reason: str) -> float:
         """Record a failed challenge; returns how long until the next one."""

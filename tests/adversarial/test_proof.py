@@ -105,6 +105,22 @@ def test_the_table_expires_renews_and_backs_off_on_a_fake_clock() -> None:
     assert table.status()["proven"] <= 3
 
 
+def test_a_peer_that_proved_itself_once_is_remembered_past_its_lapsed_proof_and_a_failed_challenge() -> None:
+    # the all-reduce's quorum counts a peer that ever answered (membership (2)): a failed challenge under load
+    # must not make a proven peer look like a record nobody serves (two coordinators both committed that way)
+    now = [0.0]
+    table = ProvenPeers(ttl_s=60, max_peers=2, clock=lambda: now[0])
+    assert not table.ever_proved("a", "h:1")
+    table.succeeded("a", "h:1", step=0, params_digest=None)
+    table.failed("a", "h:1", "timeout")
+    now[0] += 120
+    assert table.proof("a", "h:1") is None and table.ever_proved("a", "h:1")
+    assert not table.ever_proved("a", "h:2")  # at another address it must answer again
+    for i in range(3):  # bounded
+        table.succeeded(f"p{i}", "h", 0, None)
+    assert not table.ever_proved("a", "h:1")
+
+
 @contextlib.asynccontextmanager
 async def serving(identity: Identity, announce: str | None = None) -> AsyncIterator[tuple[str, ProofService]]:
     """A data plane with the proof endpoint; ``announce``: the address it claims (default: its own)."""

@@ -583,7 +583,9 @@ class AllReduceAverager(StageAverager):
         if self.prover is not None:
             proven = self.prover.proven(listed)
             for pid, addr in listed.items():
-                if pid in proven:
+                # a proof seen now, or one it gave at that address before (its proof may have lapsed, or its
+                # last challenge failed, before this peer looked: it answered all the same, membership (2))
+                if pid in proven or self.prover.table.ever_proved(pid, addr):
                     self.membership.answered(pid, now)
                 else:
                     self.membership.challenged(pid, self.prover.table.failures(pid, addr))
