@@ -338,7 +338,11 @@ class StageRouter:
 
         Vanished peers are forgotten, except that one banned right now is remembered until its
         ban ends (a fake record that comes and goes keeps its backoff); known peers keep their
-        measurements and bans even if their address changed; new peers are added in sorted
+        measurements and bans even if their address changed, except that a proven peer banned only
+        for failed calls and now announcing another address (relayed through a new relay, restarted
+        elsewhere) gets a new try at once: its failures were the old address's (a sentence from
+        :meth:`ban` stays, and so does a never-proven peer's backoff: a fake that re-signs its record
+        at a new port must not buy a probation call with each); new peers are added in sorted
         order, so the result does not depend on the view's order. A view of another stage is a
         caller's bug: ValueError.
         """
@@ -359,7 +363,8 @@ class StageRouter:
         for peer_id in sorted(peers):
             known = self._peers.get(peer_id) or self._gone.pop(peer_id, None)
             stats = known if known is not None else PeerStats(peer_id, peers[peer_id], alpha=self.alpha)
-            if stats.addr != peers[peer_id] and not stats.convicted and stats.banned_for(now) > 0.0:
+            if (stats.addr != peers[peer_id] and stats.proven and not stats.convicted
+                    and stats.banned_for(now) > 0.0):
                 stats.banned_until = now  # moved: the backoff was for the old address
             stats.addr = peers[peer_id]
             self._peers[peer_id] = stats

@@ -220,6 +220,10 @@ def test_a_peer_banned_for_failures_that_moves_gets_a_new_try_and_a_sentenced_on
     router.ban("b", 600.0)  # a caught liar keeps its sentence wherever it announces itself
     router.update_peers(listed({"a": "a@relay2", "b": "2-elsewhere"}))
     assert router.snapshot()[1].banned_for_s == pytest.approx(600.0)
+    router.update_peers(listed({"a": "a@relay2", "b": "2-elsewhere", "fake": "f:1"}))
+    ban = router.report_failure("fake", timeout=True)  # never answered: a probation ban, kept at any port
+    router.update_peers(listed({"a": "a@relay2", "b": "2-elsewhere", "fake": "f:2"}))
+    assert router.snapshot()[2].banned_for_s == pytest.approx(ban)
 
 
 def test_success_does_not_lift_a_ban_in_force() -> None:
