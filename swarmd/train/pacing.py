@@ -127,23 +127,26 @@ def reachable_steps(progress: Progress, step: int, target: int) -> list[int]:
     fronts = stage_fronts(progress)
     if not progress or fronts[0] != step:
         return [wanted] * len(progress)
-    incoming = max(0, target - _held_at(progress[0], step))
+    incoming = max(0, target - _held_at(progress[0], step, _ignored(progress[0])))
     reach = [wanted]
     for peers, front in zip(progress[1:], fronts[1:], strict=True):
         if front is None or front >= wanted:
             reach.append(wanted)
             continue
-        ignored = excluded_by_stage(peers) | forks(peers)
+        ignored = _ignored(peers)
         averaging = any(p.averaging for p in peers if p.step == front and p.peer_id not in ignored)
-        steps = (_held_at(peers, front) + incoming) // target if target > 0 else 0
+        steps = (_held_at(peers, front, ignored) + incoming) // target if target > 0 else 0
         reach.append(min(wanted, front + max(steps, 1 if averaging else 0)))
     return reach
 
 
-def _held_at(peers: Sequence[PeerProgress], step: int) -> int:
-    """Samples a stage's peers hold at ``step``, not counting peers most of the stage excludes or forks
-    (their stage-mates do not count their samples either)."""
-    ignored = excluded_by_stage(peers) | forks(peers)
+def _ignored(peers: Sequence[PeerProgress]) -> frozenset[str]:
+    """A stage's peers that most of it excludes or that fork it: their stage-mates do not count their samples."""
+    return excluded_by_stage(peers) | forks(peers)
+
+
+def _held_at(peers: Sequence[PeerProgress], step: int, ignored: Collection[str]) -> int:
+    """Samples a stage's peers hold at ``step``, but those of the ``ignored`` (:func:`_ignored`)."""
     return sum(p.samples for p in peers if p.step == step and p.peer_id not in ignored)
 
 
