@@ -241,8 +241,12 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "rounds": sum(a.rounds_ok for a in averagers),
             "extra_compute": round(sum(s.verify["extra_samples"] for s in summaries) / max(1, calls * mb), 4),
             "extra_traffic": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
+            # extra_compute by what the checks' calls were for: pairs' halves, second and third opinions, probes
+            "extra_by_reason": {why: round(sum(s.verify.get("extra_by_reason", {}).get(why, 0) for s in summaries)
+                                           / max(1, calls * mb), 4) for why in ("pair", "opinion", "probe")},
             "paired": sum(s.verify["paired"] for s in summaries),
             "first_checks": sum(s.verify["first_checks"] for s in summaries),
+            "suspicion_checks": sum(s.verify.get("suspicion_checks", 0) for s in summaries),
             "mismatches": sum(s.verify["mismatches"] for s in summaries),
             "redone": sum(s.verify["redone"] for s in summaries),
             "suspicions": sum(s.verify["suspicions"] for s in summaries),

@@ -332,6 +332,8 @@ class StatusCollector(Collector):
         yield _by("swarmd_reports_refused", "misbehaviour reports refused, by reason", "reason", reports.refused)
         yield _counter("swarmd_report_exclusions", "peers excluded by two independent reports", reports.exclusions)
         yield _gauge("swarmd_reports_excluded_peers", "peers excluded by reports now", reports.excluded_now)
+        yield _gauge("swarmd_reports_suspected_peers", "peers accused by one report and not excluded: trainers "
+                     "check their answers more", len(reports.suspected))
 
     @staticmethod
     def _cache(cache: ActivationCacheInfo) -> Iterator[Metric]:

@@ -316,6 +316,7 @@ class ReportsInfo(_Part):
     refused: dict[str, int] = Field(default_factory=dict)
     excluded: list[str] = Field(default_factory=list)
     excluded_now: int = 0
+    suspected: list[str] = Field(default_factory=list)  # accused once, not excluded: trainers check them more
     accused: int = 0
 
 

@@ -108,6 +108,7 @@ from swarmd.net.codecs import CODECS
 from swarmd.net.handover import GradientsRequest
 from swarmd.net.messages import (
     HOP_MARGIN_MS,
+    MAX_EXCLUDED,
     AverageRequest,
     BackwardReply,
     BackwardRequest,
@@ -525,12 +526,16 @@ class DataPlane:
         excluded = tuple(sorted(self.reports.excluded())) if self.reports is not None else ()
         if averager is not None:  # and the peers its round checks caught (a refused leader, a poisoned contributor)
             excluded = tuple(sorted(set(excluded) | averager.suspicions.excluded()))
+        # accused once: trainers check their answers more (swarmd.pipeline.reports.ReportLedger.suspected)
+        suspected = tuple(self.reports.suspected(MAX_EXCLUDED)) if self.reports is not None else ()
         if averager is not None and not self._paused:
-            return json_response(dataclasses.replace(averager.progress(), excluded=excluded).to_json())
+            reply = dataclasses.replace(averager.progress(), excluded=excluded, suspected=suspected)
+            return json_response(reply.to_json())
         ex = runtime.executor  # not taking part in rounds (starting, or moving to another stage)
         away = ProgressReply(stage=ex.stage, step=ex.step, samples=ex.grad_samples, averaging=ex.averaging,
                              away=True, dropped_samples=ex.dropped_samples,
-                             target_batch_size=ex.training.target_batch_size, excluded=excluded)
+                             target_batch_size=ex.training.target_batch_size, excluded=excluded,
+                             suspected=suspected)
         return json_response(away.to_json())
 
     async def _report(self, request: web.Request) -> web.Response:

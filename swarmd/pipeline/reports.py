@@ -9,7 +9,10 @@ one :class:`ReportLedger`: accused peer -> the distinct reporters that accused i
 ``window_s``; at ``reporters_needed`` (2) the accused is excluded for
 ``exclusion_base_s * 2 ** k`` (``k``: its earlier exclusions, capped at ``exclusion_max_s``).
 The daemon's progress reply lists the excluded peers (``ProgressReply.excluded``) and its
-averager leaves them out (``swarmd.pipeline.averaging.averager``, the ``exclude`` view).
+averager leaves them out (``swarmd.pipeline.averaging.averager``, the ``exclude`` view). It also
+lists the peers accused once (``ProgressReply.suspected``): not excluded, but the trainers check
+their answers more until they have confirmed a few, so a liar one trainer caught is caught by a
+second soon after whatever the sampled rate (issue #29; ``swarmd.train.verify.CheckLedger.watch``).
 
 Independence. A trainer's identity costs nothing, so "two reporters" must not mean "two keys
 one process minted": reporters count as independent only from distinct source addresses (the
@@ -313,11 +316,27 @@ class ReportLedger:
         now = self._clock()
         return frozenset(p for p, e in self._accused.items() if self._excluded(e, now))
 
+    def suspected(self, limit: int | None = None) -> list[str]:
+        """The peers accused by a report within the window and not excluded (yet): the most recently
+        accused first, at most ``limit``. One report excludes nobody (its reporter may lie), but it
+        tells trainers whose answers to check more (``swarmd.train.verify.CheckLedger.watch``), so a
+        peer that one trainer caught lying is caught by a second soon after, whatever the sampled
+        rate (issue #29). What a false report costs the swarm: a few more checks of an honest peer."""
+        now = self._clock()
+        found: list[str] = []
+        for peer_id, entry in reversed(self._accused.items()):
+            if limit is not None and len(found) >= limit:
+                break
+            if not self._excluded(entry, now) and any(at > now - self.window_s for at, _ in entry.reporters.values()):
+                found.append(peer_id)
+        return found
+
     def status(self) -> dict[str, Any]:
-        """Counters for ``/status``: reports received, accepted, refused by reason, exclusions."""
+        """Counters for ``/status``: reports received, accepted, refused by reason, exclusions, and the
+        peers accused once (``suspected``: checked more by trainers, not excluded)."""
         excluded = sorted(self.excluded())
         return {**self.counts, "refused": dict(self.refused), "excluded": excluded, "excluded_now": len(excluded),
-                "accused": len(self._accused)}
+                "suspected": sorted(self.suspected()), "accused": len(self._accused)}
 
     @staticmethod
     def _excluded(entry: _Accusations, now: float) -> bool:

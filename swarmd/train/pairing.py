@@ -2,9 +2,10 @@
 
 A spot check is a *paired microbatch* (``swarmd.train.spot_checks`` has the whole story): drawn
 before the microbatch's first call, with probability ``verify_fraction``, and always while a
-usable peer of a stage with a second one has no answer of each kind confirmed yet, or a mismatch
-is not settled. Each call of a paired microbatch is sent twice at once, the pair's half to another
-peer of the stage where it has one; the pair's requests are counted as the checks' traffic.
+usable peer of a stage with a second one has no answer of each kind confirmed yet, or was accused
+by a report and has not had a few answers confirmed since, or a mismatch is not settled. Each call
+of a paired microbatch is sent twice at once, the pair's half to another peer of the stage where it
+has one; the pair's requests are counted as the checks' traffic.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ R = TypeVar("R")
 class CheckTally:
     """A check's requests (the pair's half, an arbiter's): the checks' extra traffic."""
 
-    def __init__(self, stats: VerifyStats, nbytes: int) -> None:
-        self.stats, self.nbytes = stats, nbytes
+    def __init__(self, stats: VerifyStats, nbytes: int, reason: str = "pair") -> None:
+        """``reason``: what the request is for, as ``VerifyStats.extra_by_reason`` counts its samples
+        (``pair``: a paired microbatch's half; ``opinion``: a second or third opinion; ``probe``)."""
+        self.stats, self.nbytes, self.reason = stats, nbytes, reason
 
     def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None:
         self.stats.extra_requests += 1
         self.stats.extra_samples += samples
         self.stats.extra_bytes += self.nbytes
+        self.stats.extra_by_reason[self.reason] = self.stats.extra_by_reason.get(self.reason, 0) + samples
 
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None:
@@ -64,7 +68,8 @@ class Pairing:
     def pairs(self, force: bool = False) -> bool:
         """Whether the next microbatch (or validation batch) runs paired: drawn with probability
         ``fraction``, and always while a usable peer of a stage with a second one has no answer of
-        each kind confirmed yet (or when ``force``d, where checks are on and a stage has a second
+        each kind confirmed yet, or a few fewer than wanted since a report accused it
+        (``CheckLedger.watch``), or when ``force``d (where checks are on and a stage has a second
         peer). Drawn before its first call: a peer's own answers change nothing."""
         paired = (force and self._can_pair()) or self._pairs()
         self.stats.paired += int(paired)
@@ -79,10 +84,14 @@ class Pairing:
             self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
             return True
         last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
-        if any(self.ledger.wants_first_check(p.peer_id, kind) for stage, r in enumerate(routers)
-               if r.usable_count > 1 for p in r.snapshot() if p.routable
-               for kind in (("backward",) if stage == last else ("forward", "backward"))):
+        wanted = [(p.peer_id, kind) for stage, r in enumerate(routers) if r.usable_count > 1 for p in r.snapshot()
+                  if p.routable for kind in (("backward",) if stage == last else ("forward", "backward"))]
+        if any(self.ledger.wants_first_check(peer_id, kind) for peer_id, kind in wanted):
             self.stats.first_checks += 1
+            return True
+        self.ledger.watch(self.calls.stages.suspected)  # accused once somewhere: checked until confirmed a few times
+        if any(self.ledger.wants_suspicion_check(peer_id, kind) for peer_id, kind in wanted):
+            self.stats.suspicion_checks += 1
             return True
         return self._checker.should_check(comparable=True, other_peers=1)
 

@@ -198,7 +198,7 @@ class SpotChecks:
         calls = self.calls
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
-            how = How(patience=self._patience, tally=CheckTally(self.stats, check_nbytes(inputs, targets)),
+            how = How(patience=self._patience, tally=CheckTally(self.stats, check_nbytes(inputs, targets), "opinion"),
                       exclude=exclude)
             mb = None if validation else secrets.randbits(64)
             try:
@@ -231,7 +231,8 @@ class SpotChecks:
 
         async def arbiter(exclude: frozenset[str]) -> Answer | None:
             mb = secrets.randbits(64)
-            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes), exclude=exclude, opinion=True)
+            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes, "opinion"), exclude=exclude,
+                      opinion=True)
             try:
                 step = only = kept_at = None
                 if targets is None:
@@ -253,7 +254,7 @@ class SpotChecks:
                 moved = await asyncio.to_thread(descent_probe, inputs, reply.grad_inputs, reply.loss)
             if moved is None or reply.loss is None:
                 return False
-            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes),
+            how = How(patience=self._patience, tally=CheckTally(self.stats, nbytes, "probe"),
                       exclude=frozenset((served.peer_id,)))
             try:
                 probed = await calls.forward(stage, moved, targets, how=how)  # a validation forward's shape

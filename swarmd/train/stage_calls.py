@@ -183,6 +183,9 @@ class Stages(Protocol):
 
     def unreachable(self, stage: int) -> Sequence[str]: ...
 
+    @property
+    def suspected(self) -> frozenset[str]: ...  # peers accused once, as the stages' last progress answers said
+
 
 class _WorkTally:
     """A microbatch's calls: counted in the trainer's summary, each ban said in the log."""

@@ -71,6 +71,7 @@ class PeerProgress:
     averaging: bool = False
     error: PeerError | None = None  # why it did not answer (step None)
     excluded: tuple[str, ...] = ()  # peers its stage excluded after two independent reports (issue #17)
+    suspected: tuple[str, ...] = ()  # peers it holds one report against: checked more (issue #29)
     params_digest: str | None = None  # of its parameters at ``step`` (a forked peer's differs from its stage's)
     # how long it took to answer (a round trip, when it answered at once): a measurement, not part of the answer
     seconds: float | None = field(default=None, compare=False)
@@ -319,7 +320,8 @@ class SwarmClient:
                 return PeerProgress(peer_id, None, error=exc)
             self._answered.add(peer_id)
             return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging, excluded=reply.excluded,
-                                params_digest=reply.params_digest, seconds=loop.time() - sent)
+                                suspected=reply.suspected, params_digest=reply.params_digest,
+                                seconds=loop.time() - sent)
 
         self._answered &= {pid for peers in stages for pid, _ in peers}  # bounded by the listed peers
         trusted: dict[asyncio.Task[PeerProgress], int] = {}

@@ -126,6 +126,9 @@ class SwarmView:
         self._probation_slots = max(1, window // 4)
         self._listed: dict[int, list[PeerView]] = {}  # stage -> its peers, as /swarm last listed them
         self._steps: dict[int, dict[str, int]] = {}  # stage -> peer -> the step it last reported
+        #: the listed peers that some peer's last progress answer named as accused once (not excluded):
+        #: the spot checks check their answers more (``swarmd.train.verify.CheckLedger.watch``)
+        self.suspected: frozenset[str] = frozenset()
 
     def adopt(self, n_stages: int) -> None:
         """Set up one router per stage (once: a registration again keeps what they measured)."""
@@ -210,6 +213,8 @@ class SwarmView:
             for answer in answers:
                 self.heard(stage, answer)
         self._adopt_exclusions(polled)
+        named = {s for answers in polled for a in answers for s in a.suspected}
+        self.suspected = frozenset(s for s in named if any(s in router for router in self.routers))
         return polled
 
     def heard(self, stage: int, answer: PeerProgress) -> None:

@@ -64,9 +64,10 @@ import enum
 import math
 import random
 import statistics
+import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -76,6 +77,7 @@ from swarmd.net.codecs import EIGHT_BIT_REL_ERROR
 __all__ = [
     "CROSS_BUILD_SLACK",
     "FIRST_CHECKS",
+    "SUSPICION_CHECKS",
     "LIAR_BAN_S",
     "PROBE_DROP",
     "PROBE_FRACTION",
@@ -114,6 +116,17 @@ LOSS_TOLERANCE = 1e-4
 #: A peer's answers of each kind are checked always until this many were confirmed: a liar from the
 #: start is caught at its first answer, before it has done much harm.
 FIRST_CHECKS = 1
+#: A peer some daemon holds one report against (``ProgressReply.suspected``: a trainer caught it, or
+#: says so) has its next answers of each kind checked always until this many more were confirmed: a
+#: liar one trainer caught is caught by the others within a few of their calls, whatever the
+#: sampled rate, and the second report excludes it. A liar on one answer in three escapes 8 checks of
+#: its answers with probability (2/3)^8 = 4%; an honest peer falsely accused costs 8 paired answers.
+SUSPICION_CHECKS = 8
+#: ... armed at most once per peer in this long (the report ledger's window): a daemon that lists every
+#: peer as suspected in every answer costs each trainer at most ``SUSPICION_CHECKS`` per peer per window.
+SUSPICION_REARM_S = 600.0
+#: The most accused peers a trainer remembers arming (half are forgotten, the oldest first, beyond it).
+MAX_WATCHED = 4096
 #: How far ahead of every stage-mate's reported step (``/v1/progress``) a reply's step may be: peers
 #: of a stage step together, so an honest peer is at most one ahead of the most advanced of its
 #: mates (it applied the round's update first); one more for a poll that raced a step.
@@ -288,6 +301,7 @@ class VerifyStats:
     checks: int = 0  # calls whose two halves (a paired microbatch's) went to two peers and were compared
     paired: int = 0  # microbatches (and validation batches) run paired, their redos included
     first_checks: int = 0  # of which: paired because a usable peer had no answer confirmed yet
+    suspicion_checks: int = 0  # ... or because a usable peer was accused once (ProgressReply.suspected)
     agreements: int = 0
     mismatches: int = 0
     arbitrations: int = 0  # third opinions asked for
@@ -303,6 +317,7 @@ class VerifyStats:
     extra_requests: int = 0  # requests sent for them (second and third opinions, rechecks, retries)
     extra_samples: int = 0  # samples computed again for the checks
     extra_bytes: int = 0  # tensor bytes sent for them
+    extra_by_reason: dict[str, int] = field(default_factory=dict)  # extra samples: pair / opinion / probe
     reports_sent: int = 0  # signed reports peers accepted
     caught: tuple[str, ...] = ()  # the liars' peer ids
 
@@ -336,9 +351,15 @@ class CheckLedger:
     (``forward``, ``backward``): whose answers were confirmed, who is disputed, which pairs of a
     stage's only two peers keep disagreeing, and whose first answers are not checked any more."""
 
-    def __init__(self, *, first_checks: int = FIRST_CHECKS, unsettled_limit: int = UNSETTLED_LIMIT) -> None:
+    def __init__(self, *, first_checks: int = FIRST_CHECKS, unsettled_limit: int = UNSETTLED_LIMIT,
+                 suspicion_checks: int = SUSPICION_CHECKS, rearm_s: float = SUSPICION_REARM_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.first_checks = first_checks
         self.unsettled_limit = unsettled_limit
+        self.suspicion_checks = suspicion_checks
+        self.rearm_s = rearm_s
+        self._clock = clock
+        self._suspected: dict[str, tuple[float, dict[str, int]]] = {}  # peer -> (armed at, kind -> confirmed wanted)
         self._confirmed: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> its answers a check confirmed
         self._disputed: set[str] = set()  # peers in a mismatch no conviction cleared
         self._unsettled: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> mismatches nobody could settle
@@ -354,6 +375,29 @@ class CheckLedger:
         """Whether ``peer_id``'s next answer of ``kind`` is checked whatever the draw: it has fewer
         than ``first_checks`` confirmed, and its first checks were not given up."""
         return self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
+
+    def watch(self, suspected: Iterable[str]) -> None:
+        """Peers accused once (``ProgressReply.suspected``): each one's answers of every kind are
+        checked always until ``suspicion_checks`` more than it has now were confirmed
+        (:meth:`wants_suspicion_check`). A peer is armed at most once per ``rearm_s``, whoever
+        names it how often: bounded cost for a false accusation or a daemon that lists everybody."""
+        now = self._clock()
+        for peer_id in suspected:
+            armed = self._suspected.get(peer_id)
+            if armed is not None and now - armed[0] < self.rearm_s:
+                continue
+            self._suspected[peer_id] = (now, {kind: self._confirmed[(peer_id, kind)] + self.suspicion_checks
+                                              for kind in ("forward", "backward")})
+        if len(self._suspected) > MAX_WATCHED:  # bounded: forget those armed longest ago
+            for peer_id, _ in sorted(self._suspected.items(), key=lambda kv: kv[1][0])[:len(self._suspected) // 2]:
+                del self._suspected[peer_id]
+
+    def wants_suspicion_check(self, peer_id: str, kind: str) -> bool:
+        """Whether ``peer_id``'s next answer of ``kind`` is checked whatever the draw because it was
+        accused (:meth:`watch`) and fewer than the wanted answers were confirmed since."""
+        armed = self._suspected.get(peer_id)
+        return (armed is not None and self._confirmed[(peer_id, kind)] < armed[1][kind]
+                and not self.gave_up(peer_id, kind))
 
     def credit(self, answers: Sequence[Answer], kind: str, uncredited: str | None = None) -> None:
         """Count a confirmed answer for each of ``answers``' peers but ``uncredited``."""

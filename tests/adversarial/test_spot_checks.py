@@ -389,13 +389,19 @@ async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daem
     accused, other = "ab" * 20, "cd" * 20
     assert d.data_addr is not None
     async with DataPlaneClient(timeout_s=10) as client:
-        for _ in range(2):  # two reporters (loopback: two keys) exclude
+        for k in range(2):  # two reporters (loopback: two keys) exclude
             report = MisbehaviourReport.signed(Identity.generate(), accused=accused, stage=0, step=0, kind="forward",
                                                mb=1, request_digest="00" * 32,
                                                answers={accused: "11" * 32, other: "22" * 32}, at=time.time())
             result = await client.report(d.data_addr, ReportRequest(*report.encode()))
+            progress = await client.progress(d.data_addr)
+            if k == 0:  # one report: suspected (trainers check it more), not excluded
+                assert result.accepted and not result.excluded
+                assert accused in progress.suspected and accused not in progress.excluded
+                assert accused in d.status()["reports"]["suspected"]
         assert result.accepted and result.excluded
-        assert accused in (await client.progress(d.data_addr)).excluded and accused in set(d.reports.excluded())
+        assert accused in progress.excluded and accused not in progress.suspected
+        assert accused in set(d.reports.excluded()) and accused not in d.status()["reports"]["suspected"]
         with pytest.raises(PeerError) as refused:
             await client.report(d.data_addr, ReportRequest(report.encode()[0], bytes(64)))
         assert refused.value.status == 422 and "signature" in refused.value.message

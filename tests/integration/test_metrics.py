@@ -324,7 +324,7 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
                                   "proofs": {"proven": 2, "failing": 1, "unproven": 0, "proofs_ok": 9,
                                              "proofs_failed": {"unreachable": 3}}},
                     "reports": {"received": 5, "accepted": 3, "exclusions": 1, "refused": {"duplicate": 2},
-                                "excluded_now": 1}}
+                                "excluded_now": 1, "suspected": ["ab" * 20, "cd" * 20]}}
 
         def dht_stats(self) -> None:
             return None
@@ -361,3 +361,4 @@ def test_round_checks_proofs_and_reports_become_families() -> None:
     assert got[("swarmd_reports_total", (("outcome", "accepted"),))] == 3
     assert got[("swarmd_reports_refused_total", (("reason", "duplicate"),))] == 2
     assert got[("swarmd_report_exclusions_total", ())] == 1 and got[("swarmd_reports_excluded_peers", ())] == 1
+    assert got[("swarmd_reports_suspected_peers", ())] == 2  # issue 29: accused once, checked more by trainers

@@ -28,9 +28,11 @@ class FixedStages:
         self.routers = routers
         self.refreshes = 0
         self._unreachable = unreachable or []
+        self.suspected: frozenset[str] = frozenset()  # peers a daemon's progress answer named as accused once
 
     async def refresh(self, force: bool = False) -> None:
         self.refreshes += 1
 
     def unreachable(self, stage: int) -> list[str]:
         return self._unreachable
+

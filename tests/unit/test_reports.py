@@ -151,6 +151,24 @@ def test_loopback_reporters_count_by_key_and_a_reporter_is_rate_limited() -> Non
     assert [r.reason for r in results] == ["counted", "counted", "rate_limited"]
 
 
+def test_one_report_makes_a_peer_suspected_until_a_second_excludes_it_or_the_window_ends() -> None:
+    book, clock, _ = ledger(window_s=100.0)
+    others = [hexid() for _ in range(3)]
+    assert book.suspected() == []
+    assert book.add(report(), "10.0.0.1").reason == "counted"
+    assert book.suspected() == [ACCUSED] and book.excluded() == frozenset()  # checked more, not excluded
+    for a in others:
+        clock.now += 1
+        book.add(report(accused=a, at=clock.now, answers={a: "01" * 32, HONEST: "02" * 32}), "10.0.9.1")
+    assert book.suspected() == [*reversed(others), ACCUSED]  # the most recently accused first
+    assert book.suspected(limit=2) == list(reversed(others))[:2]
+    assert book.status()["suspected"] == sorted([ACCUSED, *others])
+    assert book.add(report(at=clock.now), "10.0.1.1").excluded
+    assert ACCUSED not in book.suspected()  # excluded now: no longer merely suspected
+    clock.now += 100  # the others' reports aged out of the window
+    assert book.suspected() == []
+
+
 def test_the_ledger_is_bounded() -> None:
     book, _, _ = ledger(max_accused=10, max_per_reporter=1000)
     for _ in range(50):
@@ -162,10 +180,11 @@ def test_the_ledger_is_bounded() -> None:
 # ---- POST /v1/report on a real daemon: tests/adversarial/test_spot_checks.py (the 2x3 swarm with liars) ----------
 
 
-def test_progress_reply_excluded_is_validated() -> None:
-    base = ProgressReply(stage=0, step=0, samples=0, excluded=(ACCUSED,)).to_json()
-    assert ProgressReply.from_json(base).excluded == (ACCUSED,)
-    assert ProgressReply.from_json({k: v for k, v in base.items() if k != "excluded"}).excluded == ()
+@pytest.mark.parametrize("key", ["excluded", "suspected"])
+def test_progress_reply_excluded_and_suspected_are_validated(key: str) -> None:
+    base = ProgressReply(stage=0, step=0, samples=0, **{key: (ACCUSED,)}).to_json()
+    assert getattr(ProgressReply.from_json(base), key) == (ACCUSED,)
+    assert getattr(ProgressReply.from_json({k: v for k, v in base.items() if k != key}), key) == ()  # older peers
     for bad in ([1], ["x" * 65], ["a"] * 1025, "nope"):
-        with pytest.raises(Exception, match="excluded|wrong type"):
-            ProgressReply.from_json({**base, "excluded": bad})
+        with pytest.raises(Exception, match=f"{key}|wrong type"):
+            ProgressReply.from_json({**base, key: bad})

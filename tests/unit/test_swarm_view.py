@@ -121,3 +121,25 @@ async def test_what_the_listing_announces_is_read_from_one_record_of_it() -> Non
     assert view.unreachable(0) == [] and view.unreachable(1) == ["c:1"]
     await view.refresh()
     assert view.announced(0) == [4.0] and view.announced(1) == [] and view.unreachable(1) == []
+
+
+async def test_a_poll_says_which_listed_peers_some_peer_holds_one_report_against() -> None:
+    """``suspected`` (the spot checks check those peers more: ``CheckLedger.watch``) is what this poll's
+    answers named, of the peers listed: a name nobody lists is dropped, and a later poll replaces it."""
+    answers = [[[PeerProgress("a", 3, suspected=("b", "nobody"))], [PeerProgress("c", 3)]],
+               [[PeerProgress("a", 3)], [PeerProgress("c", 3)]]]
+
+    class Swarm:
+        async def stage_map(self, *, force: bool = False) -> SwarmView:
+            return body([{"peer_id": "a"}, {"peer_id": "b"}], [{"peer_id": "c"}])
+
+        async def progress(self, stages: Any, **kw: Any) -> list[list[PeerProgress]]:
+            return answers.pop(0)
+
+    view = swarm_view.SwarmView(Swarm(), request_timeout_s=1.0, window=1, timing=Timing())  # type: ignore[arg-type]
+    view.adopt(2)
+    assert view.suspected == frozenset()
+    await view.poll()
+    assert view.suspected == {"b"}
+    await view.poll()
+    assert view.suspected == frozenset()

@@ -4,25 +4,33 @@ with the checks themselves, in tests/adversarial/test_spot_checks.py.)"""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from swarmd.pipeline.routing import StageRouter
+from swarmd.train.pairing import Pairing
+from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     FIRST_CHECKS,
     SIZE_MIN,
     SIZE_STEPS,
     SUSPECT_FACTOR,
+    SUSPICION_CHECKS,
     UNSETTLED_LIMIT,
     Answer,
     AnswerSizes,
     CheckLedger,
     SpotChecker,
+    VerifyStats,
     answer_size,
     descent_probe,
     excluded_by_majority,
 )
+from tests.support.routing import FixedStages, listed
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,60 @@ def test_a_peer_is_first_checked_until_confirmed_and_a_flagged_answer_proves_not
     assert ledger.wants_first_check("a", "forward")
     ledger.credit([Answer("a", 0, t)], "forward")
     assert not ledger.wants_first_check("a", "forward")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_peer_accused_once_is_checked_until_a_few_more_answers_are_confirmed_and_rearmed_once_a_window() -> None:
+    clock, t = Clock(), torch.ones(2)
+    ledger = CheckLedger(suspicion_checks=3, rearm_s=600.0, clock=clock)
+    ledger.credit([Answer("a", 0, t)], "forward")  # answers confirmed before the accusation do not count
+    assert not ledger.wants_suspicion_check("a", "forward")  # nobody accused it
+    ledger.watch(["a"])
+    for _ in range(3):
+        assert ledger.wants_suspicion_check("a", "forward") and ledger.wants_suspicion_check("a", "backward")
+        ledger.credit([Answer("a", 1, t)], "forward")
+    assert not ledger.wants_suspicion_check("a", "forward") and ledger.wants_suspicion_check("a", "backward")
+    clock.now += 599  # named again and again within the window (a daemon listing everybody): not armed again
+    ledger.watch(["a"])
+    assert not ledger.wants_suspicion_check("a", "forward")
+    clock.now += 2  # a new window: a new accusation arms it again
+    ledger.watch(["a"])
+    assert ledger.wants_suspicion_check("a", "forward")
+    assert ledger.give_up("a", "forward") and not ledger.wants_suspicion_check("a", "forward")  # a given-up pair
+
+
+def _pairing(stages: FixedStages, ledger: CheckLedger) -> Pairing:
+    calls = SimpleNamespace(stages=stages)
+    return Pairing(calls, stats=VerifyStats(), ledger=ledger, fraction=1e-9,  # type: ignore[arg-type]
+                   timing=Timing(), rng=random.Random(0), patience=None)  # type: ignore[arg-type]
+
+
+def test_a_suspected_usable_peer_gets_its_microbatches_paired_until_confirmed_whatever_the_draw() -> None:
+    routers = []
+    for k in range(2):
+        router = StageRouter(k, rng=random.Random(k), timeout_ceiling_s=60.0)
+        router.update_peers(listed({f"{k}a": "h:1", f"{k}b": "h:2"}, stage=k))
+        routers.append(router)
+    stages, ledger, t = FixedStages(routers), CheckLedger(), torch.ones(2)
+    for peer_id, kinds in (("0a", ("forward", "backward")), ("0b", ("forward", "backward")), ("1a", ("backward",)),
+                           ("1b", ("backward",))):
+        for kind in kinds:
+            ledger.credit([Answer(peer_id, 0, t)], kind)  # first checks done
+    pairing = _pairing(stages, ledger)
+    assert not any(pairing.pairs() for _ in range(100))  # fraction ~0: nothing paired
+    stages.suspected = frozenset({"1b", "someone-unlisted"})
+    assert pairing.pairs() and pairing.stats.suspicion_checks == 1
+    for _ in range(SUSPICION_CHECKS):
+        ledger.credit([Answer("1b", 1, t)], "backward")  # the last stage's calls: fused, all "backward"
+    assert not pairing.pairs()  # confirmed enough: back to the drawn fraction
+    assert pairing.stats.suspicion_checks == 1
 
 
 def test_disputes_last_until_a_conviction_clears_the_honest_ones() -> None:

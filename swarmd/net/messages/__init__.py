@@ -45,6 +45,7 @@ from swarmd.net.messages.averaging import AverageReply, AverageRequest, Progress
 from swarmd.net.messages.compute import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, Hop, HopResult
 from swarmd.net.messages.fields import (
     HOP_MARGIN_MS,
+    MAX_EXCLUDED,
     MAX_PEER_ID_LEN,
     MAX_PROGRESS_WAIT_S,
     PRECISIONS,
@@ -64,6 +65,7 @@ __all__ = [
     "HOP_MARGIN_MS",
     "PRECISIONS",
     "MAX_PROGRESS_WAIT_S",
+    "MAX_EXCLUDED",
     "MAX_PEER_ID_LEN",
     "AverageReply",
     "AverageRequest",

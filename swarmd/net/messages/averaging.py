@@ -405,6 +405,7 @@ class ProgressReply:
     target_batch_size: int | None = None
     params_digest: str | None = None  # of the parameters at ``step``: stage-mates average only with equal ones
     excluded: tuple[str, ...] = ()  # peers this peer's report ledger excludes (swarmd.pipeline.reports)
+    suspected: tuple[str, ...] = ()  # peers it holds one report against: trainers check them more
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -422,6 +423,7 @@ class ProgressReply:
             "target_batch_size": self.target_batch_size,
             "params_digest": self.params_digest,
             "excluded": list(self.excluded),
+            "suspected": list(self.suspected),
         }
 
     @classmethod
@@ -441,8 +443,10 @@ class ProgressReply:
         expected = optional("round_expected", list)
         contributors = optional("round_contributors", dict)
         excluded = optional("excluded", list) or []
-        if len(excluded) > MAX_EXCLUDED or not all(isinstance(p, str) and len(p) <= MAX_PEER_ID_LEN for p in excluded):
-            raise MalformedFrame(f"{where}: 'excluded' must list at most {MAX_EXCLUDED} peer ids")
+        suspected = optional("suspected", list) or []
+        for key, ids in (("excluded", excluded), ("suspected", suspected)):
+            if len(ids) > MAX_EXCLUDED or not all(isinstance(p, str) and len(p) <= MAX_PEER_ID_LEN for p in ids):
+                raise MalformedFrame(f"{where}: '{key}' must list at most {MAX_EXCLUDED} peer ids")
         if expected is not None and not all(isinstance(p, str) for p in expected):
             raise MalformedFrame(f"{where}: 'round_expected' must list peer ids")
         if contributors is not None and not all(_is_int(n) for n in contributors.values()):
@@ -466,4 +470,5 @@ class ProgressReply:
             target_batch_size=optional("target_batch_size", int),
             params_digest=optional("params_digest", str),
             excluded=tuple(excluded),
+            suspected=tuple(suspected),
         )

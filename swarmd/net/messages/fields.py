@@ -21,7 +21,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 MAX_PROGRESS_WAIT_S = 10.0
 #: A peer id is 64 hex characters; a contribution naming a longer one is refused.
 MAX_PEER_ID_LEN = 64
-#: The most peer ids a progress reply's ``excluded`` may list.
+#: The most peer ids a progress reply's ``excluded`` (or ``suspected``) may list.
 MAX_EXCLUDED = 1024
 #: The most microbatch ids a contribution may name (``AverageRequest.mbs``, an int64 tensor: 8 MiB
 #: at most). A peer holding more sends none: the ids feed a counter (exactly once), never the mean.
