@@ -36,9 +36,11 @@ class CheckTally:
         self.stats, self.nbytes, self.reason = stats, nbytes, reason
 
     def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None:
-        self.stats.extra_requests += 1
-        self.stats.extra_samples += samples
+        self.stats.extra_requests += 1  # traffic: every request sent, a Busy one asked again included
         self.stats.extra_bytes += self.nbytes
+
+    def answered(self, peer_id: str, samples: int) -> None:
+        self.stats.extra_samples += samples  # compute: only what a peer computed (a Busy refusal computes nothing)
         self.stats.extra_by_reason[self.reason] = self.stats.extra_by_reason.get(self.reason, 0) + samples
 
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,

@@ -152,6 +152,8 @@ class CallTally(Protocol):
 
     def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None: ...
 
+    def answered(self, peer_id: str, samples: int) -> None: ...  # the peer computed them (not Busy, not failed)
+
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None: ...
 
@@ -195,6 +197,9 @@ class _WorkTally:
 
     def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None:
         self.summary.probation_calls += int(on_probation)
+
+    def answered(self, peer_id: str, samples: int) -> None:
+        pass
 
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None:
@@ -337,6 +342,7 @@ class StageCalls:
                 raise
             elapsed = time.monotonic() - started
             router.report_success(peer_id, samples, own_seconds(reply, elapsed) if own_seconds else elapsed, kind)
+            tally.answered(peer_id, samples)
             return Served(reply, peer_id, sent, addr)
         raise CallEnded(Ended.NOBODY, f"stage {stage}: no peer to ask (after {sent} request(s))")
 

@@ -15,9 +15,11 @@ from swarmd.errors import PeerError, remote_error
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimReply, ClaimRequest
 from swarmd.pipeline.routing import StageRouter
+from swarmd.train.pairing import CheckTally
 from swarmd.train.stage_calls import CallEnded, Ended, Patience, StageCalls, StepMoved
 from swarmd.train.summary import TrainSummary
 from swarmd.train.timing import Timing
+from swarmd.train.verify import VerifyStats
 from tests.support.routing import FixedStages, listed
 
 PEERS = {"a": "A", "b": "B", "c": "C"}
@@ -85,6 +87,17 @@ async def test_a_busy_peer_is_asked_again_and_a_stale_backward_is_a_redo() -> No
     with pytest.raises(StepMoved):
         await calls.call(0, "backward", 4, Script(A=[remote_error(409, "StaleStep", "stepped")]))
     assert router_of(calls).stats("a").in_flight == 0 and summary.bans == 0  # released, not blamed
+
+
+async def test_a_checks_busy_retries_count_as_traffic_and_only_the_answer_as_compute() -> None:
+    """A Busy refusal computed nothing: the checks' cost (issue 29: <= 10% extra compute) counts the
+    samples a peer answered, their traffic every request sent."""
+    calls, _ = await machine({"a": "A"})
+    busy = remote_error(503, "Busy", "averaging")
+    stats = VerifyStats()
+    await calls.call(0, "forward", 4, Script(A=[busy, busy, "ok"]), tally=CheckTally(stats, 100, "opinion"))
+    assert (stats.extra_requests, stats.extra_bytes, stats.extra_samples) == (3, 300, 4)
+    assert stats.extra_by_reason == {"opinion": 4}
 
 
 async def test_a_refusal_no_retry_can_fix_ends_the_call_in_one_sentence() -> None:
