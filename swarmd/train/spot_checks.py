@@ -380,14 +380,21 @@ class SpotChecks:
             known = await self._stage_steps(stage, False)
             if not step_beyond(answer.step, [s for p, s in known.items() if p != answer.peer_id]):
                 return False
-        for again in range(2):  # twice, a moment apart: a step the peer had not published yet is not a lie
+        for again in range(2):
             if again:
                 await asyncio.sleep(self.timing.step_recheck_s)
             steps = await self._stage_steps(stage, True)
             own = steps.get(answer.peer_id)
             mates = {p: s for p, s in steps.items() if p != answer.peer_id}
+            if own is not None and answer.step > own:
+                # its own peer, asked after the reply came, names an earlier step: a lie at once. A peer's
+                # progress is adopted before any reply computed at that step leaves it (the executor's
+                # ``_run``), so an honest peer's never does; waiting to ask again let a liar one step ahead
+                # through whenever its stage stepped meanwhile (every time, on a loaded machine)
+                break
             if not step_lie(answer.step, own, list(mates.values())):
                 return False
+            # beyond its mates' steps only: asked again a moment later (a mate's answer may lag its step)
         log.warning("spot check: stage %d peer %s answered a %s at step %d, ahead of %s", stage, answer.peer_id[:12],
                     kind, answer.step, f"the step it reports now ({own})" if own is not None and answer.step > own
                     else "its stage-mates' steps")

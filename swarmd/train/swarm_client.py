@@ -319,6 +319,8 @@ class SwarmClient:
                 self._answered.discard(peer_id)
                 return PeerProgress(peer_id, None, error=exc)
             self._answered.add(peer_id)
+            if reply.stage != stage:  # it serves another stage now (it moved): no step of this one, and its step
+                return PeerProgress(peer_id, None)  # there must not be held against its replies here (spot checks)
             return PeerProgress(peer_id, reply.step, reply.samples, reply.averaging, excluded=reply.excluded,
                                 suspected=reply.suspected, params_digest=reply.params_digest,
                                 seconds=loop.time() - sent)

@@ -38,8 +38,8 @@ class Timing:
     busy_retry_s: float = 0.02
     #: ... by a spot check's opinion, which has only a few tries: spaced further apart.
     opinion_busy_retry_s: float = 0.05
-    #: A reply's step that a poll says is a lie is polled again after this before its peer is convicted:
-    #: a peer publishes its new step a moment after its worker took it (spot_checks, verify.step_lie).
+    #: A reply's step that a poll finds beyond its stage-mates' steps (its own peer not naming an earlier one) is
+    #: polled again after this before its peer is convicted: a mate's answer may lag its step (spot_checks).
     step_recheck_s: float = 0.5
     #: Every usable peer failed this call once: it goes round them again after this pause.
     round_again_s: float = 0.05

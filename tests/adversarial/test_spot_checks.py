@@ -178,10 +178,13 @@ def _requantized(t: torch.Tensor, codec: str) -> torch.Tensor:
 
 # ---- the verdict on a pair ---------------------------------------------------------------------
 
-def _checking_trainer(client: DataPlaneClient, steps: dict[str, int] | None = None) -> tuple[SpotChecks, list[str]]:
+def _checking_trainer(client: DataPlaneClient, steps: dict[str, int] | list[dict[str, int]] | None = None
+                      ) -> tuple[SpotChecks, list[str]]:
     """A trainer's spot checks whose stage-1 router lists three peers at closed loopback ports:
     reports to them fail at once, which ``_convict`` takes as not accepted. ``steps``: what the
-    stage's peers report through ``/v1/progress``."""
+    stage's peers report through ``/v1/progress`` (a list: what successive fresh polls say, the last
+    one for good)."""
+    polls = list(steps) if isinstance(steps, list) else [steps or {}]
     routers = [StageRouter(0), StageRouter(1)]
     ports = []
     for _ in range(3):
@@ -196,7 +199,9 @@ def _checking_trainer(client: DataPlaneClient, steps: dict[str, int] | None = No
                        stage_wait_timeout_s=config.stage_wait_timeout_s)
 
     async def stage_steps(stage: int, fresh: bool) -> dict[str, int]:
-        return dict(steps or {})
+        if fresh and len(polls) > 1:
+            return dict(polls.pop(0))
+        return dict(polls[0])
 
     checks = SpotChecks(calls, client, stats=VerifyStats(), codec=config.codec, fraction=config.verify_fraction,
                         window=config.window, timing=config.timing, stage_steps=stage_steps)
@@ -275,6 +280,12 @@ async def test_a_reply_step_is_checked_not_believed() -> None:
         assert ruling.redo and t.stats.caught == (a,)
         # one ahead of what it reports: alone ahead in its pair, then held to the poll
         t, (a, b, c) = _checking_trainer(client, steps={"ab" * 20: 5, "bc" * 20: 5, "cd" * 20: 5})
+        ruling = await t.judge(1, "backward", answer(a, g, 6), answer(b, g, 5), _arbiter(answer(c, g, 5)), REQUEST)
+        assert ruling.redo and t.stats.caught == (a,)
+        # ... even when the stage steps right after that poll: its own peer named an earlier step after the
+        # reply came, which an honest peer never does (the poll again 0.5 s later let a +1 liar through)
+        t, (a, b, c) = _checking_trainer(client, steps=[{"ab" * 20: 5, "bc" * 20: 5, "cd" * 20: 5},
+                                                        {"ab" * 20: 6, "bc" * 20: 6, "cd" * 20: 6}])
         ruling = await t.judge(1, "backward", answer(a, g, 6), answer(b, g, 5), _arbiter(answer(c, g, 5)), REQUEST)
         assert ruling.redo and t.stats.caught == (a,)
         # honest: it stepped first (it reports 6), or it is behind: redone, never blamed

@@ -193,6 +193,16 @@ async def test_a_tarpit_newcomer_is_left_out_of_the_poll_and_reported_when_its_p
         await client.aclose()
 
 
+async def test_a_peer_that_answers_for_another_stage_has_no_step_of_the_one_it_was_polled_for() -> None:
+    """It moved (a migration the listing has not caught up with): its step there is no step here, and a
+    spot check holding a reply's step to its peer's poll must not read it (``SpotChecks._plausible``)."""
+    async with Peers() as peers, aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
+        client = SwarmClient("http://127.0.0.1:1", http=http, data=data)
+        polled = await client.progress([[], [("honest", peers.honest)]])  # it answers as a stage-0 peer
+        assert polled == [[], [PeerProgress("honest", None)]]
+        await client.aclose()
+
+
 async def test_aclose_cancels_newcomers_polls_still_out() -> None:
     async with Peers() as peers, aiohttp.ClientSession() as http, DataPlaneClient(timeout_s=5.0) as data:
         client = SwarmClient("http://127.0.0.1:1", http=http, data=data)
