@@ -303,6 +303,7 @@ class DataPlane:
             return await handler(request)
         except SwarmdError as exc:
             self.served["rejected"] += 1
+            log.debug("refused %s: %s: %s", request.path, type(exc).__name__, exc)
             return _refuse(exc)
         except web.HTTPException as exc:
             self.served["rejected"] += 1
