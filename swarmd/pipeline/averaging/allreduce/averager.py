@@ -190,6 +190,7 @@ member: about ``3n``, instead of every peer polling every other a few times a se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -845,9 +846,21 @@ class AllReduceAverager(StageAverager):
                 key = self.identity.public_key_bytes if self.identity is not None and got[1] is not None else None
                 return ArDecisionReply(got[0], key, got[1])
         member = self.members.get(q.round_id)
+        if member is not None and member.decision is None and q.wait_s > 0:
+            # a member cut off from the coordinator asks whether this one holds the decision or is cut off too:
+            # this one may be reading the coordinator's last answer, or find it gone, a moment later
+            with contextlib.suppress(asyncio.TimeoutError):
+                await member.answer_decision(min(q.wait_s, self.timeout_s))
         if member is not None and member.decision is not None:
             return ArDecisionReply(member.decision, member.decision_pk, member.decision_sig)
-        return ArDecisionReply(None)
+        if member is not None:
+            return ArDecisionReply(None, cut_off=member.cut_off)
+        # a round this peer never heard of, at its step or later: it holds no decision of it and, not a member,
+        # has no request for one open (``MemberRound._nobody_holds_it``); of an earlier step it may have
+        # applied it and forgotten it since, so it says nothing
+        step, _, _ = q.round_id.partition("-")
+        return ArDecisionReply(None, cut_off=step.isdigit() and int(step) >= self.executor.step
+                               and q.round_id not in self.coord.rounds)
 
     async def _on_mean(self, q: ArQuery) -> bytes | None:
         owner = self.owners.get((q.round_id, q.part))
