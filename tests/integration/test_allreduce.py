@@ -512,6 +512,34 @@ async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_repl
             setattr(cls, method, original)
 
 
+async def test_a_coordinator_missing_from_its_own_listing_plans_with_the_address_it_was_last_listed_at() -> None:
+    """A coordinator whose own record drops out of its listing (it missed its refreshes under load, or its
+    read was cut short) while its stage-mates still list it: its plans name it at the address it was last
+    listed at. Planned at "" (seen in the chaos run), no member could send it parts, ready reports or
+    decision requests: every round aborted after its members waited out T + reply_slack_s."""
+    async with stage(3, target=12) as peers, running(peers):
+        coord = peers[0]  # the smallest peer id coordinates
+        feed = Feeder()
+        for p in peers:
+            await feed(p)
+        await wait_for(lambda: all(p.ex.step == 1 for p in peers), 30, "step 1")
+        listed = coord.averager.stage_peers
+
+        async def without_itself(*, fresh: bool = False) -> dict[str, str]:
+            got = dict(await listed(fresh=fresh))
+            got.pop(coord.pid, None)
+            return got
+
+        coord.averager.stage_peers = without_itself  # type: ignore[method-assign]
+        for p in peers:
+            await feed_when_free(feed, p, 4)
+        await wait_for(lambda: all(p.ex.step == 2 for p in peers), 30, "step 2, with the coordinator unlisted to itself")
+        await wait_for(lambda: all(any(r["step"] == 1 and r["status"] == "ok" for r in p.averager.history)
+                                   for p in peers), 10, "every peer's record of the round of step 1")
+        assert len({p.ex.digest for p in peers}) == 1
+        assert ok_steps(peers) == {0: 12, 1: 12}
+
+
 async def test_control_requests_stay_linear_in_the_stage() -> None:
     """Every round: about one report per member, one ready per owner, one decision long-poll per
     member (issue #28 item 2: R <= 4n), measured on a stage of 6."""

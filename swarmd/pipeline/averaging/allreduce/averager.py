@@ -268,6 +268,7 @@ class AllReduceAverager(StageAverager):
         self.part_strikes = PartStrikes()  # far strikes of the members' slices of this peer's parts (seconding)
         self._ar_awaited: dict[str, ArAwaited] = {}  # member -> the opening it owes this coordinator
         self._judging = asyncio.Lock()  # openings are judged one at a time (``_check_report_opening``)
+        self._listed_addr = ""  # this peer's address as its stage's records last listed it
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -288,6 +289,10 @@ class AllReduceAverager(StageAverager):
             await asyncio.sleep(self.poll_s)
             return
         mates = await self._trusted_mates()
+        if self._own_addr:
+            self._listed_addr = self._own_addr
+        else:  # its own record missed its refreshes (load) or was left out of this read: the address last listed
+            self._own_addr = self._listed_addr
         self._observe_stage(await self.stage_peers())  # (cached: the listing _trusted_mates just read)
         if ex.grad_samples:  # (waiting for a round: every listed mate counts toward its quorum)
             self._challenge_unproven()
@@ -419,6 +424,11 @@ class AllReduceAverager(StageAverager):
             await self._wait_wake(None)
             return
         waiting = held_now
+        if not self._own_addr:
+            # never listed yet: a plan naming it at "" sends every member's parts, ready reports and decision
+            # requests nowhere (seen in the chaos run: its members then waited out T + reply_slack_s)
+            await self._wait_wake(None)
+            return
         members = {pid: mates[pid] for pid in waiting} | {self.peer_id: self._own_addr}
         why = quorum(members, listed, self._quorum_excluded())
         if why is not None:  # another coordinator may be gathering the rest of the stage at this step
