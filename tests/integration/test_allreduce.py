@@ -512,6 +512,46 @@ async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_repl
             setattr(cls, method, original)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_coordinator_aborts_at_once_when_a_part_owner_is_gone() -> None:
+    """A part owner killed (connections refused) before it reports its part ready: no process can report
+    that part any more, so the coordinator aborts then (it checks the missing owners while it waits)
+    instead of at the round's deadline, a minute here, and the survivors keep their gradients and step on
+    without it (the chaos run's ~7 s holds after an owner's SIGKILL)."""
+    from swarmd.pipeline.averaging.allreduce import member as allreduce_member
+
+    n = 4
+    async with stage(n, target=4 * n, timeout_s=60.0, slack_s=3600.0) as peers, running(peers) as tasks:
+        victim = peers[-1]  # a member, and the owner of the last part
+        fired: list[int] = []
+        original = allreduce_member.MemberRound._settle_part
+
+        async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.av is victim.averager and not fired:
+                fired.append(self.plan.step)
+                await _kill(victim, tasks)
+                raise asyncio.CancelledError
+            return await original(self, *args, **kwargs)
+
+        allreduce_member.MemberRound._settle_part = hooked  # type: ignore[method-assign]
+        try:
+            feed = Feeder()
+            for p in peers:
+                await feed(p)
+            await wait_for(lambda: fired, 30, "the owner reached the phase")
+            survivors = [p for p in peers if p is not victim]
+            await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
+                           "the survivors settled before the round's deadline")
+            assert all(p.ex.step == 0 and p.ex.grad_samples == 4 for p in survivors)  # aborted: nothing lost
+            assert all(p.averager.history[-1]["status"] == "aborted" for p in survivors)
+            for p in survivors:
+                await feed_when_free(feed, p, 8)
+            await wait_for(lambda: all(p.ex.step >= 1 for p in survivors), 60, "the survivors reach step 1")
+            await wait_for(lambda: len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, 30, "agreement")
+        finally:
+            allreduce_member.MemberRound._settle_part = original  # type: ignore[method-assign]
+
+
 async def test_a_coordinator_missing_from_its_own_listing_plans_with_the_address_it_was_last_listed_at() -> None:
     """A coordinator whose own record drops out of its listing (it missed its refreshes under load, or its
     read was cut short) while its stage-mates still list it: its plans name it at the address it was last

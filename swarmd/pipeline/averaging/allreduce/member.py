@@ -283,7 +283,7 @@ class MemberRound:
         """The coordinator's one decision: collect readies, verify every part by fetching it, decide."""
         av, plan = self.av, self.plan
         # owners heard of the round after this coordinator did: their deadlines are a little later
-        await av.coord.collect(rnd, self._left(min(POLL_S, self.plan.timeout_s / 2)))
+        await self._collect(rnd, self._left(min(POLL_S, self.plan.timeout_s / 2)))
         decision = av.coord.decide(rnd, av.target)
         if decision.status == "commit":
             # every member left sent its parts to this round and to no other (a member is in one round at a
@@ -329,6 +329,36 @@ class MemberRound:
         if decision.status == "commit":
             av.convict_members(convicted, plan.step, struck=len(decision.struck))
             av.await_openings({pid: c for pid, c in claimed.items() if pid not in convicted})
+
+    async def _collect(self, rnd: CoordRound, wait_s: float) -> None:
+        """The owners' ready reports, at most ``wait_s``; cut short when an owner still missing is gone (its
+        address refuses connections: no process can report that part any more, so the round aborts either
+        way). Waiting out the deadline for a SIGKILLed owner held the stage ~7 s in the chaos run."""
+        av, plan = self.av, self.plan
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            await av.coord.collect(rnd, min(left, OWNER_CHECK_S))
+            if time.monotonic() >= deadline or len(rnd.readies) == len(plan.owners) or any(
+                    r.missing or r.refused for r in rnd.readies.values()):
+                return
+            missing = sorted({plan.owners[j] for j in range(len(plan.owners)) if j not in rnd.readies}
+                             - {av.peer_id})
+
+            async def gone(pid: str) -> bool:
+                av.control_requests["progress"] += 1
+                try:
+                    await av.client.progress(plan.addr(pid), timeout_s=OWNER_CHECK_S)
+                except PeerError as exc:
+                    return refused_connection(exc)
+                return False
+
+            found = [pid for pid, g in zip(missing, await asyncio.gather(*(gone(pid) for pid in missing)),
+                                           strict=True) if g]
+            if found:
+                log.info("stage %d step %d: part owner(s) %s of round %s are gone; aborting it now", plan.stage,
+                         plan.step, ", ".join(pid[:12] for pid in found), plan.round_id)
+                return
 
     def _judge(self, rnd: CoordRound, decision: Decision) -> tuple[Decision, dict[str, str], dict[str, ArAwaited]]:
         """The coordinator's scores of a committed round (off the loop): each member's
@@ -669,3 +699,5 @@ POLL_S = 5.0  # slack for one control request's round trip on top of its long-po
 #: A member cut off from its coordinator waits this long for each other member to be cut off too (or to
 #: hold the decision) when it asks them: they notice the coordinator's death at about the same moment.
 CUT_OFF_WAIT_S = 2.0
+#: The coordinator checks this often, while ready reports are missing, whether their owners are gone.
+OWNER_CHECK_S = 1.0
