@@ -63,11 +63,12 @@ VAL_BATCHES = 16
 CORPUS_BYTES = 2 << 20
 
 
-def start_swarm(workdir: Path, stages: int, peers: int, target: int, tag: str) -> list[DaemonProcess]:
-    common = ["--swarm", f"chaos-{tag}", "--announce-period", str(ANNOUNCE_S), "--log-level", "WARNING",
+def start_swarm(workdir: Path, stages: int, peers: int, target: int, tag: str,
+                averaging: str = "leader", log_level: str = "WARNING") -> list[DaemonProcess]:
+    common = ["--swarm", f"chaos-{tag}", "--announce-period", str(ANNOUNCE_S), "--log-level", log_level,
               "--rebalance-policy", "none"]
     founder = _peer(0, workdir, [*common, "--model", "tiny", "--stage", "0", "--target-batch-size", str(target),
-                                 "--averaging-timeout", "5"])
+                                 "--averaging-timeout", "5", "--averaging", averaging])
     founder.wait_ready()
     swarm = [founder]
     for i in range(1, stages * peers):
@@ -107,7 +108,7 @@ def collect_rounds(peers: list[DaemonProcess], rounds: dict[tuple[int, int], int
 
 async def chaos_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     peers = await asyncio.to_thread(start_swarm, workdir / "chaos", args.stages, args.peers, args.target_batch_size,
-                                    "run")
+                                    "run", args.averaging, args.log_level)
     rounds: dict[tuple[int, int], int] = {}
     step_times: list[float] = []
     kills = 0
@@ -126,7 +127,7 @@ async def chaos_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             kills += 1
             replacement = _peer(len(peers), workdir / "chaos",
                                 ["--swarm", "chaos-run", "--announce-period", str(ANNOUNCE_S), "--log-level",
-                                 "WARNING", "--rebalance-policy", "none", "--join", peers[0].info["dht_addr"],
+                                 args.log_level, "--rebalance-policy", "none", "--join", peers[0].info["dht_addr"],
                                  "--stage", str(victim.info["stage"])])
             peers.append(replacement)
             await asyncio.to_thread(replacement.wait_ready)
@@ -186,8 +187,8 @@ def reference_run(spec: ModelSpec, training: TrainingSpec, args: argparse.Namesp
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as tmp:
-        workdir = Path(tmp)
-        (workdir / "chaos").mkdir()
+        workdir = Path(args.keep_workdir) if args.keep_workdir else Path(tmp)
+        (workdir / "chaos").mkdir(parents=True)
         run = await chaos_run(args, workdir)
         s = run["summary"]
         reference = (await asyncio.to_thread(reference_run, run["spec"], run["training"], args, s.steps)
@@ -215,6 +216,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "kill_every_s": args.kill_every,
         "stages": args.stages,
         "peers_per_stage": args.peers,
+        "averaging": args.averaging,
     }
     checks = {
         "full_batches": bool(run["min_samples_per_step"])
@@ -238,6 +240,11 @@ def main() -> int:
     p.add_argument("--target-batch-size", type=int, default=16)
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--averaging", choices=("leader", "allreduce"), default="leader",
+                   help="the stages' averaging mode, chosen by the founder (default: leader)")
+    p.add_argument("--log-level", default="WARNING", help="the daemons' log level (default: WARNING)")
+    p.add_argument("--keep-workdir", metavar="DIR", default=None,
+                   help="run in DIR (created; kept afterwards, with the daemons' logs) instead of a temporary one")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     args = p.parse_args()
     if args.duration <= 0 or args.kill_every <= 0 or args.peers < 2:

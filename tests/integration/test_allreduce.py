@@ -450,6 +450,136 @@ async def test_a_role_killed_at_a_phase_never_splits_the_stage(role: str, phase:
             setattr(allreduce_member.MemberRound, method, original)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("when", ["before deciding", "after deciding"])
+async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_reply_slack(when: str) -> None:
+    """A coordinator killed (connections refused) before it decides, or right after: its members do
+    not wait ``T + reply_slack_s`` for a decision nobody can send any more (the chaos run's ~35 s
+    stall in all-reduce mode; a leader's contributors give up on a dead leader at once). Each asks
+    the others, and settles once it holds the decision or every live member says it holds none and
+    is cut off too: all survivors apply the one commit or all keep their gradients, then step on.
+    The slack here is an hour, so a member that waited it out would fail the test's waits."""
+    from swarmd.pipeline.averaging.allreduce import coordinator as allreduce_coordinator
+    from swarmd.pipeline.averaging.allreduce import member as allreduce_member
+
+    n = 4
+    async with stage(n, target=4 * n, timeout_s=3.0, slack_s=3600.0) as peers, running(peers) as tasks:
+        victim = peers[0]  # the smallest peer id coordinates
+        fired: list[int] = []
+        if when == "before deciding":
+            cls: Any = allreduce_member.MemberRound
+            method = "_decide"
+            original = cls._decide
+
+            async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.av is victim.averager and not fired:
+                    fired.append(self.plan.step)
+                    await _kill(victim, tasks)
+                    raise asyncio.CancelledError
+                return await original(self, *args, **kwargs)
+        else:
+            cls = allreduce_coordinator.Coordinator
+            method = "settle"
+            original = cls.settle
+
+            def hooked(self: Any, rnd: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+                original(self, rnd, *args, **kwargs)  # the decision is out: long-polls answered, copies held
+                if self is victim.averager.coord and not fired:
+                    fired.append(rnd.plan.step)
+                    asyncio.get_running_loop().create_task(_kill(victim, tasks))
+
+        setattr(cls, method, hooked)
+        try:
+            feed = Feeder()
+            for p in peers:
+                await feed(p)
+            await wait_for(lambda: fired, 30, "the coordinator reached the phase")
+            survivors = [p for p in peers if p is not victim]
+            await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
+                           "the survivors settled without the dead coordinator's decision")
+            assert len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, [(p.ex.step, p.ex.digest) for p in survivors]
+            if survivors[0].ex.step == 0:  # all kept their gradients: nothing lost
+                assert all(p.ex.grad_samples == 4 for p in survivors), [p.ex.grad_samples for p in survivors]
+                assert all(p.averager.history[-1]["status"] == "aborted" for p in survivors)
+            else:
+                assert ok_steps(survivors) == {0: 4 * n}, ok_steps(survivors)
+            top = survivors[0].ex.step + 1
+            for p in survivors:
+                await feed_when_free(feed, p, 8)
+            await wait_for(lambda: all(p.ex.step >= top for p in survivors), 60, f"the survivors reach step {top}")
+            await wait_for(lambda: len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, 30, "agreement")
+        finally:
+            setattr(cls, method, original)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_coordinator_aborts_at_once_when_a_part_owner_is_gone() -> None:
+    """A part owner killed (connections refused) before it reports its part ready: no process can report
+    that part any more, so the coordinator aborts then (it checks the missing owners while it waits)
+    instead of at the round's deadline, a minute here, and the survivors keep their gradients and step on
+    without it (the chaos run's ~7 s holds after an owner's SIGKILL)."""
+    from swarmd.pipeline.averaging.allreduce import member as allreduce_member
+
+    n = 4
+    async with stage(n, target=4 * n, timeout_s=60.0, slack_s=3600.0) as peers, running(peers) as tasks:
+        victim = peers[-1]  # a member, and the owner of the last part
+        fired: list[int] = []
+        original = allreduce_member.MemberRound._settle_part
+
+        async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.av is victim.averager and not fired:
+                fired.append(self.plan.step)
+                await _kill(victim, tasks)
+                raise asyncio.CancelledError
+            return await original(self, *args, **kwargs)
+
+        allreduce_member.MemberRound._settle_part = hooked  # type: ignore[method-assign]
+        try:
+            feed = Feeder()
+            for p in peers:
+                await feed(p)
+            await wait_for(lambda: fired, 30, "the owner reached the phase")
+            survivors = [p for p in peers if p is not victim]
+            await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
+                           "the survivors settled before the round's deadline")
+            assert all(p.ex.step == 0 and p.ex.grad_samples == 4 for p in survivors)  # aborted: nothing lost
+            assert all(p.averager.history[-1]["status"] == "aborted" for p in survivors)
+            for p in survivors:
+                await feed_when_free(feed, p, 8)
+            await wait_for(lambda: all(p.ex.step >= 1 for p in survivors), 60, "the survivors reach step 1")
+            await wait_for(lambda: len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, 30, "agreement")
+        finally:
+            allreduce_member.MemberRound._settle_part = original  # type: ignore[method-assign]
+
+
+async def test_a_coordinator_missing_from_its_own_listing_plans_with_the_address_it_was_last_listed_at() -> None:
+    """A coordinator whose own record drops out of its listing (it missed its refreshes under load, or its
+    read was cut short) while its stage-mates still list it: its plans name it at the address it was last
+    listed at. Planned at "" (seen in the chaos run), no member could send it parts, ready reports or
+    decision requests: every round aborted after its members waited out T + reply_slack_s."""
+    async with stage(3, target=12) as peers, running(peers):
+        coord = peers[0]  # the smallest peer id coordinates
+        feed = Feeder()
+        for p in peers:
+            await feed(p)
+        await wait_for(lambda: all(p.ex.step == 1 for p in peers), 30, "step 1")
+        listed = coord.averager.stage_peers
+
+        async def without_itself(*, fresh: bool = False) -> dict[str, str]:
+            got = dict(await listed(fresh=fresh))
+            got.pop(coord.pid, None)
+            return got
+
+        coord.averager.stage_peers = without_itself  # type: ignore[method-assign]
+        for p in peers:
+            await feed_when_free(feed, p, 4)
+        await wait_for(lambda: all(p.ex.step == 2 for p in peers), 30, "step 2, with the coordinator unlisted to itself")
+        await wait_for(lambda: all(any(r["step"] == 1 and r["status"] == "ok" for r in p.averager.history)
+                                   for p in peers), 10, "every peer's record of the round of step 1")
+        assert len({p.ex.digest for p in peers}) == 1
+        assert ok_steps(peers) == {0: 12, 1: 12}
+
+
 async def test_control_requests_stay_linear_in_the_stage() -> None:
     """Every round: about one report per member, one ready per owner, one decision long-poll per
     member (issue #28 item 2: R <= 4n), measured on a stage of 6."""

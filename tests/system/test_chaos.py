@@ -12,10 +12,11 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 
 
-def run_chaos(duration: int, kill_every: int, timeout: int) -> dict:
+def run_chaos(duration: int, kill_every: int, timeout: int, averaging: str = "leader") -> dict:
     out = subprocess.run([sys.executable, str(SCRIPT), "--duration", str(duration), "--kill-every", str(kill_every),
-                          "--json"], capture_output=True, text=True, timeout=timeout)
+                          "--averaging", averaging, "--json"], capture_output=True, text=True, timeout=timeout)
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["averaging"] == averaging
     assert out.returncode == (0 if result["ok"] else 1)
     return result
 
@@ -30,8 +31,9 @@ def check(result: dict) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_short_chaos_run_loses_nothing() -> None:
-    check(run_chaos(duration=8, kill_every=3, timeout=280))
+@pytest.mark.parametrize("averaging", ["leader", "allreduce"])
+def test_short_chaos_run_loses_nothing(averaging: str) -> None:
+    check(run_chaos(duration=8, kill_every=3, timeout=280, averaging=averaging))
 
 
 @pytest.mark.slow

@@ -190,6 +190,7 @@ member: about ``3n``, instead of every peer polling every other a few times a se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -267,6 +268,7 @@ class AllReduceAverager(StageAverager):
         self.part_strikes = PartStrikes()  # far strikes of the members' slices of this peer's parts (seconding)
         self._ar_awaited: dict[str, ArAwaited] = {}  # member -> the opening it owes this coordinator
         self._judging = asyncio.Lock()  # openings are judged one at a time (``_check_report_opening``)
+        self._listed_addr = ""  # this peer's address as its stage's records last listed it
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -287,6 +289,10 @@ class AllReduceAverager(StageAverager):
             await asyncio.sleep(self.poll_s)
             return
         mates = await self._trusted_mates()
+        if self._own_addr:
+            self._listed_addr = self._own_addr
+        else:  # its own record missed its refreshes (load) or was left out of this read: the address last listed
+            self._own_addr = self._listed_addr
         self._observe_stage(await self.stage_peers())  # (cached: the listing _trusted_mates just read)
         if ex.grad_samples:  # (waiting for a round: every listed mate counts toward its quorum)
             self._challenge_unproven()
@@ -418,6 +424,11 @@ class AllReduceAverager(StageAverager):
             await self._wait_wake(None)
             return
         waiting = held_now
+        if not self._own_addr:
+            # never listed yet: a plan naming it at "" sends every member's parts, ready reports and decision
+            # requests nowhere (seen in the chaos run: its members then waited out T + reply_slack_s)
+            await self._wait_wake(None)
+            return
         members = {pid: mates[pid] for pid in waiting} | {self.peer_id: self._own_addr}
         why = quorum(members, listed, self._quorum_excluded())
         if why is not None:  # another coordinator may be gathering the rest of the stage at this step
@@ -845,9 +856,21 @@ class AllReduceAverager(StageAverager):
                 key = self.identity.public_key_bytes if self.identity is not None and got[1] is not None else None
                 return ArDecisionReply(got[0], key, got[1])
         member = self.members.get(q.round_id)
+        if member is not None and member.decision is None and q.wait_s > 0:
+            # a member cut off from the coordinator asks whether this one holds the decision or is cut off too:
+            # this one may be reading the coordinator's last answer, or find it gone, a moment later
+            with contextlib.suppress(asyncio.TimeoutError):
+                await member.answer_decision(min(q.wait_s, self.timeout_s))
         if member is not None and member.decision is not None:
             return ArDecisionReply(member.decision, member.decision_pk, member.decision_sig)
-        return ArDecisionReply(None)
+        if member is not None:
+            return ArDecisionReply(None, cut_off=member.cut_off)
+        # a round this peer never heard of, at its step or later: it holds no decision of it and, not a member,
+        # has no request for one open (``MemberRound._nobody_holds_it``); of an earlier step it may have
+        # applied it and forgotten it since, so it says nothing
+        step, _, _ = q.round_id.partition("-")
+        return ArDecisionReply(None, cut_off=step.isdigit() and int(step) >= self.executor.step
+                               and q.round_id not in self.coord.rounds)
 
     async def _on_mean(self, q: ArQuery) -> bytes | None:
         owner = self.owners.get((q.round_id, q.part))

@@ -37,6 +37,7 @@ from swarmd.pipeline.averaging.trust.accusations import (
 from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, combine_terms
 from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.round_checks import Suspicions, Used, check_answer, per_sample_norm, tensor_digest
+from swarmd.pipeline.failures import refused_connection
 from swarmd.pipeline.stage.executor import Contribution, StageExecutor
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ class MemberRound:
         self.decision: Decision | None = None
         self.decision_sig: bytes | None = None
         self.decision_pk: bytes | None = None
+        # its coordinator refused this member's request for the decision (no process listens there): no
+        # decision can reach it from the coordinator any more, only from a member that holds one
+        self.cut_off = False
+        self.settled = asyncio.Event()  # set once it holds the decision or is cut off (``answer_decision``)
         self.claim_digest = ""  # this member's signed claim of its contribution (``_scatter``)
         self.codecs: list[str] = []  # the codec each part went with (its own: none)
         self.claim_norm = 0.0
@@ -278,7 +283,7 @@ class MemberRound:
         """The coordinator's one decision: collect readies, verify every part by fetching it, decide."""
         av, plan = self.av, self.plan
         # owners heard of the round after this coordinator did: their deadlines are a little later
-        await av.coord.collect(rnd, self._left(min(POLL_S, self.plan.timeout_s / 2)))
+        await self._collect(rnd, self._left(min(POLL_S, self.plan.timeout_s / 2)))
         decision = av.coord.decide(rnd, av.target)
         if decision.status == "commit":
             # every member left sent its parts to this round and to no other (a member is in one round at a
@@ -319,10 +324,41 @@ class MemberRound:
         sig = av.identity.sign(decision.message()) if av.identity is not None else None
         self.decision, self.decision_sig = decision, sig
         self.decision_pk = av.identity.public_key_bytes if av.identity is not None else None
+        self.settled.set()
         av.coord.settle(rnd, decision, sig)
         if decision.status == "commit":
             av.convict_members(convicted, plan.step, struck=len(decision.struck))
             av.await_openings({pid: c for pid, c in claimed.items() if pid not in convicted})
+
+    async def _collect(self, rnd: CoordRound, wait_s: float) -> None:
+        """The owners' ready reports, at most ``wait_s``; cut short when an owner still missing is gone (its
+        address refuses connections: no process can report that part any more, so the round aborts either
+        way). Waiting out the deadline for a SIGKILLed owner held the stage ~7 s in the chaos run."""
+        av, plan = self.av, self.plan
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            await av.coord.collect(rnd, min(left, OWNER_CHECK_S))
+            if time.monotonic() >= deadline or len(rnd.readies) == len(plan.owners) or any(
+                    r.missing or r.refused for r in rnd.readies.values()):
+                return
+            missing = sorted({plan.owners[j] for j in range(len(plan.owners)) if j not in rnd.readies}
+                             - {av.peer_id})
+
+            async def gone(pid: str) -> bool:
+                av.control_requests["progress"] += 1
+                try:
+                    await av.client.progress(plan.addr(pid), timeout_s=OWNER_CHECK_S)
+                except PeerError as exc:
+                    return refused_connection(exc)
+                return False
+
+            found = [pid for pid, g in zip(missing, await asyncio.gather(*(gone(pid) for pid in missing)),
+                                           strict=True) if g]
+            if found:
+                log.info("stage %d step %d: part owner(s) %s of round %s are gone; aborting it now", plan.stage,
+                         plan.step, ", ".join(pid[:12] for pid in found), plan.round_id)
+                return
 
     def _judge(self, rnd: CoordRound, decision: Decision) -> tuple[Decision, dict[str, str], dict[str, ArAwaited]]:
         """The coordinator's scores of a committed round (off the loop): each member's
@@ -391,10 +427,17 @@ class MemberRound:
 
     async def _await_decision(self) -> None:
         """The coordinator's decision, long-polled; while it cannot be asked (gone, overloaded), asked of
-        the other members (it is signed: any copy will do). Given up only once the coordinator can no
-        longer commit (it commits within ``commit_grace_s`` of its deadline, earlier than this member's
+        the other members (it is signed: any copy will do). Given up once the coordinator can no longer
+        commit (it commits within ``commit_grace_s`` of its deadline, earlier than this member's
         ``reply_slack_s``): a member that restored its gradients while a commit was still possible
-        would stay behind holding samples the others stepped on."""
+        would stay behind holding samples the others stepped on; or, sooner, once no decision can reach
+        it any more (:meth:`_nobody_holds_it`: the coordinator is gone and no live member holds one).
+
+        A SIGKILLed coordinator refuses connections from then on. Waiting out ``T + reply_slack_s`` for it
+        stalled the stage by ~35 s in the chaos run (a leader's contributors give up on a dead leader at
+        once): the wait only ever served to hear of a decision it sent before it died, and only members
+        can hold one of those, so this member asks them and is done once each live one says it holds none
+        and can get none (``cut_off``)."""
         av, plan = self.av, self.plan
         coordinator = plan.addr(plan.coordinator)
         while self.decision is None and self._left(av.reply_slack_s) > 0:
@@ -403,20 +446,61 @@ class MemberRound:
                 if await self._ask_decision(coordinator, min(60.0, self._left(av.reply_slack_s))) is not None:
                     return
                 continue
-            except PeerError:
-                pass
-            for pid, addr in plan.members:
-                if pid in (av.peer_id, plan.coordinator):
-                    continue
-                av.control_requests["decision"] += 1
-                try:
-                    if await self._ask_decision(addr, 0.0) is not None:
-                        return
-                except PeerError:
-                    continue
+            except PeerError as exc:
+                if refused_connection(exc) and not self.cut_off:
+                    self.cut_off = True
+                    self.settled.set()
+            if await self._nobody_holds_it():
+                return
             await asyncio.sleep(min(1.0, self._left(av.reply_slack_s)))
 
+    async def _nobody_holds_it(self) -> bool:
+        """Ask the other members for the decision (in parallel); True when this member waits no longer:
+        one held it (taken), or this member is cut off and so is every other live one, none holding it.
+
+        Why that is final: a decision comes only from the coordinator, through a member's request for it;
+        once its address refused a connection no new request reaches it (no process listens: SIGKILLed,
+        or its listener closed for good), so the members that will ever hold it are those that got it
+        through a request already open. A member answers ``cut_off`` only after its own request ended in
+        a refusal (any decision that request carried was read first), or when it never heard of the
+        round (it has no request open). A member whose address refuses connections is gone too (what
+        it applied, if anything, went with it: as in the wait this replaces, which asked the same
+        members and found nobody). A member that times out or answers without ``cut_off`` may still
+        get or hold one: waited for, as before. A lying member can only end the wait early with the
+        outcome the full wait had: this member restores while whoever applied stays applied."""
+        av, plan = self.av, self.plan
+        others = [addr for pid, addr in plan.members if pid not in (av.peer_id, plan.coordinator)]
+        wait = CUT_OFF_WAIT_S if self.cut_off else 0.0  # (a mate cut off a moment later says so meanwhile)
+
+        async def ask(addr: str) -> bool:
+            """Whether the member at ``addr`` is gone or cut off without a decision."""
+            av.control_requests["decision"] += 1
+            try:
+                _, cut_off = await self._ask_decision_of(addr, wait)
+            except PeerError as exc:
+                return refused_connection(exc)
+            return cut_off
+
+        final = await asyncio.gather(*(ask(addr) for addr in others))
+        if self.decision is not None:
+            return True
+        if self.cut_off and all(final):
+            log.info("stage %d step %d: coordinator %s of round %s is gone and no live member holds its decision; "
+                     "restoring this peer's gradients", plan.stage, plan.step, plan.coordinator[:12], plan.round_id)
+            return True
+        return False
+
+    async def answer_decision(self, wait_s: float) -> None:
+        """Until this member holds the decision or is cut off, at most ``wait_s`` (a member asking whether
+        any decision can still come: :meth:`_nobody_holds_it`)."""
+        await asyncio.wait_for(self.settled.wait(), wait_s)
+
     async def _ask_decision(self, addr: str, wait: float) -> Decision | None:
+        return (await self._ask_decision_of(addr, wait))[0]
+
+    async def _ask_decision_of(self, addr: str, wait: float) -> tuple[Decision | None, bool]:
+        """The decision as the peer at ``addr`` holds it (taken, when this member has none yet and it is
+        signed by the coordinator), and whether that peer said it is cut off without one."""
         av, plan = self.av, self.plan
         q = ArQuery(av.executor.stage, plan.round_id, 0, wait)
         frame = await av.client.allreduce(addr, "decision", q.encode, timeout_s=wait + POLL_S)
@@ -427,14 +511,16 @@ class MemberRound:
         d = reply.decision
         if d is None or d.round_id != plan.round_id or d.coordinator != plan.coordinator or d.step != plan.step \
                 or (d.status == "commit" and len(d.digests) != len(plan.owners)):
-            return None
+            return None, reply.cut_off and d is None
         if av.identity is not None and not (
                 reply.public_key is not None and reply.signature is not None
                 and peer_id_of(reply.public_key) == plan.coordinator
                 and verify(reply.public_key, d.message(), reply.signature)):
-            return None
-        self.decision, self.decision_sig, self.decision_pk = d, reply.signature, reply.public_key
-        return d
+            return None, False
+        if self.decision is None:
+            self.decision, self.decision_sig, self.decision_pk = d, reply.signature, reply.public_key
+            self.settled.set()
+        return self.decision, False
 
     # ---- apply or restore ----------------------------------------------------------------
 
@@ -610,3 +696,8 @@ class MemberRound:
 
 
 POLL_S = 5.0  # slack for one control request's round trip on top of its long-poll
+#: A member cut off from its coordinator waits this long for each other member to be cut off too (or to
+#: hold the decision) when it asks them: they notice the coordinator's death at about the same moment.
+CUT_OFF_WAIT_S = 2.0
+#: The coordinator checks this often, while ready reports are missing, whether their owners are gone.
+OWNER_CHECK_S = 1.0

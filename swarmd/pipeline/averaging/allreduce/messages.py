@@ -285,12 +285,17 @@ class ArDecisionReply:
     decision: Decision | None  # None: not decided (yet, or not known here)
     public_key: bytes | None = None
     signature: bytes | None = None
+    # (a member's answer, with no decision) it holds none and can get none from the coordinator: its own
+    # request for it was refused (no process listens there), or it never heard of the round
+    cut_off: bool = False
 
     KIND = "ar_decision"
 
     def encode(self, codec: str = "none") -> bytes:
         meta = _signed({"decision": self.decision.to_wire() if self.decision is not None else None},
                        self.public_key, self.signature)
+        if self.cut_off and self.decision is None:
+            meta["cut_off"] = True
         return encode_frame(self.KIND, meta, {})
 
     @classmethod
@@ -302,7 +307,7 @@ class ArDecisionReply:
         except ValueError as exc:
             raise RequestError(f"meta.decision: {exc}") from exc
         pk, sig = _signature(frame.meta)
-        return cls(decision, pk, sig)
+        return cls(decision, pk, sig, cut_off=decision is None and frame.meta.get("cut_off") is True)
 
 
 MEAN_KIND = "ar_mean"
