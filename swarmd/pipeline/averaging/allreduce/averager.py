@@ -24,7 +24,8 @@ Roles and states of one round ``r`` at step ``s`` (timeouts: ``T = averaging_tim
                start fetching every part mean (long-polls)                   --> AWAIT_DECISION
       AWAIT_DECISION --commit, every part fetched, digests match--> APPLY --> IDLE at s + 1
                      (keeping what a lossy codec dropped from its parts: error feedback)
-      AWAIT_DECISION --abort, or no decision within T + REPLY_SLACK_S--> RESTORE --> IDLE at s
+      AWAIT_DECISION --abort, or no decision within T + REPLY_SLACK_S, or the coordinator refuses
+                     connections and every live member is cut off from it too--> RESTORE --> IDLE at s
                      (gradients put back: nothing lost; a silent coordinator is asked of the
                       other members first, any of which may hold its signed decision)
       AWAIT_DECISION --commit, a part missing or not matching after asking its owner, the
@@ -63,13 +64,15 @@ Failures (``tests/integration/test_allreduce.py`` kills each role at each phase)
   else aborts and every other member restores its gradients; either way the coordinator excludes
   it as silent (``patience``: the stage's patience, then growing exclusions), so it holds no
   later round;
-- an owner dies before READY: the coordinator times out and aborts; after READY but before the
+- an owner dies before READY: the coordinator aborts as soon as a check of the missing owners
+  (every second) finds its port refusing connections, or at the patience; after READY but before the
   coordinator verified its part: abort; after the commit: every part is held by the coordinator
   too (it verified them), and by every member that fetched it, so members re-fetch elsewhere (the
   part is re-assigned to whoever holds it); the decision's digest makes any copy as good as the
   owner's;
-- the coordinator dies before deciding: members wait at most ``T + REPLY_SLACK_S``, ask the other
-  members for a decision, find none and restore; it dies after deciding: a member that did not get
+- the coordinator dies before deciding: members ask the other members for a decision, find none
+  and restore: at once when its port refuses connections and every live member says it is cut off
+  too (``ArDecisionReply.cut_off``), else after at most ``T + REPLY_SLACK_S``; it dies after deciding: a member that did not get
   the decision gets it from another member (it is signed), or restores and later sees most mates
   at ``s + 1`` and resyncs (as a member whose leader's answer was lost does today);
 - the coordinator is frozen past its deadline: it aborts instead of committing (as the leader does).
