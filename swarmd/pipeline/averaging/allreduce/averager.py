@@ -72,7 +72,8 @@ Failures (``tests/integration/test_allreduce.py`` kills each role at each phase)
   owner's;
 - the coordinator dies before deciding: members ask the other members for a decision, find none
   and restore: at once when its port refuses connections and every live member says it is cut off
-  too (``ArDecisionReply.cut_off``), else after at most ``T + REPLY_SLACK_S``; it dies after deciding: a member that did not get
+  too (``ArDecisionReply.cut_off``), else after at most ``T + REPLY_SLACK_S``; it dies after
+  deciding: a member that did not get
   the decision gets it from another member (it is signed), or restores and later sees most mates
   at ``s + 1`` and resyncs (as a member whose leader's answer was lost does today);
 - the coordinator is frozen past its deadline: it aborts instead of committing (as the leader does).
