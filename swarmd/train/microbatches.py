@@ -37,7 +37,7 @@ import torch
 
 from swarmd.net.messages import BackwardReply, ForwardReply
 from swarmd.train.spot_checks import SpotChecks, Unsettled
-from swarmd.train.stage_calls import How, Redo, Served, StageCalls, StepMoved
+from swarmd.train.stage_calls import How, Redo, Served, StageBehind, StageCalls, StepMoved
 from swarmd.train.summary import StepLedger, TrainSummary
 from swarmd.train.swarm_client import TrainerError
 from swarmd.train.timing import Timing
@@ -88,8 +88,9 @@ class Microbatches:
                 loss, loss_step, duplicates, count_steps = await self._attempt(x, y, pair, on_forward, lease_step)
             except Unsettled:  # a check found an answer wrong (or of another step) and could not say whose
                 continue
-            except Redo:  # a stage stepped since the forward
+            except Redo as redo:  # a stage stepped since the forward, or none of its peers is at that step
                 s.stale_redos += 1
+                s.behind_redos += int(isinstance(redo, StageBehind))
                 continue
             finally:
                 on_forward = None  # called once, by the first attempt
@@ -210,12 +211,21 @@ class Microbatches:
             if stage in chained:  # run by its forward's peer in the backward chain: nothing to send
                 served, pair_served = Served(chained[stage], served_by[stage], 1, at[stage]), None
             else:
-                served, pair_served = await self._backward(stage, acts[stage], grad, None,
-                                                           (steps[stage], pair_steps[stage]), mbs,
-                                                           (served_by[stage], pair_by[stage]),
-                                                           (kept[stage], pair_kept[stage]),
-                                                           recover=self._recovery(acts, steps, stage),
-                                                           lost_at=lost_at.get(stage, ()))
+                try:
+                    served, pair_served = await self._backward(stage, acts[stage], grad, None,
+                                                               (steps[stage], pair_steps[stage]), mbs,
+                                                               (served_by[stage], pair_by[stage]),
+                                                               (kept[stage], pair_kept[stage]),
+                                                               recover=self._recovery(acts, steps, stage),
+                                                               lost_at=lost_at.get(stage, ()))
+                except StageBehind:
+                    # nobody is at the step this stage's forward named: a peer that stepped alone, or one that
+                    # named a step it never reached (its own poll then says so: convicted, as a pair's would be)
+                    request = tuple(t for t in (acts[stage],) if t is not None)
+                    for peer_id, step in ((served_by[stage], steps[stage]), (pair_by[stage], pair_steps[stage])):
+                        if peer_id is not None and step is not None:
+                            await checks.held_to_step(stage, peer_id, step, acts[stage + 1], request)
+                    raise
             held = acts[stage]
             backward = await checks.backward(stage, held if held is not None else _NOT_SEEN, grad, None, served,
                                              pair_served)

@@ -71,7 +71,7 @@ from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import BackwardReply, ForwardReply
 from swarmd.train.convictions import Convictions, Kind
 from swarmd.train.pairing import CheckTally, Pairing, check_nbytes
-from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageCalls, StepMoved
+from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageBehind, StageCalls, StepMoved
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     Answer,
@@ -203,7 +203,7 @@ class SpotChecks:
             mb = None if validation else secrets.randbits(64)
             try:
                 return forward_answer(await calls.forward(stage, inputs, targets, mb=mb, how=how))
-            except (CallEnded, StepMoved):
+            except (CallEnded, StepMoved, StageBehind):
                 return None
 
         request = tuple(t for t in (inputs, targets) if t is not None)
@@ -243,7 +243,7 @@ class SpotChecks:
                 return backward_answer(await calls.backward(stage, inputs, grad_outputs=grad_outputs,
                                                             targets=targets, step=step, mb=mb, how=how,
                                                             kept_at=kept_at))
-            except (CallEnded, StepMoved):
+            except (CallEnded, StepMoved, StageBehind):
                 return None
 
         async def probe() -> bool:
@@ -258,7 +258,7 @@ class SpotChecks:
                       exclude=frozenset((served.peer_id,)))
             try:
                 probed = await calls.forward(stage, moved, targets, how=how)  # a validation forward's shape
-            except (CallEnded, StepMoved):
+            except (CallEnded, StepMoved, StageBehind):
                 return False
             return probed.reply.step == reply.step and (probed.reply.loss is None or probed.reply.loss >= reply.loss)
 
@@ -368,6 +368,14 @@ class SpotChecks:
         if len(ahead) == 1:
             await self._plausible(stage, kind, ahead[0], request, suspect=True)
         return _UNSETTLED
+
+    async def held_to_step(self, stage: int, peer_id: str, step: int, outputs: torch.Tensor | None,
+                           request: tuple[torch.Tensor, ...]) -> bool:
+        """A forward ``peer_id`` answered at ``step``, whose backward every usable peer of the stage then
+        refused as behind that step (``stage_calls.StageBehind``): its step held to a fresh poll, as a pair's
+        alone ahead is (:meth:`_plausible`); True when its peer was convicted. An honest peer that stepped
+        alone, or is gone, is not blamed: its poll names that step, or nothing."""
+        return await self._plausible(stage, "forward", Answer(peer_id, step, outputs), request, suspect=True)
 
     async def _plausible(self, stage: int, kind: Kind, answer: Answer, request: tuple[torch.Tensor, ...],
                          suspect: bool = False) -> bool:

@@ -19,7 +19,8 @@ What differs between callers is said, not coded twice:
   timeouts, probation calls) and each ban is logged; a check's count as its extra traffic.
 
 How a call ends, by type: the reply (:class:`Served`); :class:`StepMoved` (``StaleStep``: the stage
-stepped since this microbatch's forward, whose gradient would mix two steps: a :class:`Redo`); or
+stepped since this microbatch's forward, whose gradient would mix two steps: a :class:`Redo`);
+:class:`StageBehind` (every usable peer refused it as ``PeerBehind``: a :class:`Redo` too); or
 :class:`CallEnded` (a :class:`~swarmd.train.swarm_client.TrainerError` saying why: refused, nobody
 to ask, moved on).
 
@@ -50,7 +51,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 
-from swarmd.errors import InputsNotCached, PeerError
+from swarmd.errors import InputsNotCached, PeerBehind, PeerError
 from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimRequest, ForwardReply, Hop
@@ -73,6 +74,7 @@ __all__ = [
     "Served",
     "StageCalls",
     "Stages",
+    "StageBehind",
     "StepMoved",
     "unreachable_hint",
 ]
@@ -95,6 +97,18 @@ class StepMoved(Redo):
 
     def __init__(self, stage: int) -> None:
         super().__init__(f"stage {stage} stepped since the microbatch's forward")
+        self.stage = stage
+
+
+class StageBehind(Redo):
+    """Every usable peer of a stage refused a backward as ``PeerBehind``: none of them is at the step
+    the microbatch's forward ran at (the peer that ran it stepped alone, or is gone or banned, and its
+    stage-mates have not followed). Retrying elsewhere would go round them for good, holding the
+    microbatch's samples out of the step they were leased for; redone whole, its forward runs at the
+    step the stage is at. Nothing was counted: ``PeerBehind`` is refused before any compute."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(f"every usable peer of stage {stage} is behind the step of the microbatch's forward")
         self.stage = stage
 
 
@@ -276,6 +290,7 @@ class StageCalls:
         tally = self._work if tally is None else tally
         exclude = frozenset(exclude)
         tried: set[str] = set()  # failed in this call (cleared when a waiting call goes round again)
+        behind: set[str] = set()  # refused it as PeerBehind: not at the step this request names
         mine: str | None = None  # this call's claim in ``taken``
         waiting_since: float | None = None
         sent = 0
@@ -294,6 +309,8 @@ class StageCalls:
             if choice is None:
                 if not patience.waits:
                     break
+                if behind and not router.waiting_on_caps(exclude=exclude | behind):
+                    raise StageBehind(stage)  # nobody left who could take it at its step
                 waiting_since = await self._wait_for_peer(stage, router, tried, avoid, waiting_since)
                 continue
             peer_id, addr = choice
@@ -335,6 +352,8 @@ class StageCalls:
                     if not patience.waits:
                         raise CallEnded(Ended.MOVED_ON, f"stage {stage} peer {peer_id[:12]} moved on: {exc}") from exc
                     tried.add(peer_id)
+                    if isinstance(exc, PeerBehind):
+                        behind.add(peer_id)
                     continue
                 raise CallEnded(Ended.REFUSED, f"stage {stage} peer {peer_id[:12]} refused a request: {exc}") from exc
             except BaseException:

@@ -29,7 +29,8 @@ class TrainSummary:
     bans: int = 0
     timeouts: int = 0  # calls this trainer gave up waiting for (its per-peer timeout)
     probation_calls: int = 0  # calls sent to peers that had never answered (on probation)
-    stale_redos: int = 0
+    stale_redos: int = 0  # microbatches redone whole: a stage stepped since their forward, or ...
+    behind_redos: int = 0  # ... every usable peer of a stage was behind their forward's step (counted in both)
     topup_microbatches: int = 0
     microbatches_issued: int = 0
     microbatches_completed: int = 0

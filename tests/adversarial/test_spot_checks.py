@@ -298,6 +298,20 @@ async def test_a_reply_step_is_checked_not_believed() -> None:
         assert not t.stats.caught
 
 
+async def test_a_forward_step_no_peer_of_its_stage_is_at_is_held_to_its_peer_s_poll() -> None:
+    """A backward every usable peer refused as behind its forward's step (``stage_calls.StageBehind``: the
+    microbatch is redone) holds that forward's step to a fresh poll: its peer naming an earlier step lied
+    (convicted); one naming that step stepped alone, and one gone says nothing: neither is blamed."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, (a, b, c) = _checking_trainer(client, steps={"ab" * 20: 5, "bc" * 20: 5, "cd" * 20: 5})
+        assert await t.held_to_step(1, a, 6, g, REQUEST) and t.stats.caught == (a,)
+        t, (a, b, c) = _checking_trainer(client, steps={"ab" * 20: 6, "bc" * 20: 5, "cd" * 20: 5})
+        assert not await t.held_to_step(1, a, 6, g, REQUEST) and not t.stats.caught
+        t, (a, b, c) = _checking_trainer(client, steps={"bc" * 20: 5, "cd" * 20: 5})
+        assert not await t.held_to_step(1, a, 6, g, REQUEST) and not t.stats.caught
+
+
 async def test_two_peers_that_always_differ_stall_nothing_once_no_third_can_settle_it() -> None:
     """A stage of two whose answers differ every time (one of two lies, which two peers cannot tell
     apart; or they differ beyond the tolerance): ``UNSETTLED_LIMIT`` of them are redone, then their

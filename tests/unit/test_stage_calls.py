@@ -16,7 +16,7 @@ from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimReply, ClaimRequest
 from swarmd.pipeline.routing import StageRouter
 from swarmd.train.pairing import CheckTally
-from swarmd.train.stage_calls import CallEnded, Ended, Patience, StageCalls, StepMoved
+from swarmd.train.stage_calls import CallEnded, Ended, Patience, StageBehind, StageCalls, StepMoved
 from swarmd.train.summary import TrainSummary
 from swarmd.train.timing import Timing
 from swarmd.train.verify import VerifyStats
@@ -87,6 +87,25 @@ async def test_a_busy_peer_is_asked_again_and_a_stale_backward_is_a_redo() -> No
     with pytest.raises(StepMoved):
         await calls.call(0, "backward", 4, Script(A=[remote_error(409, "StaleStep", "stepped")]))
     assert router_of(calls).stats("a").in_flight == 0 and summary.bans == 0  # released, not blamed
+
+
+async def test_a_backward_every_usable_peer_is_behind_on_is_a_redo_not_a_retry_for_good() -> None:
+    """The livelock of issue 29's notes: a forward answered at step s by a peer that is then gone, banned
+    or alone at s, while its stage-mates stay at s - 1. Each of them refuses the backward as PeerBehind;
+    going round them again would never end, holding the microbatch's leased samples out of the step."""
+    behind = remote_error(409, "PeerBehind", "stage 0 on this peer is at step 0, behind step 1")
+    calls, summary = await machine()
+    send = Script(A=[timed_out("A")], B=[behind], C=[behind])
+    with pytest.raises(StageBehind):
+        await calls.call(0, "backward", 4, send, prefer="a")
+    assert send.asked == ["A", "B", "C"]  # once each: no second round
+    router = router_of(calls)
+    assert not router.stats("b").failures and not router.stats("c").failures  # behind is no fault of theirs
+    assert all(router.stats(p).in_flight == 0 for p in PEERS)
+    # one peer behind while another can still take it: answered there, no redo
+    calls, _ = await machine()
+    send = Script(A=[behind], B=["ok"])
+    assert (await calls.call(0, "backward", 4, send, prefer="a")).peer_id == "b"
 
 
 async def test_a_checks_busy_retries_count_as_traffic_and_only_the_answer_as_compute() -> None:

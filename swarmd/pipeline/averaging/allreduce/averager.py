@@ -323,6 +323,7 @@ class AllReduceAverager(StageAverager):
 
         pending = send()
         reported = ex.grad_samples
+        grown: asyncio.Task[bool] | None = None
         try:
             while True:
                 grown = asyncio.get_running_loop().create_task(
@@ -348,9 +349,12 @@ class AllReduceAverager(StageAverager):
                 self._suspects[coordinator] = time.monotonic() + 5.0
             await asyncio.sleep(self.poll_s)
         finally:
-            if not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
+            # every report task ends here, its outcome retrieved: a superseded one that failed after its
+            # successor was sent, or one left behind by an error, is never a "Task exception was never retrieved"
+            for task in (pending, grown):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
 
     async def _call_report(self, addr: str, report: ArReport) -> ArReportReply:
         # the coordinator answers within wait_s; on a loaded one the answer may come late, and a member that
