@@ -403,6 +403,38 @@ def _victim(peers: list[Peer], role: str) -> Peer:
     return peers[-1]  # a member, and the owner of the last part
 
 
+def _killing(original: Any, victim: Peer, tasks: Any, fired: list[int]) -> Any:
+    """``original`` (a ``MemberRound`` method), hooked: the victim's first round that reaches it kills the
+    victim (connections refused from then on) and ends there; everybody else's runs on."""
+
+    async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.av is victim.averager and not fired:
+            fired.append(self.plan.step)
+            await _kill(victim, tasks)
+            raise asyncio.CancelledError
+        return await original(self, *args, **kwargs)
+
+    return hooked
+
+
+async def _fed_until_killed(peers: list[Peer], victim: Peer, fired: list[int], what: str) -> tuple[Feeder, list[Peer]]:
+    """Every peer fed one microbatch's samples, until the hook fired: the feeder and the survivors."""
+    feed = Feeder()
+    for p in peers:
+        await feed(p)
+    await wait_for(lambda: fired, 30, what)
+    return feed, [p for p in peers if p is not victim]
+
+
+async def _carry_on(feed: Feeder, survivors: list[Peer]) -> None:
+    """The survivors of a kill take new samples and step once more, all together and alike."""
+    top = max(p.ex.step for p in survivors) + 1
+    for p in survivors:
+        await feed_when_free(feed, p, 8)
+    await wait_for(lambda: all(p.ex.step >= top for p in survivors), 60, f"the survivors reach step {top}")
+    await wait_for(lambda: len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, 30, "agreement")
+
+
 # A peer "killed" in-process leaves sockets its stage-mates had open to it for the garbage collector,
 # which may warn about them during the next kill test: an artefact of killing inside one process.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -416,34 +448,13 @@ async def test_a_role_killed_at_a_phase_never_splits_the_stage(role: str, phase:
         method = PHASES[(role, phase)]
         original = getattr(allreduce_member.MemberRound, method)
         fired: list[int] = []
-
-        async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.av is victim.averager and not fired:
-                fired.append(self.plan.step)
-                if phase == "apply":  # after the decision: the others may fetch its parts any moment
-                    await _kill(victim, tasks)
-                    raise asyncio.CancelledError
-                await _kill(victim, tasks)
-                raise asyncio.CancelledError
-            return await original(self, *args, **kwargs)
-
-        setattr(allreduce_member.MemberRound, method, hooked)
+        setattr(allreduce_member.MemberRound, method, _killing(original, victim, tasks, fired))
         try:
-            feed = Feeder()
-            for p in peers:
-                await feed(p)
-            await wait_for(lambda: fired, 30, "the victim reached the phase")
-            survivors = [p for p in peers if p is not victim]
+            feed, survivors = await _fed_until_killed(peers, victim, fired, "the victim reached the phase")
             # the survivors settle: all stepped together, or all kept their gradients
             await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
                            "the round settled")
-            steps = {p.ex.step for p in survivors}
-            # then they carry on without the victim: new samples, a step of their own
-            for p in survivors:
-                await feed_when_free(feed, p, 8)
-            top = max(steps) + 1
-            await wait_for(lambda: all(p.ex.step >= top for p in survivors), 60, f"the survivors reach step {top}")
-            await wait_for(lambda: len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, 30, "agreement")
+            await _carry_on(feed, survivors)  # then without the victim: new samples, a step of their own
             by_step = ok_steps(survivors)
             assert all(s >= 4 * n - 4 or s >= 4 * (n - 1) for s in by_step.values()), by_step
         finally:
@@ -470,19 +481,13 @@ async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_repl
             cls: Any = allreduce_member.MemberRound
             method = "_decide"
             original = cls._decide
-
-            async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if self.av is victim.averager and not fired:
-                    fired.append(self.plan.step)
-                    await _kill(victim, tasks)
-                    raise asyncio.CancelledError
-                return await original(self, *args, **kwargs)
+            hooked = _killing(original, victim, tasks, fired)
         else:
             cls = allreduce_coordinator.Coordinator
             method = "settle"
             original = cls.settle
 
-            def hooked(self: Any, rnd: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            def hooked(self: Any, rnd: Any, *args: Any, **kwargs: Any) -> Any:
                 original(self, rnd, *args, **kwargs)  # the decision is out: long-polls answered, copies held
                 if self is victim.averager.coord and not fired:
                     fired.append(rnd.plan.step)
@@ -490,11 +495,7 @@ async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_repl
 
         setattr(cls, method, hooked)
         try:
-            feed = Feeder()
-            for p in peers:
-                await feed(p)
-            await wait_for(lambda: fired, 30, "the coordinator reached the phase")
-            survivors = [p for p in peers if p is not victim]
+            feed, survivors = await _fed_until_killed(peers, victim, fired, "the coordinator reached the phase")
             await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
                            "the survivors settled without the dead coordinator's decision")
             assert len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, [(p.ex.step, p.ex.digest) for p in survivors]
@@ -503,11 +504,7 @@ async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_repl
                 assert all(p.averager.history[-1]["status"] == "aborted" for p in survivors)
             else:
                 assert ok_steps(survivors) == {0: 4 * n}, ok_steps(survivors)
-            top = survivors[0].ex.step + 1
-            for p in survivors:
-                await feed_when_free(feed, p, 8)
-            await wait_for(lambda: all(p.ex.step >= top for p in survivors), 60, f"the survivors reach step {top}")
-            await wait_for(lambda: len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, 30, "agreement")
+            await _carry_on(feed, survivors)
         finally:
             setattr(cls, method, original)
 
@@ -525,29 +522,14 @@ async def test_a_coordinator_aborts_at_once_when_a_part_owner_is_gone() -> None:
         victim = peers[-1]  # a member, and the owner of the last part
         fired: list[int] = []
         original = allreduce_member.MemberRound._settle_part
-
-        async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.av is victim.averager and not fired:
-                fired.append(self.plan.step)
-                await _kill(victim, tasks)
-                raise asyncio.CancelledError
-            return await original(self, *args, **kwargs)
-
-        allreduce_member.MemberRound._settle_part = hooked  # type: ignore[method-assign]
+        allreduce_member.MemberRound._settle_part = _killing(original, victim, tasks, fired)  # type: ignore[method-assign]
         try:
-            feed = Feeder()
-            for p in peers:
-                await feed(p)
-            await wait_for(lambda: fired, 30, "the owner reached the phase")
-            survivors = [p for p in peers if p is not victim]
+            feed, survivors = await _fed_until_killed(peers, victim, fired, "the owner reached the phase")
             await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
                            "the survivors settled before the round's deadline")
             assert all(p.ex.step == 0 and p.ex.grad_samples == 4 for p in survivors)  # aborted: nothing lost
             assert all(p.averager.history[-1]["status"] == "aborted" for p in survivors)
-            for p in survivors:
-                await feed_when_free(feed, p, 8)
-            await wait_for(lambda: all(p.ex.step >= 1 for p in survivors), 60, "the survivors reach step 1")
-            await wait_for(lambda: len({(p.ex.step, p.ex.digest) for p in survivors}) == 1, 30, "agreement")
+            await _carry_on(feed, survivors)
         finally:
             allreduce_member.MemberRound._settle_part = original  # type: ignore[method-assign]
 
