@@ -20,6 +20,8 @@ action                     when
                            peer no longer holds: the trainer resends it with them at once, so
                            this is only reached if even that is refused so): another peer
                            of the stage can serve it now; no ban, the peer did nothing wrong
+                           (once every usable peer refused a call as ``PeerBehind``, the
+                           trainer redoes the microbatch: ``swarmd.train.stage_calls.StageBehind``)
 ``BAN``                    unreachable (status 0), a request timeout (408), a server error
                            (5xx other than 503), or a reply we cannot read (200): the peer is
                            broken or gone; ban it with backoff and retry elsewhere
