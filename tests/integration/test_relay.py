@@ -11,6 +11,7 @@ import asyncio
 import socket
 
 import httpx
+import pytest
 
 from swarmd.daemon import Daemon
 from swarmd.net.addresses import is_relayed
@@ -127,6 +128,7 @@ async def test_in_a_private_swarm_signatures_travel_end_to_end_and_the_relay_ref
             assert refused(relay) == before_relay + 1 and refused(natted) == before_natted  # refused at the relay
 
 
+@pytest.mark.timeout(240)  # the training's own bound below (120 s) is reached first, and says where it stands
 async def test_losing_the_relay_mid_training_loses_nothing_and_the_peer_is_relayed_again() -> None:
     from dataclasses import replace
 
@@ -148,7 +150,13 @@ async def test_losing_the_relay_mid_training_loses_nothing_and_the_peer_is_relay
             training = asyncio.create_task(trainer.run())
             await wait_for(lambda: natted.status()["step"] >= 3, 60, "three steps through the relay")
             await relay.shutdown()  # its relayed peer loses its connection mid-training
-            summary = await asyncio.wait_for(training, 120)
+            try:
+                summary = await asyncio.wait_for(training, 120)
+            except TimeoutError:
+                where = {d.peer_id[:12]: (d.stage, d.status()["step"], d.status()["state"]) for d in (founder, *others)
+                         if d is not relay}
+                raise AssertionError(f"training did not end within 120 s after the relay left: trainer {trainer.progress()}"
+                                     f", routers {[r.snapshot() for r in trainer.routers]}, daemons {where}") from None
             await wait_for(lambda: natted.relay_client.status.state == "relayed"
                            and natted.relay_client.status.relay_id not in (None, first_relay), 30,
                            "relayed again, through another peer")
