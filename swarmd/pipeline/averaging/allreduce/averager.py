@@ -65,7 +65,9 @@ Failures (``tests/integration/test_allreduce.py`` kills each role at each phase)
   it as silent (``patience``: the stage's patience, then growing exclusions), so it holds no
   later round;
 - an owner dies before READY: the coordinator aborts as soon as a check of the missing owners
-  (every second) finds its port refusing connections, or at the patience; after READY but before the
+  (every second) finds its port refusing connections, or at the patience, and plans without that owner
+  for ``UNREACHABLE_S`` (one that still reports, its inbound port lost, would abort every plan until its
+  proof fails); after READY but before the
   coordinator verified its part: abort; after the commit: every part is held by the coordinator
   too (it verified them), and by every member that fetched it, so members re-fetch elsewhere (the
   part is re-assigned to whoever holds it); the decision's digest makes any copy as good as the
@@ -259,6 +261,10 @@ class AllReduceAverager(StageAverager):
         self.owners: dict[tuple[str, int], PartOwner] = {}
         self.members: dict[str, MemberRound] = {}  # the last few rounds this peer was a member of
         self.rounds_started = 0
+        # part owners this coordinator found gone (their address refuses connections), until when they are left out
+        # of its plans: one still reporting from elsewhere (its inbound port lost, or a half-dead process) would
+        # otherwise be planned again at once and abort every round until its proof fails (~30 s measured)
+        self.unreachable: dict[str, float] = {}
         self._plan_arrived = asyncio.Event()
         self._in_round = False
         self._share = 1  # samples to gather before reporting again
@@ -389,6 +395,9 @@ class AllReduceAverager(StageAverager):
         ex = self.executor
         self.coord.wake.clear()
         step, digest, now = ex.step, ex.digest, time.monotonic()
+        # part owners found gone lately are not planned with, nor waited for, until UNREACHABLE_S passes
+        self.unreachable = {pid: until for pid, until in self.unreachable.items() if until > now}
+        mates = {pid: addr for pid, addr in mates.items() if pid not in self.unreachable}
         offenders = self.suspicions.offenders()
         # where the mates are: by their reports here, else by a recent probe (mates that report to another
         # coordinator, e.g. those that stepped in a round this peer missed)

@@ -56,6 +56,7 @@ class RoundHost(Protocol):
     coord: Coordinator
     owners: dict[tuple[str, int], PartOwner]
     control_requests: Counter[str]
+    unreachable: dict[str, float]  # part owners found gone, until when its coordinator plans without them
     codecs_sent: Counter[str]
     commit_grace_s: float
     reply_slack_s: float
@@ -358,6 +359,8 @@ class MemberRound:
             if found:
                 log.info("stage %d step %d: part owner(s) %s of round %s are gone; aborting it now", plan.stage,
                          plan.step, ", ".join(pid[:12] for pid in found), plan.round_id)
+                until = time.monotonic() + UNREACHABLE_S
+                av.unreachable.update(dict.fromkeys(found, until))  # left out of the next plans meanwhile
                 return
 
     def _judge(self, rnd: CoordRound, decision: Decision) -> tuple[Decision, dict[str, str], dict[str, ArAwaited]]:
@@ -701,3 +704,6 @@ POLL_S = 5.0  # slack for one control request's round trip on top of its long-po
 CUT_OFF_WAIT_S = 2.0
 #: The coordinator checks this often, while ready reports are missing, whether their owners are gone.
 OWNER_CHECK_S = 1.0
+#: How long a part owner found gone (connections refused) is left out of its coordinator's plans; after it, one
+#: that still reports is planned again (it may be back: a restarted peer at the same address).
+UNREACHABLE_S = 10.0
