@@ -71,7 +71,7 @@ from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import BackwardReply, ForwardReply
 from swarmd.train.convictions import Convictions, Kind
 from swarmd.train.pairing import CheckTally, Pairing, check_nbytes
-from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageBehind, StageCalls, StepMoved
+from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageCalls
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     Answer,
@@ -203,7 +203,7 @@ class SpotChecks:
             mb = None if validation else secrets.randbits(64)
             try:
                 return forward_answer(await calls.forward(stage, inputs, targets, mb=mb, how=how))
-            except (CallEnded, StepMoved, StageBehind):
+            except (CallEnded, Redo):  # no answer, or one a redo would not use
                 return None
 
         request = tuple(t for t in (inputs, targets) if t is not None)
@@ -243,7 +243,7 @@ class SpotChecks:
                 return backward_answer(await calls.backward(stage, inputs, grad_outputs=grad_outputs,
                                                             targets=targets, step=step, mb=mb, how=how,
                                                             kept_at=kept_at))
-            except (CallEnded, StepMoved, StageBehind):
+            except (CallEnded, Redo):  # no answer, or one a redo would not use
                 return None
 
         async def probe() -> bool:
@@ -258,7 +258,7 @@ class SpotChecks:
                       exclude=frozenset((served.peer_id,)))
             try:
                 probed = await calls.forward(stage, moved, targets, how=how)  # a validation forward's shape
-            except (CallEnded, StepMoved, StageBehind):
+            except (CallEnded, Redo):  # no answer, or one a redo would not use
                 return False
             return probed.reply.step == reply.step and (probed.reply.loss is None or probed.reply.loss >= reply.loss)
 

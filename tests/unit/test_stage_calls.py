@@ -94,7 +94,7 @@ async def test_a_backward_every_usable_peer_is_behind_on_is_a_redo_not_a_retry_f
     or alone at s, while its stage-mates stay at s - 1. Each of them refuses the backward as PeerBehind;
     going round them again would never end, holding the microbatch's leased samples out of the step."""
     behind = remote_error(409, "PeerBehind", "stage 0 on this peer is at step 0, behind step 1")
-    calls, summary = await machine()
+    calls, _ = await machine()
     send = Script(A=[timed_out("A")], B=[behind], C=[behind])
     with pytest.raises(StageBehind):
         await calls.call(0, "backward", 4, send, prefer="a")
