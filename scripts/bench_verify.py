@@ -12,8 +12,13 @@ seeds):
   either trainer had done) when the liar first lied (the check-aware one answers its first dozen
   honestly), when a trainer first convicted it, and when every honest peer excluded it (two
   independent reports); None: not within the run; ``lies``: the answers it told wrong in all;
-* ``extra_compute``: samples the checks computed again (their pair's and arbiters' calls) per
-  sample of the microbatches' own calls; ``extra_traffic``: the checks' requests per call;
+  ``excluded_after_lying``: steps from its first lie to its exclusion (a liar that waits out the
+  first checks does no harm meanwhile, and no check can see a lie before it is told);
+* ``extra_compute``: what the checks' calls (their pairs', arbiters' and probes') cost the peers, in
+  forward passes (a forward 1 a sample, a backward 2, the last stage's fused call 3:
+  ``swarmd.train.verify.call_passes``), per pass of the microbatches' own calls; ``extra_samples``:
+  the measure used before, samples per sample, a probe's forward counted as the fused call it
+  checks; ``extra_traffic``: the checks' requests per call;
 * ``val_loss`` and ``vs_honest``: a fresh trainer's held-out loss (16 batches, checks off, routing
   around excluded peers) after the run, and its ratio to the honest run's;
 * ``honest_blamed``: honest peers any trainer convicted (must be none);
@@ -207,6 +212,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                                                   val_batches=16)).run()
         mb = trainer_config(api, "x", 1).microbatch_size
         calls = sum(s.verify["calls"] for s in summaries)
+        work = sum(s.verify["work_passes"] for s in summaries)
         caught = {p for s in summaries for p in s.verify["caught"]}
         averagers = [d.averager for d in honest if d.averager is not None]
         convicted = {p for a in averagers for p in a.hostile_convictions}
@@ -233,17 +239,28 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "caught_at": marks["caught_at"],
             "excluded_at": marks["excluded_at"],
             "routed_out_at": marks["routed_out_at"],
+            "excluded_after_lying": (marks["excluded_at"] - marks["first_lie_at"]
+                                     if marks["excluded_at"] is not None and marks["first_lie_at"] is not None
+                                     else None),
             "seconded": sum(a.accusations["seconded"] for a in averagers),
             "honest_blamed": sorted(p[:12] for p in caught | convicted if liar is None or p != liar.peer_id),
             # the honest leaders' robust averaging: contributions clipped, and left out of the mean
             "clipped": sum(a.contributions_clipped for a in averagers),
             "struck": sum(a.contributions_struck for a in averagers),
             "rounds": sum(a.rounds_ok for a in averagers),
-            "extra_compute": round(sum(s.verify["extra_samples"] for s in summaries) / max(1, calls * mb), 4),
+            # the checks' compute in forward passes (a forward 1, a backward 2, the last stage's fused call 3,
+            # swarmd.train.verify.call_passes) per pass of the microbatches' own calls
+            "extra_compute": round(sum(s.verify["extra_passes"] for s in summaries) / max(1, work), 4),
+            # by what the checks' calls were for: pairs' halves, second and third opinions, probes
+            "extra_by_reason": {why: round(sum(s.verify["extra_passes_by_reason"].get(why, 0) for s in summaries)
+                                           / max(1, work), 4) for why in ("pair", "opinion", "probe")},
+            # the measure used before: samples the checks' calls carried per sample of the calls judged (a probe's
+            # forward counts as much as the fused call it checks)
+            "extra_samples": round(sum(s.verify["extra_samples"] for s in summaries) / max(1, calls * mb), 4),
+            "extra_samples_by_reason": {
+                why: round(sum(s.verify.get("extra_by_reason", {}).get(why, 0) for s in summaries) / max(1, calls * mb),
+                           4) for why in ("pair", "opinion", "probe")},
             "extra_traffic": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
-            # extra_compute by what the checks' calls were for: pairs' halves, second and third opinions, probes
-            "extra_by_reason": {why: round(sum(s.verify.get("extra_by_reason", {}).get(why, 0) for s in summaries)
-                                           / max(1, calls * mb), 4) for why in ("pair", "opinion", "probe")},
             "paired": sum(s.verify["paired"] for s in summaries),
             "first_checks": sum(s.verify["first_checks"] for s in summaries),
             "suspicion_checks": sum(s.verify.get("suspicion_checks", 0) for s in summaries),
@@ -259,6 +276,11 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                                      / max(grad_bytes, 1), 6),
             # the largest gap of an opening found consistent (tolerance 1e-3 exact; per codec when lossy; a sign flip: 1.0)
             "opening_max_gap": max((d.averager.opening_costs["max_gap"] for d in last), default=0.0),  # type: ignore[union-attr]
+            # every honest peer's stage compute (CPU seconds of its worker's jobs: passes, accumulation, steps), per
+            # sample the trainers trained: held side by side with a run without checks (--verify-fraction 0), the
+            # checks' extra compute as measured on the peers rather than counted in samples by the trainers
+            "worker_cpu_s": round(sum(d.executor.worker_cpu_s for d in honest if d.executor is not None), 3),
+            "trained_samples": sum(s.samples for s in summaries),
             "steps": min(s.steps for s in summaries),
             "val_loss": final.val_loss,
             "wall_s": round(wall, 1),

@@ -74,6 +74,9 @@ from swarmd.train.pairing import CheckTally, Pairing, check_nbytes
 from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageCalls
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
+    BACKWARD_PASSES,
+    FORWARD_PASSES,
+    FUSED_PASSES,
     Answer,
     AnswerSizes,
     CheckLedger,
@@ -194,6 +197,7 @@ class SpotChecks:
         :class:`Unsettled` when the pair could not be judged. ``validation``: a validation forward's
         (its second opinions carry no microbatch id either, as no validation forward does)."""
         self.stats.calls += 1
+        self.stats.work_passes += inputs.shape[0] * FORWARD_PASSES
         reply = served.reply
         calls = self.calls
 
@@ -225,6 +229,7 @@ class SpotChecks:
         """The backward reply to go on with, as :meth:`forward`. An arbiter runs its own forward
         first (the last stage's: one fused call), as any microbatch does."""
         self.stats.calls += 1
+        self.stats.work_passes += inputs.shape[0] * (FUSED_PASSES if targets is not None else BACKWARD_PASSES)
         reply = served.reply
         request = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
         calls, nbytes = self.calls, check_nbytes(*request)
@@ -299,7 +304,8 @@ class SpotChecks:
             self.ledger.credit((primary, second), kind)
             self.ledger.agreed(primary.peer_id, second.peer_id, kind)
             self.ledger.clear((primary.peer_id, second.peer_id))
-            self.sizes.observe(stage, kind, primary)
+            for answer in (primary, second):  # both confirmed: both sizes are the stage's at that step
+                self.sizes.observe(stage, kind, answer)
             return _CONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
         stats.mismatches += 1

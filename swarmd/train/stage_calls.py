@@ -62,6 +62,7 @@ from swarmd.train.events import CallDone, TrainerEvent
 from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import TrainerError
 from swarmd.train.timing import Timing
+from swarmd.train.verify import call_passes
 
 __all__ = [
     "CallEnded",
@@ -166,7 +167,8 @@ class CallTally(Protocol):
 
     def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None: ...
 
-    def answered(self, peer_id: str, samples: int) -> None: ...  # the peer computed them (not Busy, not failed)
+    # the peer computed them (not Busy, not failed), at ``passes`` forward passes a sample (verify.call_passes)
+    def answered(self, peer_id: str, samples: int, passes: int) -> None: ...
 
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None: ...
@@ -175,7 +177,7 @@ class CallTally(Protocol):
 @dataclass(frozen=True)
 class How:
     """A spot check's call (``swarmd.train.spot_checks``): the same request as a microbatch's, sent
-    the same way; only whom it may ask (``only``, ``exclude``, ``taken``: see :meth:`StageCalls.call`),
+    the same way; only whom it may ask (``prefer``, ``only``, ``exclude``, ``taken``: see :meth:`StageCalls.call`),
     how hard it tries and who pays differ, none of which the peer sees. ``opinion``: a second or third
     opinion asked after another peer answered: its backward is computed and answered, never accumulated
     (meta ``verify``), so an honest swarm's books stay exact; the peer asked may tell, the peer checked
@@ -183,6 +185,7 @@ class How:
 
     patience: Patience | None = None  # None: a microbatch's (until answered)
     tally: CallTally | None = None  # None: a microbatch's (counted in the summary, told to the observers)
+    prefer: str | None = None  # asked first when usable (a peer whose first answers a check was drawn for)
     only: str | None = None
     exclude: frozenset[str] = frozenset()
     taken: set[str] | None = None
@@ -212,7 +215,7 @@ class _WorkTally:
     def sent(self, peer_id: str, samples: int, *, on_probation: bool) -> None:
         self.summary.probation_calls += int(on_probation)
 
-    def answered(self, peer_id: str, samples: int) -> None:
+    def answered(self, peer_id: str, samples: int, passes: int) -> None:
         pass
 
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
@@ -361,7 +364,7 @@ class StageCalls:
                 raise
             elapsed = time.monotonic() - started
             router.report_success(peer_id, samples, own_seconds(reply, elapsed) if own_seconds else elapsed, kind)
-            tally.answered(peer_id, samples)
+            tally.answered(peer_id, samples, call_passes(kind, last_stage=stage == len(self.stages.routers) - 1))
             return Served(reply, peer_id, sent, addr)
         raise CallEnded(Ended.NOBODY, f"stage {stage}: no peer to ask (after {sent} request(s))")
 
@@ -632,6 +635,8 @@ class StageCalls:
                        own_seconds: Callable[[R, float], float] | None = None) -> Served[R]:
         """A microbatch's call, told to the observers (``CallDone``: from the first request to the
         answer, retries and waits for a usable peer included); a check's (``how``) is not."""
+        if how is not None and prefer is None:
+            prefer = how.prefer
         if how is not None and how.tally is not None:
             return await self.call(stage, kind, samples, send, patience=how.patience, tally=how.tally,
                                    prefer=prefer if how.only is None else None, only=how.only, exclude=how.exclude,

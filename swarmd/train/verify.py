@@ -77,6 +77,10 @@ from swarmd.net.codecs import EIGHT_BIT_REL_ERROR
 __all__ = [
     "CROSS_BUILD_SLACK",
     "FIRST_CHECKS",
+    "BACKWARD_PASSES",
+    "FIRST_CHECK_HOLD_S",
+    "FORWARD_PASSES",
+    "FUSED_PASSES",
     "SUSPICION_CHECKS",
     "LIAR_BAN_S",
     "PROBE_DROP",
@@ -96,6 +100,7 @@ __all__ = [
     "agree",
     "answer_size",
     "arbitrate",
+    "call_passes",
     "descent_probe",
     "describe",
     "excluded_by_majority",
@@ -116,6 +121,11 @@ LOSS_TOLERANCE = 1e-4
 #: A peer's answers of each kind are checked always until this many were confirmed: a liar from the
 #: start is caught at its first answer, before it has done much harm.
 FIRST_CHECKS = 1
+#: How long a first check drawn for a peer stands for its confirmation (:meth:`CheckLedger.hold`): meanwhile
+#: no other microbatch is paired for that peer's first answers, so a trainer's first window is not paired
+#: whole while the first confirmations are on their way (issue #29: the checks' cost). A hold that brought
+#: no confirmation (the pair went elsewhere, or its answers could not be compared) lapses after this.
+FIRST_CHECK_HOLD_S = 10.0
 #: A peer some daemon holds one report against (``ProgressReply.suspected``: a trainer caught it, or
 #: says so) has its next answers of each kind checked always until this many more were confirmed: a
 #: liar one trainer caught is caught by the others within a few of their calls, whatever the
@@ -142,8 +152,20 @@ SUSPECT_FACTOR = 2.0
 #: How many of the stage-mates' recent answers an answer's size is held against, and how many it takes.
 SIZE_WINDOW = 32
 SIZE_MIN = 2
-#: ... answers of steps at most this far from the answer's (sizes move fast while the learning rate warms up).
+#: An answer is held to its stage-mates' answers of its own step when there is at least this many (an honest
+#: stage's answers of one step are alike: they ran on the same parameters); else to those of the steps at
+#: most ``SIZE_STEPS`` from it (at least ``SIZE_MIN``). Sizes move fast from one step to the next (an honest
+#: stage's by up to 3.7x in ``tiny``'s first 40 steps: most of the honest runs' second opinions were the first
+#: answers of a step held to the step before). A wider band across steps (4x) was tried instead: it halved
+#: those opinions and let the check-aware liar's tripled gradients through for 6 steps (1.05x the honest
+#: held-out loss), so the band is one.
+SIZE_MIN_SAME_STEP = 1
 SIZE_STEPS = 1
+#: What one sample of a call costs its peer, in forward passes (the usual FLOP count: a backward costs about
+#: two forwards): a forward 1, a backward 2 (on the graph its forward kept), the last stage's fused
+#: forward and backward 3. The checks' extra compute is counted in these (:attr:`VerifyStats.extra_passes`):
+#: a probe, one forward, costs a third of the fused call it checks.
+FORWARD_PASSES, BACKWARD_PASSES, FUSED_PASSES = 1, 2, 3
 #: The share of the last stage's unpaired answers whose input gradient is probed for direction
 #: (:func:`descent_probe`): a forward with targets, at the inputs moved against that gradient, to another peer.
 PROBE_FRACTION = 0.1
@@ -162,6 +184,13 @@ _CODEC_ERROR = {
     # bytes; the check catches gross lies only, as with OUTLIER_FACTOR in round_checks.
     "4bit": 0.2,
 }
+
+
+def call_passes(kind: str, *, last_stage: bool) -> int:
+    """What one sample of a call of ``kind`` costs its peer, in forward passes (:data:`FUSED_PASSES`)."""
+    if kind == "forward":
+        return FORWARD_PASSES
+    return FUSED_PASSES if last_stage else BACKWARD_PASSES
 
 
 def tolerance(codec: str) -> float:
@@ -318,6 +347,9 @@ class VerifyStats:
     extra_samples: int = 0  # samples computed again for the checks
     extra_bytes: int = 0  # tensor bytes sent for them
     extra_by_reason: dict[str, int] = field(default_factory=dict)  # extra samples: pair / opinion / probe
+    extra_passes: int = 0  # ... in forward passes a sample (call_passes): the checks' extra compute
+    extra_passes_by_reason: dict[str, int] = field(default_factory=dict)  # ... by what they were for
+    work_passes: int = 0  # the microbatches' own calls that were judged, in forward passes a sample
     reports_sent: int = 0  # signed reports peers accepted
     caught: tuple[str, ...] = ()  # the liars' peer ids
 
@@ -353,14 +385,16 @@ class CheckLedger:
 
     def __init__(self, *, first_checks: int = FIRST_CHECKS, unsettled_limit: int = UNSETTLED_LIMIT,
                  suspicion_checks: int = SUSPICION_CHECKS, rearm_s: float = SUSPICION_REARM_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 hold_s: float = FIRST_CHECK_HOLD_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.first_checks = first_checks
+        self.hold_s = hold_s
         self.unsettled_limit = unsettled_limit
         self.suspicion_checks = suspicion_checks
         self.rearm_s = rearm_s
         self._clock = clock
         self._suspected: dict[str, tuple[float, dict[str, int]]] = {}  # peer -> (armed at, kind -> confirmed wanted)
         self._confirmed: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> its answers a check confirmed
+        self._held: dict[tuple[str, str], float] = {}  # (peer, kind) -> when a first check was drawn for it
         self._disputed: set[str] = set()  # peers in a mismatch no conviction cleared
         self._unsettled: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> mismatches nobody could settle
         self._gave_up: set[tuple[str, str]] = set()  # (peer, kind): not first-checked any more
@@ -372,9 +406,28 @@ class CheckLedger:
         return self._confirmed[(peer_id, kind)]
 
     def wants_first_check(self, peer_id: str, kind: str) -> bool:
-        """Whether ``peer_id``'s next answer of ``kind`` is checked whatever the draw: it has fewer
-        than ``first_checks`` confirmed, and its first checks were not given up."""
-        return self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
+        """Whether a microbatch is paired whatever the draw for ``peer_id``'s answers of ``kind``: it
+        has fewer than ``first_checks`` confirmed, its first checks were not given up, and no first
+        check drawn for it is on its way (:meth:`hold`)."""
+        return (self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
+                and not self.holding(peer_id, kind))
+
+    def hold(self, peer_id: str, kinds: Iterable[str]) -> None:
+        """A first check of ``peer_id``'s answers of ``kinds`` was drawn: until its confirmation (or for
+        ``hold_s`` at most) no other one is drawn for them."""
+        now = self._clock()
+        for kind in kinds:
+            self._held[(peer_id, kind)] = now
+
+    def holding(self, peer_id: str, kind: str) -> bool:
+        """Whether a first check drawn for ``peer_id``'s answers of ``kind`` is still on its way."""
+        held = self._held.get((peer_id, kind))
+        if held is None:
+            return False
+        if self._clock() - held < self.hold_s:
+            return True
+        del self._held[(peer_id, kind)]
+        return False
 
     def watch(self, suspected: Iterable[str]) -> None:
         """Peers accused once (``ProgressReply.suspected``): each one's answers of every kind are
@@ -404,6 +457,7 @@ class CheckLedger:
         for a in answers:
             if a.peer_id != uncredited:
                 self._confirmed[(a.peer_id, kind)] += 1
+                self._held.pop((a.peer_id, kind), None)
 
     def agreed(self, a: str, b: str, kind: str) -> None:
         """``a`` and ``b`` gave the same answer of ``kind`` at one step."""
@@ -503,15 +557,20 @@ class AnswerSizes:
         self._recent: dict[tuple[int, str], deque[tuple[str, int, float]]] = {}
 
     def suspicious(self, stage: int, kind: str, answer: Answer) -> bool:
-        """Whether ``answer``'s size is outside the band around the median of the last ``window``
-        answers of ``kind`` its stage-mates gave (at least ``minimum`` of them; fewer: False)."""
+        """Whether ``answer``'s size is outside the band (``factor``) around the median of the last
+        ``window`` answers of ``kind`` its stage-mates gave at its step (at least ``SIZE_MIN_SAME_STEP``
+        of them; fewer: of those at most ``SIZE_STEPS`` from it, at least ``minimum``; fewer still: False)."""
         size = answer_size(answer)
         if size is None:
             return False
-        recent = self._recent.get((stage, kind), ())
-        others = [s for p, step, s in recent if p != answer.peer_id and abs(step - answer.step) <= SIZE_STEPS]
-        if len(others) < self.minimum:
-            return False
+        recent = [(step, s) for p, step, s in self._recent.get((stage, kind), ()) if p != answer.peer_id]
+        # the answers of its own step when there are enough (the stage's parameters, hence its sizes, can
+        # jump tenfold from one step to the next: a loss spike), else those of the steps around it
+        others = [s for step, s in recent if step == answer.step]
+        if len(others) < min(self.minimum, SIZE_MIN_SAME_STEP):
+            others = [s for step, s in recent if abs(step - answer.step) <= SIZE_STEPS]
+            if len(others) < self.minimum:
+                return False
         median = statistics.median(others)
         if not median > 0.0:
             return size > 0.0 and not math.isfinite(size)

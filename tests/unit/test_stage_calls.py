@@ -117,6 +117,10 @@ async def test_a_checks_busy_retries_count_as_traffic_and_only_the_answer_as_com
     await calls.call(0, "forward", 4, Script(A=[busy, busy, "ok"]), tally=CheckTally(stats, 100, "opinion"))
     assert (stats.extra_requests, stats.extra_bytes, stats.extra_samples) == (3, 300, 4)
     assert stats.extra_by_reason == {"opinion": 4}
+    assert stats.extra_passes == 4  # a forward: one pass a sample
+    await calls.call(0, "backward", 4, Script(A=["ok"]), tally=CheckTally(stats, 100, "probe"))
+    assert len(calls.stages.routers) == 1  # so its backward is the last stage's fused call: three passes a sample
+    assert stats.extra_passes == 4 + 12 and stats.extra_passes_by_reason == {"opinion": 4, "probe": 12}
 
 
 async def test_a_refusal_no_retry_can_fix_ends_the_call_in_one_sentence() -> None:

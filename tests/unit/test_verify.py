@@ -17,6 +17,7 @@ from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     FIRST_CHECKS,
     SIZE_MIN,
+    SIZE_MIN_SAME_STEP,
     SIZE_STEPS,
     SUSPECT_FACTOR,
     SUSPICION_CHECKS,
@@ -110,6 +111,43 @@ def test_a_suspected_usable_peer_gets_its_microbatches_paired_until_confirmed_wh
     assert pairing.stats.suspicion_checks == 1
 
 
+def test_a_first_check_on_its_way_holds_its_peers_until_confirmed_or_the_hold_lapses() -> None:
+    clock, t = Clock(), torch.ones(2)
+    ledger = CheckLedger(hold_s=10.0, clock=clock)
+    ledger.hold("a", ("forward", "backward"))
+    assert not ledger.wants_first_check("a", "forward") and ledger.holding("a", "backward")
+    assert ledger.wants_first_check("b", "forward")  # only the peer held
+    ledger.credit([Answer("a", 0, t)], "forward")  # confirmed: the forward's hold ends with it
+    assert not ledger.holding("a", "forward") and not ledger.wants_first_check("a", "forward")
+    clock.now += 10.0  # the backward's check never came back (its pair went elsewhere): wanted again
+    assert not ledger.holding("a", "backward") and ledger.wants_first_check("a", "backward")
+
+
+def test_first_checks_pair_one_microbatch_per_two_unconfirmed_peers_and_aim_its_calls_at_them() -> None:
+    routers = []
+    for k in range(2):
+        router = StageRouter(k, rng=random.Random(k), timeout_ceiling_s=60.0)
+        router.update_peers(listed({f"{k}{c}": f"h:{i}" for i, c in enumerate("abc")}, stage=k))
+        routers.append(router)
+    clock = Clock()
+    ledger = CheckLedger(hold_s=10.0, clock=clock)
+    pairing = _pairing(FixedStages(routers), ledger)
+    # three unconfirmed peers a stage: two microbatches cover them, the window's others run unpaired
+    assert [pairing.pairs() for _ in range(6)] == [True, True, False, False, False, False]
+    assert pairing.stats.first_checks == 2
+    for k in range(2):
+        aimed = pairing._aimed(k) + pairing._aimed(k)
+        assert sorted(aimed) == [f"{k}a", f"{k}b", f"{k}c"]  # every peer aimed at once
+        assert pairing._aimed(k) == []
+    kinds = {"0": ("forward", "backward"), "1": ("backward",)}
+    for peer_id in ("0a", "0b", "0c", "1a", "1b"):  # every check came back confirmed but 1c's
+        for kind in kinds[peer_id[0]]:
+            ledger.credit([Answer(peer_id, 0, torch.ones(2))], kind)
+    assert not pairing.pairs()  # 1c's check is still on its way
+    clock.now += 10.0  # ... until its hold lapses: paired again, aimed at 1c alone
+    assert pairing.pairs() and pairing._aimed(1) == ["1c"] and pairing._aimed(0) == []
+
+
 def test_disputes_last_until_a_conviction_clears_the_honest_ones() -> None:
     ledger = CheckLedger()
     ledger.dispute(["a", "b"])
@@ -188,12 +226,28 @@ def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None
     own = AnswerSizes()
     for _ in range(10):
         own.observe(1, "backward", _sized("x", 3.0))
-    own.observe(1, "backward", _sized("b", 1.0))
-    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer: too few to judge
-    own.observe(1, "backward", _sized("c", 1.0))
+    assert not own.suspicious(1, "backward", _sized("x", 3.0))
+    own.observe(1, "backward", _sized("b", 1.0, step=4))
+    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer of another step: too few
+    own.observe(1, "backward", _sized("c", 1.0, step=4))
     assert own.suspicious(1, "backward", _sized("x", 3.0))
     with pytest.raises(ValueError):
         AnswerSizes(factor=1.0)
+
+
+def test_an_answer_is_held_to_its_own_step_first_and_to_the_steps_around_it_without_enough() -> None:
+    """An honest stage's sizes jump from one step to the next (3.7x seen in tiny's first steps) and are alike
+    within one: its own step's answers are the reference once there is one."""
+    assert SIZE_STEPS == 1 and SIZE_MIN_SAME_STEP == 1
+    sizes = AnswerSizes()
+    for peer in "ab":
+        sizes.observe(1, "backward", _sized(peer, 1.0, step=4))
+    assert not sizes.suspicious(1, "backward", _sized("x", 1.9, step=5))  # only the step before: held to it
+    assert sizes.suspicious(1, "backward", _sized("x", 3.0, step=5))
+    sizes.observe(1, "backward", _sized("a", 3.0, step=5))  # the stage's sizes tripled at step 5: one mate says so
+    assert not sizes.suspicious(1, "backward", _sized("x", 3.5, step=5))  # its own step's: 2x band
+    assert sizes.suspicious(1, "backward", _sized("x", 9.0, step=5))  # a tripled answer at that step
+    assert sizes.suspicious(1, "backward", _sized("x", 1.0, step=5))  # the step before's size is not this one's
 
 
 def test_a_direction_probe_moves_the_inputs_downhill_for_a_true_gradient_and_uphill_for_a_negated_one() -> None:
