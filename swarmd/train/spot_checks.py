@@ -7,7 +7,8 @@ the ledger of what checks concluded). This module is the I/O around those rules 
 
 A check is a *paired microbatch* (issue #29, item 1): the trainer draws, before a microbatch's
 first call, whether it runs paired (a random ``verify_fraction`` of microbatches, and always while
-some usable peer has no confirmed answer yet); a paired microbatch's every call is sent twice at
+some usable peer has no confirmed answer yet and no first check on its way); a paired microbatch's
+every call is sent twice at
 once, each under its own fresh microbatch id, the pair's to another peer of the stage where it has
 one: forwards, the last stage's fused forward and backward, and each stage's backward (sent to the
 peer that ran the pair's forward, with the same deadline as any backward). Both halves are ordinary
@@ -304,8 +305,7 @@ class SpotChecks:
             self.ledger.credit((primary, second), kind)
             self.ledger.agreed(primary.peer_id, second.peer_id, kind)
             self.ledger.clear((primary.peer_id, second.peer_id))
-            for answer in (primary, second):  # both confirmed: both sizes are the stage's at that step
-                self.sizes.observe(stage, kind, answer)
+            self.sizes.observe(stage, kind, primary)  # (the second is the same microbatch: no second data point)
             return _CONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
         stats.mismatches += 1

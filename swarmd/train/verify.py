@@ -12,8 +12,9 @@ that disagrees with the other two is the liar (banned by this trainer for :data:
 reported: ``swarmd.pipeline.reports``).
 
 The trainer also pairs, always, microbatches while a usable peer has no answer of each kind
-confirmed yet, and while a peer is in a mismatch nobody settled: a peer that lies from the start
-is caught at its first answer, and a mismatch is asked again until decided (and counted against
+confirmed yet and no first check on its way to it (:meth:`CheckLedger.hold`), and while a peer is
+in a mismatch nobody settled: a peer that lies from the start is caught by its first check, within
+its first window of work, and a mismatch is asked again until decided (and counted against
 both peers meanwhile: :meth:`CheckLedger.against`). An unpaired answer whose size is far from its
 stage-mates' is checked after it came (:class:`AnswerSizes`). Every verdict is
 waited for before the microbatch goes on, and the majority's answer goes on when a peer is
@@ -152,14 +153,12 @@ SUSPECT_FACTOR = 2.0
 #: How many of the stage-mates' recent answers an answer's size is held against, and how many it takes.
 SIZE_WINDOW = 32
 SIZE_MIN = 2
-#: An answer is held to its stage-mates' answers of its own step when there is at least this many (an honest
-#: stage's answers of one step are alike: they ran on the same parameters); else to those of the steps at
-#: most ``SIZE_STEPS`` from it (at least ``SIZE_MIN``). Sizes move fast from one step to the next (an honest
-#: stage's by up to 3.7x in ``tiny``'s first 40 steps: most of the honest runs' second opinions were the first
-#: answers of a step held to the step before). A wider band across steps (4x) was tried instead: it halved
-#: those opinions and let the check-aware liar's tripled gradients through for 6 steps (1.05x the honest
-#: held-out loss), so the band is one.
-SIZE_MIN_SAME_STEP = 1
+#: An answer is held to its stage-mates' answers of its own step when there are ``SIZE_MIN`` of them (they ran
+#: on the same parameters), else to those of the steps at most this far from it. Sizes move fast from one step
+#: to the next (an honest stage's by up to 10x in ``tiny``'s first 40 steps, and one microbatch of 4 samples
+#: may be 3x its step's others): most of an honest run's second opinions are such answers. A wider band across
+#: steps (4x) was tried: it halved those opinions and let the check-aware liar's tripled gradients through for
+#: 6 steps (1.05x the honest held-out loss), so the band is one.
 SIZE_STEPS = 1
 #: What one sample of a call costs its peer, in forward passes (the usual FLOP count: a backward costs about
 #: two forwards): a forward 1, a backward 2 (on the graph its forward kept), the last stage's fused
@@ -558,8 +557,8 @@ class AnswerSizes:
 
     def suspicious(self, stage: int, kind: str, answer: Answer) -> bool:
         """Whether ``answer``'s size is outside the band (``factor``) around the median of the last
-        ``window`` answers of ``kind`` its stage-mates gave at its step (at least ``SIZE_MIN_SAME_STEP``
-        of them; fewer: of those at most ``SIZE_STEPS`` from it, at least ``minimum``; fewer still: False)."""
+        ``window`` answers of ``kind`` its stage-mates gave at its step (at least ``minimum`` of them;
+        fewer: of those at most ``SIZE_STEPS`` from it; fewer still: False)."""
         size = answer_size(answer)
         if size is None:
             return False
@@ -567,7 +566,7 @@ class AnswerSizes:
         # the answers of its own step when there are enough (the stage's parameters, hence its sizes, can
         # jump tenfold from one step to the next: a loss spike), else those of the steps around it
         others = [s for step, s in recent if step == answer.step]
-        if len(others) < min(self.minimum, SIZE_MIN_SAME_STEP):
+        if len(others) < self.minimum:
             others = [s for step, s in recent if abs(step - answer.step) <= SIZE_STEPS]
             if len(others) < self.minimum:
                 return False

@@ -17,7 +17,6 @@ from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     FIRST_CHECKS,
     SIZE_MIN,
-    SIZE_MIN_SAME_STEP,
     SIZE_STEPS,
     SUSPECT_FACTOR,
     SUSPICION_CHECKS,
@@ -226,10 +225,9 @@ def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None
     own = AnswerSizes()
     for _ in range(10):
         own.observe(1, "backward", _sized("x", 3.0))
-    assert not own.suspicious(1, "backward", _sized("x", 3.0))
-    own.observe(1, "backward", _sized("b", 1.0, step=4))
-    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer of another step: too few
-    own.observe(1, "backward", _sized("c", 1.0, step=4))
+    own.observe(1, "backward", _sized("b", 1.0))
+    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer: too few to judge
+    own.observe(1, "backward", _sized("c", 1.0))
     assert own.suspicious(1, "backward", _sized("x", 3.0))
     with pytest.raises(ValueError):
         AnswerSizes(factor=1.0)
@@ -237,14 +235,15 @@ def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None
 
 def test_an_answer_is_held_to_its_own_step_first_and_to_the_steps_around_it_without_enough() -> None:
     """An honest stage's sizes jump from one step to the next (3.7x seen in tiny's first steps) and are alike
-    within one: its own step's answers are the reference once there is one."""
-    assert SIZE_STEPS == 1 and SIZE_MIN_SAME_STEP == 1
+    within one: its own step's answers are the reference once there are SIZE_MIN of them."""
+    assert SIZE_STEPS == 1 and SIZE_MIN == 2
     sizes = AnswerSizes()
     for peer in "ab":
         sizes.observe(1, "backward", _sized(peer, 1.0, step=4))
     assert not sizes.suspicious(1, "backward", _sized("x", 1.9, step=5))  # only the step before: held to it
     assert sizes.suspicious(1, "backward", _sized("x", 3.0, step=5))
-    sizes.observe(1, "backward", _sized("a", 3.0, step=5))  # the stage's sizes tripled at step 5: one mate says so
+    for peer in "ab":
+        sizes.observe(1, "backward", _sized(peer, 3.0, step=5))  # the stage's sizes tripled at step 5
     assert not sizes.suspicious(1, "backward", _sized("x", 3.5, step=5))  # its own step's: 2x band
     assert sizes.suspicious(1, "backward", _sized("x", 9.0, step=5))  # a tripled answer at that step
     assert sizes.suspicious(1, "backward", _sized("x", 1.0, step=5))  # the step before's size is not this one's
