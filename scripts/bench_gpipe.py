@@ -4,11 +4,13 @@
 2-3x while SWARM's holds." One invocation trains the same model (``--model`` cut into ``--stages``
 equal stages, the same deterministic initial weights), with the same AdamW (``build_optimizer`` /
 ``apply_step``), on the same samples (corpus, seed and sampler of ``bench_pipeline.py``), the same
-global batch split into the same microbatches, one torch thread per stage process, in four ways:
+global batch split into the same microbatches, one torch thread per stage process, in five ways:
 
 - ``swarmd``: one daemon per stage through the real CLI (``swarmd.local_swarm.DaemonProcess``), a
   trainer (``swarmd.train.trainer.Trainer``, ``--sync``, codec none, untapered unless ``--taper``) in
   its own process: activations go stage -> trainer -> next stage over HTTP;
+- ``swarmd_p2p``: the same with the trainer's ``--p2p``: each stage's outputs go straight to the next
+  stage's peer and the backwards chain back, only token ids and meta through the trainer;
 - ``pipelining_gpipe`` / ``pipelining_1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and
   ``Schedule1F1B`` over gloo, one process per stage (``scale_grads``: the mean of equal microbatches'
   losses, the same gradient as the reference; needs a batch that the microbatch size divides);
@@ -69,7 +71,8 @@ from swarmd.local_swarm import DaemonProcess, DaemonStartError, stopping  # noqa
 SEED = 0
 CORPUS_BYTES = 8 * 2**20  # as bench_pipeline.py: both the trainer and the GPipe ranks load this much
 CHILD_TIMEOUT_S = 1800.0
-VARIANTS = ("swarmd", "pipelining_gpipe", "pipelining_1f1b", "gpipe_prepost")
+VARIANTS = ("swarmd", "swarmd_p2p", "pipelining_gpipe", "pipelining_1f1b", "gpipe_prepost")
+SWARMD = ("swarmd", "swarmd_p2p")  # the variants that run swarmd (the second with the trainer's --p2p)
 REFERENCE = "gpipe_prepost"  # the losses of the others are compared with this one's
 
 
@@ -143,8 +146,9 @@ class Loopback:
 # ---- swarmd: daemons through the real CLI, the trainer in a child process --------------------------
 
 
-def swarm_trainer_child(s: Settings, api: str) -> dict[str, Any]:
-    """The swarm's trainer (inside host 0): ``bench_wan``'s window over a sync, codec-none trainer."""
+def swarm_trainer_child(s: Settings, api: str, p2p: bool = False) -> dict[str, Any]:
+    """The swarm's trainer (inside host 0): ``bench_wan``'s window over a sync, codec-none trainer
+    (``p2p``: its forwards and backwards go peer to peer, ``swarmd train --p2p``)."""
     import asyncio
 
     import torch
@@ -156,7 +160,7 @@ def swarm_trainer_child(s: Settings, api: str) -> dict[str, Any]:
     config = TrainerConfig(api=api, steps=s.warmup + s.steps, batch_size=s.batch_size,
                            microbatch_size=s.microbatch_size, codec="none", seed=SEED, window=s.window,
                            sync=True, val_every=0, max_corpus_bytes=CORPUS_BYTES, name="bench-gpipe",
-                           taper=s.taper)
+                           taper=s.taper, p2p=p2p)
     summary = asyncio.run(Trainer(config, events=window.observe).run())
     if window.t1 == 0.0:
         raise BenchError(f"the trainer finished without reaching step {window.last}")
@@ -165,7 +169,7 @@ def swarm_trainer_child(s: Settings, api: str) -> dict[str, Any]:
             "in_flight": summary.window, "in_flight_need": summary.window_need}
 
 
-def run_swarmd(s: Settings, net: Net, workdir: Path, tag: str) -> dict[str, Any]:
+def run_swarmd(s: Settings, net: Net, workdir: Path, tag: str, p2p: bool = False) -> dict[str, Any]:
     model_file = workdir / "model.json"
     model_file.write_text(json.dumps(s.spec().to_dict()))
     daemons: list[DaemonProcess] = []
@@ -183,7 +187,7 @@ def run_swarmd(s: Settings, net: Net, workdir: Path, tag: str) -> dict[str, Any]
                 daemons[0].wait_ready(300)
         for d in daemons[1:]:
             d.wait_ready(300)
-        child = json.dumps({"settings": asdict(s), "api": f"http://{daemons[0].info['api_addr']}"})
+        child = json.dumps({"settings": asdict(s), "api": f"http://{daemons[0].info['api_addr']}", "p2p": p2p})
         done = subprocess.run(net.command(0, [sys.executable, str(Path(__file__).resolve()), "--trainer-child", child]),
                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
         if done.returncode != 0:
@@ -365,7 +369,9 @@ def run_variants(s: Settings, net: Net, ifname: str, variants: Sequence[str], wo
     for v in variants:
         print(f"bench_gpipe: {tag}: {v}", file=sys.stderr)
         try:
-            r = run_swarmd(s, net, workdir, tag) if v == "swarmd" else run_gpipe(s, net, v, ifname)
+            # each swarmd variant its own daemons' directories: a second start in one would read the first's files
+            r = (run_swarmd(s, net, workdir, f"{tag}-{v}", p2p=v == "swarmd_p2p") if v in SWARMD
+                 else run_gpipe(s, net, v, ifname))
         except (BenchError, DaemonStartError, subprocess.TimeoutExpired, ValueError) as exc:
             out[v] = {"error": str(exc)[-3000:]}
             continue
@@ -395,8 +401,8 @@ def report(s: Settings, scenarios: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         rate = {v: r.get("samples_per_s") for v, r in vs.items()}
         sc["samples_per_s"] = rate
-        sw = rate.get("swarmd")
-        sc["ratios"] = {f"swarmd/{v}": (sw / r if sw and r else None) for v, r in rate.items() if v != "swarmd"}
+        sc["ratios"] = {f"{mine}/{v}": (rate[mine] / r if rate.get(mine) and r else None)
+                        for mine in SWARMD if mine in rate for v, r in rate.items() if v not in SWARMD}
         sc["vs_loopback"] = {v: (r / loop[v]["samples_per_s"] if r and loop.get(v, {}).get("samples_per_s") else None)
                              for v, r in rate.items()}
         ref = vs.get(REFERENCE, {}).get("step_losses")
@@ -453,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.trainer_child is not None:
         c = json.loads(args.trainer_child)
-        print(strict_json_dumps(swarm_trainer_child(Settings(**c["settings"]), c["api"])))
+        print(strict_json_dumps(swarm_trainer_child(Settings(**c["settings"]), c["api"], c.get("p2p", False))))
         return 0
     if args.gpipe_child is not None:
         print(strict_json_dumps(gpipe_rank_child(json.loads(args.gpipe_child))))
