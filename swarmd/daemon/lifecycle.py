@@ -234,8 +234,8 @@ class Daemon:
     async def sync_state(self, *, min_step: int, required: bool, runtime: StageRuntime | None = None) -> bool:
         return await self.stage_state.sync(min_step=min_step, required=required, runtime=runtime)
 
-    async def plan_state(self, stage: int, *, min_step: int = 0) -> Plan:
-        return await self.stage_state.plan(stage, min_step=min_step)
+    async def plan_state(self, stage: int, *, min_step: int = 0, confirm: bool = False) -> Plan:
+        return await self.stage_state.plan(stage, min_step=min_step, confirm=confirm)
 
     async def obtain_state(self, runtime: StageRuntime, *, wait: bool) -> Source:
         return await self.stage_state.obtain(runtime, wait=wait)

@@ -118,12 +118,20 @@ class StageState:
 
     # ---- in: the newest state wherever it is (swarmd.pipeline.placement.resume) -----------------------------
 
-    async def plan(self, stage: int, *, min_step: int = 0) -> Plan:
-        """Every source of ``stage``'s state the swarm shows now, newest first."""
+    async def plan(self, stage: int, *, min_step: int = 0, confirm: bool = False) -> Plan:
+        """Every source of ``stage``'s state the swarm shows now, newest first. ``confirm``: only the
+        peers among them that prove themselves at their address now (``swarmd.net.proof``, each within
+        its timeout, at once): a record outlives its peer by up to its lifetime, and a move to a stage
+        whose only holder died since must be refused, not accepted and then failed."""
         host = self.host
         assert host.membership is not None and host.spec is not None
         members = [r for r in await host.membership.all_peers(host.spec.n_stages) if r.peer_id != host.peer_id]
         excluded = host.excluded_peers()
+        if confirm:
+            holders = {r.peer_id: r.data_addr for r in members if r.data_addr and r.peer_id not in excluded
+                       and ((r.stage == stage and r.usable) or r.held_step(stage) is not None)}
+            answering = await host.prover.prove_all(holders, stage=None, fresh=True) if holders else {}
+            members = [r for r in members if r.peer_id in answering]
         live = [(r.peer_id, r.step) for r in members if r.stage == stage and r.usable and r.peer_id not in excluded]
         offered = [(r.peer_id, step) for r in members
                    if (step := r.held_step(stage)) is not None and r.data_addr and r.reachable != "no"

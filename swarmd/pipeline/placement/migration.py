@@ -22,7 +22,9 @@ A move, one phase after the other (``MigrationPhase``, shown in ``/status`` as `
    fresh parameters) or ``cancelled`` (shutdown).
 
 A move to a stage whose state is nowhere (a trained swarm, no live peer, no checkpoint offered)
-is refused before it starts: serving it would restart that stage from step 0.
+is refused before it starts: serving it would restart that stage from step 0. The holders its
+records name are challenged first (``swarmd.net.proof``): a record outlives a dead peer by up to
+its lifetime, and only those that answer now count.
 
 Every peer runs the same pure policy on (nearly) the same snapshot and moves only when a move
 names it, so two peers never race for one move; a peer that moved waits ``cooldown_s`` before
@@ -116,7 +118,7 @@ class MigrationHost(Protocol):
 
     async def build_runtime(self, stage: int) -> StageRuntime: ...
 
-    async def plan_state(self, stage: int, *, min_step: int = 0) -> Plan: ...
+    async def plan_state(self, stage: int, *, min_step: int = 0, confirm: bool = False) -> Plan: ...
 
     async def obtain_state(self, runtime: StageRuntime, *, wait: bool) -> Source: ...
 
@@ -174,7 +176,7 @@ class Migrator:
         if not force and await self.stage_peer_count(src) == 0:
             raise MigrationRefused(f"this peer is the last one serving stage {src}; moving would empty it "
                                    "(send force: true to move anyway)")
-        if not (await host.plan_state(stage)).available:
+        if not (await host.plan_state(stage, confirm=True)).available:  # holders that answer now, not records
             raise MigrationRefused(f"stage {stage}'s state is nowhere: the swarm has trained, and no live peer serves "
                                    f"stage {stage} and no peer offers a checkpoint of it; serving it would restart it "
                                    "from step 0. Restart a peer that served it with its --state-dir")
