@@ -2,8 +2,7 @@
 
 A spot check is a *paired microbatch* (``swarmd.train.spot_checks`` has the whole story): drawn
 before the microbatch's first call, with probability ``verify_fraction``, and always while a
-usable peer of a stage with a second one has no answer of each kind confirmed yet and no first
-check on its way to it (the pair's calls ask such peers first: two a stage a pair), or was accused
+usable peer of a stage with a second one has no answer of each kind confirmed yet, or was accused
 by a report and has not had a few answers confirmed since, or a mismatch is not settled. Each call
 of a paired microbatch is sent twice at once, the pair's half to another peer of the stage where it
 has one; the pair's requests are counted as the checks' traffic.
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -27,9 +25,6 @@ from swarmd.train.verify import PROBE_FRACTION, CheckLedger, SpotChecker, Verify
 __all__ = ["CheckTally", "Pairing", "check_nbytes"]
 
 R = TypeVar("R")
-
-#: The most peers per stage a trainer keeps aiming first checks at (the oldest are dropped: their holds lapse).
-MAX_AIMS = 64
 
 
 class CheckTally:
@@ -73,8 +68,6 @@ class Pairing:
         self.fraction = fraction
         self.timing = timing
         self._checker = SpotChecker(fraction, rng)
-        self._rng = rng
-        self._aims: dict[int, deque[str]] = {}  # stage -> peers a first check was drawn for, to ask first
         self._patience = patience
 
     def pairs(self, force: bool = False) -> bool:
@@ -96,14 +89,12 @@ class Pairing:
             self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
             return True
         last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
-        peers: list[tuple[int, str, tuple[str, ...]]] = [
-            (stage, p.peer_id, ("backward",) if stage == last else ("forward", "backward"))
-             for stage, r in enumerate(routers) if r.usable_count > 1 for p in r.snapshot() if p.routable]
-        wanted = [(peer_id, kind) for _, peer_id, kinds in peers for kind in kinds]
-        first = [(stage, peer_id, kinds) for stage, peer_id, kinds in peers
-                 if any(self.ledger.wants_first_check(peer_id, kind) for kind in kinds)]
-        if first:
-            self._aim(first)
+        # every answer of a peer not confirmed yet is paired, not only the first one drawn: an answer it gives
+        # unpaired meanwhile would be used (tried: a first check held for its peers while on its way cut the
+        # pairs by one or two a run, and a gradient liar from the start then cost 7% of held-out loss)
+        wanted = [(p.peer_id, kind) for stage, r in enumerate(routers) if r.usable_count > 1 for p in r.snapshot()
+                  if p.routable for kind in (("backward",) if stage == last else ("forward", "backward"))]
+        if any(self.ledger.wants_first_check(peer_id, kind) for peer_id, kind in wanted):
             self.stats.first_checks += 1
             return True
         self.ledger.watch(self.calls.stages.suspected)  # accused once somewhere: checked until confirmed a few times
@@ -111,30 +102,6 @@ class Pairing:
             self.stats.suspicion_checks += 1
             return True
         return self._checker.should_check(comparable=True, other_peers=1)
-
-    def _aim(self, first: list[tuple[int, str, tuple[str, ...]]]) -> None:
-        """A first check drawn for ``first`` (stage, peer, kinds of answer): two of each stage's, drawn
-        at random, are held for it (``CheckLedger.hold``) and aimed at by the pair's calls on that
-        stage (:meth:`paired`), so the next microbatch is paired only for peers no check is on its way to."""
-        by_stage: dict[int, list[tuple[str, tuple[str, ...]]]] = {}
-        for stage, peer_id, kinds in first:
-            by_stage.setdefault(stage, []).append((peer_id, kinds))
-        for stage, wanting in by_stage.items():
-            self._rng.shuffle(wanting)
-            aims = self._aims.setdefault(stage, deque(maxlen=MAX_AIMS))
-            for peer_id, kinds in wanting[:2]:
-                self.ledger.hold(peer_id, kinds)
-                aims.append(peer_id)
-
-    def _aimed(self, stage: int) -> list[str]:
-        """Up to two distinct peers of ``stage`` a first check was drawn for and is still held for: the
-        pair's calls on that stage ask them first."""
-        aims, out = self._aims.get(stage), list[str]()
-        while aims and len(out) < 2:
-            peer_id = aims.popleft()
-            if peer_id not in out and any(self.ledger.holding(peer_id, kind) for kind in ("forward", "backward")):
-                out.append(peer_id)
-        return out
 
     def validation_pair(self, batches: int) -> int | None:
         """Which of a validation pass's ``batches`` runs paired whatever the draw (the others are drawn
@@ -159,13 +126,12 @@ class Pairing:
         another peer (one free now; else, while the primary's is out, any peer: a stage of one peer
         serves both halves, unchecked), paid as the checks' traffic."""
         taken: set[str] | None = set() if self.calls.stages.routers[stage].usable_count > 1 else None
-        aims: list[str | None] = [*self._aimed(stage), None, None]  # peers a first check was drawn for: asked first
-        first = asyncio.ensure_future(call(How(taken=taken, prefer=aims[0])))
+        first = asyncio.ensure_future(call(How(taken=taken)))
         try:
             await asyncio.sleep(0)  # the primary's peer is in ``taken`` before the pair chooses
             tally = CheckTally(self.stats, nbytes)
             try:
-                second = await call(How(patience=self._patience, tally=tally, taken=taken, prefer=aims[1]))
+                second = await call(How(patience=self._patience, tally=tally, taken=taken))
             except CallEnded:
                 second = await call(How(patience=Patience.until_answered(self.timing), tally=tally))
             return await first, second

@@ -7,8 +7,7 @@ the ledger of what checks concluded). This module is the I/O around those rules 
 
 A check is a *paired microbatch* (issue #29, item 1): the trainer draws, before a microbatch's
 first call, whether it runs paired (a random ``verify_fraction`` of microbatches, and always while
-some usable peer has no confirmed answer yet and no first check on its way); a paired microbatch's
-every call is sent twice at
+some usable peer has no confirmed answer yet); a paired microbatch's every call is sent twice at
 once, each under its own fresh microbatch id, the pair's to another peer of the stage where it has
 one: forwards, the last stage's fused forward and backward, and each stage's backward (sent to the
 peer that ran the pair's forward, with the same deadline as any backward). Both halves are ordinary

@@ -177,7 +177,7 @@ class CallTally(Protocol):
 @dataclass(frozen=True)
 class How:
     """A spot check's call (``swarmd.train.spot_checks``): the same request as a microbatch's, sent
-    the same way; only whom it may ask (``prefer``, ``only``, ``exclude``, ``taken``: see :meth:`StageCalls.call`),
+    the same way; only whom it may ask (``only``, ``exclude``, ``taken``: see :meth:`StageCalls.call`),
     how hard it tries and who pays differ, none of which the peer sees. ``opinion``: a second or third
     opinion asked after another peer answered: its backward is computed and answered, never accumulated
     (meta ``verify``), so an honest swarm's books stay exact; the peer asked may tell, the peer checked
@@ -185,7 +185,6 @@ class How:
 
     patience: Patience | None = None  # None: a microbatch's (until answered)
     tally: CallTally | None = None  # None: a microbatch's (counted in the summary, told to the observers)
-    prefer: str | None = None  # asked first when usable (a peer whose first answers a check was drawn for)
     only: str | None = None
     exclude: frozenset[str] = frozenset()
     taken: set[str] | None = None
@@ -635,8 +634,6 @@ class StageCalls:
                        own_seconds: Callable[[R, float], float] | None = None) -> Served[R]:
         """A microbatch's call, told to the observers (``CallDone``: from the first request to the
         answer, retries and waits for a usable peer included); a check's (``how``) is not."""
-        if how is not None and prefer is None:
-            prefer = how.prefer
         if how is not None and how.tally is not None:
             return await self.call(stage, kind, samples, send, patience=how.patience, tally=how.tally,
                                    prefer=prefer if how.only is None else None, only=how.only, exclude=how.exclude,

@@ -12,9 +12,8 @@ that disagrees with the other two is the liar (banned by this trainer for :data:
 reported: ``swarmd.pipeline.reports``).
 
 The trainer also pairs, always, microbatches while a usable peer has no answer of each kind
-confirmed yet and no first check on its way to it (:meth:`CheckLedger.hold`), and while a peer is
-in a mismatch nobody settled: a peer that lies from the start is caught by its first check, within
-its first window of work, and a mismatch is asked again until decided (and counted against
+confirmed yet, and while a peer is in a mismatch nobody settled: a peer that lies from the start
+is caught at its first answer, and a mismatch is asked again until decided (and counted against
 both peers meanwhile: :meth:`CheckLedger.against`). An unpaired answer whose size is far from its
 stage-mates' is checked after it came (:class:`AnswerSizes`). Every verdict is
 waited for before the microbatch goes on, and the majority's answer goes on when a peer is
@@ -79,7 +78,6 @@ __all__ = [
     "CROSS_BUILD_SLACK",
     "FIRST_CHECKS",
     "BACKWARD_PASSES",
-    "FIRST_CHECK_HOLD_S",
     "FORWARD_PASSES",
     "FUSED_PASSES",
     "SUSPICION_CHECKS",
@@ -122,11 +120,6 @@ LOSS_TOLERANCE = 1e-4
 #: A peer's answers of each kind are checked always until this many were confirmed: a liar from the
 #: start is caught at its first answer, before it has done much harm.
 FIRST_CHECKS = 1
-#: How long a first check drawn for a peer stands for its confirmation (:meth:`CheckLedger.hold`): meanwhile
-#: no other microbatch is paired for that peer's first answers, so a trainer's first window is not paired
-#: whole while the first confirmations are on their way (issue #29: the checks' cost). A hold that brought
-#: no confirmation (the pair went elsewhere, or its answers could not be compared) lapses after this.
-FIRST_CHECK_HOLD_S = 10.0
 #: A peer some daemon holds one report against (``ProgressReply.suspected``: a trainer caught it, or
 #: says so) has its next answers of each kind checked always until this many more were confirmed: a
 #: liar one trainer caught is caught by the others within a few of their calls, whatever the
@@ -384,16 +377,14 @@ class CheckLedger:
 
     def __init__(self, *, first_checks: int = FIRST_CHECKS, unsettled_limit: int = UNSETTLED_LIMIT,
                  suspicion_checks: int = SUSPICION_CHECKS, rearm_s: float = SUSPICION_REARM_S,
-                 hold_s: float = FIRST_CHECK_HOLD_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.first_checks = first_checks
-        self.hold_s = hold_s
         self.unsettled_limit = unsettled_limit
         self.suspicion_checks = suspicion_checks
         self.rearm_s = rearm_s
         self._clock = clock
         self._suspected: dict[str, tuple[float, dict[str, int]]] = {}  # peer -> (armed at, kind -> confirmed wanted)
         self._confirmed: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> its answers a check confirmed
-        self._held: dict[tuple[str, str], float] = {}  # (peer, kind) -> when a first check was drawn for it
         self._disputed: set[str] = set()  # peers in a mismatch no conviction cleared
         self._unsettled: Counter[tuple[str, str]] = Counter()  # (peer, kind) -> mismatches nobody could settle
         self._gave_up: set[tuple[str, str]] = set()  # (peer, kind): not first-checked any more
@@ -405,28 +396,9 @@ class CheckLedger:
         return self._confirmed[(peer_id, kind)]
 
     def wants_first_check(self, peer_id: str, kind: str) -> bool:
-        """Whether a microbatch is paired whatever the draw for ``peer_id``'s answers of ``kind``: it
-        has fewer than ``first_checks`` confirmed, its first checks were not given up, and no first
-        check drawn for it is on its way (:meth:`hold`)."""
-        return (self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
-                and not self.holding(peer_id, kind))
-
-    def hold(self, peer_id: str, kinds: Iterable[str]) -> None:
-        """A first check of ``peer_id``'s answers of ``kinds`` was drawn: until its confirmation (or for
-        ``hold_s`` at most) no other one is drawn for them."""
-        now = self._clock()
-        for kind in kinds:
-            self._held[(peer_id, kind)] = now
-
-    def holding(self, peer_id: str, kind: str) -> bool:
-        """Whether a first check drawn for ``peer_id``'s answers of ``kind`` is still on its way."""
-        held = self._held.get((peer_id, kind))
-        if held is None:
-            return False
-        if self._clock() - held < self.hold_s:
-            return True
-        del self._held[(peer_id, kind)]
-        return False
+        """Whether ``peer_id``'s next answer of ``kind`` is checked whatever the draw: it has fewer
+        than ``first_checks`` confirmed, and its first checks were not given up."""
+        return self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
 
     def watch(self, suspected: Iterable[str]) -> None:
         """Peers accused once (``ProgressReply.suspected``): each one's answers of every kind are
@@ -456,7 +428,6 @@ class CheckLedger:
         for a in answers:
             if a.peer_id != uncredited:
                 self._confirmed[(a.peer_id, kind)] += 1
-                self._held.pop((a.peer_id, kind), None)
 
     def agreed(self, a: str, b: str, kind: str) -> None:
         """``a`` and ``b`` gave the same answer of ``kind`` at one step."""

@@ -110,43 +110,6 @@ def test_a_suspected_usable_peer_gets_its_microbatches_paired_until_confirmed_wh
     assert pairing.stats.suspicion_checks == 1
 
 
-def test_a_first_check_on_its_way_holds_its_peers_until_confirmed_or_the_hold_lapses() -> None:
-    clock, t = Clock(), torch.ones(2)
-    ledger = CheckLedger(hold_s=10.0, clock=clock)
-    ledger.hold("a", ("forward", "backward"))
-    assert not ledger.wants_first_check("a", "forward") and ledger.holding("a", "backward")
-    assert ledger.wants_first_check("b", "forward")  # only the peer held
-    ledger.credit([Answer("a", 0, t)], "forward")  # confirmed: the forward's hold ends with it
-    assert not ledger.holding("a", "forward") and not ledger.wants_first_check("a", "forward")
-    clock.now += 10.0  # the backward's check never came back (its pair went elsewhere): wanted again
-    assert not ledger.holding("a", "backward") and ledger.wants_first_check("a", "backward")
-
-
-def test_first_checks_pair_one_microbatch_per_two_unconfirmed_peers_and_aim_its_calls_at_them() -> None:
-    routers = []
-    for k in range(2):
-        router = StageRouter(k, rng=random.Random(k), timeout_ceiling_s=60.0)
-        router.update_peers(listed({f"{k}{c}": f"h:{i}" for i, c in enumerate("abc")}, stage=k))
-        routers.append(router)
-    clock = Clock()
-    ledger = CheckLedger(hold_s=10.0, clock=clock)
-    pairing = _pairing(FixedStages(routers), ledger)
-    # three unconfirmed peers a stage: two microbatches cover them, the window's others run unpaired
-    assert [pairing.pairs() for _ in range(6)] == [True, True, False, False, False, False]
-    assert pairing.stats.first_checks == 2
-    for k in range(2):
-        aimed = pairing._aimed(k) + pairing._aimed(k)
-        assert sorted(aimed) == [f"{k}a", f"{k}b", f"{k}c"]  # every peer aimed at once
-        assert pairing._aimed(k) == []
-    kinds = {"0": ("forward", "backward"), "1": ("backward",)}
-    for peer_id in ("0a", "0b", "0c", "1a", "1b"):  # every check came back confirmed but 1c's
-        for kind in kinds[peer_id[0]]:
-            ledger.credit([Answer(peer_id, 0, torch.ones(2))], kind)
-    assert not pairing.pairs()  # 1c's check is still on its way
-    clock.now += 10.0  # ... until its hold lapses: paired again, aimed at 1c alone
-    assert pairing.pairs() and pairing._aimed(1) == ["1c"] and pairing._aimed(0) == []
-
-
 def test_disputes_last_until_a_conviction_clears_the_honest_ones() -> None:
     ledger = CheckLedger()
     ledger.dispute(["a", "b"])
