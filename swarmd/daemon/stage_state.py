@@ -127,15 +127,16 @@ class StageState:
         assert host.membership is not None and host.spec is not None
         members = [r for r in await host.membership.all_peers(host.spec.n_stages) if r.peer_id != host.peer_id]
         excluded = host.excluded_peers()
-        if confirm:
-            holders = {r.peer_id: r.data_addr for r in members if r.data_addr and r.peer_id not in excluded
-                       and ((r.stage == stage and r.usable) or r.held_step(stage) is not None)}
-            answering = await host.prover.prove_all(holders, stage=None, fresh=True) if holders else {}
-            members = [r for r in members if r.peer_id in answering]
         live = [(r.peer_id, r.step) for r in members if r.stage == stage and r.usable and r.peer_id not in excluded]
         offered = [(r.peer_id, step) for r in members
                    if (step := r.held_step(stage)) is not None and r.data_addr and r.reachable != "no"
                    and r.peer_id not in excluded]
+        if confirm:  # the sources only: a dead peer's record still shows that the swarm trained
+            addrs = {r.peer_id: r.data_addr for r in members}
+            holders = {pid: addrs[pid] for pid, _ in (*live, *offered) if addrs[pid]}
+            answering = await host.prover.prove_all(holders, stage=None, fresh=True) if holders else {}
+            live = [(pid, step) for pid, step in live if pid in answering]
+            offered = [(pid, step) for pid, step in offered if pid in answering]
         held = self.checkpoints.held if self.checkpoints is not None else {}
         trained = (any(step > 0 for step in held.values())
                    or any(r.step > 0 or any(step > 0 for _, step in r.held) for r in members))
