@@ -74,15 +74,13 @@ from swarmd.train.pairing import CheckTally, Pairing, check_nbytes
 from swarmd.train.stage_calls import CallEnded, How, Patience, Redo, Served, StageCalls
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
-    BACKWARD_PASSES,
-    FORWARD_PASSES,
-    FUSED_PASSES,
     Answer,
     AnswerSizes,
     CheckLedger,
     Verdict,
     VerifyStats,
     arbitrate,
+    call_passes,
     descent_probe,
     step_beyond,
     step_lie,
@@ -197,7 +195,7 @@ class SpotChecks:
         :class:`Unsettled` when the pair could not be judged. ``validation``: a validation forward's
         (its second opinions carry no microbatch id either, as no validation forward does)."""
         self.stats.calls += 1
-        self.stats.work_passes += inputs.shape[0] * FORWARD_PASSES
+        self.stats.work_passes += inputs.shape[0] * call_passes("forward", last_stage=targets is not None)
         reply = served.reply
         calls = self.calls
 
@@ -229,7 +227,8 @@ class SpotChecks:
         """The backward reply to go on with, as :meth:`forward`. An arbiter runs its own forward
         first (the last stage's: one fused call), as any microbatch does."""
         self.stats.calls += 1
-        self.stats.work_passes += inputs.shape[0] * (FUSED_PASSES if targets is not None else BACKWARD_PASSES)
+        # a backward with targets is the last stage's fused call (as StageCalls counts the checks' own)
+        self.stats.work_passes += inputs.shape[0] * call_passes("backward", last_stage=targets is not None)
         reply = served.reply
         request = tuple(t for t in (inputs, grad_outputs, targets) if t is not None)
         calls, nbytes = self.calls, check_nbytes(*request)
