@@ -18,7 +18,9 @@ seeds):
   forward passes (a forward 1 a sample, a backward 2, the last stage's fused call 3:
   ``swarmd.train.verify.call_passes``), per pass of the microbatches' own calls; ``extra_samples``:
   the measure used before, samples per sample, a probe's forward counted as the fused call it
-  checks; ``extra_traffic``: the checks' requests per call;
+  checks; ``extra_traffic``: the bodies of the checks' requests and replies on the wire per byte of the
+  trainers' own calls (``swarmd.net.client.metered``); ``extra_requests``: the measure used before, requests
+  per call;
 * ``val_loss`` and ``vs_honest``: a fresh trainer's held-out loss (16 batches, checks off, routing
   around excluded peers) after the run, and its ratio to the honest run's;
 * ``honest_blamed``: honest peers any trainer convicted (must be none);
@@ -213,6 +215,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
         mb = trainer_config(api, "x", 1).microbatch_size
         calls = sum(s.verify["calls"] for s in summaries)
         work = sum(s.verify["work_passes"] for s in summaries)
+        wire = sum(s.wire_bytes for s in summaries)  # the bodies of the trainers' own calls on the wire
         caught = {p for s in summaries for p in s.verify["caught"]}
         averagers = [d.averager for d in honest if d.averager is not None]
         convicted = {p for a in averagers for p in a.hostile_convictions}
@@ -260,7 +263,13 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "extra_samples_by_reason": {
                 why: round(sum(s.verify.get("extra_by_reason", {}).get(why, 0) for s in summaries) / max(1, calls * mb),
                            4) for why in ("pair", "opinion", "probe")},
-            "extra_traffic": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
+            # the checks' traffic: their requests' and replies' bodies on the wire per byte of the microbatches'
+            # and validations' own calls (swarmd.net.client.metered), and the measure used before, requests per call
+            "extra_traffic": round(sum(s.verify["extra_wire_bytes"] for s in summaries) / max(1, wire), 4),
+            "extra_traffic_by_reason": {
+                why: round(sum(s.verify["extra_wire_by_reason"].get(why, 0) for s in summaries) / max(1, wire), 4)
+                for why in ("pair", "opinion", "probe")},
+            "extra_requests": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
             "paired": sum(s.verify["paired"] for s in summaries),
             "first_checks": sum(s.verify["first_checks"] for s in summaries),
             "suspicion_checks": sum(s.verify.get("suspicion_checks", 0) for s in summaries),

@@ -242,7 +242,7 @@ def main(argv: Sequence[str], prog: str = "swarmd train") -> int:
               f"{summary.retries} retries, {summary.stale_redos} stale redos")
         from swarmd.train.verify import describe as describe_checks  # torch is loaded by now
 
-        checks = describe_checks(summary.verify)
+        checks = describe_checks(summary.verify, summary.wire_bytes)
         if checks is not None:
             print(checks)
     return 0

@@ -15,14 +15,20 @@ or uses one it is given (the daemon's, signed with the swarm key) and leaves tha
 
 Every reply body is timed from its first byte to its last into :attr:`DataPlaneClient.links`
 (``swarmd.net.links``): the averaging rounds' bodies measure the links between stage-mates for free.
+The bodies' bytes are counted on the client (:attr:`DataPlaneClient.bytes_sent`, ``bytes_received``)
+and, inside :func:`metered`, on the caller's :class:`WireBytes` too: what one call cost the link,
+whatever retries and hops it took (a trainer's spot checks weigh their traffic with it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -53,7 +59,7 @@ from swarmd.net.messages import (
 from swarmd.net.wire import CONTENT_TYPE, DEFAULT_LIMITS, Frame, WireLimits, decode_frame
 from swarmd.swarm_key import SwarmKey, signing_middleware
 
-__all__ = ["INLINE_CODEC_BYTES", "KEEPALIVE_S", "DataPlaneClient", "client_session"]
+__all__ = ["INLINE_CODEC_BYTES", "KEEPALIVE_S", "DataPlaneClient", "WireBytes", "client_session", "metered"]
 
 #: Frames (or, before encoding, tensor bytes) up to this size are coded on the event loop: a
 #: hop to the pool costs more than encoding a few KiB, and progress polls stay cheap.
@@ -64,6 +70,34 @@ CONNECT_TIMEOUT_S = 10.0  # a TCP connect that takes longer: the address is not 
 KEEPALIVE_S = 50.0
 
 T = TypeVar("T")
+
+
+@dataclass
+class WireBytes:
+    """The request and reply bodies (frames, HTTP headers not counted) of the data-plane posts made
+    inside one :func:`metered` block."""
+
+    sent: int = 0
+    received: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.sent + self.received
+
+
+_METER: contextvars.ContextVar[WireBytes | None] = contextvars.ContextVar("swarmd_wire_meter", default=None)
+
+
+@contextlib.contextmanager
+def metered() -> Iterator[WireBytes]:
+    """Count the bodies of every data-plane post made in this block (and in tasks it starts) into
+    the :class:`WireBytes` it yields, on whichever client sends them."""
+    wire = WireBytes()
+    token = _METER.set(wire)
+    try:
+        yield wire
+    finally:
+        _METER.reset(token)
 
 
 class DataPlaneClient:
@@ -247,6 +281,9 @@ class DataPlaneClient:
     ) -> Frame:
         body = await self._coded(encode, nbytes)
         self.bytes_sent += len(body)
+        meter = _METER.get()
+        if meter is not None:
+            meter.sent += len(body)
         base, relay = dial_target(addr)
         try:
             async with self.session.post(
@@ -260,6 +297,8 @@ class DataPlaneClient:
                 started = time.monotonic()  # the headers are in: the body's first bytes with them
                 payload = await resp.read()
                 self.bytes_received += len(payload)
+                if meter is not None:
+                    meter.received += len(payload)
                 self.links.record(addr, len(payload), time.monotonic() - started)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(0, type(exc).__name__, f"{addr} did not answer: {exc}") from exc

@@ -46,6 +46,11 @@ class CheckTally:
         stats.extra_passes += samples * passes
         stats.extra_passes_by_reason[self.reason] = stats.extra_passes_by_reason.get(self.reason, 0) + samples * passes
 
+    def carried(self, nbytes: int) -> None:
+        stats = self.stats
+        stats.extra_wire_bytes += nbytes
+        stats.extra_wire_by_reason[self.reason] = stats.extra_wire_by_reason.get(self.reason, 0) + nbytes
+
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None:
         pass  # the ban itself is the router's

@@ -213,7 +213,9 @@ class SpotChecks:
             stage, "forward", forward_answer(served), arbiter, request)
         if second is None:
             return reply
-        ruling = await self.judge(stage, "forward", forward_answer(served), second, arbiter, request)
+        # an unpaired answer judged here was an outlier: confirmed, it is still no reference (verify.AnswerSizes)
+        ruling = await self.judge(stage, "forward", forward_answer(served), second, arbiter, request,
+                                  reference=pair is not None)
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None or ruling.use.tensor is None:
@@ -270,7 +272,8 @@ class SpotChecks:
             stage, "backward", backward_answer(served), arbiter, request, probe if targets is not None else None)
         if second is None:
             return reply
-        ruling = await self.judge(stage, "backward", backward_answer(served), second, arbiter, request)
+        ruling = await self.judge(stage, "backward", backward_answer(served), second, arbiter, request,
+                                  reference=pair is not None)
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None:
@@ -279,8 +282,10 @@ class SpotChecks:
         return dataclasses.replace(reply, grad_inputs=use.tensor, loss=use.loss, step=use.step)
 
     async def judge(self, stage: int, kind: Kind, primary: Answer, second: Answer, arbiter: Arbiter,
-                    request: tuple[torch.Tensor, ...]) -> Ruling:
-        """The ruling on a pair of answers (see the module docstring)."""
+                    request: tuple[torch.Tensor, ...], *, reference: bool = True) -> Ruling:
+        """The ruling on a pair of answers (see the module docstring); ``reference``: a confirmed answer's
+        size joins its stage's references (``verify.AnswerSizes``), as a paired microbatch's does and an
+        outlier checked after it came does not."""
         stats = self.stats
         if primary.peer_id == second.peer_id:
             return _UNSETTLED if await self._plausible(stage, kind, primary, request) else _UNCHECKED
@@ -303,7 +308,8 @@ class SpotChecks:
             self.ledger.credit((primary, second), kind)
             self.ledger.agreed(primary.peer_id, second.peer_id, kind)
             self.ledger.clear((primary.peer_id, second.peer_id))
-            self.sizes.observe(stage, kind, primary)  # (the second is the same microbatch: no second data point)
+            if reference:
+                self.sizes.observe(stage, kind, primary)  # (the second is the same microbatch: no second data point)
             return _CONFIRMED
         self.ledger.dispute((primary.peer_id, second.peer_id))
         stats.mismatches += 1

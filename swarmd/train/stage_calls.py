@@ -53,7 +53,7 @@ import torch
 
 from swarmd.errors import InputsNotCached, PeerBehind, PeerError
 from swarmd.net.addresses import is_relayed
-from swarmd.net.client import DataPlaneClient
+from swarmd.net.client import DataPlaneClient, metered
 from swarmd.net.messages import HOP_MARGIN_MS, BackwardReply, ClaimRequest, ForwardReply, Hop
 from swarmd.pipeline.failures import Action, classify, timed_out
 from swarmd.pipeline.routing import StageRouter
@@ -170,6 +170,9 @@ class CallTally(Protocol):
     # the peer computed them (not Busy, not failed), at ``passes`` forward passes a sample (verify.call_passes)
     def answered(self, peer_id: str, samples: int, passes: int) -> None: ...
 
+    # the bodies one request and its reply took on the wire (a refused or failed one's too, what it sent)
+    def carried(self, nbytes: int) -> None: ...
+
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None: ...
 
@@ -217,6 +220,9 @@ class _WorkTally:
     def answered(self, peer_id: str, samples: int, passes: int) -> None:
         pass
 
+    def carried(self, nbytes: int) -> None:
+        self.summary.wire_bytes += nbytes
+
     def banned(self, stage: int, peer_id: str, error: PeerError, *, timed_out: bool, ban_s: float,
                timeout_s: float) -> None:
         s = self.summary
@@ -225,6 +231,15 @@ class _WorkTally:
         s.timeouts += int(timed_out)
         log.warning("stage %d peer %s failed (%s%s); banned for %.1fs, retrying elsewhere", stage, peer_id[:12],
                     error, f", no answer within {timeout_s:.1f}s" if timed_out else "", ban_s)
+
+
+async def _carried(sending: Awaitable[R], tally: CallTally) -> R:
+    """``sending``'s reply, its bodies' bytes on the wire told to ``tally`` however it ends."""
+    with metered() as wire:
+        try:
+            return await sending
+        finally:
+            tally.carried(wire.total)
 
 
 def unreachable_hint(failures: dict[str, PeerError], unreachable: Sequence[str] = ()) -> str:
@@ -329,12 +344,14 @@ class StageCalls:
             tally.sent(peer_id, samples, on_probation=on_probation)
             started = time.monotonic()
             try:
+                sending: Awaitable[R]
                 if on_probation and kind == "forward":  # no side effect: may be cut short (issue #18)
-                    reply = await self._watched(router, peer_id, samples, kind, send(addr, timeout), started)
+                    sending = self._watched(router, peer_id, samples, kind, send(addr, timeout), started)
                 elif send_proven is not None and not on_probation:
-                    reply = await send_proven(addr, timeout)
+                    sending = send_proven(addr, timeout)
                 else:
-                    reply = await send(addr, timeout)
+                    sending = send(addr, timeout)
+                reply = await _carried(sending, tally)
             except PeerError as exc:
                 action = classify(exc)
                 if action is Action.BAN:

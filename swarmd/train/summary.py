@@ -44,6 +44,7 @@ class TrainSummary:
     p2p_hops: int = 0  # forwards a peer sent straight on to the next stage's peer (issue #31: peer to peer)
     p2p_fallbacks: int = 0  # ... next hops that failed: the trainer went on from that stage itself
     p2p_backwards: int = 0  # backwards a peer ran in a backward chain (issue #31): the trainer sent none of them
+    wire_bytes: int = 0  # request and reply bodies of its microbatches' and validations' calls (checks' apart)
     inputs_recovered: int = 0  # backwards whose inputs (never seen: a hop's) were recomputed by the trainer
     leases: int = 0  # sample reservations granted to this trainer
     full_waits: int = 0  # times the step was fully reserved and the trainer waited for it

@@ -125,6 +125,9 @@ def test_the_plain_summary_line_says_what_the_checks_cost_and_caught() -> None:
                     "1 liar(s) caught: abababababab")
     assert "no liar caught" in (describe(VerifyStats(calls=10, checks=1, extra_requests=1).to_json()) or "")
     assert describe(VerifyStats(calls=10).to_json()) is None  # checked nothing: no line
+    # with the bytes of the trainer's own calls, the traffic is said in bytes (a probe weighs less than a pair)
+    stats = VerifyStats(calls=200, checks=4, extra_requests=7, extra_wire_bytes=3_000).to_json()
+    assert "(+1.5% traffic)" in (describe(stats, wire_bytes=200_000) or "")
 
 
 # ---- 1,000 honest checks: real executors, real codecs --------------------------------------------
@@ -221,6 +224,22 @@ def _arbiter(*answers: Answer | None) -> Any:
 
 
 REQUEST = (torch.zeros(4, 8),)
+
+
+async def test_an_outlier_confirmed_after_it_came_is_not_made_a_reference_of_its_stage() -> None:
+    """A paired microbatch's confirmed answer joins the size references; an unpaired one checked for its
+    size (an outlier: a loss spike's gradient) does not, confirmed or not: the next step's ordinary answers
+    held to it were the false alarms after a spike (verify.AnswerSizes)."""
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, (a, b, c) = _checking_trainer(client)
+        assert await t.judge(1, "backward", answer(a, 10 * g, 3), answer(b, 10 * g, 3), _arbiter(), REQUEST,
+                             reference=False) == Ruling(Finding.CONFIRMED)
+        assert t.ledger.confirmed(a, "backward") == 1  # confirmed all the same
+        assert not t.sizes.suspicious(1, "backward", answer(c, g, 3))  # no reference to hold it to
+        assert await t.judge(1, "backward", answer(a, 10 * g, 3), answer(b, 10 * g, 3), _arbiter(),
+                             REQUEST) == Ruling(Finding.CONFIRMED)
+        assert t.sizes.suspicious(1, "backward", answer(c, g, 3))  # a pair's answer is one
 
 
 async def test_a_pair_that_agrees_is_confirmed_and_a_mismatch_is_settled_by_a_third_peer() -> None:

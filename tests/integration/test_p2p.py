@@ -162,6 +162,9 @@ async def test_the_trainer_no_longer_sends_nor_receives_the_activations() -> Non
                 # two backwards back: stage 1's and stage 0's, each run by the peer that ran the forward
                 assert summary.microbatches_completed == n and summary.p2p_hops == (2 * n if p2p else 0)
                 assert summary.p2p_backwards == (2 * n if p2p else 0) and summary.claims == 0
+                # every body the client moved was a microbatch call's, and each call's are metered (a chain's
+                # hops are not the trainer's): what the spot checks' traffic is weighed against
+                assert summary.wire_bytes == client.bytes_sent + client.bytes_received > 0
         assert [d.executor.grad_samples for d in daemons] == [2 * n * MICRO] * 3  # each microbatch counted once
     # stages 0 and 1's outputs no longer come back to the trainer, nor go out again to the next stage, and the
     # gradients at stages 1 and 2's inputs neither (a few bytes of meta more or less): what the trainer still
@@ -264,10 +267,13 @@ async def test_spot_checked_pairs_go_through_the_trainer_beside_p2p_microbatches
             running_daemon(2, SPEC) as s2:
         daemons = [s0, s1, s2]
         async with microbatches({s1.peer_id: s1.data_addr, t1.peer_id: t1.data_addr}, True, daemons,
-                                fraction=0.5, seed=SPOT_SEED) as (mbs, summary, _):
+                                fraction=0.5, seed=SPOT_SEED) as (mbs, summary, client):
             for i in range(n):
                 await mbs.run(*batch(i))
             stats = mbs.checks.stats
+            # the pairs' halves are the checks' traffic, the rest the microbatches': together all the client moved
+            assert 0 < stats.extra_wire_bytes == stats.extra_wire_by_reason["pair"]
+            assert stats.extra_wire_bytes + summary.wire_bytes == client.bytes_sent + client.bytes_received
         # a paired microbatch's forwards went through the trainer, each half to its own stage-1 peer, and were
         # compared there; the unpaired ones went peer to peer; each half counted once on every stage
         assert 0 < stats.paired < n and stats.checks > 0 and stats.mismatches == 0

@@ -17,7 +17,9 @@ from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     FIRST_CHECKS,
     SIZE_MIN,
+    SIZE_OWN_MIN,
     SIZE_STEPS,
+    SUSPECT_BELOW,
     SUSPECT_FACTOR,
     SUSPICION_CHECKS,
     UNSETTLED_LIMIT,
@@ -175,10 +177,12 @@ def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None
     assert not sizes.suspicious(1, "backward", _sized("x", 100.0))  # nothing to hold it against yet
     for k in range(SIZE_MIN):
         sizes.observe(1, "backward", _sized("abc"[k % 3], 1.0 + 0.1 * k))
-    assert SUSPECT_FACTOR == 2.0
+    assert (SUSPECT_FACTOR, SUSPECT_BELOW) == (2.0, 3.0)
     assert not sizes.suspicious(1, "backward", _sized("x", 1.9))
     assert sizes.suspicious(1, "backward", _sized("x", 3.0))  # a tripled gradient
-    assert sizes.suspicious(1, "backward", _sized("x", 0.4))  # or one shrunk
+    assert not sizes.suspicious(1, "backward", _sized("x", 0.4))  # one shrunk, within the band below
+    assert sizes.suspicious(1, "backward", _sized("x", 0.3))  # ... one shrunk beyond it
+    assert sizes.suspicious(1, "backward", _sized("x", 0.0))  # ... or a zero answer
     assert sizes.suspicious(1, "backward", Answer("x", 5, torch.tensor([1.0, float("inf")])))
     assert not sizes.suspicious(1, "forward", _sized("x", 3.0))  # per kind
     assert not sizes.suspicious(0, "backward", _sized("x", 3.0))  # and per stage
@@ -188,28 +192,31 @@ def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None
     own = AnswerSizes()
     for _ in range(10):
         own.observe(1, "backward", _sized("x", 3.0))
-    own.observe(1, "backward", _sized("b", 1.0))
-    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer: too few to judge
-    own.observe(1, "backward", _sized("c", 1.0))
+    own.observe(1, "backward", _sized("b", 1.0, step=4))
+    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer of another step: too few
+    own.observe(1, "backward", _sized("c", 1.0, step=4))
     assert own.suspicious(1, "backward", _sized("x", 3.0))
     with pytest.raises(ValueError):
         AnswerSizes(factor=1.0)
+    with pytest.raises(ValueError):
+        AnswerSizes(below=0.5)
 
 
-def test_an_answer_is_held_to_its_own_step_first_and_to_the_steps_around_it_without_enough() -> None:
+def test_an_answer_is_held_to_its_own_step_first_and_to_the_steps_around_it_without_one() -> None:
     """An honest stage's sizes jump from one step to the next (3.7x seen in tiny's first steps) and are alike
-    within one: its own step's answers are the reference once there are SIZE_MIN of them."""
-    assert SIZE_STEPS == 1 and SIZE_MIN == 2
+    within one: its own step's answers are the reference once there is one (SIZE_OWN_MIN), else SIZE_MIN of
+    the steps around it."""
+    assert SIZE_STEPS == 1 and SIZE_MIN == 2 and SIZE_OWN_MIN == 1
     sizes = AnswerSizes()
     for peer in "ab":
         sizes.observe(1, "backward", _sized(peer, 1.0, step=4))
     assert not sizes.suspicious(1, "backward", _sized("x", 1.9, step=5))  # only the step before: held to it
     assert sizes.suspicious(1, "backward", _sized("x", 3.0, step=5))
-    for peer in "ab":
-        sizes.observe(1, "backward", _sized(peer, 3.0, step=5))  # the stage's sizes tripled at step 5
-    assert not sizes.suspicious(1, "backward", _sized("x", 3.5, step=5))  # its own step's: 2x band
+    sizes.observe(1, "backward", _sized("a", 3.0, step=5))  # the stage's sizes tripled at step 5
+    assert not sizes.suspicious(1, "backward", _sized("x", 3.5, step=5))  # one answer of its own step: held to it
     assert sizes.suspicious(1, "backward", _sized("x", 9.0, step=5))  # a tripled answer at that step
-    assert sizes.suspicious(1, "backward", _sized("x", 1.0, step=5))  # the step before's size is not this one's
+    assert sizes.suspicious(1, "backward", _sized("x", 0.9, step=5))  # the step before's size is not this one's
+    assert not sizes.suspicious(1, "backward", _sized("x", 1.1, step=5))  # ... though within the band below
 
 
 def test_a_direction_probe_moves_the_inputs_downhill_for_a_true_gradient_and_uphill_for_a_negated_one() -> None:
