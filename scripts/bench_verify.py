@@ -46,6 +46,11 @@ what the robust rule changes (``--lies`` with no liar: honest runs only).
     .venv/bin/python scripts/bench_verify.py --lies --steps 40 --repeats 3 [--plain-averaging]
     .venv/bin/python scripts/bench_verify.py --lies aware far --steps 40 --verify-fraction 0.02
     .venv/bin/python scripts/bench_verify.py --lies flipped aware --steps 40 --repeats 3 --directions --json
+    .venv/bin/python scripts/bench_verify.py --lies --steps 40 --joins 4 --json   # churn: 4 peers join meanwhile
+
+``--joins N``: N peers join each run while it trains (evenly spaced in steps, stage 1 then 0 in turn): what a
+trainer's first checks of newcomers cost (``first_checks``: microbatches paired for them; ``first_opinions``: a
+newcomer's first answers checked by an opinion).
 
 ``--directions`` adds, per stage, what a rule convicting on direction alone would have done (issue 29,
 the sign-flip liar): the most *against* strikes an honest peer had in any window, the steps where an
@@ -68,8 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.support.liars import make_liar, poison_contributions  # noqa: E402
 from tests.support.checks import SPEC, TRAINING, trainer_config  # noqa: E402
-from tests.support.swarms import fast_swarm  # noqa: E402
+from tests.support.swarms import config, fast_swarm  # noqa: E402
 
+from swarmd.daemon import Daemon  # noqa: E402
 from swarmd.finite import strict_json_dumps  # noqa: E402
 from swarmd.train.events import StepDone, TrainerEvent  # noqa: E402
 from swarmd.train.trainer import Trainer  # noqa: E402
@@ -202,13 +208,27 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                     return
                 await asyncio.sleep(0.1)
 
-        watcher = asyncio.create_task(watch())
+        joined: list[Daemon] = []
+
+        async def churn() -> None:
+            """``--joins``: new peers join during the run, evenly spaced in steps, stage 1 then 0 in turn (churn:
+            what a trainer's first checks of each newcomer cost)."""
+            for k in range(args.joins):
+                while done[0] < (k + 1) * args.steps // (args.joins + 1):
+                    await asyncio.sleep(0.1)
+                d = Daemon(config(1 - k % 2, SPEC, TRAINING, (daemons[0].dht.address,)))
+                joined.append(d)
+                await d.start()
+
+        watcher, joiner = asyncio.create_task(watch()), asyncio.create_task(churn())
         started = time.perf_counter()
         try:
             summaries = await asyncio.gather(*(t.run() for t in trainers))
         finally:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            for task in (watcher, joiner):
+                task.cancel()
+            await asyncio.gather(watcher, joiner, return_exceptions=True)
+            await asyncio.gather(*(d.shutdown() for d in joined), return_exceptions=True)
         wall = time.perf_counter() - started
         final = await Trainer(dataclasses.replace(trainer_config(api, "val", steps=1, fraction=0.0, seed=99),
                                                   val_batches=16)).run()
@@ -272,6 +292,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "extra_requests": round(sum(s.verify["extra_requests"] for s in summaries) / max(1, calls), 4),
             "paired": sum(s.verify["paired"] for s in summaries),
             "first_checks": sum(s.verify["first_checks"] for s in summaries),
+            "first_opinions": sum(s.verify.get("first_opinions", 0) for s in summaries),
             "suspicion_checks": sum(s.verify.get("suspicion_checks", 0) for s in summaries),
             "mismatches": sum(s.verify["mismatches"] for s in summaries),
             "redone": sum(s.verify["redone"] for s in summaries),
@@ -291,6 +312,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "worker_cpu_s": round(sum(d.executor.worker_cpu_s for d in honest if d.executor is not None), 3),
             "trained_samples": sum(s.samples for s in summaries),
             "steps": min(s.steps for s in summaries),
+            "joined": len(joined),
             "val_loss": final.val_loss,
             "wall_s": round(wall, 1),
             **({"directions": directions(daemons, liar)} if args.directions else {}),
@@ -324,6 +346,7 @@ if __name__ == "__main__":
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plain-averaging", action="store_true", help="average as before issue 29 (plain mean)")
     parser.add_argument("--peers-per-stage", type=int, default=3, help="peers serving each of the 2 stages")
+    parser.add_argument("--joins", type=int, default=0, help="peers that join during each run (churn), evenly spaced")
     parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
     parser.add_argument("--directions", action="store_true", help="per stage, what a rule convicting on direction "
                         "(STRIKES cosines below -AGAINST_COS in WINDOW rounds) would have convicted")

@@ -1,9 +1,10 @@
 """Which microbatches a trainer runs paired, and how a pair's calls are sent (issue #29, item 1).
 
 A spot check is a *paired microbatch* (``swarmd.train.spot_checks`` has the whole story): drawn
-before the microbatch's first call, with probability ``verify_fraction``, and always while a
-usable peer of a stage with a second one has no answer of each kind confirmed yet, or was accused
-by a report and has not had a few answers confirmed since, or a mismatch is not settled. Each call
+before the microbatch's first call, with probability ``verify_fraction``, and always while a stage
+with a second usable peer has fewer than two whose first answers of each kind were confirmed (past
+that, a newer peer's first answers get an opinion each: ``SpotChecks._alone``), while a peer was
+accused by a report and has not had a few answers confirmed since, or a mismatch is not settled. Each call
 of a paired microbatch is sent twice at once, the pair's half to another peer of the stage where it
 has one; the pair's requests are counted as the checks' traffic.
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import torch
 
 from swarmd.errors import PeerError
+from swarmd.pipeline.routing import StageRouter
 from swarmd.train.stage_calls import CallEnded, How, Patience, Served, StageCalls
 from swarmd.train.timing import Timing
 from swarmd.train.verify import PROBE_FRACTION, CheckLedger, SpotChecker, VerifyStats
@@ -77,8 +79,8 @@ class Pairing:
 
     def pairs(self, force: bool = False) -> bool:
         """Whether the next microbatch (or validation batch) runs paired: drawn with probability
-        ``fraction``, and always while a usable peer of a stage with a second one has no answer of
-        each kind confirmed yet, or a few fewer than wanted since a report accused it
+        ``fraction``, and always while a stage with a second usable peer has fewer than two confirmed
+        (:meth:`_too_few_confirmed`), while a peer has a few fewer confirmed than wanted since a report accused it
         (``CheckLedger.watch``), or when ``force``d (where checks are on and a stage has a second
         peer). Drawn before its first call: a peer's own answers change nothing."""
         paired = (force and self._can_pair()) or self._pairs()
@@ -94,12 +96,9 @@ class Pairing:
             self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
             return True
         last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
-        # every answer of a peer not confirmed yet is paired, not only the first one drawn: an answer it gives
-        # unpaired meanwhile would be used (tried: a first check held for its peers while on its way cut the
-        # pairs by one or two a run, and a gradient liar from the start then cost 7% of held-out loss)
         wanted = [(p.peer_id, kind) for stage, r in enumerate(routers) if r.usable_count > 1 for p in r.snapshot()
                   if p.routable for kind in (("backward",) if stage == last else ("forward", "backward"))]
-        if any(self.ledger.wants_first_check(peer_id, kind) for peer_id, kind in wanted):
+        if self._too_few_confirmed(routers, last):
             self.stats.first_checks += 1
             return True
         self.ledger.watch(self.calls.stages.suspected)  # accused once somewhere: checked until confirmed a few times
@@ -107,6 +106,22 @@ class Pairing:
             self.stats.suspicion_checks += 1
             return True
         return self._checker.should_check(comparable=True, other_peers=1)
+
+    def _too_few_confirmed(self, routers: Sequence[StageRouter], last: int) -> bool:
+        """Whether a stage with a second usable peer has fewer than two whose first answers of each kind were
+        confirmed: every microbatch runs paired then (a pair confirms two peers of every stage at once, both
+        halves accumulated). Past that, a newer peer's first answers are checked one by one by an opinion
+        (``SpotChecks._alone``), so a peer joining a large stage no longer pairs every microbatch until the
+        routing happens to reach it (about as many as the stage has peers, for every join)."""
+        for stage, router in enumerate(routers):
+            if router.usable_count < 2:
+                continue
+            kinds = ("backward",) if stage == last else ("forward", "backward")
+            confirmed = sum(1 for p in router.snapshot() if p.routable
+                            and not any(self.ledger.wants_first_check(p.peer_id, kind) for kind in kinds))
+            if confirmed < 2:
+                return True
+        return False
 
     def validation_pair(self, batches: int) -> int | None:
         """Which of a validation pass's ``batches`` runs paired whatever the draw (the others are drawn

@@ -7,7 +7,7 @@ the ledger of what checks concluded). This module is the I/O around those rules 
 
 A check is a *paired microbatch* (issue #29, item 1): the trainer draws, before a microbatch's
 first call, whether it runs paired (a random ``verify_fraction`` of microbatches, and always while
-some usable peer has no confirmed answer yet); a paired microbatch's every call is sent twice at
+a stage has fewer than two peers with a confirmed answer); a paired microbatch's every call is sent twice at
 once, each under its own fresh microbatch id, the pair's to another peer of the stage where it has
 one: forwards, the last stage's fused forward and backward, and each stage's backward (sent to the
 peer that ran the pair's forward, with the same deadline as any backward). Both halves are ordinary
@@ -35,6 +35,11 @@ The verdict on each pair of answers, waited for before the microbatch goes on:
   runs paired, so it is asked again until decided, and the mismatch counts against both peers
   (``CheckLedger.against``): one that disagreed so with two peers that agree with each other is
   convicted, whatever it answers when asked again.
+
+A newer peer's first answer of a kind, once its stage has two peers confirmed, runs alone and gets
+another peer's opinion at once, judged as a pair's; its answers that come meanwhile wait for that
+verdict (:meth:`SpotChecks._alone`): a join costs one opinion, not a paired microbatch for every
+call until the routing reaches the newcomer, and no answer of it is used unchecked.
 
 An answer that ran alone but whose size is far from its stage-mates' recent answers
 (``verify.AnswerSizes``), or a last-stage one whose input gradient a drawn probe finds is no
@@ -166,6 +171,8 @@ class SpotChecks:
                                patience=self._patience)
         self.convictions = Convictions(calls, client, stats=stats, timing=timing)
         self._stage_steps = stage_steps
+        #: the first checks out now, by (peer, kind): that peer's other answers of the kind wait for the verdict
+        self._first_checks: dict[tuple[str, str], asyncio.Future[None]] = {}
 
     # ---- which microbatches run paired (swarmd.train.pairing) ------------------------------------
 
@@ -209,13 +216,13 @@ class SpotChecks:
                 return None
 
         request = tuple(t for t in (inputs, targets) if t is not None)
-        second = forward_answer(pair) if pair is not None else await self._unpaired(
-            stage, "forward", forward_answer(served), arbiter, request)
-        if second is None:
-            return reply
-        # an unpaired answer judged here was an outlier: confirmed, it is still no reference (verify.AnswerSizes)
-        ruling = await self.judge(stage, "forward", forward_answer(served), second, arbiter, request,
-                                  reference=pair is not None)
+        if pair is not None:
+            ruling = await self.judge(stage, "forward", forward_answer(served), forward_answer(pair), arbiter, request)
+        else:
+            alone = await self._alone(stage, "forward", forward_answer(served), arbiter, request)
+            if alone is None:
+                return reply
+            ruling = alone
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None or ruling.use.tensor is None:
@@ -268,12 +275,15 @@ class SpotChecks:
                 return False
             return probed.reply.step == reply.step and (probed.reply.loss is None or probed.reply.loss >= reply.loss)
 
-        second = backward_answer(pair) if pair is not None else await self._unpaired(
-            stage, "backward", backward_answer(served), arbiter, request, probe if targets is not None else None)
-        if second is None:
-            return reply
-        ruling = await self.judge(stage, "backward", backward_answer(served), second, arbiter, request,
-                                  reference=pair is not None)
+        if pair is not None:
+            ruling = await self.judge(stage, "backward", backward_answer(served), backward_answer(pair), arbiter,
+                                      request)
+        else:
+            alone = await self._alone(stage, "backward", backward_answer(served), arbiter, request,
+                                      probe if targets is not None else None)
+            if alone is None:
+                return reply
+            ruling = alone
         if ruling.redo:
             raise Unsettled()
         if ruling.use is None:
@@ -325,32 +335,73 @@ class SpotChecks:
             return self._unsettled_pair(stage, kind, primary.peer_id, second.peer_id)
         return await self._convicted(stage, kind, [primary, second, third], request)
 
+    async def _alone(self, stage: int, kind: Kind, answer: Answer, arbiter: Arbiter, request: tuple[torch.Tensor, ...],
+                     probe: Callable[[], Awaitable[bool]] | None = None) -> Ruling | None:
+        """The ruling on an answer that ran alone (None: nothing to judge, it goes on). A new peer's first
+        answer of a kind, where microbatches no longer run paired for it (``Pairing``), is its first check
+        (:meth:`_unpaired`); its answers that come while that check is out wait for its verdict, then go on
+        as a confirmed peer's would, or are redone when it lied: one opinion a new peer, and none of its
+        answers used unchecked."""
+        key = (answer.peer_id, kind)
+        while (pending := self._first_checks.get(key)) is not None and self._wants_first(stage, kind, answer):
+            await asyncio.shield(pending)
+        if answer.peer_id in self.stats.caught:
+            self.stats.redone += 1
+            raise Unsettled()  # its first check convicted it meanwhile
+        first = self._wants_first(stage, kind, answer)
+        done: asyncio.Future[None] | None = None
+        if first:
+            done = self._first_checks[key] = asyncio.get_running_loop().create_future()
+        try:
+            second, reference = await self._unpaired(stage, kind, answer, arbiter, request, probe, first=first)
+            if second is None:
+                return None
+            return await self.judge(stage, kind, answer, second, arbiter, request, reference=reference)
+        finally:
+            if done is not None:
+                del self._first_checks[key]
+                done.set_result(None)
+
+    def _wants_first(self, stage: int, kind: Kind, answer: Answer) -> bool:
+        """Whether ``answer`` is its peer's first check of ``kind``: checks are on, it has a tensor (the
+        first stage's backward has none: its step is held to the polls), its peer has none confirmed, and
+        another peer of the stage could give an opinion."""
+        return (self.fraction > 0.0 and answer.tensor is not None
+                and self.ledger.wants_first_check(answer.peer_id, kind)
+                and self.calls.stages.routers[stage].usable_count > 1)
+
     async def _unpaired(self, stage: int, kind: Kind, answer: Answer, arbiter: Arbiter,
                         request: tuple[torch.Tensor, ...],
-                        probe: Callable[[], Awaitable[bool]] | None = None) -> Answer | None:
-        """An answer that ran alone: its step held to its stage's (a lie: :class:`Unsettled`), and when its
-        size is suspicious (``verify.AnswerSizes``) or, for a drawn share of the last stage's answers, its
-        gradient is no descent direction (``probe``), a second opinion asked now, to be judged as a pair's
-        (None: nothing to judge, the answer goes on). A suspicious answer no other peer could give a second
-        opinion on is not used (:class:`Unsettled`), unless its stage has no other usable peer."""
+                        probe: Callable[[], Awaitable[bool]] | None = None, *,
+                        first: bool = False) -> tuple[Answer | None, bool]:
+        """An answer that ran alone: its step held to its stage's (a lie: :class:`Unsettled`), and a second
+        opinion asked now, to be judged as a pair's, when it is its peer's ``first`` check, when its size is
+        suspicious (``verify.AnswerSizes``), or when, for a drawn share of the last stage's answers, its
+        gradient is no descent direction (``probe``). Returns the opinion (None: nothing to judge, the
+        answer goes on) and whether the answer's size may become a reference (not an outlier's). A checked
+        answer no other peer could give an opinion on is not used (:class:`Unsettled`), unless its stage
+        has no other usable peer."""
         if await self._plausible(stage, kind, answer, request):
             self.stats.redone += 1
             raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
         suspicious = self.fraction > 0.0 and self.sizes.suspicious(stage, kind, answer)  # checks off: none
-        if not suspicious and probe is not None and self.pairing.probes():
+        if not (first or suspicious) and probe is not None and self.pairing.probes():
             self.stats.probes += 1
             suspicious = await probe()
-        if not suspicious:
+        if not (first or suspicious):
             self.sizes.observe(stage, kind, answer)
-            return None
-        self.stats.suspicions += 1
+            return None, True
+        if first:
+            self.stats.first_opinions += 1
+        else:
+            self.stats.suspicions += 1
         second = await arbiter(frozenset((answer.peer_id,)))
         if second is None:
             self.stats.unconfirmed += 1
-            if self.calls.stages.routers[stage].usable_count > 1:  # a suspicious answer nobody confirmed: not used
+            if self.calls.stages.routers[stage].usable_count > 1:  # an answer to check nobody confirmed: not used
                 self.stats.redone += 1
                 raise Unsettled()
-        return second
+        return second, not suspicious
 
     async def _odd_one_out(self, stage: int, kind: Kind, liar: str, primary: Answer, second: Answer,
                            request: tuple[torch.Tensor, ...]) -> Ruling:

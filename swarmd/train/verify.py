@@ -11,10 +11,12 @@ same sample through another peer of each stage too, as an ordinary microbatch,
 that disagrees with the other two is the liar (banned by this trainer for :data:`LIAR_BAN_S`, and
 reported: ``swarmd.pipeline.reports``).
 
-The trainer also pairs, always, microbatches while a usable peer has no answer of each kind
-confirmed yet, and while a peer is in a mismatch nobody settled: a peer that lies from the start
-is caught at its first answer, and a mismatch is asked again until decided (and counted against
-both peers meanwhile: :meth:`CheckLedger.against`). An unpaired answer whose size is far from its
+A peer's first answer of each kind is always checked: every microbatch runs paired while a stage
+has fewer than two peers confirmed, and past that a newer peer's first answer gets another peer's
+opinion at once, its other answers waiting for the verdict (``swarmd.train.spot_checks``). The
+trainer also pairs every microbatch while a peer is in a mismatch nobody settled: a peer that lies
+from the start is caught at its first answer, and a mismatch is asked again until decided (and
+counted against both peers meanwhile: :meth:`CheckLedger.against`). An unpaired answer whose size is far from its
 stage-mates' is checked after it came (:class:`AnswerSizes`). Every verdict is
 waited for before the microbatch goes on, and the majority's answer goes on when a peer is
 convicted.
@@ -334,7 +336,8 @@ class VerifyStats:
     calls: int = 0  # forward and backward calls the trainer made (checked or not)
     checks: int = 0  # calls whose two halves (a paired microbatch's) went to two peers and were compared
     paired: int = 0  # microbatches (and validation batches) run paired, their redos included
-    first_checks: int = 0  # of which: paired because a usable peer had no answer confirmed yet
+    first_checks: int = 0  # of which: paired because a stage had fewer than two peers confirmed yet
+    first_opinions: int = 0  # a newer peer's first answers checked by another's opinion instead (spot_checks)
     suspicion_checks: int = 0  # ... or because a usable peer was accused once (ProgressReply.suspected)
     agreements: int = 0
     mismatches: int = 0

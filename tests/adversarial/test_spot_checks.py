@@ -25,7 +25,7 @@ from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.reports import MisbehaviourReport
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import PRESETS
-from swarmd.train.spot_checks import Finding, Ruling, SpotChecks
+from swarmd.train.spot_checks import Finding, Ruling, SpotChecks, Unsettled
 from swarmd.train.stage_calls import StageCalls
 from swarmd.train.trainer import Trainer, TrainerConfig, TrainSummary
 from swarmd.train.verify import (
@@ -224,6 +224,59 @@ def _arbiter(*answers: Answer | None) -> Any:
 
 
 REQUEST = (torch.zeros(4, 8),)
+
+
+async def test_microbatches_run_paired_for_first_checks_only_until_two_peers_of_each_stage_are_confirmed() -> None:
+    """A pair confirms two peers of every stage at once; past two, a newer peer's first answers are checked by
+    an opinion each (``SpotChecks._alone``), so a join no longer pairs every microbatch until it is reached."""
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, (a, b, c) = _checking_trainer(client)
+        assert t.pairing.pairs() and t.stats.first_checks == 1  # nobody confirmed on stage 1
+        t.ledger.credit([answer(a, None)], "backward")
+        assert t.pairing.pairs() and t.stats.first_checks == 2  # one is not enough
+        t.ledger.credit([answer(b, None)], "backward")
+        for _ in range(50):
+            t.pairing.pairs()  # drawn at the random share only now, though c has nothing confirmed
+        assert t.stats.first_checks == 2 and t.ledger.wants_first_check(c, "backward")
+
+
+async def test_a_new_peers_first_answer_gets_an_opinion_and_its_answers_meanwhile_wait_for_the_verdict() -> None:
+    g = torch.ones(4, 8)
+    async with DataPlaneClient(timeout_s=2) as client:
+        t, (a, b, c) = _checking_trainer(client)
+        gate = asyncio.Event()
+
+        async def slow_opinion(exclude: frozenset[str]) -> Answer | None:
+            await gate.wait()
+            return answer(a, g, 3)
+
+        first = asyncio.create_task(t._alone(1, "backward", answer(c, g, 3), slow_opinion, REQUEST))
+        await asyncio.sleep(0.01)
+        # its next answer comes while the first check is out: no opinion of its own (an empty script would
+        # raise), it waits and then goes on as a confirmed peer's answer
+        second = asyncio.create_task(t._alone(1, "backward", answer(c, g, 3), _arbiter(), REQUEST))
+        await asyncio.sleep(0.01)
+        assert not second.done()
+        gate.set()
+        assert await first == Ruling(Finding.CONFIRMED) and await second is None
+        assert t.stats.first_opinions == 1 and t.ledger.confirmed(c, "backward") == 1
+        assert t.ledger.confirmed(a, "backward") == 1  # the opinion's peer is confirmed too
+        # a liar's first check convicts it, and its answers that waited are redone, never used
+        t, (a, b, c) = _checking_trainer(client)
+        gate = asyncio.Event()
+
+        async def slow_truth(exclude: frozenset[str]) -> Answer | None:
+            await gate.wait()
+            return answer(b if a in exclude else a, g, 3)
+
+        first = asyncio.create_task(t._alone(1, "backward", answer(c, -3 * g, 3), slow_truth, REQUEST))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(t._alone(1, "backward", answer(c, -3 * g, 3), _arbiter(), REQUEST))
+        await asyncio.sleep(0.01)
+        gate.set()
+        assert (await first).finding is Finding.OVERRULED and t.stats.caught == (c,)
+        with pytest.raises(Unsettled):
+            await second
 
 
 async def test_an_outlier_confirmed_after_it_came_is_not_made_a_reference_of_its_stage() -> None:
