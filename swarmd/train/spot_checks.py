@@ -365,10 +365,11 @@ class SpotChecks:
     def _wants_first(self, stage: int, kind: Kind, answer: Answer) -> bool:
         """Whether ``answer`` is its peer's first check of ``kind``: checks are on, it has a tensor (the
         first stage's backward has none: its step is held to the polls), its peer has none confirmed, and
-        another peer of the stage could give an opinion."""
+        another peer of the stage is routable (could give an opinion)."""
         return (self.fraction > 0.0 and answer.tensor is not None
                 and self.ledger.wants_first_check(answer.peer_id, kind)
-                and self.calls.stages.routers[stage].usable_count > 1)
+                and any(p.routable and p.peer_id != answer.peer_id
+                        for p in self.calls.stages.routers[stage].snapshot()))
 
     async def _unpaired(self, stage: int, kind: Kind, answer: Answer, arbiter: Arbiter,
                         request: tuple[torch.Tensor, ...],
@@ -378,9 +379,9 @@ class SpotChecks:
         opinion asked now, to be judged as a pair's, when it is its peer's ``first`` check, when its size is
         suspicious (``verify.AnswerSizes``), or when, for a drawn share of the last stage's answers, its
         gradient is no descent direction (``probe``). Returns the opinion (None: nothing to judge, the
-        answer goes on) and whether the answer's size may become a reference (not an outlier's). A checked
-        answer no other peer could give an opinion on is not used (:class:`Unsettled`), unless its stage
-        has no other usable peer."""
+        answer goes on) and whether the answer's size may become a reference (not an outlier's). A suspicious
+        answer no other peer could give an opinion on is not used (:class:`Unsettled`), unless its stage has
+        no other usable peer; a first check without one goes on unconfirmed."""
         if await self._plausible(stage, kind, answer, request):
             self.stats.redone += 1
             raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
@@ -398,7 +399,14 @@ class SpotChecks:
         second = await arbiter(frozenset((answer.peer_id,)))
         if second is None:
             self.stats.unconfirmed += 1
-            if self.calls.stages.routers[stage].usable_count > 1:  # an answer to check nobody confirmed: not used
+            if not suspicious:
+                # a first check nobody could answer (the other peers busy, on probation, just listed): the answer
+                # goes on unconfirmed, as a pair's would with both halves on one peer. Redone instead, it met the
+                # same peer again and again: a livelock of the README's swarm, where a second stage-0 peer joined
+                # while the first one's answers were out and no call could reach it yet
+                self.sizes.observe(stage, kind, answer)
+                return None, True
+            if self.calls.stages.routers[stage].usable_count > 1:  # a suspicious answer nobody confirmed: not used
                 self.stats.redone += 1
                 raise Unsettled()
         return second, not suspicious

@@ -277,6 +277,12 @@ async def test_a_new_peers_first_answer_gets_an_opinion_and_its_answers_meanwhil
         assert (await first).finding is Finding.OVERRULED and t.stats.caught == (c,)
         with pytest.raises(Unsettled):
             await second
+        # nobody to give the opinion (busy, on probation, just listed): the answer goes on unconfirmed, never
+        # redone (redone, it met the same peer again and again: the README swarm's livelock)
+        t, (a, b, c) = _checking_trainer(client)
+        assert await t._alone(1, "backward", answer(c, g, 3), _arbiter(None), REQUEST) is None
+        assert t.stats.first_opinions == t.stats.unconfirmed == 1 and t.stats.redone == 0
+        assert t.ledger.wants_first_check(c, "backward")  # its next answer is its first check again
 
 
 async def test_an_outlier_confirmed_after_it_came_is_not_made_a_reference_of_its_stage() -> None:
