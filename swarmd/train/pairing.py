@@ -19,7 +19,6 @@ from typing import TypeVar
 import torch
 
 from swarmd.errors import PeerError
-from swarmd.pipeline.routing import StageRouter
 from swarmd.train.stage_calls import CallEnded, How, Patience, Served, StageCalls
 from swarmd.train.timing import Timing
 from swarmd.train.verify import PROBE_FRACTION, CheckLedger, SpotChecker, VerifyStats
@@ -91,37 +90,33 @@ class Pairing:
         if not self._can_pair():
             return False
         routers = self.calls.stages.routers
-        if any(self.ledger.disputed(p.peer_id) for r in routers if r.usable_count > 1 for p in r.snapshot()
-               if p.routable):
+        last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
+        # per stage with a second usable peer: its routable peers, and the kinds of answer they give
+        stages = [([p.peer_id for p in r.snapshot() if p.routable], ("backward",) if stage == last
+                   else ("forward", "backward")) for stage, r in enumerate(routers) if r.usable_count > 1]
+        if any(self.ledger.disputed(peer_id) for peers, _ in stages for peer_id in peers):
             self.stats.rechecks += 1  # a mismatch not settled yet: asked again until it is
             return True
-        last = len(routers) - 1  # its microbatches' calls are fused forward and backward: "backward"
-        wanted = [(p.peer_id, kind) for stage, r in enumerate(routers) if r.usable_count > 1 for p in r.snapshot()
-                  if p.routable for kind in (("backward",) if stage == last else ("forward", "backward"))]
-        if self._too_few_confirmed(routers, last):
+        if self._too_few_confirmed(stages):
             self.stats.first_checks += 1
             return True
         self.ledger.watch(self.calls.stages.suspected)  # accused once somewhere: checked until confirmed a few times
-        if any(self.ledger.wants_suspicion_check(peer_id, kind) for peer_id, kind in wanted):
+        if any(self.ledger.wants_suspicion_check(peer_id, kind) for peers, kinds in stages for peer_id in peers
+               for kind in kinds):
             self.stats.suspicion_checks += 1
             return True
         return self._checker.should_check(comparable=True, other_peers=1)
 
-    def _too_few_confirmed(self, routers: Sequence[StageRouter], last: int) -> bool:
-        """Whether a stage with a second usable peer has fewer than two whose first answers of each kind were
-        confirmed: every microbatch runs paired then (a pair confirms two peers of every stage at once, both
-        halves accumulated). Past that, a newer peer's first answers are checked one by one by an opinion
-        (``SpotChecks._alone``), so a peer joining a large stage no longer pairs every microbatch until the
-        routing happens to reach it (about as many as the stage has peers, for every join)."""
-        for stage, router in enumerate(routers):
-            if router.usable_count < 2:
-                continue
-            kinds = ("backward",) if stage == last else ("forward", "backward")
-            confirmed = sum(1 for p in router.snapshot() if p.routable
-                            and not any(self.ledger.wants_first_check(p.peer_id, kind) for kind in kinds))
-            if confirmed < 2:
-                return True
-        return False
+    def _too_few_confirmed(self, stages: Sequence[tuple[list[str], tuple[str, ...]]]) -> bool:
+        """Whether a stage with a second usable peer (``stages``: its routable peers and their kinds of
+        answer) has fewer than two whose first answers of each kind were confirmed: every microbatch runs
+        paired then (a pair confirms two peers of every stage at once, both halves accumulated). Past that,
+        a newer peer's first answers are checked one by one by an opinion (``SpotChecks._alone``), so a peer
+        joining a large stage no longer pairs every microbatch until the routing happens to reach it (about
+        as many as the stage has peers, for every join)."""
+        return any(sum(1 for peer_id in peers if not any(self.ledger.wants_first_check(peer_id, kind)
+                                                          for kind in kinds)) < 2
+                   for peers, kinds in stages)
 
     def validation_pair(self, batches: int) -> int | None:
         """Which of a validation pass's ``batches`` runs paired whatever the draw (the others are drawn
