@@ -298,6 +298,9 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "redone": sum(s.verify["redone"] for s in summaries),
             "suspicions": sum(s.verify["suspicions"] for s in summaries),
             "probes": sum(s.verify["probes"] for s in summaries),
+            # of which: last-stage answers out of a thin size reference's band (verify.Outlier.THIN)
+            "outlier_probes": sum(s.verify.get("outlier_probes", 0) for s in summaries),
+            "probes_missed": sum(s.verify.get("probes_missed", 0) for s in summaries),  # unanswered, or another step
             "openings": openings,
             # sketching CPU on the honest last-stage peers, per CPU second of their stage work; opening bytes
             # per byte of the gradients they sent

@@ -45,7 +45,9 @@ An answer that ran alone but whose size is far from its stage-mates' recent answ
 (``verify.AnswerSizes``), or a last-stage one whose input gradient a drawn probe finds is no
 descent direction (``verify.descent_probe``: the loss, asked of another peer at the inputs moved
 against it, did not fall), gets a second opinion at once, judged as a pair's: a liar that knows the
-checks lies where it is not paired, and its peer cannot see a check asked after it answered.
+checks lies where it is not paired, and its peer cannot see a check asked after it answered. A last-stage
+answer far only from a thin reference (one stage-mate's answer of a step around it:
+``verify.Outlier.THIN``) is probed first, and gets the opinion only when the probe finds it uphill.
 
 Validation forwards are paired the same way (a pair of validation forwards is two validation
 forwards), one batch a pass at least. The first stage's backward answers no tensor: its step is
@@ -82,6 +84,7 @@ from swarmd.train.verify import (
     Answer,
     AnswerSizes,
     CheckLedger,
+    Outlier,
     Verdict,
     VerifyStats,
     arbitrate,
@@ -272,8 +275,12 @@ class SpotChecks:
             try:
                 probed = await calls.forward(stage, moved, targets, how=how)  # a validation forward's shape
             except (CallEnded, Redo):  # no answer, or one a redo would not use
+                self.stats.probes_missed += 1
                 return False
-            return probed.reply.step == reply.step and (probed.reply.loss is None or probed.reply.loss >= reply.loss)
+            if probed.reply.step != reply.step:  # its stage stepped in between: the losses are not comparable
+                self.stats.probes_missed += 1
+                return False
+            return probed.reply.loss is None or probed.reply.loss >= reply.loss
 
         if pair is not None:
             ruling = await self.judge(stage, "backward", backward_answer(served), backward_answer(pair), arbiter,
@@ -377,18 +384,26 @@ class SpotChecks:
                         first: bool = False) -> tuple[Answer | None, bool]:
         """An answer that ran alone: its step held to its stage's (a lie: :class:`Unsettled`), and a second
         opinion asked now, to be judged as a pair's, when it is its peer's ``first`` check, when its size is
-        suspicious (``verify.AnswerSizes``), or when, for a drawn share of the last stage's answers, its
-        gradient is no descent direction (``probe``). Returns the opinion (None: nothing to judge, the
-        answer goes on) and whether the answer's size may become a reference (not an outlier's). A suspicious
+        suspicious (``verify.AnswerSizes``), or when its gradient is no descent direction (``probe``: for a
+        drawn share of the last stage's answers, and for those whose size is out of a thin reference's band).
+        Returns the opinion (None: nothing to judge, the answer goes on) and whether the answer's size may
+        become a reference (not an outlier's). A suspicious
         answer no other peer could give an opinion on is not used (:class:`Unsettled`), unless its stage has
         no other usable peer; a first check without one goes on unconfirmed."""
         if await self._plausible(stage, kind, answer, request):
             self.stats.redone += 1
             raise Unsettled()  # its peer lied about the step: convicted, and the microbatch goes again
-        suspicious = self.fraction > 0.0 and self.sizes.suspicious(stage, kind, answer)  # checks off: none
-        if not (first or suspicious) and probe is not None and self.pairing.probes():
+        outlier = self.sizes.outlier(stage, kind, answer) if self.fraction > 0.0 else Outlier.NO  # checks off: none
+        # an outlier against a thin reference (one stage-mate's answer of a step around it) is a weak sign: the
+        # last stage's is probed for direction (a forward) before anyone is asked for an opinion (a fused call)
+        suspicious = outlier is Outlier.FIRM or (outlier is Outlier.THIN and probe is None)
+        thin = outlier is Outlier.THIN and probe is not None
+        if not (first or suspicious) and probe is not None and (thin or self.pairing.probes()):
             self.stats.probes += 1
+            self.stats.outlier_probes += thin
             suspicious = await probe()
+            if thin and not suspicious:
+                return None, False  # it goes on; a checked outlier is no reference (AnswerSizes)
         if not (first or suspicious):
             self.sizes.observe(stage, kind, answer)
             return None, True

@@ -32,6 +32,7 @@ from swarmd.train.verify import (
     CROSS_BUILD_SLACK,
     UNSETTLED_LIMIT,
     Answer,
+    Outlier,
     SpotChecker,
     Verdict,
     VerifyStats,
@@ -299,6 +300,45 @@ async def test_an_outlier_confirmed_after_it_came_is_not_made_a_reference_of_its
         assert await t.judge(1, "backward", answer(a, 10 * g, 3), answer(b, 10 * g, 3), _arbiter(),
                              REQUEST) == Ruling(Finding.CONFIRMED)
         assert t.sizes.suspicious(1, "backward", answer(c, g, 3))  # a pair's answer is one
+
+
+async def test_a_last_stage_answer_out_of_a_thin_references_band_is_probed_and_opined_on_only_when_uphill() -> None:
+    """One stage-mate's answer of a step around it is a thin reference (``verify.Outlier.THIN``): a last-stage
+    answer out of its band is probed for direction first (a forward), and another peer is asked for an opinion (a
+    fused call) only when the probe finds it uphill; an outlier against a firm reference gets the opinion at once.
+    Held to thin references too, the check-aware liar's first lies stopped going through (BENCHMARKS)."""
+    g = torch.ones(4, 8)
+
+    def probe(uphill: bool, asked: list[int]) -> Any:
+        async def run() -> bool:
+            asked.append(1)
+            return uphill
+        return run
+
+    async with DataPlaneClient(timeout_s=2) as client:
+        # downhill: the answer goes on unopined, and is no reference of its step (a checked outlier)
+        t, (a, b, c) = _checking_trainer(client)
+        t.ledger.credit([answer(p, None) for p in (a, b, c)], "backward")  # past their first checks
+        t.sizes.observe(1, "backward", answer(a, g, 2))
+        asked: list[int] = []
+        assert await t._alone(1, "backward", answer(c, 3 * g, 3), _arbiter(), REQUEST, probe(False, asked)) is None
+        assert asked == [1] and t.stats.outlier_probes == t.stats.probes == 1 and t.stats.suspicions == 0
+        assert t.sizes.outlier(1, "backward", answer(b, 3 * g, 3)) is Outlier.THIN  # still only a's
+        # uphill: the opinion, and the liar convicted by a third
+        ruling = await t._alone(1, "backward", answer(c, -3 * g, 3), _arbiter(answer(a, g, 3), answer(b, g, 3)),
+                                REQUEST, probe(True, asked))
+        assert ruling is not None and ruling.finding is Finding.OVERRULED and t.stats.caught == (c,)
+        assert asked == [1, 1] and t.stats.outlier_probes == 2 and t.stats.suspicions == 1
+        # a firm reference (two of the steps around it): the opinion at once, no probe
+        t, (a, b, c) = _checking_trainer(client)
+        t.ledger.credit([answer(p, None) for p in (a, b, c)], "backward")
+        t.sizes.observe(1, "backward", answer(a, g, 2))
+        t.sizes.observe(1, "backward", answer(b, g, 4))
+        asked = []
+        ruling = await t._alone(1, "backward", answer(c, 3 * g, 3), _arbiter(answer(a, 3 * g, 3)), REQUEST,
+                                probe(True, asked))
+        assert ruling == Ruling(Finding.CONFIRMED) and asked == [] and t.stats.suspicions == 1
+        assert t.stats.probes == 0
 
 
 async def test_a_pair_that_agrees_is_confirmed_and_a_mismatch_is_settled_by_a_third_peer() -> None:

@@ -26,6 +26,7 @@ from swarmd.train.verify import (
     Answer,
     AnswerSizes,
     CheckLedger,
+    Outlier,
     SpotChecker,
     VerifyStats,
     answer_size,
@@ -217,6 +218,24 @@ def test_an_answer_is_held_to_its_own_step_first_and_to_the_steps_around_it_with
     assert sizes.suspicious(1, "backward", _sized("x", 9.0, step=5))  # a tripled answer at that step
     assert sizes.suspicious(1, "backward", _sized("x", 0.9, step=5))  # the step before's size is not this one's
     assert not sizes.suspicious(1, "backward", _sized("x", 1.1, step=5))  # ... though within the band below
+
+
+def test_one_stage_mates_answer_of_a_step_around_it_is_a_thin_reference() -> None:
+    """Its own step's answers (one is enough) or SIZE_MIN of the steps around it make a firm reference; a single
+    answer of a step around it a thin one, whose outliers the caller probes rather than opines on."""
+    sizes = AnswerSizes()
+    assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5)) is Outlier.NO  # nothing to hold it to
+    sizes.observe(1, "backward", _sized("a", 1.0, step=4))
+    assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5)) is Outlier.THIN
+    assert sizes.outlier(1, "backward", _sized("x", 1.5, step=5)) is Outlier.NO  # within the band
+    assert not sizes.suspicious(1, "backward", _sized("x", 3.0, step=5))  # suspicious: firm only
+    assert sizes.outlier(1, "backward", _sized("a", 3.0, step=5)) is Outlier.NO  # never held to its own
+    sizes.observe(1, "backward", _sized("b", 1.0, step=6))
+    assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5)) is Outlier.FIRM  # two of the steps around it
+    sizes.observe(1, "backward", _sized("c", 3.0, step=5))
+    assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5)) is Outlier.NO  # its own step's come first
+    assert sizes.outlier(1, "backward", _sized("x", 9.0, step=5)) is Outlier.FIRM
+    assert sizes.outlier(1, "backward", _sized("x", 9.0, step=8)) is Outlier.NO  # nothing of a step around it
 
 
 def test_a_direction_probe_moves_the_inputs_downhill_for_a_true_gradient_and_uphill_for_a_negated_one() -> None:
