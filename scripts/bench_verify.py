@@ -66,8 +66,11 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -162,6 +165,43 @@ def directions(daemons: list[Any], liar: Any) -> dict[str, Any]:
     return out
 
 
+def trace_lies(liar: Daemon, first: list[Daemon], told: Any) -> Callable[[], int]:
+    """Count the lies that reached the model: the liar's backward answers told wrong whose microbatch a
+    stage-0 peer then ran its backward on with that wrong gradient (not the one a check put in its place).
+    Returns the counter, read at the end of the run."""
+    lied: dict[int, torch.Tensor] = {}
+    received: list[tuple[int, torch.Tensor]] = []
+    assert liar.executor is not None
+    lying = liar.executor._backward_sync
+
+    def liar_backward(inputs: Any, grad_outputs: Any, targets: Any, step: Any, mb: Any, *a: Any, **k: Any) -> Any:
+        before = told.lies
+        result = lying(inputs, grad_outputs, targets, step, mb, *a, **k)
+        if told.lies > before and mb is not None and result.grad_inputs is not None:
+            lied[mb] = result.grad_inputs.detach().float().flatten().clone()
+        return result
+
+    liar.executor._backward_sync = liar_backward  # type: ignore[method-assign]
+    for d in first:
+        assert d.executor is not None
+        own = d.executor._backward_sync
+
+        def stage0_backward(inputs: Any, grad_outputs: Any, targets: Any, step: Any, mb: Any, *a: Any,
+                            _own: Any = own, **k: Any) -> Any:
+            verify = a[1] if len(a) > 1 else k.get("verify", False)
+            if not verify and mb is not None and grad_outputs is not None:
+                received.append((mb, grad_outputs.detach().float().flatten().clone()))
+            return _own(inputs, grad_outputs, targets, step, mb, *a, **k)
+
+        d.executor._backward_sync = stage0_backward  # type: ignore[method-assign]
+
+    def used() -> int:
+        return sum(1 for mb, g in received if mb in lied and g.shape == lied[mb].shape
+                   and float(torch.nn.functional.cosine_similarity(g, lied[mb], dim=0)) > 0.5)
+
+    return used
+
+
 async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
     SCORED.clear()
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=args.peers_per_stage) as daemons:
@@ -177,6 +217,7 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                 assert liar.executor is not None
                 told = make_liar(liar.executor, lie)
         honest = [d for d in daemons if d is not liar]
+        used = trace_lies(liar, [d for d in honest if d.stage == 0], told) if told is not None else None
         api = f"http://{daemons[0].status()['api_addr']}"
         done = [0]
         marks: dict[str, int | None] = {"first_lie_at": None, "caught_at": None, "excluded_at": None,
@@ -259,6 +300,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "stage": STAGE.get(lie or "", None),
             "first_lie_at": marks["first_lie_at"],
             "lies": told.lies if told is not None else None,
+            # the liar's backward lies a stage-0 peer then ran its own backward on: lies that reached the model
+            "lies_used": used() if used is not None else None,
             "caught_at": marks["caught_at"],
             "excluded_at": marks["excluded_at"],
             "routed_out_at": marks["routed_out_at"],
