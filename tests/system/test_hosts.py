@@ -163,7 +163,8 @@ def test_hosts_bound_to_the_wildcard_train_with_the_losses_of_loopback_even_capp
     assert [s.read_from(1, 0, path, TOKEN) for path in ("/status", "/metrics")] == [200, 200]
     assert s.read_from(1, 0, "/healthz") == 200
     assert statuses[3]["params_digest"] == statuses[1]["params_digest"]
-    assert statuses[2]["served"]["backward"] > 0  # and so do the capped host's
+    # and so do the capped host's (failed once in a full CI run, never alone: what each stage-0 host served says why)
+    assert statuses[2]["served"]["backward"] > 0, [statuses[h]["served"] for h in (0, 2)]
 
 
 def test_losing_the_relay_of_a_peer_behind_nat_loses_nothing_and_it_is_relayed_again(swarm_in) -> None:
