@@ -115,10 +115,10 @@ def strikes(scores: Mapping[str, Score], own: str) -> set[str]:
     whose reference the scores are) among them when it is the odd one out: a strict majority of the others,
     two at least, point against it, none of them far. An honest leader's own gradient is poisoned when a liar
     on the next stage fed it negated input gradients (the sign-flipping check-aware liar of issue #29): the
-    others then all score against it, and striking *them* made the poisoned one the whole step (a 2x3 run: four
-    such rounds, 1.09x the honest held-out loss). A lone liar among three cannot make that majority. Used by a
-    leader's reduction and an all-reduce part's owner; the all-reduce coordinator's combined scores do not
-    strike their coordinator yet."""
+    others then all score against it, and striking *them* made the poisoned one the whole step (six 2x3 runs of
+    that liar: four such rounds; the worst run 1.09x the honest held-out loss). A lone liar among three cannot
+    make that majority. Used by a leader's reduction and an all-reduce part's owner; the all-reduce
+    coordinator's combined scores do not strike their coordinator yet."""
     struck = {pid for pid, score in scores.items() if score.strike() is not None}
     against = {pid for pid in struck if scores[pid].far_strike() is None}
     if len(against) >= 2 and 2 * len(against) > len(scores):
