@@ -24,7 +24,6 @@ from swarmd.pipeline.averaging.trust.hostile_contributions import (
     combine_terms,
     part_terms,
     score_round,
-    strikes,
 )
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution
 from swarmd.pipeline.averaging.trust.round_checks import Used, check_answer, per_sample_norm, tensor_digest
@@ -129,31 +128,6 @@ def test_a_struck_contribution_counts_its_samples_but_moves_nothing(factor: floa
     assert red.mean is not None and red.total == 16 and red.struck == (liar.peer_id,)
     assert sum(u.samples for u in red.used) == 16
     assert torch.equal(red.mean, plain_mean(held(items[:2]), DIM, 12))  # the mean of the honest two
-
-
-def test_a_leader_whose_own_gradient_most_others_point_against_leaves_its_own_out() -> None:
-    """An honest leader fed negated input gradients by a liar on the next stage holds a poisoned gradient of its
-    own: its stage-mates all score against it, and striking them made the poisoned one the whole step. Its own is
-    the odd one out and is left out instead; a lone liar among three cannot make that majority."""
-    items = honest(7, [8, 4, 4])
-    leader = poisoned(items[0], -1.0)
-    red = reduce_contributions(held([leader, items[1], items[2]]), {}, leader=leader.peer_id, target=16,
-                               numel=DIM, watch=HostileWatch())
-    assert red.mean is not None and red.total == 16 and red.struck == (leader.peer_id,)
-    assert torch.equal(red.mean, plain_mean(held(items[1:]), DIM, 8))  # the two it had struck before
-    # a lone sign-flipping liar: struck as before, the leader's own kept
-    liar = poisoned(items[2], -1.0)
-    red = reduce_contributions(held([items[0], items[1], liar]), {}, leader=items[0].peer_id, target=16,
-                               numel=DIM, watch=HostileWatch())
-    assert red.struck == (liar.peer_id,)
-    # the rule itself: a strict majority of the others, two at least, none of them far
-    against, fine, far = Score(far=1.2, cos=-0.9), Score(far=1.0, cos=0.6), Score(far=FAR_FACTOR + 1, cos=-0.9)
-    assert strikes({"b": against, "c": against}, "a") == {"a"}
-    assert strikes({"b": against, "c": against, "d": fine}, "a") == {"a"}
-    assert strikes({"b": against, "c": fine, "d": fine}, "a") == {"b"}
-    assert strikes({"b": against, "c": against, "d": fine, "e": fine}, "a") == {"b", "c"}  # half is no majority
-    assert strikes({"b": against}, "a") == {"b"}  # a round of two cannot tell which one is poisoned
-    assert strikes({"b": against, "c": against, "d": far}, "a") == {"a", "d"}  # far ones stay struck
 
 
 def test_a_contribution_owing_its_opening_is_struck_but_never_all_of_the_mean() -> None:

@@ -15,9 +15,7 @@ leader), in the order it runs:
 3. **Consequences** (``hostile_contributions``): every other contribution is scored against the
    leader's own; a struck one (far from it, or pointing against it) is left out of this round's
    mean while its samples still count toward the target, so the round is never aborted for it
-   and its sender applies the mean like everyone. When most others point against the leader's
-   own, that one is left out instead (``hostile_contributions.strikes``: a poisoned honest leader).
-   A peer struck as *far* ``STRIKES`` times in its
+   and its sender applies the mean like everyone. A peer struck as *far* ``STRIKES`` times in its
    last ``WINDOW`` rounds is convicted (direction alone never convicts: see there): its
    contribution is turned away when the others still hold the target (its sender keeps it), else
    counted and left out as a struck one. The caller excludes the peer (``round_checks.Suspicions``,
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmd.finite import all_finite
-from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, score_round, strikes
+from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, score_round
 from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution as Weighted
 from swarmd.pipeline.averaging.trust.robust_aggregation import RobustMean, robust_mean
@@ -113,7 +111,7 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
     if watch is not None or score:
         scores = score_round([Weighted(pid, c.grads, c.samples) for pid, c in sorted(kept.items())
                               if c.samples > 0 and c.grads is not None], leader)
-        struck = strikes(scores, leader)  # the leader's own too, when it is the odd one out
+        struck = {pid for pid, score in scores.items() if score.strike() is not None}
         convicted = watch.observe(scores) if watch is not None else {}
         total = sum(c.samples for c in kept.values())
         for pid, why in sorted(convicted.items()):

@@ -76,7 +76,7 @@ import torch
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution
 
 __all__ = ["AGAINST_COS", "FAR_FACTOR", "STRIKES", "WINDOW", "HostileWatch", "PartTerms", "Score", "combine_terms",
-           "part_terms", "score_round", "strikes"]
+           "part_terms", "score_round"]
 
 #: A contribution further than this from the leader's own, relative to the leader's norm and their
 #: sample counts (the module docstring's ``far``), is a strike.
@@ -108,22 +108,6 @@ class Score:
         if self.far > FAR_FACTOR:
             return f"{self.far:.1f} times the honest distance from the leader's own gradient (over {FAR_FACTOR:g})"
         return None
-
-
-def strikes(scores: Mapping[str, Score], own: str) -> set[str]:
-    """The contributions a round leaves out of its mean (:meth:`Score.strike`), ``own`` (the leader's,
-    whose reference the scores are) among them when it is the odd one out: a strict majority of the others,
-    two at least, point against it, none of them far. An honest leader's own gradient is poisoned when a liar
-    on the next stage fed it negated input gradients (the sign-flipping check-aware liar of issue #29): the
-    others then all score against it, and striking *them* made the poisoned one the whole step (six 2x3 runs of
-    that liar: four such rounds; the worst run 1.09x the honest held-out loss). A lone liar among three cannot
-    make that majority. Used by a leader's reduction and an all-reduce part's owner; the all-reduce
-    coordinator's combined scores do not strike their coordinator yet."""
-    struck = {pid for pid, score in scores.items() if score.strike() is not None}
-    against = {pid for pid in struck if scores[pid].far_strike() is None}
-    if len(against) >= 2 and 2 * len(against) > len(scores):
-        return (struck - against) | {own}
-    return struck
 
 
 def _norm(x: torch.Tensor) -> float:
