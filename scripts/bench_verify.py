@@ -165,10 +165,11 @@ def directions(daemons: list[Any], liar: Any) -> dict[str, Any]:
     return out
 
 
-def trace_lies(liar: Daemon, first: list[Daemon], told: Any) -> Callable[[], int]:
+def trace_lies(liar: Daemon, stage0: list[Daemon], told: Any) -> Callable[[], int]:
     """Count the lies that reached the model: the liar's backward answers told wrong whose microbatch a
     stage-0 peer then ran its backward on with that wrong gradient (not the one a check put in its place).
-    Returns the counter, read at the end of the run."""
+    Returns the counter, read at the end of the run. A microbatch's stage-1 answer comes before its stage-0
+    backward, so only the backwards of microbatches lied about are kept."""
     lied: dict[int, torch.Tensor] = {}
     received: list[tuple[int, torch.Tensor]] = []
     assert liar.executor is not None
@@ -182,21 +183,21 @@ def trace_lies(liar: Daemon, first: list[Daemon], told: Any) -> Callable[[], int
         return result
 
     liar.executor._backward_sync = liar_backward  # type: ignore[method-assign]
-    for d in first:
+    for d in stage0:
         assert d.executor is not None
         own = d.executor._backward_sync
 
-        def stage0_backward(inputs: Any, grad_outputs: Any, targets: Any, step: Any, mb: Any, *a: Any,
-                            _own: Any = own, **k: Any) -> Any:
-            verify = a[1] if len(a) > 1 else k.get("verify", False)
-            if not verify and mb is not None and grad_outputs is not None:
+        def stage0_backward(inputs: Any, grad_outputs: Any, targets: Any, step: Any, mb: Any,
+                            deadline: float | None = None, verify: bool = False, attempt: int = 0, source: str = "",
+                            _own: Any = own) -> Any:
+            if not verify and mb in lied and grad_outputs is not None:
                 received.append((mb, grad_outputs.detach().float().flatten().clone()))
-            return _own(inputs, grad_outputs, targets, step, mb, *a, **k)
+            return _own(inputs, grad_outputs, targets, step, mb, deadline, verify, attempt, source)
 
         d.executor._backward_sync = stage0_backward  # type: ignore[method-assign]
 
     def used() -> int:
-        return sum(1 for mb, g in received if mb in lied and g.shape == lied[mb].shape
+        return sum(1 for mb, g in received if g.shape == lied[mb].shape
                    and float(torch.nn.functional.cosine_similarity(g, lied[mb], dim=0)) > 0.5)
 
     return used

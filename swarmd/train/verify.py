@@ -593,10 +593,6 @@ class AnswerSizes:
             out = not median / self.below <= size <= median * self.factor
         return Outlier.NO if not out else Outlier.FIRM if firm else Outlier.THIN
 
-    def suspicious(self, stage: int, kind: str, answer: Answer) -> bool:
-        """Whether ``answer`` is an outlier against a firm reference (:meth:`outlier`)."""
-        return self.outlier(stage, kind, answer) is Outlier.FIRM
-
     def observe(self, stage: int, kind: str, answer: Answer) -> None:
         """Remember the size of an answer the trainer went on with (unsuspicious, or confirmed in a pair)."""
         size = answer_size(answer)

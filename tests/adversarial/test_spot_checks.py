@@ -296,10 +296,10 @@ async def test_an_outlier_confirmed_after_it_came_is_not_made_a_reference_of_its
         assert await t.judge(1, "backward", answer(a, 10 * g, 3), answer(b, 10 * g, 3), _arbiter(), REQUEST,
                              reference=False) == Ruling(Finding.CONFIRMED)
         assert t.ledger.confirmed(a, "backward") == 1  # confirmed all the same
-        assert not t.sizes.suspicious(1, "backward", answer(c, g, 3))  # no reference to hold it to
+        assert t.sizes.outlier(1, "backward", answer(c, g, 3)) is not Outlier.FIRM  # no reference to hold it to
         assert await t.judge(1, "backward", answer(a, 10 * g, 3), answer(b, 10 * g, 3), _arbiter(),
                              REQUEST) == Ruling(Finding.CONFIRMED)
-        assert t.sizes.suspicious(1, "backward", answer(c, g, 3))  # a pair's answer is one
+        assert t.sizes.outlier(1, "backward", answer(c, g, 3)) is Outlier.FIRM  # a pair's answer is one
 
 
 async def test_a_last_stage_answer_out_of_a_thin_references_band_is_probed_and_opined_on_only_when_uphill() -> None:

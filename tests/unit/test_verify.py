@@ -175,28 +175,28 @@ def test_an_answer_far_from_its_stage_mates_recent_sizes_is_suspicious() -> None
     assert answer_size(_sized("a", 2.0)) == pytest.approx(2.0)
     assert answer_size(Answer("a", 0, torch.tensor(3.0))) is None and answer_size(Answer("a", 0, None)) is None
     assert answer_size(Answer("a", 0, torch.tensor([1.0, float("nan")]))) == float("inf")
-    assert not sizes.suspicious(1, "backward", _sized("x", 100.0))  # nothing to hold it against yet
+    assert sizes.outlier(1, "backward", _sized("x", 100.0)) is not Outlier.FIRM  # nothing to hold it against yet
     for k in range(SIZE_MIN):
         sizes.observe(1, "backward", _sized("abc"[k % 3], 1.0 + 0.1 * k))
     assert (SUSPECT_FACTOR, SUSPECT_BELOW) == (2.0, 3.0)
-    assert not sizes.suspicious(1, "backward", _sized("x", 1.9))
-    assert sizes.suspicious(1, "backward", _sized("x", 3.0))  # a tripled gradient
-    assert not sizes.suspicious(1, "backward", _sized("x", 0.4))  # one shrunk, within the band below
-    assert sizes.suspicious(1, "backward", _sized("x", 0.3))  # ... one shrunk beyond it
-    assert sizes.suspicious(1, "backward", _sized("x", 0.0))  # ... or a zero answer
-    assert sizes.suspicious(1, "backward", Answer("x", 5, torch.tensor([1.0, float("inf")])))
-    assert not sizes.suspicious(1, "forward", _sized("x", 3.0))  # per kind
-    assert not sizes.suspicious(0, "backward", _sized("x", 3.0))  # and per stage
+    assert sizes.outlier(1, "backward", _sized("x", 1.9)) is not Outlier.FIRM
+    assert sizes.outlier(1, "backward", _sized("x", 3.0)) is Outlier.FIRM  # a tripled gradient
+    assert sizes.outlier(1, "backward", _sized("x", 0.4)) is not Outlier.FIRM  # one shrunk, within the band below
+    assert sizes.outlier(1, "backward", _sized("x", 0.3)) is Outlier.FIRM  # ... one shrunk beyond it
+    assert sizes.outlier(1, "backward", _sized("x", 0.0)) is Outlier.FIRM  # ... or a zero answer
+    assert sizes.outlier(1, "backward", Answer("x", 5, torch.tensor([1.0, float("inf")]))) is Outlier.FIRM
+    assert sizes.outlier(1, "forward", _sized("x", 3.0)) is not Outlier.FIRM  # per kind
+    assert sizes.outlier(0, "backward", _sized("x", 3.0)) is not Outlier.FIRM  # and per stage
     # answers of steps far apart are not held against each other (sizes move fast while warming up)
-    assert not sizes.suspicious(1, "backward", _sized("x", 3.0, step=5 + SIZE_STEPS + 1))
+    assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5 + SIZE_STEPS + 1)) is not Outlier.FIRM
     # a peer is held against its mates only: its own answers never make its reference
     own = AnswerSizes()
     for _ in range(10):
         own.observe(1, "backward", _sized("x", 3.0))
     own.observe(1, "backward", _sized("b", 1.0, step=4))
-    assert not own.suspicious(1, "backward", _sized("x", 3.0))  # one mate's answer of another step: too few
+    assert own.outlier(1, "backward", _sized("x", 3.0)) is not Outlier.FIRM  # one mate's answer of another step: too few
     own.observe(1, "backward", _sized("c", 1.0, step=4))
-    assert own.suspicious(1, "backward", _sized("x", 3.0))
+    assert own.outlier(1, "backward", _sized("x", 3.0)) is Outlier.FIRM
     with pytest.raises(ValueError):
         AnswerSizes(factor=1.0)
     with pytest.raises(ValueError):
@@ -211,13 +211,13 @@ def test_an_answer_is_held_to_its_own_step_first_and_to_the_steps_around_it_with
     sizes = AnswerSizes()
     for peer in "ab":
         sizes.observe(1, "backward", _sized(peer, 1.0, step=4))
-    assert not sizes.suspicious(1, "backward", _sized("x", 1.9, step=5))  # only the step before: held to it
-    assert sizes.suspicious(1, "backward", _sized("x", 3.0, step=5))
+    assert sizes.outlier(1, "backward", _sized("x", 1.9, step=5)) is not Outlier.FIRM  # only the step before: held to it
+    assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5)) is Outlier.FIRM
     sizes.observe(1, "backward", _sized("a", 3.0, step=5))  # the stage's sizes tripled at step 5
-    assert not sizes.suspicious(1, "backward", _sized("x", 3.5, step=5))  # one answer of its own step: held to it
-    assert sizes.suspicious(1, "backward", _sized("x", 9.0, step=5))  # a tripled answer at that step
-    assert sizes.suspicious(1, "backward", _sized("x", 0.9, step=5))  # the step before's size is not this one's
-    assert not sizes.suspicious(1, "backward", _sized("x", 1.1, step=5))  # ... though within the band below
+    assert sizes.outlier(1, "backward", _sized("x", 3.5, step=5)) is not Outlier.FIRM  # one answer of its own step: held to it
+    assert sizes.outlier(1, "backward", _sized("x", 9.0, step=5)) is Outlier.FIRM  # a tripled answer at that step
+    assert sizes.outlier(1, "backward", _sized("x", 0.9, step=5)) is Outlier.FIRM  # the step before's size is not this one's
+    assert sizes.outlier(1, "backward", _sized("x", 1.1, step=5)) is not Outlier.FIRM  # ... though within the band below
 
 
 def test_one_stage_mates_answer_of_a_step_around_it_is_a_thin_reference() -> None:
@@ -228,7 +228,6 @@ def test_one_stage_mates_answer_of_a_step_around_it_is_a_thin_reference() -> Non
     sizes.observe(1, "backward", _sized("a", 1.0, step=4))
     assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5)) is Outlier.THIN
     assert sizes.outlier(1, "backward", _sized("x", 1.5, step=5)) is Outlier.NO  # within the band
-    assert not sizes.suspicious(1, "backward", _sized("x", 3.0, step=5))  # suspicious: firm only
     assert sizes.outlier(1, "backward", _sized("a", 3.0, step=5)) is Outlier.NO  # never held to its own
     sizes.observe(1, "backward", _sized("b", 1.0, step=6))
     assert sizes.outlier(1, "backward", _sized("x", 3.0, step=5)) is Outlier.FIRM  # two of the steps around it
