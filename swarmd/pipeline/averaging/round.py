@@ -79,6 +79,11 @@ FIRST_PROOF_WAIT_S = 2.0
 FIRST_PROOF_WAIT_MAX = 8
 #: At most one warning per peer and reason in this many seconds (a liar must not flood the log).
 LOG_EVERY_S = 30.0
+#: A peer alone in its stage re-reads the stage's listing at most this often while it accumulates a batch
+#: (in the background), so that the read it makes sure of before stepping alone is rarely on the step's path...
+LISTING_PERIOD_S = 0.25
+#: ... a read started at most this long before the step counts as fresh (older: read again, then step).
+LISTING_FRESH_S = 0.5
 
 
 
@@ -261,6 +266,9 @@ class AveragerCore:
         self._mates: dict[str, str] = {}  # the stage-mates last listed (for /status: how many are unproven)
         self._logged: dict[tuple[str, str], float] = {}
         self._own_addr = ""  # this peer's address, as the stage's records list it
+        # the stage's listing read afresh (when it started, what it said), and the read in flight (_prefetch_listing)
+        self._listing: tuple[float, dict[str, str]] | None = None
+        self._listing_read: asyncio.Task[None] | None = None
 
     def count_repeats(self, step: int, groups: list[Collection[int]]) -> None:
         """The microbatch ids of a round this peer led (one group per contribution, peer-id order):
@@ -365,6 +373,8 @@ class AveragerCore:
         excluded = self.excluded()
         mates = {pid: addr for pid, addr in mates.items() if pid not in excluded}
         self._mates = mates
+        if not mates and self.executor.grad_samples > 0:  # alone, and a batch building up: a lone step may come
+            self._prefetch_listing()
         if self.prover is None:
             return mates
         prover = self.prover
@@ -380,10 +390,35 @@ class AveragerCore:
         within the listing's cache age may hold samples of this step (trainers route to a peer as
         soon as its record is out), and a lone step would leave them behind together, where the
         rule of :meth:`_tick` keeps them (two of them outnumber the one ahead) for good."""
-        listed = await self.stage_peers(fresh=True)
+        read = self._listing
+        if read is None or time.monotonic() - read[0] > LISTING_FRESH_S:
+            began = time.monotonic()
+            read = self._listing = (began, await self.stage_peers(fresh=True))
+        listed = dict(read[1])
         listed.pop(self.peer_id, None)
         excluded = self.excluded()
         return any(pid not in self._mates and pid not in excluded for pid in listed)
+
+    def _prefetch_listing(self) -> None:
+        """Read the stage's listing afresh in a task this averager owns, unless a read is in flight or one
+        began within ``LISTING_PERIOD_S``: :meth:`_newly_listed` takes a read begun within
+        ``LISTING_FRESH_S`` before the step instead of reading then (a round trip to the DHT, on a long
+        link the largest part of a lone peer's step). A mate whose record appears within that window
+        is missed as one appearing during the read itself would be; it is heard from at the next step."""
+        now = time.monotonic()
+        if (self._listing_read is not None and not self._listing_read.done()) or (
+                self._listing is not None and now - self._listing[0] < LISTING_PERIOD_S):
+            return
+
+        async def read() -> None:
+            try:
+                listed = await self.stage_peers(fresh=True)
+                if self._listing is None or self._listing[0] < now:  # a read begun later may have ended first
+                    self._listing = (now, listed)
+            except Exception as exc:  # the DHT unreachable for a moment: the step reads it again itself
+                log.info("stage %d: reading the stage's listing failed (%s)", self.executor.stage, exc)
+
+        self._listing_read = self._own(read(), "swarmd-listing")
 
     def _prove(self, mates: dict[str, str]) -> asyncio.Task[None] | None:
         """Challenge the due stage-mates in a task this averager owns (one at a time); the task."""

@@ -1,0 +1,61 @@
+"""A peer alone in its stage reads the stage's listing afresh before it steps alone (a mate that began
+serving since may hold samples of the step: swarmd.pipeline.averaging.round._newly_listed). While its batch
+builds up it keeps that read fresh in the background, so the step does not wait on the DHT: a read begun
+within LISTING_FRESH_S counts, an older one is made again first."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from swarmd.pipeline.averaging.averager import StageAverager
+from swarmd.pipeline.averaging.round import LISTING_FRESH_S, LISTING_PERIOD_S
+from swarmd.pipeline.stage.executor import StageExecutor
+from tests.support.swarms import TINY, TRAINING
+
+
+class _Listing:
+    """The stage's listing as the daemon reads it (``stage_mates``: ``cached`` unless fresh), counting the
+    fresh reads."""
+
+    def __init__(self) -> None:
+        self.peers = {"a": "127.0.0.1:1"}
+        self.cached = dict(self.peers)
+        self.fresh_reads: list[float] = []
+
+    async def __call__(self, *, fresh: bool = False) -> dict[str, str]:
+        if not fresh:
+            return dict(self.cached)
+        self.fresh_reads.append(time.monotonic())
+        await asyncio.sleep(0.01)  # a DHT read takes a while
+        return dict(self.peers)
+
+
+async def test_a_lone_peer_steps_on_a_listing_read_in_the_background_while_it_is_fresh() -> None:
+    ex = StageExecutor(TINY, 0, training=TRAINING)
+    listing = _Listing()
+    averager = StageAverager(ex, peer_id="a", stage_peers=listing, session=None)  # type: ignore[arg-type]
+    try:
+        assert await averager._trusted_mates() == {}  # nothing held: nothing read ahead
+        await asyncio.sleep(0.05)
+        assert listing.fresh_reads == []
+        await ex.add_gradients(torch.zeros(ex.grad_numel), 4)  # a batch builds up
+        await averager._trusted_mates()
+        await averager._trusted_mates()  # read ahead once a period, not once a tick
+        await asyncio.sleep(0.05)
+        assert len(listing.fresh_reads) == 1
+        assert not await averager._newly_listed() and len(listing.fresh_reads) == 1  # that read counted
+        listing.peers["b"] = "127.0.0.1:2"  # a mate begins serving (not in the cached listing yet)
+        await asyncio.sleep(LISTING_PERIOD_S)
+        await averager._trusted_mates()  # its record appeared before this read began: seen
+        await asyncio.sleep(0.05)
+        assert len(listing.fresh_reads) == 2 and await averager._newly_listed()
+        del listing.peers["b"]
+        await asyncio.sleep(LISTING_FRESH_S + 0.05)  # no tick since: the last read is stale
+        listing.peers["c"] = "127.0.0.1:3"
+        assert await averager._newly_listed() and len(listing.fresh_reads) == 3  # read again, then decided
+    finally:
+        await averager.close()
+        await ex.close()
