@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from swarmd.task_dump import format_tasks
 
@@ -124,3 +124,23 @@ async def wait_cancelled(tasks: set[asyncio.Task[Any]], what: str, grace_s: floa
     if pending:
         log.error("%s did not end within %gs of its cancellation; left behind, waiting in:\n%s", what,
                   grace_s, format_tasks(pending, why="not ended after cancel"))
+
+
+T = TypeVar("T")
+
+
+async def all_or_nothing(*aws: Awaitable[T]) -> list[T]:
+    """Run ``aws`` at once and return their results in order; the first to fail cancels the others,
+    which are awaited before its error goes on (``asyncio.gather`` would leave them running)."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                task.result()  # raises it
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -42,7 +42,10 @@ from swarmd.train.summary import StepLedger, TrainSummary
 from swarmd.train.swarm_client import TrainerError
 from swarmd.train.timing import Timing
 
-__all__ = ["Microbatches"]
+__all__ = ["Gate", "Microbatches"]
+
+#: Awaited with a stage's index before a microbatch's first call to that stage (``Microbatches.run``).
+Gate = Callable[[int], Awaitable[None]]
 
 
 class Microbatches:
@@ -64,7 +67,7 @@ class Microbatches:
         return self.checks.pairs()
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  lease_step: int | None = None, paired: bool | None = None) -> None:
+                  lease_step: int | None = None, paired: bool | None = None, gate: Gate | None = None) -> None:
         """Forward and backward through every stage, redone until it went through; booked in the
         step ledger.
 
@@ -73,7 +76,9 @@ class Microbatches:
         earlier step is finishing that step's round, so the forward is sent again once it has
         stepped (for at most ``Timing.stage_catch_up_s``), instead of being redone as stale later.
         ``paired``: whether it runs paired, every attempt (the caller gave it two slots, or one);
-        None: drawn for each attempt.
+        None: drawn for each attempt. ``gate``: awaited with a stage's index before the first call to that
+        stage (a sync step's next batch waits there for a stage still finishing the step before:
+        ``swarmd.train.sync_steps.StageGates``).
         """
         s, checks, last = self.summary, self.checks, self.last
         s.microbatches_issued += 1
@@ -85,7 +90,8 @@ class Microbatches:
             # the backward goes back to the peer that ran the forward (when it is still usable)
             pair = checks.pairs() if paired is None else paired  # a check: the same sample through other peers too
             try:
-                loss, loss_step, duplicates, count_steps = await self._attempt(x, y, pair, on_forward, lease_step)
+                loss, loss_step, duplicates, count_steps = await self._attempt(x, y, pair, on_forward, lease_step,
+                                                                               gate)
             except Unsettled:  # a check found an answer wrong (or of another step) and could not say whose
                 continue
             except Redo as redo:  # a stage stepped since the forward, or none of its peers is at that step
@@ -104,7 +110,7 @@ class Microbatches:
             self.ledger.book(loss=loss, loss_step=loss_step, count_step=count_step, samples=x.shape[0])
 
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, paired: bool, on_forward: Callable[[], None] | None,
-                       lease_step: int | None) -> tuple[float, int, int, list[int]]:
+                       lease_step: int | None, gate: Gate | None) -> tuple[float, int, int, list[int]]:
         """One attempt at a microbatch (``paired``: with its pair, each call sent twice at once): its
         loss, the last stage's step, the duplicates, and the first stage's step of each half (where
         the stages counted it)."""
@@ -130,6 +136,9 @@ class Microbatches:
         while stage < last:
             inputs = acts[stage]
             assert inputs is not None  # a stage's forward starts where the trainer holds the inputs
+            if gate is not None:  # every stage its call may reach (peer to peer: up to the chain's end)
+                for k in range(stage, stage + 1 if chain_to is None else chain_to + 1):
+                    await gate(k)
             catch_up = time.monotonic() + self.timing.stage_catch_up_s
             while True:
                 if chain_to is not None and on_forward is not None:
@@ -198,6 +207,8 @@ class Microbatches:
             held_top = acts[last]
             assert held_top is not None  # without a fused end, the last forward's outputs come back to the trainer
             top = held_top
+            if gate is not None:
+                await gate(last)
             fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (prefer, None),
                                                      (None, None), lost_at=lost_at.get(last, ()))
         backward = await checks.backward(last, top, None, y, fused, fused_pair)

@@ -31,6 +31,7 @@ from swarmd.api import models
 from swarmd.peer_state import ANNOUNCED, PeerState
 from swarmd.pipeline.failures import Action, classify, timed_out
 from swarmd.pipeline.routing import PeerView, Reachability, RoutedPeer, StageRouter
+from swarmd.tasks import all_or_nothing
 from swarmd.train.stage_calls import unreachable_hint
 from swarmd.train.swarm_client import PeerProgress, SwarmClient, TrainerError
 from swarmd.train.timing import Timing
@@ -187,7 +188,9 @@ class SwarmView:
                                    + unreachable_hint({}, self.unreachable(silent[0])))
             await asyncio.sleep(self.timing.no_peer_poll_s)
 
-    async def poll(self, wait_step: int | Sequence[int] | None = None) -> list[list[PeerProgress]]:
+    async def poll(self, wait_step: int | Sequence[int] | None = None,
+                   on_stage: Callable[[int, list[PeerProgress]], None] | None = None, *,
+                   refresh: bool = True) -> list[list[PeerProgress]]:
         """Every serving peer's ``/v1/progress`` (step, samples held, averaging), per stage.
 
         A peer that does not answer is listed with ``step`` None: it may be dead (its record expires
@@ -197,17 +200,30 @@ class SwarmView:
         trainer) are polled with a short timeout, and one never heard from does not hold the poll up
         (``SwarmClient.progress``: its poll may end in the background, told to :meth:`heard`). The
         answers also carry each peer's excluded set, which decides whom the routers leave out
-        (:func:`exclusions_of`).
+        (:func:`exclusions_of`). ``on_stage(k, answers)``: each stage polled on its own, told as soon as
+        its peers answered (a sync trainer's next batch need not wait for the slowest stage's answer).
+        ``refresh``: re-read the stage map first when it is due (False: poll the peers it lists now).
         """
-        await self.refresh()
+        if refresh:
+            await self.refresh()
         stages: list[list[tuple[str, str]]] = []
         probation: set[str] = set()
         for router in self.routers:
             peers = poll_targets(router.snapshot())
             stages.append([(p.peer_id, p.addr) for p in peers])
             probation |= {p.peer_id for p in peers if not p.proven}
-        polled = await self.swarm.progress(stages, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
-                                           probation=probation, on_late=self.heard)
+        if on_stage is None:
+            polled = await self.swarm.progress(stages, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
+                                               probation=probation, on_late=self.heard)
+        else:
+            async def one(stage: int) -> list[PeerProgress]:
+                alone = [peers if k == stage else [] for k, peers in enumerate(stages)]
+                answers = (await self.swarm.progress(alone, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
+                                                     probation=probation, on_late=self.heard))[stage]
+                on_stage(stage, answers)
+                return answers
+
+            polled = await all_or_nothing(*(one(k) for k in range(len(stages))))
         for stage, answers in enumerate(polled):
             self._steps[stage] = {}  # only what this poll heard: a peer that did not answer has no step now
             for answer in answers:

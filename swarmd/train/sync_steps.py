@@ -1,8 +1,12 @@
 """Synchronous training (``--sync``): one global batch per step, then wait until every peer stepped.
 
-A sync trainer sends exactly one global batch per step and waits until every peer of every stage
-has stepped (a long-poll of ``/v1/progress``), which makes a swarm compute exactly what
-single-process training computes (the equivalence test). The batch is tapered at both ends (the
+A sync trainer sends exactly one global batch per step and sends no call of the next step to a
+stage before every peer of that stage has stepped (a long-poll of ``/v1/progress``), which makes a
+swarm compute exactly what single-process training computes (the equivalence test). The next batch
+starts while the wait is still on: each of its calls waits at its stage's gate (:class:`StageGates`),
+open once that stage stepped, so the first stage's forwards go out while a later stage's answer is
+still on the link (a round trip per step on a long link); a step that ends in a validation pass waits
+for the whole swarm and the pass first. The batch is tapered at both ends (the
 first and last microbatches halved, or a ramp in quarters once the stages' measured latencies say a
 small microbatch is worth its request: ``swarmd.pipeline.partition.tapered_sizes``, depth from
 :func:`taper_depth_for`) and each microbatch starts once the one before has its first forward back,
@@ -21,9 +25,10 @@ per grace, and a peer most of its stage left behind is not waited for past a gra
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,13 +38,15 @@ from swarmd.errors import ConfigError
 from swarmd.pipeline.partition import taper_depth, tapered_sizes
 from swarmd.pipeline.routing import StageRouter
 from swarmd.pipeline.spec import TrainingSpec
+from swarmd.tasks import all_or_nothing
 from swarmd.train.config import TrainerConfig
 from swarmd.train.events import StepWait, TrainerEvent
+from swarmd.train.microbatches import Gate
 from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import PeerProgress, TrainerError
 from swarmd.train.verify import stage_distrust
 
-__all__ = ["LeftBehind", "Standing", "SyncSteps", "assess", "split_batch", "taper_depth_for"]
+__all__ = ["LeftBehind", "StageGates", "Standing", "SyncSteps", "assess", "split_batch", "taper_depth_for"]
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +139,9 @@ class Polls(Protocol):
 
     async def refresh(self, force: bool = False) -> None: ...
 
-    async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]: ...
+    async def poll(self, wait_step: int | None = None,
+                   on_stage: Callable[[int, list[PeerProgress]], None] | None = None, *,
+                   refresh: bool = True) -> list[list[PeerProgress]]: ...
 
     async def swarm_step(self) -> int: ...
 
@@ -141,7 +150,7 @@ class Runner(Protocol):
     """Runs one microbatch (``swarmd.train.microbatches.Microbatches``)."""
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  paired: bool | None = None) -> None: ...
+                  paired: bool | None = None, gate: Gate | None = None) -> None: ...
 
     def pairs(self) -> bool: ...
 
@@ -150,13 +159,38 @@ class Sampler(Protocol):
     def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class StageGates:
+    """Which stages the next step's calls may go to yet: stage ``k``'s gate opens once every peer of it
+    the step's wait waits for has taken the step (:meth:`SyncSteps.wait_all_stepped`), so the next
+    batch starts on a stage that stepped while a later stage's answer is still on its way back,
+    instead of after the whole swarm's (a round trip per step saved on a long link)."""
+
+    def __init__(self, n_stages: int) -> None:
+        self._open = [asyncio.Event() for _ in range(n_stages)]
+
+    def open(self, stages: Iterable[int] | None = None) -> None:
+        """Open the gates of ``stages`` (None: of every stage)."""
+        for k in range(len(self._open)) if stages is None else stages:
+            if 0 <= k < len(self._open):
+                self._open[k].set()
+
+    def is_open(self, stage: int) -> bool:
+        return not 0 <= stage < len(self._open) or self._open[stage].is_set()
+
+    async def wait(self, stage: int) -> None:
+        """Until ``stage``'s gate is open (a stage the gates do not know of is never held)."""
+        if 0 <= stage < len(self._open):
+            await self._open[stage].wait()
+
+
 class SyncSteps:
     """Runs ``config.steps`` synchronous steps: a tapered batch each, then the wait for the step."""
 
     def __init__(self, config: TrainerConfig, training: TrainingSpec, *, view: Polls, microbatches: Runner,
                  summary: TrainSummary, on_step: Callable[[int, int], Awaitable[None]],
                  emit: Callable[[TrainerEvent], None] | None = None,
-                 window: Callable[[int], int] | None = None) -> None:
+                 window: Callable[[int], int] | None = None,
+                 calls_on_step: Callable[[int], bool] | None = None) -> None:
         self.config = config
         # microbatches in flight for a step of so many (the trainer's swarmd.train.window sizing; by default the start)
         self.window = window if window is not None else (lambda _: config.start_window)
@@ -165,6 +199,9 @@ class SyncSteps:
         self.microbatches = microbatches
         self.summary = summary
         self.on_step = on_step  # (step, steps done in this run): every peer took it
+        # whether on_step after the done-th step of this run calls the stages (a validation pass): then the
+        # next batch waits for it, so those calls all see the step's parameters
+        self.calls_on_step = calls_on_step if calls_on_step is not None else (lambda _: False)
         self.emit = emit
 
     async def run(self, sampler: Sampler) -> None:
@@ -177,15 +214,37 @@ class SyncSteps:
             )
         start = await self.view.swarm_step()
         began = time.monotonic()
-        for i in range(cfg.steps):
-            if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
-                break
-            step = start + i
-            await self.send_batch(batch, sampler)
-            await self.wait_all_stepped(step + 1, sampler)
-            await self.on_step(step, i + 1)
+        # the step before's wait, still running while this step's batch starts: its gates hold each call to a
+        # stage until that stage stepped, and on_step follows the wait (the ledger closes that step then)
+        waiting: _Waiting | None = None
+        try:
+            for i in range(cfg.steps):
+                if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
+                    break
+                step = start + i
+                if waiting is None:
+                    await self.send_batch(batch, sampler)
+                else:
+                    await all_or_nothing(self.send_batch(batch, sampler, waiting.gates), self._closed(waiting))
+                gates = StageGates(len(self.view.routers))
+                waiting = _Waiting(step, i + 1, gates, asyncio.create_task(
+                    self.wait_all_stepped(step + 1, sampler, gates), name=f"swarmd-trainer-wait-{step + 1}"))
+                if self.calls_on_step(i + 1) or i + 1 == cfg.steps:
+                    await self._closed(waiting)
+                    waiting = None
+            if waiting is not None:  # stopped by --max-seconds before the next batch
+                await self._closed(waiting)
+        finally:
+            if waiting is not None and not waiting.task.done():
+                waiting.task.cancel()
+                await asyncio.gather(waiting.task, return_exceptions=True)
 
-    async def send_batch(self, batch: int, sampler: Sampler) -> None:
+    async def _closed(self, waiting: _Waiting) -> None:
+        """The step's wait done, then ``on_step`` for it."""
+        await waiting.task
+        await self.on_step(waiting.step, waiting.done)
+
+    async def send_batch(self, batch: int, sampler: Sampler, gates: StageGates | None = None) -> None:
         """One step's batch, tapered, every microbatch through the pipeline.
 
         The first microbatch leads: the others start once its first forward is back, so stage 0
@@ -218,7 +277,11 @@ class SyncSteps:
                 led[index].set()
                 return
             async with window:
-                await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index])
+                if gates is None:
+                    await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index])
+                else:
+                    await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index],
+                                                gate=gates.wait)
 
         async def refresh() -> None:
             # the stage map is re-read (when due) mid-step, while the pipeline is full: not at the step's
@@ -235,9 +298,18 @@ class SyncSteps:
                 refreshed.cancel()
                 await asyncio.gather(refreshed, return_exceptions=True)
 
-    async def wait_all_stepped(self, step: int, sampler: Sampler) -> None:
+    @staticmethod
+    def _heard(gates: StageGates, step: int, target: int, left_behind: LeftBehind, stage: int,
+               answers: list[PeerProgress]) -> None:
+        """One stage's answers to a poll: its gate opens if none of its peers is still waited for."""
+        alone = [answers if k == stage else [] for k in range(stage + 1)]
+        if not assess(alone, step, target, left_behind, time.monotonic()).lagging:
+            gates.open((stage,))
+
+    async def wait_all_stepped(self, step: int, sampler: Sampler, gates: StageGates | None = None) -> None:
         """Poll every serving peer's progress until all are at ``step`` or later (see the module
-        docstring: top-ups for a short or stuck stage, no wait for a peer left behind)."""
+        docstring: top-ups for a short or stuck stage, no wait for a peer left behind). ``gates``: each
+        stage's opened as soon as a poll finds none of its peers waited for, all of them at the end."""
         cfg, timing, s = self.config, self.config.timing, self.summary
         target = self.training.target_batch_size
         began = time.perf_counter()
@@ -245,10 +317,21 @@ class SyncSteps:
         short_since: float | None = None
         stuck_since: float | None = None
         left_behind = LeftBehind(timing.lag_grace_s)
+        polls = 0
         while True:
             polled_at = time.monotonic()
-            standing = assess(await self.view.poll(wait_step=step), step, target, left_behind, time.monotonic())
+            if gates is None:
+                polled = await self.view.poll(wait_step=step)
+            else:  # the first poll goes out at once: the stage map was re-read mid-step when due (send_batch)
+                polled = await self.view.poll(wait_step=step, on_stage=functools.partial(
+                    self._heard, gates, step, target, left_behind), refresh=polls > 0)
+            polls += 1
+            standing = assess(polled, step, target, left_behind, time.monotonic())
+            if gates is not None:
+                gates.open(set(range(len(polled))) - {stage for stage, _, _ in standing.lagging})
             if not standing.lagging:
+                if gates is not None:
+                    gates.open()
                 late = [p[:12] for p in left_behind.late(time.monotonic())]
                 if late:
                     log.warning("step %d: not waiting any longer for %s, left behind by most of its stage for "
@@ -281,3 +364,14 @@ class SyncSteps:
                 await self.microbatches.run(*sampler.sample(cfg.microbatch_size))
                 stuck_since = None
             await asyncio.sleep(max(0.0, timing.step_poll_period_s - (time.monotonic() - polled_at)))
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A step's wait for every stage to take it (a task), the gates it opens, and what ``on_step`` is told."""
+
+    step: int
+    done: int  # steps done in this run once it ends
+    gates: StageGates
+    task: asyncio.Task[None]
+

@@ -188,7 +188,8 @@ class Trainer:
         microbatches = self._require_microbatches()
         if cfg.sync:
             await SyncSteps(cfg, training, view=view, microbatches=microbatches, summary=self.summary,
-                            on_step=self._finish_step, emit=self._emit, window=self.window_for).run(sampler)
+                            on_step=self._finish_step, emit=self._emit, window=self.window_for,
+                            calls_on_step=self._validates).run(sampler)
             return
         book = LeaseBook(cfg, training, n_stages=spec.n_stages, view=view, client=client, summary=self.summary,
                          trainer_id=lambda: self.trainer_id)
@@ -230,7 +231,7 @@ class Trainer:
         if closed.loss is not None:
             s.first_loss = loss if s.first_loss is None else s.first_loss
             s.final_loss = loss
-        validated = bool(self.config.val_every and done % self.config.val_every == 0)
+        validated = self._validates(done)
         if validated:
             await self._validate()
         progress = self.progress()
@@ -244,6 +245,10 @@ class Trainer:
         self._emit(StepDone(done=done, step=step, loss=closed.loss, progress=progress, at=time.perf_counter()))
         if self.on_step is not None:
             self.on_step(done, loss, progress)
+
+    def _validates(self, done: int) -> bool:
+        """Whether the ``done``-th step of this run ends in a validation pass."""
+        return bool(self.config.val_every and done % self.config.val_every == 0)
 
     def _require_microbatches(self) -> Microbatches:
         if self._microbatches is None:

@@ -77,7 +77,7 @@ class _ScriptedStages:
     async def swarm_step(self) -> int:
         return 0
 
-    async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
+    async def poll(self, wait_step: int | None = None, on_stage=None, refresh=True) -> list[list[PeerProgress]]:
         await asyncio.sleep(0.01)
         return [[PeerProgress("s0", 1, 0, params_digest="d0")], self.stage1(self.topups)]
 

@@ -54,7 +54,7 @@ class _Quiet:
     async def refresh(self, force: bool = False) -> None:
         return None
 
-    async def poll(self, wait_step: int | None = None) -> list[list[PeerProgress]]:
+    async def poll(self, wait_step: int | None = None, on_stage=None, refresh=True) -> list[list[PeerProgress]]:
         return [[] for _ in self.routers]  # nobody to wait for
 
     async def swarm_step(self) -> int:
@@ -68,7 +68,7 @@ async def test_a_sync_step_starts_with_its_first_microbatch_alone() -> None:
         def pairs(self) -> bool:
             return False  # no spot checks here
 
-        async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward=None, paired=None) -> None:
+        async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward=None, paired=None, gate=None) -> None:
             events.append(("start", x.shape[0], on_forward is not None))
             await asyncio.sleep(0.01)
             if on_forward is not None:

@@ -1,10 +1,21 @@
 """A sync step's wait, decided from one progress poll (swarmd.train.sync_steps.assess): who is still
-waited for, how short a stage is, whether it is stuck, and whom not to wait for any more."""
+waited for, how short a stage is, whether it is stuck, and whom not to wait for any more; and the next
+batch's calls, each held at its stage's gate until that stage took the step (StageGates)."""
 
 from __future__ import annotations
 
-from swarmd.train.swarm_client import PeerProgress
-from swarmd.train.sync_steps import LeftBehind, Standing, assess
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from swarmd.pipeline.routing import StageRouter
+from swarmd.pipeline.spec import TrainingSpec
+from swarmd.train.config import TrainerConfig
+from swarmd.train.summary import TrainSummary
+from swarmd.train.swarm_client import PeerProgress, TrainerError
+from swarmd.train.sync_steps import LeftBehind, Standing, SyncSteps, assess
 
 TARGET = 12
 
@@ -54,3 +65,119 @@ def test_a_peer_most_of_its_stage_left_behind_is_waited_for_only_a_grace() -> No
     even = LeftBehind(grace_s=30.0)
     half = [[p("a", 1), p("z", 0)]]
     assert assess(half, 1, TARGET, even, now=0.0).lagging == assess(half, 1, TARGET, even, now=1e6).lagging
+
+
+# ---- the next batch, gated per stage (swarmd.train.sync_steps.StageGates) ------------------------------
+
+
+class _TwoStages:
+    """Two stages as a sync trainer's polls see them: stage 0 takes every step at once, stage 1 only once
+    ``release`` is set (its poll answers then); each microbatch logs when it passed each stage's gate."""
+
+    def __init__(self) -> None:
+        self.routers = [StageRouter(0), StageRouter(1)]
+        self.release = asyncio.Event()
+        self.log: list[tuple[str, int]] = []
+        self.batch = 0
+
+    async def refresh(self, force: bool = False) -> None:
+        return None
+
+    async def swarm_step(self) -> int:
+        return 0
+
+    async def poll(self, wait_step: int | None = None, on_stage: Any = None,
+                   refresh: bool = True) -> list[list[PeerProgress]]:
+        step = wait_step or 0
+        first = [p("a", step)]
+        if on_stage is not None:
+            on_stage(0, first)
+        await self.release.wait()
+        second = [p("b", step)]
+        if on_stage is not None:
+            on_stage(1, second)
+        return [first, second]
+
+    def pairs(self) -> bool:
+        return False
+
+    async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
+                  gate: Any = None) -> None:
+        self.batch += 1
+        batch = self.batch
+        for stage in (0, 1):
+            if gate is not None:
+                await gate(stage)
+            self.log.append((f"stage {stage}", batch))
+        if on_forward is not None:
+            on_forward()
+
+
+class _Sampler:
+    def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(n, 4, dtype=torch.long), torch.zeros(n, 4, dtype=torch.long)
+
+
+def _steps(stages: _TwoStages, done: list[int], *, steps: int = 2,
+           calls_on_step: Any = None) -> SyncSteps:
+    config = TrainerConfig(api="http://127.0.0.1:9", steps=steps, sync=True, batch_size=4, microbatch_size=4,
+                           window=1, taper=False, val_every=0)
+
+    async def on_step(step: int, n: int) -> None:
+        done.append(step)
+
+    return SyncSteps(config, TrainingSpec(target_batch_size=4), view=stages, microbatches=stages,
+                     summary=TrainSummary(), on_step=on_step, calls_on_step=calls_on_step)
+
+
+async def _until(condition: Any) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+async def test_the_next_batch_starts_on_a_stage_that_stepped_while_a_later_stage_is_still_waited_for() -> None:
+    stages, done = _TwoStages(), []
+    run = asyncio.create_task(_steps(stages, done).run(_Sampler()))
+    try:
+        await _until(lambda: ("stage 0", 2) in stages.log)  # the second batch began on stage 0 ...
+        await asyncio.sleep(0.05)
+        assert ("stage 1", 2) not in stages.log and done == []  # ... not on stage 1, still at step 0
+        stages.release.set()
+        await asyncio.wait_for(run, 5)
+    finally:
+        run.cancel()
+    assert stages.log == [("stage 0", 1), ("stage 1", 1), ("stage 0", 2), ("stage 1", 2)]
+    assert done == [0, 1]  # each step closed once every stage took it, in order
+
+
+async def test_a_step_whose_end_calls_the_stages_is_waited_for_whole_before_the_next_batch() -> None:
+    stages, done = _TwoStages(), []
+    run = asyncio.create_task(_steps(stages, done, calls_on_step=lambda n: n == 1).run(_Sampler()))
+    try:
+        await asyncio.sleep(0.1)
+        assert stages.log == [("stage 0", 1), ("stage 1", 1)]  # a validation pass after step 0: nothing of step 1
+        stages.release.set()
+        await asyncio.wait_for(run, 5)
+    finally:
+        run.cancel()
+    assert done == [0, 1] and len(stages.log) == 4
+
+
+async def test_a_wait_that_fails_ends_the_next_batch_too() -> None:
+    stages, done = _TwoStages(), []
+
+    async def failing(wait_step: int | None = None, on_stage: Any = None,
+                      refresh: bool = True) -> list[list[PeerProgress]]:
+        on_stage(0, [p("a", wait_step or 0)])
+        await asyncio.sleep(0.05)
+        raise TrainerError("stages did not reach step 1 in time")
+
+    stages.poll = failing  # type: ignore[method-assign]
+    with pytest.raises(TrainerError, match="did not reach step 1"):
+        await asyncio.wait_for(_steps(stages, done, steps=3).run(_Sampler()), 5)
+    assert ("stage 1", 2) not in stages.log and done == []
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert not any("swarmd-trainer-wait" in t.get_name() for t in others)  # nothing left running
