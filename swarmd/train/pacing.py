@@ -275,7 +275,9 @@ class AsyncPacing:
                 progress = waited if waited is not None else await self.view.poll()
                 waited = None
                 step_now = front_step(progress)
-                while done_steps < step_now - start:
+                # the swarm may take two steps between polls (leases of the next step in flight): a run that
+                # asked for n steps reports n, the one past them is the swarm's next run's
+                while done_steps < min(step_now - start, cfg.steps):
                     done_steps += 1
                     await self.on_step(start + done_steps - 1, done_steps)
                 if step_now >= target or (cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds):
