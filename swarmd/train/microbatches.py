@@ -67,7 +67,8 @@ class Microbatches:
         return self.checks.pairs()
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  lease_step: int | None = None, paired: bool | None = None, gate: Gate | None = None) -> None:
+                  lease_step: int | None = None, paired: bool | None = None, gate: Gate | None = None,
+                  on_last_stage: Callable[[], None] | None = None) -> None:
         """Forward and backward through every stage, redone until it went through; booked in the
         step ledger.
 
@@ -78,7 +79,8 @@ class Microbatches:
         ``paired``: whether it runs paired, every attempt (the caller gave it two slots, or one);
         None: drawn for each attempt. ``gate``: awaited with a stage's index before the first call to that
         stage (a sync step's next batch waits there for a stage still finishing the step before:
-        ``swarmd.train.sync_steps.StageGates``).
+        ``swarmd.train.sync_steps.StageGates``). ``on_last_stage``: called when the last stage answered it
+        (again when it is redone whole).
         """
         s, checks, last = self.summary, self.checks, self.last
         s.microbatches_issued += 1
@@ -91,7 +93,7 @@ class Microbatches:
             pair = checks.pairs() if paired is None else paired  # a check: the same sample through other peers too
             try:
                 loss, loss_step, duplicates, count_steps = await self._attempt(x, y, pair, on_forward, lease_step,
-                                                                               gate)
+                                                                               gate, on_last_stage)
             except Unsettled:  # a check found an answer wrong (or of another step) and could not say whose
                 continue
             except Redo as redo:  # a stage stepped since the forward, or none of its peers is at that step
@@ -110,7 +112,8 @@ class Microbatches:
             self.ledger.book(loss=loss, loss_step=loss_step, count_step=count_step, samples=x.shape[0])
 
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, paired: bool, on_forward: Callable[[], None] | None,
-                       lease_step: int | None, gate: Gate | None) -> tuple[float, int, int, list[int]]:
+                       lease_step: int | None, gate: Gate | None,
+                       on_last_stage: Callable[[], None] | None) -> tuple[float, int, int, list[int]]:
         """One attempt at a microbatch (``paired``: with its pair, each call sent twice at once): its
         loss, the last stage's step, the duplicates, and the first stage's step of each half (where
         the stages counted it)."""
@@ -212,6 +215,8 @@ class Microbatches:
             fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (prefer, None),
                                                      (None, None), lost_at=lost_at.get(last, ()))
         backward = await checks.backward(last, top, None, y, fused, fused_pair)
+        if on_last_stage is not None:
+            on_last_stage()
         if backward.loss is None:
             raise TrainerError(f"stage {last} answered a backward with targets without its loss")
         loss, loss_step = backward.loss, backward.step

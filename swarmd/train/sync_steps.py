@@ -150,7 +150,8 @@ class Runner(Protocol):
     """Runs one microbatch (``swarmd.train.microbatches.Microbatches``)."""
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  paired: bool | None = None, gate: Gate | None = None) -> None: ...
+                  paired: bool | None = None, gate: Gate | None = None,
+                  on_last_stage: Callable[[], None] | None = None) -> None: ...
 
     def pairs(self) -> bool: ...
 
@@ -217,41 +218,62 @@ class SyncSteps:
         # the step before's wait, still running while this step's batch starts: its gates hold each call to a
         # stage until that stage stepped, and on_step follows the wait (the ledger closes that step then)
         waiting: _Waiting | None = None
+        waits: list[asyncio.Task[None]] = []  # every wait started, for the cleanup
         try:
             for i in range(cfg.steps):
                 if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
                     break
                 step = start + i
+                # this step's wait starts as soon as the last stage has the whole batch (its polls then only open
+                # the next batch's gates: a later stage's answer travels while the first stage drains), or at
+                # the latest once the batch is sent
+                after = _Waiting(step, i + 1, StageGates(len(self.view.routers)), asyncio.Event())
+
+                def start_wait(after: _Waiting = after, step: int = step) -> None:
+                    if after.task is None:
+                        after.task = asyncio.create_task(self.wait_all_stepped(step + 1, sampler, after.gates,
+                                                                               after.sent),
+                                                         name=f"swarmd-trainer-wait-{step + 1}")
+                        waits.append(after.task)
+
+                sending = self.send_batch(batch, sampler, None if waiting is None else waiting.gates,
+                                          on_last_stage=start_wait)
                 if waiting is None:
-                    await self.send_batch(batch, sampler)
+                    await sending
                 else:
-                    await all_or_nothing(self.send_batch(batch, sampler, waiting.gates), self._closed(waiting))
-                gates = StageGates(len(self.view.routers))
-                waiting = _Waiting(step, i + 1, gates, asyncio.create_task(
-                    self.wait_all_stepped(step + 1, sampler, gates), name=f"swarmd-trainer-wait-{step + 1}"))
+                    await all_or_nothing(sending, self._closed(waiting))
+                after.sent.set()
+                start_wait()
+                waiting = after
                 if self.calls_on_step(i + 1) or i + 1 == cfg.steps:
                     await self._closed(waiting)
                     waiting = None
             if waiting is not None:  # stopped by --max-seconds before the next batch
                 await self._closed(waiting)
         finally:
-            if waiting is not None and not waiting.task.done():
-                waiting.task.cancel()
-                await asyncio.gather(waiting.task, return_exceptions=True)
+            running = [task for task in waits if not task.done()]
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
 
     async def _closed(self, waiting: _Waiting) -> None:
         """The step's wait done, then ``on_step`` for it."""
-        await waiting.task
+        if waiting.task is not None:
+            await waiting.task
         await self.on_step(waiting.step, waiting.done)
 
-    async def send_batch(self, batch: int, sampler: Sampler, gates: StageGates | None = None) -> None:
+    async def send_batch(self, batch: int, sampler: Sampler, gates: StageGates | None = None,
+                         on_last_stage: Callable[[], None] | None = None) -> None:
         """One step's batch, tapered, every microbatch through the pipeline.
 
         The first microbatch leads: the others start once its first forward is back, so stage 0
         computes it first (requests sent together reach the worker in any order) and the next stage
         starts after the step's smallest forward. Under the finer taper each one waits for the one
         before, so the ramp reaches stage 0 in order (its calls are long enough that the round trip
-        between them costs little; a model whose calls are mostly overhead is not chained)."""
+        between them costs little; a model whose calls are mostly overhead is not chained).
+
+        ``gates``: each call waits at its stage's (the step before still being taken); ``on_last_stage``:
+        called once the last stage has answered every microbatch of the batch."""
         cfg = self.config
         depth = taper_depth_for(self.view.routers, taper=cfg.taper, most=cfg.max_taper_depth,
                                 microbatch_size=cfg.microbatch_size)
@@ -269,6 +291,14 @@ class SyncSteps:
             if paired[k]:
                 paired[k + 1] = False
 
+        runs = [k for k in range(len(microbatches)) if not paired.get(k - 1, False)]  # a pair's second slot: none
+        at_last: set[int] = set()
+
+        def last_stage_done(index: int) -> None:
+            at_last.add(index)
+            if len(at_last) == len(runs) and on_last_stage is not None:
+                on_last_stage()
+
         async def one(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
             if index:
                 await led[index - 1 if depth >= 2 else 0].wait()
@@ -277,11 +307,9 @@ class SyncSteps:
                 led[index].set()
                 return
             async with window:
-                if gates is None:
-                    await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index])
-                else:
-                    await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index],
-                                                gate=gates.wait)
+                await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index],
+                                            gate=None if gates is None else gates.wait,
+                                            on_last_stage=functools.partial(last_stage_done, index))
 
         async def refresh() -> None:
             # the stage map is re-read (when due) mid-step, while the pipeline is full: not at the step's
@@ -306,10 +334,13 @@ class SyncSteps:
         if not assess(alone, step, target, left_behind, time.monotonic()).lagging:
             gates.open((stage,))
 
-    async def wait_all_stepped(self, step: int, sampler: Sampler, gates: StageGates | None = None) -> None:
+    async def wait_all_stepped(self, step: int, sampler: Sampler, gates: StageGates | None = None,
+                               sent: asyncio.Event | None = None) -> None:
         """Poll every serving peer's progress until all are at ``step`` or later (see the module
         docstring: top-ups for a short or stuck stage, no wait for a peer left behind). ``gates``: each
-        stage's opened as soon as a poll finds none of its peers waited for, all of them at the end."""
+        stage's opened as soon as a poll finds none of its peers waited for, all of them at the end.
+        ``sent``: set once the step's batch is sent; until then the polls only open gates (no top-up, no
+        deadline, no end: the batch's last microbatches are still being booked)."""
         cfg, timing, s = self.config, self.config.timing, self.summary
         target = self.training.target_batch_size
         began = time.perf_counter()
@@ -329,6 +360,11 @@ class SyncSteps:
             standing = assess(polled, step, target, left_behind, time.monotonic())
             if gates is not None:
                 gates.open(set(range(len(polled))) - {stage for stage, _, _ in standing.lagging})
+            if sent is not None and not sent.is_set():  # begun early: the wait proper begins with the batch sent
+                await sent.wait()
+                began, deadline = time.perf_counter(), time.monotonic() + cfg.stage_wait_timeout_s
+                if standing.lagging:  # asked again: what is short or stuck is judged on a poll after the batch
+                    continue
             if not standing.lagging:
                 if gates is not None:
                     gates.open()
@@ -366,12 +402,14 @@ class SyncSteps:
             await asyncio.sleep(max(0.0, timing.step_poll_period_s - (time.monotonic() - polled_at)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Waiting:
-    """A step's wait for every stage to take it (a task), the gates it opens, and what ``on_step`` is told."""
+    """A step's wait for every stage to take it (a task, once started), the gates it opens, whether the
+    step's batch is sent, and what ``on_step`` is told."""
 
     step: int
     done: int  # steps done in this run once it ends
     gates: StageGates
-    task: asyncio.Task[None]
+    sent: asyncio.Event
+    task: asyncio.Task[None] | None = None
 

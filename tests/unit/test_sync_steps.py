@@ -89,6 +89,7 @@ class _TwoStages:
     async def poll(self, wait_step: int | None = None, on_stage: Any = None,
                    refresh: bool = True) -> list[list[PeerProgress]]:
         step = wait_step or 0
+        self.log.append(("poll", step))
         first = [p("a", step)]
         if on_stage is not None:
             on_stage(0, first)
@@ -102,13 +103,17 @@ class _TwoStages:
         return False
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
-                  gate: Any = None) -> None:
+                  gate: Any = None, on_last_stage: Any = None) -> None:
         self.batch += 1
         batch = self.batch
         for stage in (0, 1):
             if gate is not None:
                 await gate(stage)
             self.log.append((f"stage {stage}", batch))
+        if on_last_stage is not None:
+            on_last_stage()
+        await asyncio.sleep(0.02)  # the first stage's backward, after the last stage's
+        self.log.append(("drained", batch))
         if on_forward is not None:
             on_forward()
 
@@ -149,7 +154,9 @@ async def test_the_next_batch_starts_on_a_stage_that_stepped_while_a_later_stage
         await asyncio.wait_for(run, 5)
     finally:
         run.cancel()
-    assert stages.log == [("stage 0", 1), ("stage 1", 1), ("stage 0", 2), ("stage 1", 2)]
+    # the wait for step 1 polled once the last stage had the whole batch, while the first still drained it
+    assert stages.log == [("stage 0", 1), ("stage 1", 1), ("poll", 1), ("drained", 1), ("stage 0", 2),
+                          ("stage 1", 2), ("poll", 2), ("drained", 2)]
     assert done == [0, 1]  # each step closed once every stage took it, in order
 
 
@@ -158,12 +165,13 @@ async def test_a_step_whose_end_calls_the_stages_is_waited_for_whole_before_the_
     run = asyncio.create_task(_steps(stages, done, calls_on_step=lambda n: n == 1).run(_Sampler()))
     try:
         await asyncio.sleep(0.1)
-        assert stages.log == [("stage 0", 1), ("stage 1", 1)]  # a validation pass after step 0: nothing of step 1
+        # a validation pass after step 0: nothing of step 1 before the whole swarm took step 0
+        assert [e for e in stages.log if e[0].startswith("stage")] == [("stage 0", 1), ("stage 1", 1)]
         stages.release.set()
         await asyncio.wait_for(run, 5)
     finally:
         run.cancel()
-    assert done == [0, 1] and len(stages.log) == 4
+    assert done == [0, 1] and ("stage 1", 2) in stages.log
 
 
 async def test_a_wait_that_fails_ends_the_next_batch_too() -> None:
