@@ -5,8 +5,10 @@ stage before every peer of that stage has stepped (a long-poll of ``/v1/progress
 swarm compute exactly what single-process training computes (the equivalence test). The next batch
 starts while the wait is still on: each of its calls waits at its stage's gate (:class:`StageGates`),
 open once that stage stepped, so the first stage's forwards go out while a later stage's answer is
-still on the link (a round trip per step on a long link); a step that ends in a validation pass waits
-for the whole swarm and the pass first. The batch is tapered at both ends (the
+still on the link (a round trip per step on a long link). The wait itself begins once the last stage
+has answered the whole batch, while the first stages drain it (its polls only open gates until the
+batch is sent). A step that ends in a validation pass waits for the whole swarm and the pass first.
+The batch is tapered at both ends (the
 first and last microbatches halved, or a ramp in quarters once the stages' measured latencies say a
 small microbatch is worth its request: ``swarmd.pipeline.partition.tapered_sizes``, depth from
 :func:`taper_depth_for`) and each microbatch starts once the one before has its first forward back,
@@ -174,9 +176,6 @@ class StageGates:
         for k in range(len(self._open)) if stages is None else stages:
             if 0 <= k < len(self._open):
                 self._open[k].set()
-
-    def is_open(self, stage: int) -> bool:
-        return not 0 <= stage < len(self._open) or self._open[stage].is_set()
 
     async def wait(self, stage: int) -> None:
         """Until ``stage``'s gate is open (a stage the gates do not know of is never held)."""
