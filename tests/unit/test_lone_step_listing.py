@@ -59,3 +59,31 @@ async def test_a_lone_peer_steps_on_a_listing_read_in_the_background_while_it_is
     finally:
         await averager.close()
         await ex.close()
+
+
+async def test_a_read_in_flight_is_awaited_and_reads_go_on_between_batches() -> None:
+    ex = StageExecutor(TINY, 0, training=TRAINING)
+    listing = _Listing()
+    averager = StageAverager(ex, peer_id="a", stage_peers=listing, session=None)  # type: ignore[arg-type]
+    slow = listing.__call__
+
+    async def slow_read(*, fresh: bool = False) -> dict[str, str]:
+        if fresh:
+            await asyncio.sleep(0.2)  # a DHT lookup across a long link
+        return await slow(fresh=fresh)
+
+    averager.stage_peers = slow_read
+    try:
+        await ex.add_gradients(torch.zeros(ex.grad_numel), 4)
+        await averager._trusted_mates()  # a read begins
+        await asyncio.sleep(0.05)
+        listing.peers["b"] = "127.0.0.1:2"  # published before that read answers: the step waits for its answer
+        assert await averager._newly_listed() and len(listing.fresh_reads) == 1
+        await ex.take_contribution()  # the batch is out (the step): nothing held any more ...
+        await asyncio.sleep(LISTING_PERIOD_S)
+        await averager._trusted_mates()  # ... and the next batch's listing is read all the same
+        await asyncio.sleep(0.3)
+        assert len(listing.fresh_reads) == 2
+    finally:
+        await averager.close()
+        await ex.close()

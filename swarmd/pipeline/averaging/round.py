@@ -82,8 +82,13 @@ LOG_EVERY_S = 30.0
 #: A peer alone in its stage re-reads the stage's listing at most this often while it accumulates a batch
 #: (in the background), so that the read it makes sure of before stepping alone is rarely on the step's path...
 LISTING_PERIOD_S = 0.25
-#: ... a read started at most this long before the step counts as fresh (older: read again, then step).
+#: ... a read that ended at most this long before the step counts as fresh (older: read again, then step; a read in
+#: flight is awaited). Ended, not begun: on a long link a DHT lookup takes up to a second here, and a newly listed
+#: mate's trainers took at least as long to find its record as this peer's read does;
 LISTING_FRESH_S = 0.5
+#: ... and it goes on this long after the peer last held samples (between batches: on a long link a DHT read
+#: takes longer than a batch's backwards take to arrive, so a read begun with the batch would end after it).
+LISTING_KEEP_S = 30.0
 
 
 
@@ -266,9 +271,11 @@ class AveragerCore:
         self._mates: dict[str, str] = {}  # the stage-mates last listed (for /status: how many are unproven)
         self._logged: dict[tuple[str, str], float] = {}
         self._own_addr = ""  # this peer's address, as the stage's records list it
-        # the stage's listing read afresh (when it started, what it said), and the read in flight (_prefetch_listing)
-        self._listing: tuple[float, dict[str, str]] | None = None
+        # the stage's listing read afresh (when the read began and ended, what it said), and the read in flight
+        # (_prefetch_listing)
+        self._listing: tuple[float, float, dict[str, str]] | None = None
         self._listing_read: asyncio.Task[None] | None = None
+        self._held_at = float("-inf")  # when this peer last held samples (time.monotonic())
 
     def count_repeats(self, step: int, groups: list[Collection[int]]) -> None:
         """The microbatch ids of a round this peer led (one group per contribution, peer-id order):
@@ -373,7 +380,10 @@ class AveragerCore:
         excluded = self.excluded()
         mates = {pid: addr for pid, addr in mates.items() if pid not in excluded}
         self._mates = mates
-        if not mates and self.executor.grad_samples > 0:  # alone, and a batch building up: a lone step may come
+        now = time.monotonic()
+        if self.executor.grad_samples > 0:
+            self._held_at = now
+        if not mates and now - self._held_at < LISTING_KEEP_S:  # alone, and training: a lone step will come
             self._prefetch_listing()
         if self.prover is None:
             return mates
@@ -391,20 +401,27 @@ class AveragerCore:
         soon as its record is out), and a lone step would leave them behind together, where the
         rule of :meth:`_tick` keeps them (two of them outnumber the one ahead) for good."""
         read = self._listing
-        if read is None or time.monotonic() - read[0] > LISTING_FRESH_S:
+        reading = self._listing_read
+        if (read is None or time.monotonic() - read[1] > LISTING_FRESH_S) and reading is not None \
+                and not reading.done():
+            await asyncio.shield(reading)  # its answer, rather than a read of its own begun later
+            read = self._listing
+        if read is None or time.monotonic() - read[1] > LISTING_FRESH_S:
             began = time.monotonic()
-            read = self._listing = (began, await self.stage_peers(fresh=True))
-        listed = dict(read[1])
+            listed = await self.stage_peers(fresh=True)
+            read = self._listing = (began, time.monotonic(), listed)
+        listed = dict(read[2])
         listed.pop(self.peer_id, None)
         excluded = self.excluded()
         return any(pid not in self._mates and pid not in excluded for pid in listed)
 
     def _prefetch_listing(self) -> None:
         """Read the stage's listing afresh in a task this averager owns, unless a read is in flight or one
-        began within ``LISTING_PERIOD_S``: :meth:`_newly_listed` takes a read begun within
-        ``LISTING_FRESH_S`` before the step instead of reading then (a round trip to the DHT, on a long
-        link the largest part of a lone peer's step). A mate whose record appears within that window
-        is missed as one appearing during the read itself would be; it is heard from at the next step."""
+        began within ``LISTING_PERIOD_S``: :meth:`_newly_listed` takes a read that ended within
+        ``LISTING_FRESH_S`` before the step (or awaits the one in flight) instead of reading then (a DHT
+        lookup: on a long link the largest part of a lone peer's step; the read also keeps the daemon's
+        cached listing fresh, which the tick reads). A mate whose record appears after such a read began is
+        missed, as one appearing during the read itself always was; it is heard from at the next step."""
         now = time.monotonic()
         if (self._listing_read is not None and not self._listing_read.done()) or (
                 self._listing is not None and now - self._listing[0] < LISTING_PERIOD_S):
@@ -414,7 +431,7 @@ class AveragerCore:
             try:
                 listed = await self.stage_peers(fresh=True)
                 if self._listing is None or self._listing[0] < now:  # a read begun later may have ended first
-                    self._listing = (now, listed)
+                    self._listing = (now, time.monotonic(), listed)
             except Exception as exc:  # the DHT unreachable for a moment: the step reads it again itself
                 log.info("stage %d: reading the stage's listing failed (%s)", self.executor.stage, exc)
 
