@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import get_args
 
@@ -212,14 +212,16 @@ class SwarmView:
             peers = poll_targets(router.snapshot())
             stages.append([(p.peer_id, p.addr) for p in peers])
             probation |= {p.peer_id for p in peers if not p.proven}
+
+        def ask(of: list[list[tuple[str, str]]]) -> Awaitable[list[list[PeerProgress]]]:
+            return self.swarm.progress(of, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
+                                       probation=probation, on_late=self.heard)
+
         if on_stage is None:
-            polled = await self.swarm.progress(stages, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
-                                               probation=probation, on_late=self.heard)
+            polled = await ask(stages)
         else:
             async def one(stage: int) -> list[PeerProgress]:
-                alone = [peers if k == stage else [] for k, peers in enumerate(stages)]
-                answers = (await self.swarm.progress(alone, wait_step=wait_step, wait_s=self.timing.progress_wait_s,
-                                                     probation=probation, on_late=self.heard))[stage]
+                answers = (await ask([peers if k == stage else [] for k, peers in enumerate(stages)]))[stage]
                 on_stage(stage, answers)
                 return answers
 

@@ -364,9 +364,7 @@ class SyncSteps:
                 began, deadline = time.perf_counter(), time.monotonic() + cfg.stage_wait_timeout_s
                 if standing.lagging:  # asked again: what is short or stuck is judged on a poll after the batch
                     continue
-            if not standing.lagging:
-                if gates is not None:
-                    gates.open()
+            if not standing.lagging:  # (every gate opened just above)
                 late = [p[:12] for p in left_behind.late(time.monotonic())]
                 if late:
                     log.warning("step %d: not waiting any longer for %s, left behind by most of its stage for "

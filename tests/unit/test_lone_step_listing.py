@@ -1,7 +1,7 @@
 """A peer alone in its stage reads the stage's listing afresh before it steps alone (a mate that began
 serving since may hold samples of the step: swarmd.pipeline.averaging.round._newly_listed). While its batch
-builds up it keeps that read fresh in the background, so the step does not wait on the DHT: a read begun
-within LISTING_FRESH_S counts, an older one is made again first."""
+builds up it keeps that read fresh in the background, so the step does not wait on the DHT: a read that ended
+within LISTING_FRESH_S counts, a read in flight is awaited, and otherwise one is made first."""
 
 from __future__ import annotations
 

@@ -400,17 +400,19 @@ class AveragerCore:
         within the listing's cache age may hold samples of this step (trainers route to a peer as
         soon as its record is out), and a lone step would leave them behind together, where the
         rule of :meth:`_tick` keeps them (two of them outnumber the one ahead) for good."""
-        read = self._listing
-        reading = self._listing_read
-        if (read is None or time.monotonic() - read[1] > LISTING_FRESH_S) and reading is not None \
-                and not reading.done():
-            await asyncio.shield(reading)  # its answer, rather than a read of its own begun later
+        def fresh() -> dict[str, str] | None:  # the last read's answer, if it ended within LISTING_FRESH_S
             read = self._listing
-        if read is None or time.monotonic() - read[1] > LISTING_FRESH_S:
+            return None if read is None or time.monotonic() - read[1] > LISTING_FRESH_S else read[2]
+
+        reading = self._listing_read
+        if fresh() is None and reading is not None and not reading.done():
+            await asyncio.shield(reading)  # its answer, rather than a read of its own begun later
+        answer = fresh()
+        if answer is None:
             began = time.monotonic()
-            listed = await self.stage_peers(fresh=True)
-            read = self._listing = (began, time.monotonic(), listed)
-        listed = dict(read[2])
+            answer = await self.stage_peers(fresh=True)
+            self._listing = (began, time.monotonic(), answer)
+        listed = dict(answer)
         listed.pop(self.peer_id, None)
         excluded = self.excluded()
         return any(pid not in self._mates and pid not in excluded for pid in listed)
