@@ -170,15 +170,18 @@ class DataPlaneClient:
         origin: str | None = None,
         budget_ms: int | None = None,
         back: bool = False,
+        min_step: int | None = None,
     ) -> ForwardReply:
         """``mb``: the microbatch's id; the peer keeps the forward's activations for its backward.
         ``timeout_s``: this call's own bound (a trainer's per-peer timeout), else the client's.
         ``next``, ``peer``, ``origin``: peer to peer (issue #31, :class:`~swarmd.net.messages.ForwardRequest`):
         the peers of the following stages the outputs go on to, the peer id this request is for,
         the trainer's address a hop's forward is kept for, and how long the sender waits (with ``next``);
-        ``back``: the backward chain runs back through them once the last stage's fused call answered."""
+        ``back``: the backward chain runs back through them once the last stage's fused call answered;
+        ``min_step``: run only once the peer (and each hop's) reached that step, waited for within the budget."""
         request = ForwardRequest(stage=stage, inputs=inputs, targets=targets, model=model, codec=codec, mb=mb,
-                                 next=next, peer=peer, origin=origin, budget_ms=budget_ms, back=back)
+                                 next=next, peer=peer, origin=origin, budget_ms=budget_ms, back=back,
+                                 min_step=min_step)
         frame = await self._post(addr, "forward", request.encode, _nbytes(inputs, targets), timeout_s=timeout_s)
         return self._read(addr, ForwardReply.from_frame, frame)
 
@@ -200,6 +203,7 @@ class DataPlaneClient:
         attempt: int = 0,
         peer: str | None = None,
         origin: str | None = None,
+        min_step: int | None = None,
     ) -> BackwardReply:
         """``step``: the step this stage's forward reported for the microbatch (None: no check);
         ``mb``: the id its forward was sent with (a hit in that peer's activation cache; counted
@@ -210,10 +214,10 @@ class DataPlaneClient:
         this call's number among the attempts at ``mb`` on this stage (exactly once: a claim fences).
         ``inputs`` None: the peer's own of ``mb``, which its forward's reply said it ``kept`` (a peer
         that lost them refuses with ``InputsNotCached``: send them then). ``peer``, ``origin``: a fused
-        last hop's (issue #31), as :meth:`forward`'s."""
+        last hop's (issue #31), as :meth:`forward`'s, and ``min_step`` (waited for within ``deadline_ms``)."""
         request = BackwardRequest(stage=stage, inputs=inputs, grad_outputs=grad_outputs, targets=targets, model=model,
                                   codec=codec, step=step, mb=mb, deadline_ms=deadline_ms, verify=verify,
-                                  attempt=attempt, peer=peer, origin=origin)
+                                  attempt=attempt, peer=peer, origin=origin, min_step=min_step)
         frame = await self._post(addr, "backward", request.encode, _nbytes(inputs, grad_outputs, targets),
                                  timeout_s=timeout_s)
         return self._read(addr, BackwardReply.from_frame, frame)

@@ -16,7 +16,10 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   failed (the trainer goes on from there). A request naming another ``meta.peer`` than this one: 409.
   With ``meta.back`` (the backward chain), once the fused end answered this peer runs its own backward
   with the gradient the stage after it answered and answers that instead (``meta.backs``), or why it
-  could not (``meta.back_error``).
+  could not (``meta.back_error``). ``meta.min_step`` (forward or backward): run only once this peer
+  reached that step, waited for within the request's budget or deadline, else 409 ``PeerBehind``; a
+  forward carries it on to its hops (a sync trainer's next step may reach a later stage of a chain
+  while that stage still finishes the step before).
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
 - ``GET /v1/progress``  JSON (``ProgressReply``, one shape): step and samples held, for the
   stage's averaging rounds and for trainers. With
@@ -389,6 +392,8 @@ class DataPlane:
         # forward to where the trainer's came from (``origin``), since the trainer sends the backward
         source = req.origin if req.origin is not None else (request.remote or "")
         targets = None if req.next else req.targets  # with next hops: the chain's last stage's, carried on
+        budget_s = ((req.budget_ms or 0) - HOP_MARGIN_MS) / 1000.0
+        await self._at_step(runtime, req.min_step, received + budget_s if req.budget_ms is not None else received)
         result = await runtime.executor.forward(req.inputs, targets, mb=req.mb, source=source)
         self.served["forward"] += 1
         loss = float(result.outputs) if targets is not None else None
@@ -399,6 +404,16 @@ class DataPlane:
         if req.back:
             reply = await self._chain_backward(runtime, req, reply, result.outputs.shape, result.kept, source, received)
         return await self._reply(reply.encode, req.codec)
+
+    @staticmethod
+    async def _at_step(runtime: StageRuntime, min_step: int | None, until: float) -> None:
+        """A request's ``min_step``: wait until this peer's stage reached it, or refuse at ``until``
+        (``PeerBehind``: the sender goes on without this peer, nothing was computed or counted)."""
+        ex = runtime.executor
+        if min_step is None or ex.step >= min_step:
+            return
+        if not await ex.wait_progress(max(0.0, until - time.monotonic()), step=min_step):
+            raise PeerBehind(f"stage {ex.stage} on this peer is at step {ex.step}, not yet at step {min_step}")
 
     async def _next_hop(self, req: ForwardRequest, own: ForwardReply, origin: str, received: float) -> ForwardReply:
         """Send this forward's outputs on to the next stage's peer the trainer chose (issue #31) and
@@ -423,7 +438,7 @@ class DataPlane:
                 fused = await self.hops.backward(hop.addr, hop.stage, own.outputs, targets=req.targets,
                                                  codec=req.codec, model=req.model, mb=req.mb,
                                                  deadline_ms=hop.deadline_ms, timeout_s=hop.timeout_ms / 1000.0,
-                                                 peer=hop.peer_id, origin=origin)
+                                                 peer=hop.peer_id, origin=origin, min_step=req.min_step)
                 if fused.stage != hop.stage or fused.loss is None:
                     raise PeerError(200, "BadReply", f"{hop.addr} answered a fused call without its loss")
                 last = HopResult(stage=hop.stage, step=fused.step, peer_id=hop.peer_id, precision=fused.precision)
@@ -432,7 +447,7 @@ class DataPlane:
             after = await self.hops.forward(hop.addr, hop.stage, own.outputs, req.targets, codec=req.codec,
                                             model=req.model, mb=req.mb, next=req.next[1:], peer=hop.peer_id,
                                             origin=origin, budget_ms=hop.timeout_ms, timeout_s=hop.timeout_ms / 1000.0,
-                                            back=req.back)
+                                            back=req.back, min_step=req.min_step)
             if after.stage != hop.stage or after.loss is not None:
                 raise PeerError(200, "BadReply", f"{hop.addr} answered a forward of stage {after.stage}, "
                                                  f"not of stage {hop.stage}")
@@ -494,6 +509,7 @@ class DataPlane:
             raise WrongStage(f"this is peer {me[:12]}, not {req.peer[:12]}")
         ex = runtime.executor
         deadline = None if req.deadline_ms is None else received + req.deadline_ms / 1000.0
+        await self._at_step(runtime, req.min_step, received if deadline is None else deadline)
         # a fused hop counts for the trainer's address (``origin``), whose claim may fence it (step_protocol.py)
         result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb,
                                    deadline=deadline, verify=req.verify, attempt=req.attempt,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from swarmd.daemon import Daemon
-from swarmd.errors import Busy, Draining
+from swarmd.errors import Busy, Draining, PeerError
 from swarmd.pipeline.spec import ModelSpec
 from swarmd.net.addresses import is_relayed
 from swarmd.net.client import DataPlaneClient
@@ -247,6 +247,53 @@ async def test_a_fused_hop_that_failed_is_settled_before_the_trainer_sends_it_ag
         assert summary.microbatches_completed == n and summary.p2p_fallbacks == n and summary.p2p_hops == n
         assert summary.claims == n and summary.claims_counted == 0 and summary.duplicates == 0
         assert [d.executor.grad_samples for d in daemons] == [n * MICRO] * 3
+
+
+async def took_a_step(client: DataPlaneClient, daemon: Daemon, stage: int) -> None:
+    """Backwards of fresh samples to a lone ``daemon`` of ``stage`` until it stepped (alone) to step 1."""
+    x, y = batch(99)
+    if stage:
+        x = torch.randn(MICRO, SPEC.seq_len, SPEC.d_model, generator=torch.Generator().manual_seed(stage))
+    for _ in range(400):
+        if daemon.executor.step >= 1:
+            return
+        if daemon.executor.grad_samples < daemon.training.target_batch_size:
+            last = stage == SPEC.n_stages - 1
+            with contextlib.suppress(Busy):  # averaging (alone) already
+                await client.backward(daemon.data_addr, stage, x, None if last else torch.randn_like(x),
+                                      y if last else None)
+                continue
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"stage {stage}'s lone peer did not step")
+
+
+async def test_a_hop_runs_only_once_its_peer_took_the_step_the_chain_is_for() -> None:
+    x = torch.randn(MICRO, SPEC.seq_len, SPEC.d_model, generator=torch.Generator().manual_seed(0))
+    async with running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2, DataPlaneClient() as client:
+        await took_a_step(client, s1, 1)
+        hop = Hop(stage=2, addr=s2.data_addr, peer_id=s2.peer_id, timeout_ms=60_000)
+        served = s2.status()["served"]["forward"]
+        # a sync trainer's step-1 chain reaches stage 2 while that stage is still at step 0: its peer waits for
+        # the step within what the hop was given, then refuses (nothing computed there), and stage 1's own
+        # outputs are the answer (the trainer goes on from stage 2 itself, once it took the step)
+        late = await client.forward(s1.data_addr, 1, x, mb=5, next=(hop,), budget_ms=1_000, min_step=1)
+        assert late.step == 1 and late.chain == () and late.hop_error is not None
+        assert "not yet at step 1" in late.hop_error and s2.status()["served"]["forward"] == served
+        # a peer asked for a step it has not taken, without a budget to wait in, refuses at once (409)
+        with pytest.raises(PeerError) as behind:
+            await client.forward(s2.data_addr, 2, x, min_step=1)
+        assert behind.value.status == 409 and s2.status()["served"]["forward"] == served
+        # with time to wait, the hop runs the moment its peer stepped, at that step
+        waiting = asyncio.create_task(client.forward(s1.data_addr, 1, x, mb=6, next=(hop,), budget_ms=60_000,
+                                                     min_step=1))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and s2.status()["served"]["forward"] == served
+        await took_a_step(client, s2, 2)
+        ok = await waiting
+        assert ok.hop_error is None and [(r.stage, r.step) for r in ok.chain] == [(2, 1)]
+        assert s2.status()["served"]["forward"] == served + 1
+        assert s1.data_plane is not None and s1.data_plane.hop_stats == {"sent": 2, "failed": 1, "backward": 0,
+                                                                         "backward_failed": 0}
 
 
 async def test_a_hop_gets_what_is_left_of_its_senders_budget_or_is_not_sent() -> None:

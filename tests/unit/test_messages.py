@@ -372,6 +372,10 @@ def test_a_forward_with_next_hops_and_its_chained_reply_round_trip() -> None:
     # a backward's peer and origin (a fused hop's) round trip, and are absent otherwise
     hop_back = BackwardRequest(stage=1, inputs=hidden(), targets=tokens(), mb=3, peer="p", origin="10.0.0.9")
     assert BackwardRequest.from_frame(wire(hop_back.encode()), TARGET).origin == "10.0.0.9"
+    # the step a sync trainer's chain is for (every hop runs only once its peer took it), on either kind of call
+    assert ForwardRequest.from_frame(wire(dataclasses.replace(req, min_step=7).encode()), TARGET).min_step == 7
+    assert BackwardRequest.from_frame(wire(dataclasses.replace(hop_back, min_step=7).encode()), TARGET).min_step == 7
+    assert "min_step" not in wire(req.encode()).meta and "min_step" not in wire(hop_back.encode()).meta
 
 
 def hop(stage: int = 2, addr: Any = "10.0.0.2:7000", peer: Any = "b" * 64, timeout_ms: Any = 1000) -> list[Any]:
@@ -404,6 +408,9 @@ def hop(stage: int = 2, addr: Any = "10.0.0.2:7000", peer: Any = "b" * 64, timeo
     ({"next": [hop()], "back": True}, None, "meta.back"),  # a backward chain needs the fused end
     ({"back": True}, None, "meta.back"),
     ({"next": [hop() + [500]], "back": "yes"}, {"inputs": hidden(), "targets": tokens()}, "meta.back"),
+    ({"min_step": -1}, None, "min_step"),
+    ({"min_step": "7"}, None, "min_step"),
+    ({"min_step": True}, None, "min_step"),
 ])
 def test_a_bad_next_hop_gets_a_422(meta: dict[str, Any], tensors: Any, words: str) -> None:
     meta = {"stage": 1, "mb": 3, "budget_ms": 1000, **meta}
@@ -466,7 +473,7 @@ def test_a_bad_backward_chain_in_a_forward_reply_is_malformed(backs: Any) -> Non
         ForwardReply.from_frame(Frame("forward_result", {"stage": 1, "step": 0, "fused": fused, "back_error": 1}, {}))
 
 
-@given(meta=st.dictionaries(st.sampled_from(["stage", "mb", "next", "peer", "origin", "back"]),
+@given(meta=st.dictionaries(st.sampled_from(["stage", "mb", "next", "peer", "origin", "back", "min_step"]),
                             st.none() | st.booleans() | st.integers(-5, 2**64 - 1) | st.text(max_size=70)
                             | st.lists(st.lists(st.integers(0, 5) | st.text(max_size=8), max_size=5), max_size=3),
                             max_size=5))

@@ -65,6 +65,11 @@ class ForwardRequest:
     the stage after it answered, and answers its sender with its own input gradient instead
     (:class:`ForwardReply` ``backs``); a peer whose backward failed answers the gradient it got and why
     (``back_error``), and the trainer sends the remaining backwards itself.
+    ``min_step`` (meta ``min_step``, optional): run only once this peer has reached that step (a sync
+    trainer's next step, whose calls must see the parameters after it: a chain's later stages may
+    still be finishing the step before when the chain goes out). The peer waits for it within what is
+    left of ``budget_ms`` less :data:`HOP_MARGIN_MS` (without a budget, not at all) and refuses with
+    ``PeerBehind`` (409) if it is not there by then; carried on to every hop.
     """
 
     stage: int
@@ -78,6 +83,7 @@ class ForwardRequest:
     origin: str | None = None
     budget_ms: int | None = None
     back: bool = False
+    min_step: int | None = None
 
     KIND = "forward"
 
@@ -97,6 +103,8 @@ class ForwardRequest:
             meta["budget_ms"] = self.budget_ms
         if self.back:
             meta["back"] = True
+        if self.min_step is not None:
+            meta["min_step"] = self.min_step
         tensors = {"inputs": narrow(self.inputs)}  # token ids travel narrow (swarmd.net.token_ids)
         if self.targets is not None:
             tensors["targets"] = narrow(self.targets)
@@ -140,6 +148,7 @@ class ForwardRequest:
             origin=_short_str(meta, "origin", MAX_ORIGIN_LEN),
             budget_ms=budget_ms,
             back=back,
+            min_step=_optional_count(meta, "min_step", "the step this peer must have reached"),
         )
 
 
@@ -462,6 +471,7 @@ class BackwardRequest:
     attempt: int = 0
     peer: str | None = None  # peer to peer (issue #31): as ForwardRequest's, for a fused last hop
     origin: str | None = None
+    min_step: int | None = None  # as ForwardRequest's, waited for within ``deadline_ms``
 
     KIND = "backward"
 
@@ -483,6 +493,8 @@ class BackwardRequest:
             meta["peer"] = self.peer
         if self.origin is not None:
             meta["origin"] = self.origin
+        if self.min_step is not None:
+            meta["min_step"] = self.min_step
         if self.inputs is None and self.mb is None:
             raise ValueError("a backward without inputs must name the microbatch whose forward the peer kept")
         tensors = {} if self.inputs is None else {"inputs": narrow(self.inputs)}
@@ -524,6 +536,7 @@ class BackwardRequest:
             attempt=_attempt(meta),
             peer=_short_str(meta, "peer", MAX_PEER_ID_LEN),
             origin=_short_str(meta, "origin", MAX_ORIGIN_LEN),
+            min_step=_optional_count(meta, "min_step", "the step this peer must have reached"),
         )
 
 
