@@ -18,7 +18,9 @@ computed again through the earlier stages at the same steps (:meth:`Microbatches
 When the chain ends in the last stage's fused call, the backwards go back through the same peers (the
 backward chain: ``reply.backs``), and the trainer sends only those a chain did not run, after settling
 (a claim) each one a broken chain may have counted. Spot-checked pairs go through the trainer, every
-stage, as without it.
+stage, as without it. A sync step's chain goes out once its first stage took the step before; each
+later stage's peer runs its hop only once it took that step too (``ForwardRequest.min_step``), so the
+chain is not held at the trainer for every stage's gate, and the step's wait starts as it goes out.
 
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
@@ -32,6 +34,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -42,10 +45,18 @@ from swarmd.train.summary import StepLedger, TrainSummary
 from swarmd.train.swarm_client import TrainerError
 from swarmd.train.timing import Timing
 
-__all__ = ["Gate", "Microbatches"]
+__all__ = ["Gates", "Microbatches"]
 
-#: Awaited with a stage's index before a microbatch's first call to that stage (``Microbatches.run``).
-Gate = Callable[[int], Awaitable[None]]
+
+class Gates(Protocol):
+    """Which stages a microbatch may call yet (``Microbatches.run``; a sync step's
+    ``swarmd.train.sync_steps.StageGates``): each once it took ``step``."""
+
+    @property
+    def step(self) -> int: ...
+
+    async def wait(self, stage: int) -> None:
+        """Until a call may go to ``stage``."""
 
 
 class Microbatches:
@@ -67,7 +78,7 @@ class Microbatches:
         return self.checks.pairs()
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  lease_step: int | None = None, paired: bool | None = None, gate: Gate | None = None,
+                  lease_step: int | None = None, paired: bool | None = None, gates: Gates | None = None,
                   on_last_stage: Callable[[], None] | None = None) -> None:
         """Forward and backward through every stage, redone until it went through; booked in the
         step ledger.
@@ -77,10 +88,14 @@ class Microbatches:
         earlier step is finishing that step's round, so the forward is sent again once it has
         stepped (for at most ``Timing.stage_catch_up_s``), instead of being redone as stale later.
         ``paired``: whether it runs paired, every attempt (the caller gave it two slots, or one);
-        None: drawn for each attempt. ``gate``: awaited with a stage's index before the first call to that
-        stage (a sync step's next batch waits there for a stage still finishing the step before:
-        ``swarmd.train.sync_steps.StageGates``). ``on_last_stage``: called when the last stage answered it
-        (again when it is redone whole).
+        None: drawn for each attempt. ``gates``: each call to a stage waits at that stage's (a sync step's
+        next batch waits there for a stage still finishing the step before:
+        ``swarmd.train.sync_steps.StageGates``); peer to peer, a chain's later stages are not waited for
+        here: each hop's peer waits until it took ``gates.step`` (``ForwardRequest.min_step``), and one
+        that does not in time ends the chain there (the trainer goes on, through that gate).
+        ``on_last_stage``: called when the last stage answered it, or, where a chain to the last stage's
+        fused call was sent, then (its answer comes back only with the whole backward chain); once an
+        attempt, again when it is redone whole.
         """
         s, checks, last = self.summary, self.checks, self.last
         s.microbatches_issued += 1
@@ -93,7 +108,7 @@ class Microbatches:
             pair = checks.pairs() if paired is None else paired  # a check: the same sample through other peers too
             try:
                 loss, loss_step, duplicates, count_steps = await self._attempt(x, y, pair, on_forward, lease_step,
-                                                                               gate, on_last_stage)
+                                                                               gates, on_last_stage)
             except Unsettled:  # a check found an answer wrong (or of another step) and could not say whose
                 continue
             except Redo as redo:  # a stage stepped since the forward, or none of its peers is at that step
@@ -112,7 +127,7 @@ class Microbatches:
             self.ledger.book(loss=loss, loss_step=loss_step, count_step=count_step, samples=x.shape[0])
 
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, paired: bool, on_forward: Callable[[], None] | None,
-                       lease_step: int | None, gate: Gate | None,
+                       lease_step: int | None, gates: Gates | None,
                        on_last_stage: Callable[[], None] | None) -> tuple[float, int, int, list[int]]:
         """One attempt at a microbatch (``paired``: with its pair, each call sent twice at once): its
         loss, the last stage's step, the duplicates, and the first stage's step of each half (where
@@ -139,17 +154,22 @@ class Microbatches:
         while stage < last:
             inputs = acts[stage]
             assert inputs is not None  # a stage's forward starts where the trainer holds the inputs
-            if gate is not None:  # every stage its call may reach (peer to peer: up to the chain's end)
-                for k in range(stage, stage + 1 if chain_to is None else chain_to + 1):
-                    await gate(k)
+            reach = stage if chain_to is None else chain_to  # the last stage this call may reach
+            if gates is not None:  # (a chain's later stages wait for the step themselves: min_step)
+                await gates.wait(stage)
+            fused_end = reach == last
             catch_up = time.monotonic() + self.timing.stage_catch_up_s
             while True:
-                if chain_to is not None and on_forward is not None:
+                if reach > stage and on_forward is not None:
                     on_forward()  # a chain answers after every stage: the next microbatch need not wait for it
                     on_forward = None
+                if fused_end and on_last_stage is not None:
+                    on_last_stage()  # its answer comes back with the whole backward chain: not worth waiting for
+                    on_last_stage = None
                 try:
-                    forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, chain_to,
-                                                        y if chain_to == last else None, prefer, back=chain_to == last)
+                    forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, reach,
+                                                        y if fused_end else None, prefer, back=fused_end,
+                                                        min_step=None if gates is None else gates.step)
                 finally:
                     if on_forward is not None:
                         on_forward()
@@ -197,7 +217,7 @@ class Microbatches:
                 # the chain broke before its fused end answered, which may have counted all the same (a hop that
                 # timed out while the stages after it went on), and with the backward chain so may every hop from
                 # the broken one on: the trainer sends those backwards itself, after a claim at each
-                for hop in (broken if chain_to == last else broken[-1:]):
+                for hop in (broken if fused_end else broken[-1:]):
                     lost_at.setdefault(hop.stage, []).append(hop.addr)
             if lost_at:
                 chain_to = last - 1
@@ -210,8 +230,8 @@ class Microbatches:
             held_top = acts[last]
             assert held_top is not None  # without a fused end, the last forward's outputs come back to the trainer
             top = held_top
-            if gate is not None:
-                await gate(last)
+            if gates is not None:
+                await gates.wait(last)
             fused, fused_pair = await self._backward(last, top, None, y, (None, None), mbs, (prefer, None),
                                                      (None, None), lost_at=lost_at.get(last, ()))
         backward = await checks.backward(last, top, None, y, fused, fused_pair)
@@ -278,16 +298,17 @@ class Microbatches:
     async def _forward(
         self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None, mb: int | None, pair_mb: int | None,
         paired: bool = True, chain_to: int | None = None, fused_targets: torch.Tensor | None = None,
-        prefer: str | None = None, *, back: bool = False,
+        prefer: str | None = None, *, back: bool = False, min_step: int | None = None,
     ) -> tuple[Served[ForwardReply], Served[ForwardReply] | None]:
         """A forward, and its pair's when ``paired`` (sent at once under ``pair_mb``, to another peer where
         there is one; a validation forward's pair, like any validation forward, carries no id). Unpaired,
         ``chain_to``: its outputs may go on peer to peer up to that stage (``StageCalls.forward``), ending
-        in the last stage's fused call with ``fused_targets`` (and ``back``: the backward chain after it)."""
+        in the last stage's fused call with ``fused_targets`` (and ``back``: the backward chain after it), each
+        hop run once its peer took ``min_step``."""
         calls = self.calls
         if not paired:
-            return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to,
-                                       fused_targets=fused_targets, prefer=prefer, back=back), None
+            return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to, fused_targets=fused_targets,
+                                       prefer=prefer, back=back, min_step=min_step), None
 
         def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
             return calls.forward(stage, inputs, targets, mb=mb if how is not None and how.tally is None else pair_mb,

@@ -440,7 +440,7 @@ class StageCalls:
     async def forward(self, stage: int, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
                       mb: int | None = None, how: How | None = None, chain_to: int | None = None,
                       fused_targets: torch.Tensor | None = None, prefer: str | None = None,
-                      back: bool = False) -> Served[ForwardReply]:
+                      back: bool = False, min_step: int | None = None) -> Served[ForwardReply]:
         """A forward through ``stage`` (with ``targets`` on the last stage: its loss too); ``how``: a
         spot check's pair or arbiter (whom to ask, how hard, who pays), else a microbatch's call.
 
@@ -455,7 +455,9 @@ class StageCalls:
         ``back`` (with ``fused_targets``): the backward chain, each stage's peer running its backward once
         the stages after it ran theirs (``reply.backs``, attempt 0 as the fused hop's); every attempt that
         failed after asking for it may have counted anywhere along its chain (``Served.unsettled``).
-        ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before)."""
+        ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before). ``min_step`` (a
+        chain's): each hop's peer runs it only once it reached that step (a sync step's later stages may
+        still be taking the one before), and the hops get ``Timing.chain_step_wait_s`` longer for it."""
         client, codec, model, samples = self.client, self.codec, self.model, inputs.shape[0]
 
         def send(addr: str, timeout: float) -> Awaitable[ForwardReply]:
@@ -470,7 +472,8 @@ class StageCalls:
 
         async def send_chained(addr: str, timeout: float) -> ForwardReply:
             fused = fused_targets is not None and not unsettled
-            hops, stopped = self._hops(stage + 1, chain_to, samples, fused=fused, back=back and fused)
+            hops, stopped = self._hops(stage + 1, chain_to, samples, fused=fused, back=back and fused,
+                                       wait_s=self.timing.chain_step_wait_s if min_step is not None else 0.0)
             sent[addr] = ((), stopped)
             if not hops:
                 return await send(addr, timeout)
@@ -482,7 +485,8 @@ class StageCalls:
                 if backing:  # and this stage's own backward, after the chain's
                     budget += self._backward_s(stage, addr, samples)
                 reply = await client.forward(addr, stage, inputs, fusing, codec=codec, model=model, mb=mb, next=hops,
-                                             budget_ms=int(budget * 1000), timeout_s=budget, back=backing)
+                                             budget_ms=int(budget * 1000), timeout_s=budget, back=backing,
+                                             min_step=min_step)
                 if (reply.fused is not None) != (len(reply.chain) == len(hops) and fusing is not None):
                     raise PeerError(200, "BadReply", f"{addr} answered a chain without its fused end, or the reverse")
                 named = [hop.peer_id for hop in hops[:len(reply.chain)]]
@@ -516,8 +520,8 @@ class StageCalls:
         return router.timeout_for(peer_id, samples, "backward",
                                   floor_s=self.timing.timeout_floor("backward", self.request_timeout_s))
 
-    def _hops(self, first: int, last: int, samples: int, *,
-              fused: bool = False, back: bool = False) -> tuple[tuple[Hop, ...], str | None]:
+    def _hops(self, first: int, last: int, samples: int, *, fused: bool = False, back: bool = False,
+              wait_s: float = 0.0) -> tuple[tuple[Hop, ...], str | None]:
         """Peers of stages ``first .. last`` for a peer-to-peer forward, each picked as its own call
         would pick it and counted in flight there: the chain stops before a stage whose pick is on
         probation (its calls are watched from here) or relayed (its stage-mates cannot dial it), and
@@ -525,7 +529,9 @@ class StageCalls:
         chain cannot name is not passed over, and one on probation gets its first calls).
         ``fused``: stage ``last``'s hop is its fused forward and backward, timed as a backward and
         given the deadline the caller's own backward would have. ``back`` (with ``fused``): the backward
-        chain, each earlier hop timed as its forward and its backward."""
+        chain, each earlier hop timed as its forward and its backward. ``wait_s``: added once, to the last
+        hop's time (and so to every hop's before it, each covering those after): a wait somewhere along the
+        chain (``min_step``)."""
         picked: list[tuple[int, str, str, float, int | None, float]] = []
         stopped: str | None = None
         for stage in range(first, last + 1):
@@ -541,9 +547,12 @@ class StageCalls:
             kind: Kind = "backward" if fused and stage == last else "forward"
             timeout = router.timeout_for(peer_id, samples, kind,
                                          floor_s=self.timing.timeout_floor(kind, self.request_timeout_s))
-            deadline = self.timing.backward_deadline_ms(timeout) if kind == "backward" else None
+            deadline = self.timing.backward_deadline_ms(timeout + wait_s) if kind == "backward" else None
             extra = self._backward_s(stage, addr, samples) if back and fused and kind == "forward" else 0.0
             picked.append((stage, addr, peer_id, timeout, deadline, extra))
+        if picked:  # a wait along the chain: the last hop's time, and so every hop's before it (covering those after)
+            stage, addr, peer_id, timeout, deadline, extra = picked[-1]
+            picked[-1] = (stage, addr, peer_id, timeout + wait_s, deadline, extra)
         backed = back and fused and bool(picked) and picked[-1][0] == last  # the backward chain needs the fused end
         hops, rest = [], 0.0
         for stage, addr, peer_id, timeout, deadline, extra in reversed(picked):  # each hop's wait covers those after

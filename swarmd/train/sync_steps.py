@@ -5,7 +5,8 @@ stage before every peer of that stage has stepped (a long-poll of ``/v1/progress
 swarm compute exactly what single-process training computes (the equivalence test). The next batch
 starts while the wait is still on: each of its calls waits at its stage's gate (:class:`StageGates`),
 open once that stage stepped, so the first stage's forwards go out while a later stage's answer is
-still on the link (a round trip per step on a long link). The wait itself begins once the last stage
+still on the link (a round trip per step on a long link); peer to peer, a chain's later stages wait
+for the step themselves (``ForwardRequest.min_step``). The wait itself begins once the last stage
 has answered the whole batch, while the first stages drain it (its polls only open gates until the
 batch is sent). A step that ends in a validation pass waits for the whole swarm and the pass first.
 The batch is tapered at both ends (the
@@ -43,7 +44,7 @@ from swarmd.pipeline.spec import TrainingSpec
 from swarmd.tasks import all_or_nothing
 from swarmd.train.config import TrainerConfig
 from swarmd.train.events import StepWait, TrainerEvent
-from swarmd.train.microbatches import Gate
+from swarmd.train.microbatches import Gates
 from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import PeerProgress, TrainerError
 from swarmd.train.verify import stage_distrust
@@ -152,7 +153,7 @@ class Runner(Protocol):
     """Runs one microbatch (``swarmd.train.microbatches.Microbatches``)."""
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Callable[[], None] | None = None,
-                  paired: bool | None = None, gate: Gate | None = None,
+                  paired: bool | None = None, gates: Gates | None = None,
                   on_last_stage: Callable[[], None] | None = None) -> None: ...
 
     def pairs(self) -> bool: ...
@@ -168,7 +169,8 @@ class StageGates:
     batch starts on a stage that stepped while a later stage's answer is still on its way back,
     instead of after the whole swarm's (a round trip per step saved on a long link)."""
 
-    def __init__(self, n_stages: int) -> None:
+    def __init__(self, n_stages: int, step: int) -> None:
+        self.step = step  # the step each stage must have taken (a chain's hops wait for it there: min_step)
         self._open = [asyncio.Event() for _ in range(n_stages)]
 
     def open(self, stages: Iterable[int] | None = None) -> None:
@@ -226,7 +228,7 @@ class SyncSteps:
                 # this step's wait starts as soon as the last stage has the whole batch (its polls then only open
                 # the next batch's gates: a later stage's answer travels while the first stage drains), or at
                 # the latest once the batch is sent
-                after = _Waiting(step, i + 1, StageGates(len(self.view.routers)), asyncio.Event())
+                after = _Waiting(step, i + 1, StageGates(len(self.view.routers), step + 1), asyncio.Event())
 
                 def start_wait(after: _Waiting = after, step: int = step) -> None:
                     if after.task is None:
@@ -307,7 +309,7 @@ class SyncSteps:
                 return
             async with window:
                 await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index],
-                                            gate=None if gates is None else gates.wait,
+                                            gates=gates,
                                             on_last_stage=functools.partial(last_stage_done, index))
 
         async def refresh() -> None:

@@ -66,6 +66,9 @@ class Timing:
     #: How long a leased microbatch waits for a stage still at the previous step (finishing its round)
     #: before it is sent anyway (a stage short of samples would never step without it).
     stage_catch_up_s: float = 2.0
+    #: A peer-to-peer forward of a sync step whose later stages may still be taking the step before
+    #: (``meta.min_step``): how much longer its hops are given, to wait there for that step.
+    chain_step_wait_s: float = 2.0
     #: A lease request (no compute) to a peer that has answered this trainer ...
     reserve_timeout_s: float = 10.0
     #: ... and to one that has not yet (the trainer's first, or a newcomer).

@@ -68,7 +68,7 @@ async def test_a_sync_step_starts_with_its_first_microbatch_alone() -> None:
         def pairs(self) -> bool:
             return False  # no spot checks here
 
-        async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward=None, paired=None, gate=None,
+        async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward=None, paired=None, gates=None,
                   on_last_stage=None) -> None:
             events.append(("start", x.shape[0], on_forward is not None))
             await asyncio.sleep(0.01)

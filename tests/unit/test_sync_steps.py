@@ -103,12 +103,12 @@ class _TwoStages:
         return False
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
-                  gate: Any = None, on_last_stage: Any = None) -> None:
+                  gates: Any = None, on_last_stage: Any = None) -> None:
         self.batch += 1
         batch = self.batch
         for stage in (0, 1):
-            if gate is not None:
-                await gate(stage)
+            if gates is not None:
+                await gates.wait(stage)
             self.log.append((f"stage {stage}", batch))
         if on_last_stage is not None:
             on_last_stage()
@@ -189,3 +189,4 @@ async def test_a_wait_that_fails_ends_the_next_batch_too() -> None:
     assert ("stage 1", 2) not in stages.log and done == []
     others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     assert not any("swarmd-trainer-wait" in t.get_name() for t in others)  # nothing left running
+
