@@ -54,7 +54,8 @@ class Announcer:
         self.announcements = 0  # successful record publications, for /status and tests
         self.coverage: list[StageHealth] = []  # every stage's health, refreshed every announce period
         self._coverage_said: dict[int, str] = {}  # the health last logged per stage
-        self._mates_cache: tuple[float, dict[str, str], int] | None = None  # (when, mates, stage)
+        self._mates_cache: tuple[float, dict[str, str], int] | None = None  # (when read, mates, stage)
+        self._mates_reads = 0  # reads of the stage's listing in flight
 
     def record(self, state: PeerState | None = None) -> PeerRecord:
         """This peer's record now (``state``: another than the daemon's, e.g. ``stopped``)."""
@@ -161,19 +162,27 @@ class Announcer:
 
     async def stage_mates(self, max_age_s: float = 1.0, *, fresh: bool = False) -> dict[str, str]:
         """Serving peers of this stage (peer_id -> data_addr), this one included, cached briefly
-        (``fresh``: read now)."""
+        (``fresh``: read now). The cache's age counts from when a read answered, and a cached answer
+        older than ``max_age_s`` is still taken while another read is under way: on a long link a DHT
+        lookup takes longer than the cache lasts, and a lone peer keeps one going in the background
+        (``swarmd.pipeline.averaging.round``), which the averaging loop must not wait on again."""
         host = self.host
         assert host.dht is not None and host.stage is not None  # only called while averaging
-        now = time.monotonic()
         stage = host.stage
         cached = self._mates_cache
-        if fresh or cached is None or now - cached[0] > max_age_s or cached[2] != stage:
+        if not fresh and cached is not None and cached[2] == stage and (
+                time.monotonic() - cached[0] <= max_age_s or self._mates_reads):
+            return dict(cached[1])
+        self._mates_reads += 1
+        try:
             records = await host.dht.get_stage_peers(host.config.swarm, stage)
-            # this peer, and the stage-mates the others can dial (an unreachable one cannot take part)
-            mates = {pid: r.data_addr for pid, r in records.items()
-                     if r.state == "serving" and (r.usable or pid == host.peer_id)}
-            self._mates_cache = cached = (now, mates, stage)
-        return dict(cached[1])
+        finally:
+            self._mates_reads -= 1
+        # this peer, and the stage-mates the others can dial (an unreachable one cannot take part)
+        mates = {pid: r.data_addr for pid, r in records.items()
+                 if r.state == "serving" and (r.usable or pid == host.peer_id)}
+        self._mates_cache = (time.monotonic(), mates, stage)
+        return dict(mates)
 
     def forget_stage_mates(self) -> None:
         self._mates_cache = None

@@ -1,7 +1,8 @@
 """A peer alone in its stage reads the stage's listing afresh before it steps alone (a mate that began
 serving since may hold samples of the step: swarmd.pipeline.averaging.round._newly_listed). While its batch
 builds up it keeps that read fresh in the background, so the step does not wait on the DHT: a read that ended
-within LISTING_FRESH_S counts, a read in flight is awaited, and otherwise one is made first."""
+within LISTING_FRESH_S (or within as long as it took) counts, a read in flight is awaited, and otherwise one is
+made first."""
 
 from __future__ import annotations
 
@@ -84,6 +85,26 @@ async def test_a_read_in_flight_is_awaited_and_reads_go_on_between_batches() -> 
         await averager._trusted_mates()  # ... and the next batch's listing is read all the same
         await asyncio.sleep(0.3)
         assert len(listing.fresh_reads) == 2
+    finally:
+        await averager.close()
+        await ex.close()
+
+
+async def test_a_slow_read_stays_fresh_as_long_as_it_took() -> None:
+    ex = StageExecutor(TINY, 0, training=TRAINING)
+    listing = _Listing()
+    averager = StageAverager(ex, peer_id="a", stage_peers=listing, session=None)  # type: ignore[arg-type]
+    try:
+        await ex.add_gradients(torch.zeros(ex.grad_numel), 4)
+        now = time.monotonic()
+        # a DHT lookup across long links took 1.5 s and ended 1 s ago: the step takes it (reads go on back to back
+        # there, so the one before the step always ended within as long as the next one takes)
+        averager._listing = (now - 2.5, now - 1.0, dict(listing.peers))
+        listing.peers["b"] = "127.0.0.1:2"
+        assert not await averager._newly_listed() and listing.fresh_reads == []
+        # a quick read that ended as long ago is stale: read again, then decided
+        averager._listing = (now - 1.1, now - 1.0, {"a": "127.0.0.1:1"})
+        assert LISTING_FRESH_S < 1.0 and await averager._newly_listed() and len(listing.fresh_reads) == 1
     finally:
         await averager.close()
         await ex.close()

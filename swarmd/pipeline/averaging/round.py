@@ -82,9 +82,10 @@ LOG_EVERY_S = 30.0
 #: A peer alone in its stage re-reads the stage's listing at most this often while it accumulates a batch
 #: (in the background), so that the read it makes sure of before stepping alone is rarely on the step's path...
 LISTING_PERIOD_S = 0.25
-#: ... a read that ended at most this long before the step counts as fresh (older: read again, then step; a read in
-#: flight is awaited). Ended, not begun: on a long link a DHT lookup takes up to a second here, and a newly listed
-#: mate's trainers took at least as long to find its record as this peer's read does;
+#: ... a read that ended at most this long before the step, or at most as long as it took itself, counts as fresh
+#: (older: read again, then step; a read in flight is awaited). Ended, not begun: on a long link a DHT lookup takes
+#: up to a second here, and a newly listed mate's trainers took at least as long to find its record as this
+#: peer's read does (with reads back to back, the last one ended is then always fresh: no lone step waits on one);
 LISTING_FRESH_S = 0.5
 #: ... and it goes on this long after the peer last held samples (between batches: on a long link a DHT read
 #: takes longer than a batch's backwards take to arrive, so a read begun with the batch would end after it).
@@ -400,9 +401,11 @@ class AveragerCore:
         within the listing's cache age may hold samples of this step (trainers route to a peer as
         soon as its record is out), and a lone step would leave them behind together, where the
         rule of :meth:`_tick` keeps them (two of them outnumber the one ahead) for good."""
-        def fresh() -> dict[str, str] | None:  # the last read's answer, if it ended within LISTING_FRESH_S
+        def fresh() -> dict[str, str] | None:  # the last read's answer, if it ended within LISTING_FRESH_S or its time
             read = self._listing
-            return None if read is None or time.monotonic() - read[1] > LISTING_FRESH_S else read[2]
+            if read is None or time.monotonic() - read[1] > max(LISTING_FRESH_S, read[1] - read[0]):
+                return None
+            return read[2]
 
         reading = self._listing_read
         if fresh() is None and reading is not None and not reading.done():
@@ -420,9 +423,9 @@ class AveragerCore:
     def _prefetch_listing(self) -> None:
         """Read the stage's listing afresh in a task this averager owns, unless a read is in flight or one
         began within ``LISTING_PERIOD_S``: :meth:`_newly_listed` takes a read that ended within
-        ``LISTING_FRESH_S`` before the step (or awaits the one in flight) instead of reading then (a DHT
-        lookup: on a long link the largest part of a lone peer's step; the read also keeps the daemon's
-        cached listing fresh, which the tick reads). A mate whose record appears after such a read began is
+        ``LISTING_FRESH_S`` (or its own duration) before the step (or awaits the one in flight) instead of
+        reading then (a DHT lookup: on a long link the largest part of a lone peer's step; the read also keeps
+        the daemon's cached listing fresh, which the tick reads). A mate whose record appears after such a read began is
         missed, as one appearing during the read itself always was; it is heard from at the next step."""
         now = time.monotonic()
         if (self._listing_read is not None and not self._listing_read.done()) or (
