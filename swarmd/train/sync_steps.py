@@ -349,21 +349,26 @@ class SyncSteps:
         short_since: float | None = None
         stuck_since: float | None = None
         left_behind = LeftBehind(timing.lag_grace_s)
-        polls = 0
+        waited_from = time.monotonic()  # (from the batch sent, once it is)
         while True:
             polled_at = time.monotonic()
+            early = sent is not None and not sent.is_set()
             if gates is None:
                 polled = await self.view.poll(wait_step=step)
-            else:  # the first poll goes out at once: the stage map was re-read mid-step when due (send_batch)
+            else:  # the stage map was re-read mid-step when due (send_batch): again only if the wait goes on
+                refresh = not early and polled_at - waited_from > timing.wait_refresh_after_s
                 polled = await self.view.poll(wait_step=step, on_stage=functools.partial(
-                    self._heard, gates, step, target, left_behind), refresh=polls > 0)
-            polls += 1
+                    self._heard, gates, step, target, left_behind), refresh=refresh)
             standing = assess(polled, step, target, left_behind, time.monotonic())
             if gates is not None:
                 gates.open(set(range(len(polled))) - {stage for stage, _, _ in standing.lagging})
-            if sent is not None and not sent.is_set():  # begun early: the wait proper begins with the batch sent
+            if early and sent is not None:  # begun early: the wait proper begins with the batch sent
+                if standing.lagging and not sent.is_set():  # meanwhile its polls go on opening gates
+                    await asyncio.sleep(max(0.0, timing.step_poll_period_s - (time.monotonic() - polled_at)))
+                    continue
                 await sent.wait()
                 began, deadline = time.perf_counter(), time.monotonic() + cfg.stage_wait_timeout_s
+                waited_from = time.monotonic()
                 if standing.lagging:  # asked again: what is short or stuck is judged on a poll after the batch
                     continue
             if not standing.lagging:  # (every gate opened just above)

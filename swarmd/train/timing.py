@@ -96,6 +96,11 @@ class Timing:
     #: The step wait polls at most this often (a long-poll already waits; a peer that answered at once,
     #: or not at all, did not).
     step_poll_period_s: float = 0.05
+    #: ... and re-reads the stage map (when due) only once it has waited this long since the batch was sent:
+    #: that read is a DHT lookup behind the control plane (up to a second on long links), which a wait that
+    #: ends within a round trip or two must not have on its path; a longer one needs it (a dead peer's
+    #: record expires, a new one appears).
+    wait_refresh_after_s: float = 1.0
 
     # ---- registration (swarmd.train.swarm_client) -------------------------------------------------
     #: A daemon that answers "not ready" (still joining: building its stage, downloading its state) is

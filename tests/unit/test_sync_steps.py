@@ -190,3 +190,62 @@ async def test_a_wait_that_fails_ends_the_next_batch_too() -> None:
     others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     assert not any("swarmd-trainer-wait" in t.get_name() for t in others)  # nothing left running
 
+
+class _FirstStageDrains:
+    """Two stages: the last answers a microbatch at once, the first drains it for 0.2 s after and takes the
+    step halfway through (as a first stage steps on its last backward, before the trainer hears the answer);
+    polls answer at once (no long-poll), logged with whether they re-read the stage map."""
+
+    def __init__(self) -> None:
+        self.routers = [StageRouter(0), StageRouter(1)]
+        self.log: list[tuple[Any, ...]] = []
+        self.first_at = 0  # the step stage 0 has taken
+        self.batch = 0
+
+    async def refresh(self, force: bool = False) -> None:
+        return None
+
+    async def swarm_step(self) -> int:
+        return 0
+
+    async def poll(self, wait_step: int | None = None, on_stage: Any = None,
+                   refresh: bool = True) -> list[list[PeerProgress]]:
+        step = wait_step or 0
+        self.log.append(("poll", step, refresh))
+        stages = [[p("a", self.first_at)], [p("b", step)]]
+        if on_stage is not None:
+            for k, answers in enumerate(stages):
+                on_stage(k, answers)
+        return stages
+
+    def pairs(self) -> bool:
+        return False
+
+    async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
+                  gates: Any = None, on_last_stage: Any = None) -> None:
+        self.batch += 1
+        batch = self.batch
+        for stage in (0, 1):
+            if gates is not None:
+                await gates.wait(stage)
+            self.log.append((f"stage {stage}", batch))
+        on_last_stage()
+        await asyncio.sleep(0.1)
+        self.first_at = batch  # its last backward: stage 0 steps ...
+        await asyncio.sleep(0.1)  # ... and its answer is on the way back
+        self.log.append(("drained", batch))
+        if on_forward is not None:
+            on_forward()
+
+
+async def test_the_early_wait_polls_until_the_batch_is_sent_and_leaves_the_stage_map_alone() -> None:
+    stages, done = _FirstStageDrains(), []
+    await asyncio.wait_for(_steps(stages, done).run(_Sampler()), 5)  # type: ignore[arg-type]
+    assert done == [0, 1]
+    # while stage 0 drained the batch, the wait polled on and found it stepped: the next batch's first call went
+    # out as the batch was sent, without a poll after it
+    first = stages.log.index(("drained", 1))
+    assert stages.log[first + 1] == ("stage 0", 2)
+    assert sum(1 for e in stages.log[:first] if e[:2] == ("poll", 1)) >= 2
+    # none of those polls re-read the stage map (a DHT read behind the control plane, on the step's path)
+    assert [e for e in stages.log if e[0] == "poll" and e[2]] == []
