@@ -17,7 +17,7 @@ request and reply is a type of ``swarmd.net.messages``, which validates them):
   With ``meta.back`` (the backward chain), once the fused end answered this peer runs its own backward
   with the gradient the stage after it answered and answers that instead (``meta.backs``), or why it
   could not (``meta.back_error``). ``meta.min_step`` (forward or backward): run only once this peer
-  reached that step, waited for within the request's budget or deadline, else 409 ``PeerBehind``; a
+  reached that step, waited for within half the request's budget or deadline, else 409 ``PeerBehind``; a
   forward carries it on to its hops (a sync trainer's next step may reach a later stage of a chain
   while that stage still finishes the step before).
 - ``GET /v1/info``      JSON: stage, model digest, step, codecs, limits.
@@ -392,8 +392,8 @@ class DataPlane:
         # forward to where the trainer's came from (``origin``), since the trainer sends the backward
         source = req.origin if req.origin is not None else (request.remote or "")
         targets = None if req.next else req.targets  # with next hops: the chain's last stage's, carried on
-        budget_s = ((req.budget_ms or 0) - HOP_MARGIN_MS) / 1000.0
-        await self._at_step(runtime, req.min_step, received + budget_s if req.budget_ms is not None else received)
+        budget_s = max(0, (req.budget_ms or 0) - HOP_MARGIN_MS) / 1000.0
+        waited = await self._at_step(runtime, req.min_step, received + budget_s / 2)
         result = await runtime.executor.forward(req.inputs, targets, mb=req.mb, source=source)
         self.served["forward"] += 1
         loss = float(result.outputs) if targets is not None else None
@@ -403,17 +403,22 @@ class DataPlane:
             reply = await self._next_hop(req, reply, source, received)
         if req.back:
             reply = await self._chain_backward(runtime, req, reply, result.outputs.shape, result.kept, source, received)
+        if waited:  # not this peer's own time either (the sender's latency estimates leave it out)
+            reply = dataclasses.replace(reply, wait_ms=reply.wait_ms + waited)
         return await self._reply(reply.encode, req.codec)
 
     @staticmethod
-    async def _at_step(runtime: StageRuntime, min_step: int | None, until: float) -> None:
+    async def _at_step(runtime: StageRuntime, min_step: int | None, until: float) -> int:
         """A request's ``min_step``: wait until this peer's stage reached it, or refuse at ``until``
-        (``PeerBehind``: the sender goes on without this peer, nothing was computed or counted)."""
+        (``PeerBehind``: the sender goes on without this peer, nothing was computed or counted). Half of
+        the request's budget (or deadline) at most: what follows keeps the other half. The ms waited."""
         ex = runtime.executor
         if min_step is None or ex.step >= min_step:
-            return
-        if not await ex.wait_progress(max(0.0, until - time.monotonic()), step=min_step):
+            return 0
+        began = time.monotonic()
+        if not await ex.wait_progress(max(0.0, until - began), step=min_step):
             raise PeerBehind(f"stage {ex.stage} on this peer is at step {ex.step}, not yet at step {min_step}")
+        return int((time.monotonic() - began) * 1e3)
 
     async def _next_hop(self, req: ForwardRequest, own: ForwardReply, origin: str, received: float) -> ForwardReply:
         """Send this forward's outputs on to the next stage's peer the trainer chose (issue #31) and
@@ -509,7 +514,7 @@ class DataPlane:
             raise WrongStage(f"this is peer {me[:12]}, not {req.peer[:12]}")
         ex = runtime.executor
         deadline = None if req.deadline_ms is None else received + req.deadline_ms / 1000.0
-        await self._at_step(runtime, req.min_step, received if deadline is None else deadline)
+        await self._at_step(runtime, req.min_step, received + (req.deadline_ms or 0) / 2000.0)
         # a fused hop counts for the trainer's address (``origin``), whose claim may fence it (step_protocol.py)
         result = await ex.backward(req.inputs, req.grad_outputs, req.targets, step=req.step, mb=req.mb,
                                    deadline=deadline, verify=req.verify, attempt=req.attempt,

@@ -67,9 +67,10 @@ class ForwardRequest:
     (``back_error``), and the trainer sends the remaining backwards itself.
     ``min_step`` (meta ``min_step``, optional): run only once this peer has reached that step (a sync
     trainer's next step, whose calls must see the parameters after it: a chain's later stages may
-    still be finishing the step before when the chain goes out). The peer waits for it within what is
-    left of ``budget_ms`` less :data:`HOP_MARGIN_MS` (without a budget, not at all) and refuses with
-    ``PeerBehind`` (409) if it is not there by then; carried on to every hop.
+    still be finishing the step before when the chain goes out). The peer waits for it within half
+    of ``budget_ms`` less :data:`HOP_MARGIN_MS` (the rest is for what follows; without a budget, not
+    at all) and refuses with ``PeerBehind`` (409) if it is not there by then; carried on to every hop.
+    The reply's ``wait_ms`` includes that wait.
     """
 
     stage: int
@@ -163,8 +164,8 @@ class ForwardReply:
 
     Peer to peer (a request with ``next``): ``chain`` (meta ``chain``) holds what each later stage
     that the outputs went through answered (:class:`HopResult`), in stage order, and ``outputs`` are
-    then the last of them's; ``wait_ms`` how long this peer waited for its next hop's answer;
-    ``hop_error`` (meta ``hop_error``) why the next hop failed, when it did: ``chain`` then ends
+    then the last of them's; ``wait_ms`` how long this peer waited for its next hop's answer (and for
+    ``min_step``); ``hop_error`` (meta ``hop_error``) why the next hop failed, when it did: ``chain`` then ends
     there and the sender goes on from the next stage itself. ``fused`` (meta ``fused``, tensor
     ``fused_grad_inputs``): the last stage's answer when the chain ended in its fused forward and
     backward; ``outputs`` are then empty (nobody needs the last stage's inputs any more).
@@ -471,7 +472,7 @@ class BackwardRequest:
     attempt: int = 0
     peer: str | None = None  # peer to peer (issue #31): as ForwardRequest's, for a fused last hop
     origin: str | None = None
-    min_step: int | None = None  # as ForwardRequest's, waited for within ``deadline_ms``
+    min_step: int | None = None  # as ForwardRequest's, waited for within half of ``deadline_ms``
 
     KIND = "backward"
 
