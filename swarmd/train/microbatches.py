@@ -18,9 +18,10 @@ computed again through the earlier stages at the same steps (:meth:`Microbatches
 When the chain ends in the last stage's fused call, the backwards go back through the same peers (the
 backward chain: ``reply.backs``), and the trainer sends only those a chain did not run, after settling
 (a claim) each one a broken chain may have counted. Spot-checked pairs go through the trainer, every
-stage, as without it. A sync step's chain goes out once its first stage took the step before; each
-later stage's peer runs its hop only once it took that step too (``ForwardRequest.min_step``), so the
-chain is not held at the trainer for every stage's gate, and the step's wait starts as it goes out.
+stage, as without it. A sync step's chain is not held at the trainer for the stages' gates: each
+stage's peer runs it only once it took the step (``ForwardRequest.min_step``), the first one's too (a
+first stage that does not in time refuses, and the trainer sends it again from behind that gate), and
+the step's wait starts as it goes out.
 
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
@@ -155,7 +156,10 @@ class Microbatches:
             inputs = acts[stage]
             assert inputs is not None  # a stage's forward starts where the trainer holds the inputs
             reach = stage if chain_to is None else chain_to  # the last stage this call may reach
-            if gates is not None:  # (a chain's later stages wait for the step themselves: min_step)
+            # a chain's stages wait for the step themselves (min_step), its first one too: it is there to run
+            # the moment that stage steps; the trainer's own call waits at the gate
+            gated = gates is not None and reach == stage
+            if gated and gates is not None:
                 await gates.wait(stage)
             fused_end = reach == last
             catch_up = time.monotonic() + self.timing.stage_catch_up_s
@@ -170,6 +174,12 @@ class Microbatches:
                     forward, pair = await self._forward(stage, inputs, None, mb, pair_mb, paired, reach,
                                                         y if fused_end else None, prefer, back=fused_end,
                                                         min_step=None if gates is None else gates.step)
+                except StageBehind:
+                    if gated or gates is None:
+                        raise
+                    await gates.wait(stage)  # its peers did not take the step in time: from behind its gate
+                    gated = True
+                    continue
                 finally:
                     if on_forward is not None:
                         on_forward()

@@ -455,13 +455,15 @@ class StageCalls:
         ``back`` (with ``fused_targets``): the backward chain, each stage's peer running its backward once
         the stages after it ran theirs (``reply.backs``, attempt 0 as the fused hop's); every attempt that
         failed after asking for it may have counted anywhere along its chain (``Served.unsettled``).
-        ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before). ``min_step`` (a
-        chain's): each hop's peer runs it only once it reached that step (a sync step's later stages may
-        still be taking the one before), and the hops get ``Timing.chain_step_wait_s`` longer for it."""
+        ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before). ``min_step``: the
+        peer, and each hop's, runs it only once it reached that step (a sync step's chain goes out before
+        its stages took the step before), and the hops get ``Timing.chain_step_wait_s`` longer for it; a
+        call sent without hops is refused at once by a peer not there yet (``StageBehind`` once all were)."""
         client, codec, model, samples = self.client, self.codec, self.model, inputs.shape[0]
 
-        def send(addr: str, timeout: float) -> Awaitable[ForwardReply]:
-            return client.forward(addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout)
+        def send(addr: str, timeout: float) -> Awaitable[ForwardReply]:  # (min_step: refused at once if behind)
+            return client.forward(addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout,
+                                  min_step=min_step)
 
         if chain_to is None or chain_to <= stage or mb is None or targets is not None or how is not None:
             return await self._observed(stage, "forward", samples, send, how=how, prefer=prefer)

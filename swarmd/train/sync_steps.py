@@ -1,14 +1,16 @@
 """Synchronous training (``--sync``): one global batch per step, then wait until every peer stepped.
 
-A sync trainer sends exactly one global batch per step and sends no call of the next step to a
-stage before every peer of that stage has stepped (a long-poll of ``/v1/progress``), which makes a
-swarm compute exactly what single-process training computes (the equivalence test). The next batch
-starts while the wait is still on: each of its calls waits at its stage's gate (:class:`StageGates`),
-open once that stage stepped, so the first stage's forwards go out while a later stage's answer is
-still on the link (a round trip per step on a long link); peer to peer, a chain's later stages wait
-for the step themselves (``ForwardRequest.min_step``). The wait itself begins once the last stage
-has answered the whole batch, while the first stages drain it (its polls only open gates until the
-batch is sent). A step that ends in a validation pass waits for the whole swarm and the pass first.
+A sync trainer sends exactly one global batch per step, and no call of the next step runs on a peer
+before that peer's stage has stepped, which makes a swarm compute exactly what single-process
+training computes (the equivalence test). The next batch starts once all but the last microbatch of
+this one went through, while this step's wait is still on: each of its calls waits at its stage's
+gate (:class:`StageGates`), open once every peer of that stage stepped (a long-poll of
+``/v1/progress``), so the first stage's forwards go out while a later stage's answer is still on the
+link (a round trip per step on a long link); peer to peer, a chain waits for the step at each of its
+stages instead, its first one included (``ForwardRequest.min_step``), so it is there the moment the
+first stage steps. The wait itself begins once the last stage has answered the whole batch (or a
+chain to it went out), while the first stages drain it (its polls only open gates until the batch is
+sent). A step that ends in a validation pass waits for the whole swarm and the pass first.
 The batch is tapered at both ends (the
 first and last microbatches halved, or a ramp in quarters once the stages' measured latencies say a
 small microbatch is worth its request: ``swarmd.pipeline.partition.tapered_sizes``, depth from
@@ -216,10 +218,11 @@ class SyncSteps:
             )
         start = await self.view.swarm_step()
         began = time.monotonic()
-        # the step before's wait, still running while this step's batch starts: its gates hold each call to a
-        # stage until that stage stepped, and on_step follows the wait (the ledger closes that step then)
+        # the step before: its batch's last microbatch may still be on its way, its wait is on; its gates hold
+        # each call of this step to a stage until that stage stepped, and on_step follows the wait (the ledger
+        # closes that step then)
         waiting: _Waiting | None = None
-        waits: list[asyncio.Task[None]] = []  # every wait started, for the cleanup
+        tasks: list[asyncio.Task[None]] = []  # every batch and wait started, for the cleanup
         try:
             for i in range(cfg.steps):
                 if cfg.max_seconds is not None and time.monotonic() - began > cfg.max_seconds:
@@ -235,16 +238,19 @@ class SyncSteps:
                         after.task = asyncio.create_task(self.wait_all_stepped(step + 1, sampler, after.gates,
                                                                                after.sent),
                                                          name=f"swarmd-trainer-wait-{step + 1}")
-                        waits.append(after.task)
+                        tasks.append(after.task)
 
-                sending = self.send_batch(batch, sampler, None if waiting is None else waiting.gates,
-                                          on_last_stage=start_wait)
+                # the next batch starts once this one's last microbatch is all that is left of it: peer to peer,
+                # its first calls then reach the first stage as that stage steps (ForwardRequest.min_step)
+                nearly = asyncio.Event()
+                after.sending = asyncio.create_task(
+                    self._send_step(after, batch, sampler, None if waiting is None else waiting.gates, start_wait,
+                                    nearly.set), name=f"swarmd-trainer-batch-{step}")
+                tasks.append(after.sending)
                 if waiting is None:
-                    await sending
+                    await _either(nearly, after.sending)
                 else:
-                    await all_or_nothing(sending, self._closed(waiting))
-                after.sent.set()
-                start_wait()
+                    await all_or_nothing(_either(nearly, after.sending), self._closed(waiting))
                 waiting = after
                 if self.calls_on_step(i + 1) or i + 1 == cfg.steps:
                     await self._closed(waiting)
@@ -252,19 +258,29 @@ class SyncSteps:
             if waiting is not None:  # stopped by --max-seconds before the next batch
                 await self._closed(waiting)
         finally:
-            running = [task for task in waits if not task.done()]
+            running = [task for task in tasks if not task.done()]
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
+    async def _send_step(self, after: _Waiting, batch: int, sampler: Sampler, gates: StageGates | None,
+                         start_wait: Callable[[], None], nearly: Callable[[], None]) -> None:
+        """A step's batch (``send_batch``), then the step's wait told it is sent."""
+        await self.send_batch(batch, sampler, gates, on_last_stage=start_wait, on_nearly_sent=nearly)
+        after.sent.set()
+        start_wait()
+
     async def _closed(self, waiting: _Waiting) -> None:
-        """The step's wait done, then ``on_step`` for it."""
+        """The step's batch sent, its wait done, then ``on_step`` for it."""
+        if waiting.sending is not None:
+            await waiting.sending
         if waiting.task is not None:
             await waiting.task
         await self.on_step(waiting.step, waiting.done)
 
     async def send_batch(self, batch: int, sampler: Sampler, gates: StageGates | None = None,
-                         on_last_stage: Callable[[], None] | None = None) -> None:
+                         on_last_stage: Callable[[], None] | None = None,
+                         on_nearly_sent: Callable[[], None] | None = None) -> None:
         """One step's batch, tapered, every microbatch through the pipeline.
 
         The first microbatch leads: the others start once its first forward is back, so stage 0
@@ -274,7 +290,8 @@ class SyncSteps:
         between them costs little; a model whose calls are mostly overhead is not chained).
 
         ``gates``: each call waits at its stage's (the step before still being taken); ``on_last_stage``:
-        called once the last stage has answered every microbatch of the batch."""
+        called once the last stage has answered every microbatch of the batch; ``on_nearly_sent``: once
+        all of them but one went through (or all, for a batch of one)."""
         cfg = self.config
         depth = taper_depth_for(self.view.routers, taper=cfg.taper, most=cfg.max_taper_depth,
                                 microbatch_size=cfg.microbatch_size)
@@ -300,7 +317,10 @@ class SyncSteps:
             if len(at_last) == len(runs) and on_last_stage is not None:
                 on_last_stage()
 
+        through = 0
+
         async def one(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            nonlocal through
             if index:
                 await led[index - 1 if depth >= 2 else 0].wait()
             if index - 1 in paired and paired[index - 1]:  # its slot went to the pair before it
@@ -311,6 +331,9 @@ class SyncSteps:
                 await self.microbatches.run(x, y, on_forward=led[index].set, paired=paired[index],
                                             gates=gates,
                                             on_last_stage=functools.partial(last_stage_done, index))
+            through += 1
+            if through == max(1, len(runs) - 1) and on_nearly_sent is not None:
+                on_nearly_sent()
 
         async def refresh() -> None:
             # the stage map is re-read (when due) mid-step, while the pipeline is full: not at the step's
@@ -408,12 +431,25 @@ class SyncSteps:
 
 @dataclass
 class _Waiting:
-    """A step's wait for every stage to take it (a task, once started), the gates it opens, whether the
-    step's batch is sent, and what ``on_step`` is told."""
+    """A step's batch (a task) and its wait for every stage to take it (a task, once started), the gates
+    the wait opens, whether the batch is sent, and what ``on_step`` is told."""
 
     step: int
     done: int  # steps done in this run once it ends
     gates: StageGates
     sent: asyncio.Event
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # the wait
+    sending: asyncio.Task[None] | None = None  # the batch
 
+
+
+async def _either(event: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """Until ``event`` is set or ``task`` ended (its error, if it failed); ``task`` itself goes on."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+    if task.done():
+        task.result()

@@ -250,19 +250,18 @@ async def test_a_fused_hop_that_failed_is_settled_before_the_trainer_sends_it_ag
 
 
 async def took_a_step(client: DataPlaneClient, daemon: Daemon, stage: int) -> None:
-    """Backwards of fresh samples to a lone ``daemon`` of ``stage`` until it stepped (alone) to step 1."""
+    """A lone ``daemon`` of ``stage`` at step 0 with nothing held: backwards of exactly its target batch (none
+    more: one sent as it steps would count into step 1), then until it stepped (alone) to step 1."""
     x, y = batch(99)
-    if stage:
-        x = torch.randn(MICRO, SPEC.seq_len, SPEC.d_model, generator=torch.Generator().manual_seed(stage))
-    for _ in range(400):
+    hidden = torch.randn(MICRO, SPEC.seq_len, SPEC.d_model, generator=torch.Generator().manual_seed(stage))
+    last = stage == SPEC.n_stages - 1
+    assert daemon.executor.step == 0 and daemon.executor.grad_samples == 0
+    for _ in range(daemon.training.target_batch_size // MICRO):
+        await client.backward(daemon.data_addr, stage, hidden if stage else x, None if last else hidden,
+                              y if last else None)
+    for _ in range(1000):
         if daemon.executor.step >= 1:
             return
-        if daemon.executor.grad_samples < daemon.training.target_batch_size:
-            last = stage == SPEC.n_stages - 1
-            with contextlib.suppress(Busy):  # averaging (alone) already
-                await client.backward(daemon.data_addr, stage, x, None if last else torch.randn_like(x),
-                                      y if last else None)
-                continue
         await asyncio.sleep(0.02)
     raise AssertionError(f"stage {stage}'s lone peer did not step")
 
@@ -294,6 +293,33 @@ async def test_a_hop_runs_only_once_its_peer_took_the_step_the_chain_is_for() ->
         assert s2.status()["served"]["forward"] == served + 1
         assert s1.data_plane is not None and s1.data_plane.hop_stats == {"sent": 2, "failed": 1, "backward": 0,
                                                                          "backward_failed": 0}
+
+
+class ClosedGates:
+    """A sync step's gates, none open yet: the step before is still being taken everywhere."""
+
+    step = 1
+
+    async def wait(self, stage: int) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_chain_goes_out_before_its_first_stage_stepped_and_runs_there_once_it_did() -> None:
+    async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
+        daemons = [s0, s1, s2]
+        async with microbatches({s1.peer_id: s1.data_addr}, True, daemons) as (mbs, summary, client):
+            # the trainer holds no call of this chain at a gate: it waits at stage 0's peer for step 1
+            ran = asyncio.create_task(mbs.run(*batch(0), gates=ClosedGates()))
+            await asyncio.sleep(0.3)
+            assert not ran.done() and s0.status()["served"]["forward"] == 0
+            for k, d in enumerate(daemons):  # the step before ends, stage by stage
+                await took_a_step(client, d, k)
+            await asyncio.wait_for(ran, 30)
+        # it ran once on each stage, at step 1: its gradients are the new step's
+        assert s0.status()["served"]["forward"] == 1 and summary.p2p_hops == 2
+        assert summary.microbatches_completed == 1 and summary.stale_redos == 0
+        assert [d.executor.step for d in daemons] == [1, 1, 1]
+        assert [d.executor.grad_samples for d in daemons] == [MICRO] * 3
 
 
 async def test_a_hop_gets_what_is_left_of_its_senders_budget_or_is_not_sent() -> None:

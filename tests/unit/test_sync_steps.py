@@ -249,3 +249,58 @@ async def test_the_early_wait_polls_until_the_batch_is_sent_and_leaves_the_stage
     assert sum(1 for e in stages.log[:first] if e[:2] == ("poll", 1)) >= 2
     # none of those polls re-read the stage map (a DHT read behind the control plane, on the step's path)
     assert [e for e in stages.log if e[0] == "poll" and e[2]] == []
+
+
+class _Overlapping:
+    """Stages that take every step at once; each microbatch takes 0.05 s more than the one before (a batch's
+    microbatches end one after another), and logs when it began and ended."""
+
+    def __init__(self) -> None:
+        self.routers = [StageRouter(0), StageRouter(1)]
+        self.log: list[tuple[str, int, int]] = []
+
+    async def refresh(self, force: bool = False) -> None:
+        return None
+
+    async def swarm_step(self) -> int:
+        return 0
+
+    async def poll(self, wait_step: int | None = None, on_stage: Any = None,
+                   refresh: bool = True) -> list[list[PeerProgress]]:
+        stages = [[p("a", wait_step or 0)], [p("b", wait_step or 0)]]
+        if on_stage is not None:
+            for k, answers in enumerate(stages):
+                on_stage(k, answers)
+        return stages
+
+    def pairs(self) -> bool:
+        return False
+
+    async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
+                  gates: Any = None, on_last_stage: Any = None) -> None:
+        calls = sum(1 for e in self.log if e[0] == "begin")
+        batch, index = 1 + calls // 3, calls % 3  # three microbatches a batch, in order
+        self.log.append(("begin", batch, index))
+        if on_forward is not None:
+            on_forward()
+        await asyncio.sleep(0.05 * (index + 1))
+        on_last_stage()
+        self.log.append(("end", batch, index))
+
+
+async def test_the_next_batch_begins_once_all_but_the_last_microbatch_of_this_one_went_through() -> None:
+    stages = _Overlapping()
+    config = TrainerConfig(api="http://127.0.0.1:9", steps=2, sync=True, batch_size=12, microbatch_size=4,
+                           window=4, taper=False, val_every=0)
+    done: list[int] = []
+
+    async def on_step(step: int, n: int) -> None:
+        done.append(step)
+
+    steps = SyncSteps(config, TrainingSpec(target_batch_size=12), view=stages, microbatches=stages,
+                      summary=TrainSummary(), on_step=on_step)
+    await asyncio.wait_for(steps.run(_Sampler()), 5)  # type: ignore[arg-type]
+    # (its calls still wait at the gates of the step before, and peer to peer its first stage waits for the step)
+    second = stages.log.index(("begin", 2, 0))
+    assert ("end", 1, 1) in stages.log[:second] and stages.log.index(("end", 1, 2)) > second
+    assert done == [0, 1]
