@@ -19,9 +19,10 @@ When the chain ends in the last stage's fused call, the backwards go back throug
 backward chain: ``reply.backs``), and the trainer sends only those a chain did not run, after settling
 (a claim) each one a broken chain may have counted. Spot-checked pairs go through the trainer, every
 stage, as without it. A sync step's chain is not held at the trainer for the stages' gates: each
-stage's peer runs it only once it took the step (``ForwardRequest.min_step``), the first one's too (a
-first stage that does not in time refuses, and the trainer sends it again from behind that gate), and
-the step's wait starts as it goes out.
+stage's peer runs it only once it took the step (``ForwardRequest.min_step``), the first one's too, and
+the step's wait starts as it goes out. Without peer to peer, a microbatch's first call likewise waits
+at the first stage's peer, the later ones at their gates. A first stage whose peers do not take the
+step in time refuse it, and the trainer sends it again from behind that stage's gate.
 
 A microbatch is never lost: one whose backward a stage refused as stale (it stepped since the
 forward), or whose first answer a spot check could not settle, is redone whole under a new id
@@ -156,9 +157,10 @@ class Microbatches:
             inputs = acts[stage]
             assert inputs is not None  # a stage's forward starts where the trainer holds the inputs
             reach = stage if chain_to is None else chain_to  # the last stage this call may reach
-            # a chain's stages wait for the step themselves (min_step), its first one too: it is there to run
-            # the moment that stage steps; the trainer's own call waits at the gate
-            gated = gates is not None and reach == stage
+            # a microbatch's first call waits for the step at its first stage's peer (min_step), and so does every
+            # stage of a chain: it is there to run the moment that stage steps; the trainer's own later calls (it
+            # holds their inputs only once the stage before answered) and a spot check's pairs wait at the gates
+            gated = gates is not None and reach == stage and (paired or stage > 0)
             if gated and gates is not None:
                 await gates.wait(stage)
             fused_end = reach == last

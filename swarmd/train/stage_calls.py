@@ -457,16 +457,27 @@ class StageCalls:
         failed after asking for it may have counted anywhere along its chain (``Served.unsettled``).
         ``prefer``: the peer to ask first (``Served.stopped_at`` of the chain before). ``min_step``: the
         peer, and each hop's, runs it only once it reached that step (a sync step's chain goes out before
-        its stages took the step before), and the hops get ``Timing.chain_step_wait_s`` longer for it; a
-        call sent without hops is refused at once by a peer not there yet (``StageBehind`` once all were)."""
+        its stages took the step before), and the hops get ``Timing.chain_step_wait_s`` longer for it (a
+        call without hops too); a peer on probation, sent none, refuses it at once if it is not there yet
+        (``StageBehind`` once all did)."""
         client, codec, model, samples = self.client, self.codec, self.model, inputs.shape[0]
 
         def send(addr: str, timeout: float) -> Awaitable[ForwardReply]:  # (min_step: refused at once if behind)
             return client.forward(addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=timeout,
                                   min_step=min_step)
 
+        def send_waiting(addr: str, timeout: float) -> Awaitable[ForwardReply]:  # a proven peer waits for min_step
+            within = timeout + self.timing.chain_step_wait_s
+            return client.forward(addr, stage, inputs, targets, codec=codec, model=model, mb=mb, timeout_s=within,
+                                  budget_ms=int(within * 1000), min_step=min_step)
+
+        def own(reply: ForwardReply, elapsed: float) -> float:  # what the peer waited for (its step, a hop) is not its
+            return max(0.0, elapsed - reply.wait_ms / 1000.0)
+
         if chain_to is None or chain_to <= stage or mb is None or targets is not None or how is not None:
-            return await self._observed(stage, "forward", samples, send, how=how, prefer=prefer)
+            waits = min_step is not None and how is None
+            return await self._observed(stage, "forward", samples, send, how=how, prefer=prefer,
+                                        send_proven=send_waiting if waits else None, own_seconds=own)
         sent: dict[str, tuple[tuple[Hop, ...], str | None]] = {}  # addr -> the hops of the request answered there
         # (stage, addr) of failed attempts' backwards that may have counted: their fused hops' (once one failed, no
         # attempt names another), and with the backward chain every peer of their chains'
@@ -510,7 +521,7 @@ class StageCalls:
             return outcome
 
         served = await self._observed(stage, "forward", samples, send, send_proven=send_chained, prefer=prefer,
-                                      own_seconds=lambda reply, t: max(0.0, t - reply.wait_ms / 1000.0))
+                                      own_seconds=own)
         hops, stopped = sent.get(served.addr, ((), None))
         return dataclasses.replace(served, hops=hops, unsettled=tuple(unsettled), stopped_at=stopped)
 

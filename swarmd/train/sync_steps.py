@@ -6,16 +6,16 @@ training computes (the equivalence test). The next batch starts once all but the
 this one went through, while this step's wait is still on: each of its calls waits at its stage's
 gate (:class:`StageGates`), open once every peer of that stage stepped (a long-poll of
 ``/v1/progress``), so the first stage's forwards go out while a later stage's answer is still on the
-link (a round trip per step on a long link); peer to peer, a chain waits for the step at each of its
-stages instead, its first one included (``ForwardRequest.min_step``), so it is there the moment the
-first stage steps. The wait itself begins once the last stage has answered the whole batch (or a
-chain to it went out), while the first stages drain it (its polls only open gates until the batch is
-sent). A step that ends in a validation pass waits for the whole swarm and the pass first.
-The batch is tapered at both ends (the
-first and last microbatches halved, or a ramp in quarters once the stages' measured latencies say a
-small microbatch is worth its request: ``swarmd.pipeline.partition.tapered_sizes``, depth from
-:func:`taper_depth_for`) and each microbatch starts once the one before has its first forward back,
-which shortens the pipeline's fill and drain at every step (``swarmd.pipeline.schedule`` models it).
+link (a round trip per step on a long link). A microbatch's first call waits for the step at the
+first stage's peer instead (``ForwardRequest.min_step``), so it is there the moment that stage steps,
+and peer to peer so does every stage of its chain. The wait itself begins once the last stage has
+answered the whole batch (or a chain to it went out), while the first stages drain it (its polls only
+open gates until the batch is sent). A step that ends in a validation pass waits for the whole swarm
+and the pass first. The batch is tapered at both ends (the first and last microbatches halved, or a
+ramp in quarters once the stages' measured latencies say a small microbatch is worth its request:
+``swarmd.pipeline.partition.tapered_sizes``, depth from :func:`taper_depth_for`) and each microbatch
+starts once the one before has its first forward back, which shortens the pipeline's fill and drain
+at every step (``swarmd.pipeline.schedule`` models it).
 
 The wait (:meth:`SyncSteps.wait_all_stepped`, its decisions pure in :func:`assess`): a stage whose
 peers hold fewer than the target batch and are not averaging lost gradients with a dead peer, and

@@ -295,28 +295,36 @@ async def test_a_hop_runs_only_once_its_peer_took_the_step_the_chain_is_for() ->
                                                                          "backward_failed": 0}
 
 
-class ClosedGates:
-    """A sync step's gates, none open yet: the step before is still being taken everywhere."""
+class HeldGates:
+    """A sync step's gates while the step before is still being taken: stage 0's never opens here, the
+    others' once ``later`` is set."""
 
     step = 1
 
+    def __init__(self) -> None:
+        self.later = asyncio.Event()
+
     async def wait(self, stage: int) -> None:
-        await asyncio.Event().wait()
+        await (asyncio.Event() if stage == 0 else self.later).wait()
 
 
-async def test_a_chain_goes_out_before_its_first_stage_stepped_and_runs_there_once_it_did() -> None:
+@pytest.mark.parametrize("p2p", [True, False], ids=["chain", "trainer"])
+async def test_a_microbatch_goes_out_before_its_first_stage_stepped_and_runs_there_once_it_did(p2p: bool) -> None:
     async with running_daemon(0, SPEC) as s0, running_daemon(1, SPEC) as s1, running_daemon(2, SPEC) as s2:
         daemons = [s0, s1, s2]
-        async with microbatches({s1.peer_id: s1.data_addr}, True, daemons) as (mbs, summary, client):
-            # the trainer holds no call of this chain at a gate: it waits at stage 0's peer for step 1
-            ran = asyncio.create_task(mbs.run(*batch(0), gates=ClosedGates()))
+        async with microbatches({s1.peer_id: s1.data_addr}, p2p, daemons) as (mbs, summary, client):
+            # the trainer holds its first call at no gate: it waits at stage 0's peer for step 1 (and so does each
+            # stage of a chain; the trainer's own later calls wait at their gates)
+            gates = HeldGates()
+            ran = asyncio.create_task(mbs.run(*batch(0), gates=gates))
             await asyncio.sleep(0.3)
             assert not ran.done() and s0.status()["served"]["forward"] == 0
             for k, d in enumerate(daemons):  # the step before ends, stage by stage
                 await took_a_step(client, d, k)
+            gates.later.set()
             await asyncio.wait_for(ran, 30)
         # it ran once on each stage, at step 1: its gradients are the new step's
-        assert s0.status()["served"]["forward"] == 1 and summary.p2p_hops == 2
+        assert s0.status()["served"]["forward"] == 1 and summary.p2p_hops == (2 if p2p else 0)
         assert summary.microbatches_completed == 1 and summary.stale_redos == 0
         assert [d.executor.step for d in daemons] == [1, 1, 1]
         assert [d.executor.grad_samples for d in daemons] == [MICRO] * 3
