@@ -154,6 +154,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The longest a request's ``min_step`` is waited for, whatever budget it names.
+STEP_WAIT_MAX_S = 30.0
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -411,12 +414,13 @@ class DataPlane:
     async def _at_step(runtime: StageRuntime, min_step: int | None, until: float) -> int:
         """A request's ``min_step``: wait until this peer's stage reached it, or refuse at ``until``
         (``PeerBehind``: the sender goes on without this peer, nothing was computed or counted). Half of
-        the request's budget (or deadline) at most: what follows keeps the other half. The ms waited."""
+        the request's budget (or deadline) at most, what follows keeps the other half, and never longer
+        than ``STEP_WAIT_MAX_S`` (a request does not pin a handler for an hour's budget). The ms waited."""
         ex = runtime.executor
         if min_step is None or ex.step >= min_step:
             return 0
         began = time.monotonic()
-        if not await ex.wait_progress(max(0.0, until - began), step=min_step):
+        if not await ex.wait_progress(min(STEP_WAIT_MAX_S, max(0.0, until - began)), step=min_step):
             raise PeerBehind(f"stage {ex.stage} on this peer is at step {ex.step}, not yet at step {min_step}")
         return int((time.monotonic() - began) * 1e3)
 

@@ -322,9 +322,9 @@ class Microbatches:
             return await calls.forward(stage, inputs, targets, mb=mb, chain_to=chain_to, fused_targets=fused_targets,
                                        prefer=prefer, back=back, min_step=min_step), None
 
-        def call(how: How | None) -> Awaitable[Served[ForwardReply]]:
+        def call(how: How | None) -> Awaitable[Served[ForwardReply]]:  # (min_step: the same fields as any call's)
             return calls.forward(stage, inputs, targets, mb=mb if how is not None and how.tally is None else pair_mb,
-                                 how=how)
+                                 how=how, min_step=min_step)
 
         return await self.checks.paired(stage, call, _nbytes(inputs, targets))
 

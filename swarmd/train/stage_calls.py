@@ -475,9 +475,9 @@ class StageCalls:
             return max(0.0, elapsed - reply.wait_ms / 1000.0)
 
         if chain_to is None or chain_to <= stage or mb is None or targets is not None or how is not None:
-            waits = min_step is not None and how is None
+            # (a spot check's pair is sent as any call is, min_step and budget included: a peer cannot tell it)
             return await self._observed(stage, "forward", samples, send, how=how, prefer=prefer,
-                                        send_proven=send_waiting if waits else None, own_seconds=own)
+                                        send_proven=send_waiting if min_step is not None else None, own_seconds=own)
         sent: dict[str, tuple[tuple[Hop, ...], str | None]] = {}  # addr -> the hops of the request answered there
         # (stage, addr) of failed attempts' backwards that may have counted: their fused hops' (once one failed, no
         # attempt names another), and with the backward chain every peer of their chains'
@@ -676,7 +676,7 @@ class StageCalls:
         if how is not None and how.tally is not None:
             return await self.call(stage, kind, samples, send, patience=how.patience, tally=how.tally,
                                    prefer=prefer if how.only is None else None, only=how.only, exclude=how.exclude,
-                                   taken=how.taken)
+                                   taken=how.taken, send_proven=send_proven, own_seconds=own_seconds)
         began = time.perf_counter()
         served = await self.call(stage, kind, samples, send, prefer=prefer, patience=how.patience if how else None,
                                  exclude=how.exclude if how else (), taken=how.taken if how else None,
