@@ -90,11 +90,12 @@ class Microbatches:
         earlier step is finishing that step's round, so the forward is sent again once it has
         stepped (for at most ``Timing.stage_catch_up_s``), instead of being redone as stale later.
         ``paired``: whether it runs paired, every attempt (the caller gave it two slots, or one);
-        None: drawn for each attempt. ``gates``: each call to a stage waits at that stage's (a sync step's
+        None: drawn for each attempt. ``gates``: a call to a stage waits at that stage's (a sync step's
         next batch waits there for a stage still finishing the step before:
-        ``swarmd.train.sync_steps.StageGates``); peer to peer, a chain's later stages are not waited for
-        here: each hop's peer waits until it took ``gates.step`` (``ForwardRequest.min_step``), and one
-        that does not in time ends the chain there (the trainer goes on, through that gate).
+        ``swarmd.train.sync_steps.StageGates``), except an unpaired first call and every stage of a chain:
+        their peers wait until they took ``gates.step`` (``ForwardRequest.min_step``); a hop that does not
+        in time ends the chain there, a first stage's peers that do not have it sent again from behind
+        its gate.
         ``on_last_stage``: called when the last stage answered it, or, where a chain to the last stage's
         fused call was sent, then (its answer comes back only with the whole backward chain); once an
         attempt, again when it is redone whole.

@@ -442,7 +442,6 @@ class _Waiting:
     sending: asyncio.Task[None] | None = None  # the batch
 
 
-
 async def _either(event: asyncio.Event, task: asyncio.Task[None]) -> None:
     """Until ``event`` is set or ``task`` ended (its error, if it failed); ``task`` itself goes on."""
     waiter = asyncio.ensure_future(event.wait())
