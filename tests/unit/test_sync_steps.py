@@ -70,14 +70,13 @@ def test_a_peer_most_of_its_stage_left_behind_is_waited_for_only_a_grace() -> No
 # ---- the next batch, gated per stage (swarmd.train.sync_steps.StageGates) ------------------------------
 
 
-class _TwoStages:
-    """Two stages as a sync trainer's polls see them: stage 0 takes every step at once, stage 1 only once
-    ``release`` is set (its poll answers then); each microbatch logs when it passed each stage's gate."""
+class _Swarm:
+    """Two stages of one peer each as a sync trainer sees them (its view and its microbatch runner: the
+    fakes below say how they answer polls and run microbatches); no spot checks."""
 
     def __init__(self) -> None:
         self.routers = [StageRouter(0), StageRouter(1)]
-        self.release = asyncio.Event()
-        self.log: list[tuple[str, int]] = []
+        self.log: list[tuple[Any, ...]] = []
         self.batch = 0
 
     async def refresh(self, force: bool = False) -> None:
@@ -85,6 +84,36 @@ class _TwoStages:
 
     async def swarm_step(self) -> int:
         return 0
+
+    def pairs(self) -> bool:
+        return False
+
+    @staticmethod
+    def told(stages: list[list[PeerProgress]], on_stage: Any) -> list[list[PeerProgress]]:
+        """A poll's answers, each stage's told to ``on_stage`` first."""
+        if on_stage is not None:
+            for k, answers in enumerate(stages):
+                on_stage(k, answers)
+        return stages
+
+    async def through_gates(self, gates: Any) -> int:
+        """A new microbatch (its number) past each stage's gate in turn, logged at each."""
+        self.batch += 1
+        batch = self.batch
+        for stage in (0, 1):
+            if gates is not None:
+                await gates.wait(stage)
+            self.log.append((f"stage {stage}", batch))
+        return batch
+
+
+class _TwoStages(_Swarm):
+    """Two stages as a sync trainer's polls see them: stage 0 takes every step at once, stage 1 only once
+    ``release`` is set (its poll answers then); each microbatch logs when it passed each stage's gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
 
     async def poll(self, wait_step: int | None = None, on_stage: Any = None,
                    refresh: bool = True) -> list[list[PeerProgress]]:
@@ -99,17 +128,9 @@ class _TwoStages:
             on_stage(1, second)
         return [first, second]
 
-    def pairs(self) -> bool:
-        return False
-
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
                   gates: Any = None, on_last_stage: Any = None) -> None:
-        self.batch += 1
-        batch = self.batch
-        for stage in (0, 1):
-            if gates is not None:
-                await gates.wait(stage)
-            self.log.append((f"stage {stage}", batch))
+        batch = await self.through_gates(gates)
         if on_last_stage is not None:
             on_last_stage()
         await asyncio.sleep(0.02)  # the first stage's backward, after the last stage's
@@ -191,44 +212,24 @@ async def test_a_wait_that_fails_ends_the_next_batch_too() -> None:
     assert not any("swarmd-trainer-wait" in t.get_name() for t in others)  # nothing left running
 
 
-class _FirstStageDrains:
+class _FirstStageDrains(_Swarm):
     """Two stages: the last answers a microbatch at once, the first drains it for 0.2 s after and takes the
     step halfway through (as a first stage steps on its last backward, before the trainer hears the answer);
     polls answer at once (no long-poll), logged with whether they re-read the stage map."""
 
     def __init__(self) -> None:
-        self.routers = [StageRouter(0), StageRouter(1)]
-        self.log: list[tuple[Any, ...]] = []
+        super().__init__()
         self.first_at = 0  # the step stage 0 has taken
-        self.batch = 0
-
-    async def refresh(self, force: bool = False) -> None:
-        return None
-
-    async def swarm_step(self) -> int:
-        return 0
 
     async def poll(self, wait_step: int | None = None, on_stage: Any = None,
                    refresh: bool = True) -> list[list[PeerProgress]]:
         step = wait_step or 0
         self.log.append(("poll", step, refresh))
-        stages = [[p("a", self.first_at)], [p("b", step)]]
-        if on_stage is not None:
-            for k, answers in enumerate(stages):
-                on_stage(k, answers)
-        return stages
-
-    def pairs(self) -> bool:
-        return False
+        return self.told([[p("a", self.first_at)], [p("b", step)]], on_stage)
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
                   gates: Any = None, on_last_stage: Any = None) -> None:
-        self.batch += 1
-        batch = self.batch
-        for stage in (0, 1):
-            if gates is not None:
-                await gates.wait(stage)
-            self.log.append((f"stage {stage}", batch))
+        batch = await self.through_gates(gates)
         on_last_stage()
         await asyncio.sleep(0.1)
         self.first_at = batch  # its last backward: stage 0 steps ...
@@ -251,30 +252,13 @@ async def test_the_early_wait_polls_until_the_batch_is_sent_and_leaves_the_stage
     assert [e for e in stages.log if e[0] == "poll" and e[2]] == []
 
 
-class _Overlapping:
+class _Overlapping(_Swarm):
     """Stages that take every step at once; each microbatch takes 0.05 s more than the one before (a batch's
     microbatches end one after another), and logs when it began and ended."""
 
-    def __init__(self) -> None:
-        self.routers = [StageRouter(0), StageRouter(1)]
-        self.log: list[tuple[str, int, int]] = []
-
-    async def refresh(self, force: bool = False) -> None:
-        return None
-
-    async def swarm_step(self) -> int:
-        return 0
-
     async def poll(self, wait_step: int | None = None, on_stage: Any = None,
                    refresh: bool = True) -> list[list[PeerProgress]]:
-        stages = [[p("a", wait_step or 0)], [p("b", wait_step or 0)]]
-        if on_stage is not None:
-            for k, answers in enumerate(stages):
-                on_stage(k, answers)
-        return stages
-
-    def pairs(self) -> bool:
-        return False
+        return self.told([[p("a", wait_step or 0)], [p("b", wait_step or 0)]], on_stage)
 
     async def run(self, x: torch.Tensor, y: torch.Tensor, *, on_forward: Any = None, paired: Any = None,
                   gates: Any = None, on_last_stage: Any = None) -> None:
