@@ -7,7 +7,9 @@ made first."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -34,11 +36,21 @@ class _Listing:
         return dict(self.peers)
 
 
-async def test_a_lone_peer_steps_on_a_listing_read_in_the_background_while_it_is_fresh() -> None:
+@contextlib.asynccontextmanager
+async def lone_peer() -> AsyncIterator[tuple[StageExecutor, _Listing, StageAverager]]:
+    """A stage's executor and averager alone in the stage's listing (peer ``a``), closed at the end."""
     ex = StageExecutor(TINY, 0, training=TRAINING)
     listing = _Listing()
     averager = StageAverager(ex, peer_id="a", stage_peers=listing, session=None)  # type: ignore[arg-type]
     try:
+        yield ex, listing, averager
+    finally:
+        await averager.close()
+        await ex.close()
+
+
+async def test_a_lone_peer_steps_on_a_listing_read_in_the_background_while_it_is_fresh() -> None:
+    async with lone_peer() as (ex, listing, averager):
         assert await averager._trusted_mates() == {}  # nothing held: nothing read ahead
         await asyncio.sleep(0.05)
         assert listing.fresh_reads == []
@@ -57,24 +69,18 @@ async def test_a_lone_peer_steps_on_a_listing_read_in_the_background_while_it_is
         await asyncio.sleep(LISTING_FRESH_S + 0.05)  # no tick since: the last read is stale
         listing.peers["c"] = "127.0.0.1:3"
         assert await averager._newly_listed() and len(listing.fresh_reads) == 3  # read again, then decided
-    finally:
-        await averager.close()
-        await ex.close()
 
 
 async def test_a_read_in_flight_is_awaited_and_reads_go_on_between_batches() -> None:
-    ex = StageExecutor(TINY, 0, training=TRAINING)
-    listing = _Listing()
-    averager = StageAverager(ex, peer_id="a", stage_peers=listing, session=None)  # type: ignore[arg-type]
-    slow = listing.__call__
+    async with lone_peer() as (ex, listing, averager):
+        slow = listing.__call__
 
-    async def slow_read(*, fresh: bool = False) -> dict[str, str]:
-        if fresh:
-            await asyncio.sleep(0.2)  # a DHT lookup across a long link
-        return await slow(fresh=fresh)
+        async def slow_read(*, fresh: bool = False) -> dict[str, str]:
+            if fresh:
+                await asyncio.sleep(0.2)  # a DHT lookup across a long link
+            return await slow(fresh=fresh)
 
-    averager.stage_peers = slow_read
-    try:
+        averager.stage_peers = slow_read
         await ex.add_gradients(torch.zeros(ex.grad_numel), 4)
         await averager._trusted_mates()  # a read begins
         await asyncio.sleep(0.05)
@@ -85,16 +91,10 @@ async def test_a_read_in_flight_is_awaited_and_reads_go_on_between_batches() -> 
         await averager._trusted_mates()  # ... and the next batch's listing is read all the same
         await asyncio.sleep(0.3)
         assert len(listing.fresh_reads) == 2
-    finally:
-        await averager.close()
-        await ex.close()
 
 
 async def test_a_slow_read_stays_fresh_as_long_as_it_took() -> None:
-    ex = StageExecutor(TINY, 0, training=TRAINING)
-    listing = _Listing()
-    averager = StageAverager(ex, peer_id="a", stage_peers=listing, session=None)  # type: ignore[arg-type]
-    try:
+    async with lone_peer() as (ex, listing, averager):
         await ex.add_gradients(torch.zeros(ex.grad_numel), 4)
         now = time.monotonic()
         # a DHT lookup across long links took 1.5 s and ended 1 s ago: the step takes it (reads go on back to back
@@ -105,6 +105,3 @@ async def test_a_slow_read_stays_fresh_as_long_as_it_took() -> None:
         # a quick read that ended as long ago is stale: read again, then decided
         averager._listing = (now - 1.1, now - 1.0, {"a": "127.0.0.1:1"})
         assert LISTING_FRESH_S < 1.0 and await averager._newly_listed() and len(listing.fresh_reads) == 1
-    finally:
-        await averager.close()
-        await ex.close()

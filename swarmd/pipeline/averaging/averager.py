@@ -67,10 +67,10 @@ trainers' lease book moves to the stage's front step and no longer feeds theirs.
 to step alone first reads its listing afresh (``_newly_listed``): mates that began serving within
 the listing's cache second are polled and proven first (``FIRST_PROOF_WAIT_S``). A peer alone keeps
 that read fresh in the background while it trains (every ``LISTING_PERIOD_S``, back to back), and steps
-on one that ended within ``LISTING_FRESH_S`` or the one in flight: on a long link the read is a DHT
-lookup of up to a second, which was the largest part of a lone peer's step. What remains is a mate
-whose record appeared after that read began (as during the read itself), or listed but not proven
-within the wait; neither is resolved here.
+on one that ended within ``LISTING_FRESH_S`` (or as long as it took), or the one in flight: on a long
+link the read is a DHT lookup of up to a second, which was the largest part of a lone peer's step.
+What remains is a mate whose record appeared after that read began (as during the read itself), or
+listed but not proven within the wait; neither is resolved here.
 
 Why one leader per round. Its answer is the round's one atomic decision: everybody applies that
 mean, or nobody does and everybody keeps its gradients. The price is traffic: the leader receives
