@@ -181,16 +181,32 @@ async def test_the_trainer_reports_its_calls_and_steps_as_events() -> None:
     json.dumps(summary.to_json(), allow_nan=False)
 
 
-def _most_in_flight(events: list[TrainerEvent]) -> int:
-    """The most microbatches in flight at once: from a first forward's start to its stage-0 backward's end."""
+def _in_flight_per_batch(events: list[TrainerEvent], batch_size: int) -> list[int]:
+    """The most microbatches of each batch in flight at once: from a first forward's start to its stage-0
+    backward's end. A batch's calls are told apart by their samples, not by the steps' events: the next
+    batch starts while the step before is still taken, so its calls come before that step's StepDone."""
     calls = [e for e in events if isinstance(e, CallDone) and e.stage == 0]
-    edges = sorted([(e.started, 1) for e in calls if e.kind == "forward"] + [(e.ended, -1) for e in calls
-                                                                           if e.kind == "backward"])
-    most = now = 0
-    for _, change in edges:
-        now += change
-        most = max(most, now)
-    return most
+    forwards = sorted((e for e in calls if e.kind == "forward"), key=lambda e: e.started)
+    backwards = sorted((e for e in calls if e.kind == "backward"), key=lambda e: e.ended)
+
+    def batches(done: list[CallDone]) -> list[list[CallDone]]:
+        out: list[list[CallDone]] = [[]]
+        for call in done:
+            if sum(c.samples for c in out[-1]) == batch_size:
+                out.append([])
+            out[-1].append(call)
+        return out
+
+    most_per_batch = []
+    for starts, ends in zip(batches(forwards), batches(backwards), strict=True):
+        assert sum(c.samples for c in starts) == sum(c.samples for c in ends) == batch_size
+        edges = sorted([(e.started, 1) for e in starts] + [(e.ended, -1) for e in ends])
+        most = now = 0
+        for _, change in edges:
+            now += change
+            most = max(most, now)
+        most_per_batch.append(most)
+    return most_per_batch
 
 
 async def test_the_auto_window_is_sized_from_measurements_and_bounds_what_is_in_flight() -> None:
@@ -209,10 +225,11 @@ async def test_the_auto_window_is_sized_from_measurements_and_bounds_what_is_in_
     (auto, auto_events), (fixed, fixed_events) = runs
     assert auto.window_need is not None and auto.window_need >= 1.0  # at least the bottleneck's own microbatch
     assert 2 <= auto.window <= microbatches
-    done = [i for i, e in enumerate(auto_events) if isinstance(e, StepDone)]
-    assert 1 <= _most_in_flight(auto_events[done[-2] + 1:done[-1]]) <= auto.window
+    batch = TRAINING.target_batch_size
+    last = max(i for i, e in enumerate(auto_events) if isinstance(e, StepDone))  # then: validation's forwards
+    assert 1 <= _in_flight_per_batch(auto_events[:last], batch)[-1] <= auto.window
     assert fixed.window == 3 and fixed.window_need is not None
-    last = max(i for i, e in enumerate(fixed_events) if isinstance(e, StepDone))  # then: validation's forwards
-    assert _most_in_flight(fixed_events[:last]) == 3
+    last = max(i for i, e in enumerate(fixed_events) if isinstance(e, StepDone))
+    assert _in_flight_per_batch(fixed_events[:last], batch) == [3, 3, 3]
     for summary in (auto, fixed):
         assert summary.steps == 3 and summary.microbatches_issued == summary.microbatches_completed
