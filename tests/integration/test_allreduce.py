@@ -39,9 +39,10 @@ from swarmd.pipeline.averaging.allreduce.plan import (
     quorum,
     reduce_part,
 )
+from swarmd.pipeline.averaging.trust.round_checks import outliers, whole_norms
+from swarmd.pipeline.spec import TrainingSpec
 from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.stage.runtime import StageRuntime
-from swarmd.pipeline.spec import TrainingSpec
 from tests.support.averaging import ONE, Feeder, Peer, wait_for
 
 # ---- the pure rules ----------------------------------------------------------------------------
@@ -134,6 +135,52 @@ def test_decide_commits_only_a_complete_consistent_round() -> None:
     assert d.status == "abort" and d.dropped == ("p0", "p2")
     nobody = {j: Ready(plan.round_id, j, plan.owners[j], "", (), ("p0", "p1", "p2")) for j in range(3)}
     assert decide(plan, nobody, target=0).status == "abort"
+
+
+def test_outliers_are_judged_on_whole_contributions_by_the_coordinator_and_every_member() -> None:
+    """The single leader's outlier rule (``round_checks.outliers``, a 64x band) applied to the whole
+    contributions, their norms added up over the owners' per-part norms: a spike in one part of an honest
+    gradient (as an error-feedback residual or one layer's burst makes: 65x a part's median, seen in an
+    honest run, where part-by-part owners refused it and the round aborted) commits; a contribution 100x
+    the others' whole aborts, naming it as an outlier; the coordinator's own is never refused."""
+    plan = _plan()
+    counts = (("p0", 4), ("p1", 4), ("p2", 4))
+
+    def readies(norms: list[dict[str, float]]) -> dict[int, Ready]:
+        return {j: Ready(plan.round_id, j, plan.owners[j], f"{j:064x}", counts,
+                         norms=tuple(sorted(norms[j].items()))) for j in range(3)}
+
+    # p2's part 0 is 80x the others' slices; its whole is sqrt(80^2 + 2 x 10^2 x 10^2) / 10 ~ 9x theirs
+    spike = [{"p0": 1.0, "p1": 1.0, "p2": 80.0}, {"p0": 10.0, "p1": 10.0, "p2": 10.0},
+             {"p0": 10.0, "p1": 11.0, "p2": 9.0}]
+    assert decide(plan, readies(spike), target=12).status == "commit"
+    scaled = [{"p0": 1.0, "p1": 1.2, "p2": 120.0}, {"p0": 10.0, "p1": 9.0, "p2": 1000.0},
+              {"p0": 10.0, "p1": 11.0, "p2": 1100.0}]
+    d = decide(plan, readies(scaled), target=12)
+    assert d.status == "abort" and [pid for pid, _ in d.refused] == ["p2"], d
+    assert d.refused[0][1].startswith("outlier: norm") and "refused by the coordinator" in d.reason
+    own = [{**n, "p0": n["p2"], "p2": n["p0"]} for n in scaled]  # the coordinator p0 the large one
+    assert decide(plan, readies(own), target=12).status == "commit"
+    # norms that leave out a member holding samples, or only some parts with norms: abort
+    short = [dict(n) for n in spike]
+    del short[1]["p1"]
+    assert "norms of other members" in decide(plan, readies(short), target=12).reason
+    some = {**readies(spike), 2: Ready(plan.round_id, 2, "p2", f"{2:064x}", counts)}
+    assert decide(plan, some, target=12).status == "abort"
+    # an older build's owners report no norms (they judged their parts themselves): no whole rule
+    assert decide(plan, {j: dataclasses.replace(r, norms=()) for j, r in readies(scaled).items()},
+                  target=12).status == "commit"
+    # the members' own check sums the same floats in the same order: the same verdict
+    whole = whole_norms([{pid: (n, 4) for pid, n in part.items()} for part in scaled])
+    assert whole is not None and set(outliers(whole, "p0")) == {"p2"}
+    assert whole_norms([{"a": (1.0, 4)}, {"a": (1.0, 5)}]) is None  # other sample counts: no whole
+    assert whole_norms([{"a": (3.0, 4)}, {"a": (4.0, 4)}]) == {"a": (5.0, 4)}
+    ready = readies(spike)[0]
+    assert Ready.from_wire(ready.to_wire()) == ready and len(ready.to_wire()) == 9
+    assert ready.message(0) != dataclasses.replace(ready, norms=()).message(0)  # covered by the signature
+    for bad in ([["p0", -1.0]], [["p0", float("nan")]], [["p0", 1]], [["p0", 1.0], ["p0", 2.0]], "x"):
+        with pytest.raises(ValueError):
+            Ready.from_wire([*ready.to_wire()[:8], bad])
 
 
 def test_a_quorum_is_half_the_listed_stage_and_a_majority_of_the_trusted() -> None:
@@ -362,6 +409,48 @@ async def test_a_non_finite_part_is_refused_and_its_sender_excluded() -> None:
         await wait_for(lambda: all(p.ex.step == 1 for p in honest), 30, "the honest peers step without it")
         assert honest[0].ex.digest == honest[1].ex.digest
         assert ok_steps(honest) == {0: 12}  # their own samples, none lost to the aborted round
+
+
+async def test_an_honest_spike_in_one_part_commits_and_an_outlier_whole_is_refused_and_excluded() -> None:
+    """Outliers are judged on whole contributions (``plan.decide``, and every member's ``_check``). Round 1:
+    every peer's gradient is small on the first third of the vector (part 0) but one's, which holds a burst
+    there: its slice of part 0 is ~300x the others', its whole about theirs. Part by part, part 0's owner
+    refused it and the round aborted; whole, it commits with every sample. Round 2: one peer's gradients
+    1000x everyone's: refused as an outlier, excluded by its stage-mates, which step without it."""
+    async with stage(3, target=12) as peers, running(peers):
+        n = peers[0].ex.grad_numel
+        g = torch.Generator().manual_seed(5)
+
+        def gradient(burst: bool = False) -> torch.Tensor:
+            grads = torch.randn(n, generator=g)
+            grads[: n // 3] *= 1e-3
+            if burst:
+                grads[: n // 30] = torch.randn(n // 30, generator=g)
+            return grads
+
+        for p in peers:
+            await p.ex.add_gradients(gradient(burst=p is peers[2]), 4)
+        await wait_for(lambda: all(p.ex.step == 1 for p in peers), 30, "step 1, with the burst")
+        assert len({p.ex.digest for p in peers}) == 1
+        await wait_for(lambda: all(any(r["step"] == 0 and r["status"] == "ok" for r in p.averager.history)
+                                   for p in peers), 10, "every peer's record of the round of step 0")
+        for p in peers:  # applied by every member as committed: no member refused the commit
+            checks = p.averager.checks_status()
+            assert checks["contributions_refused"] == {} and checks["rounds_refused"] == 0, checks
+            assert not p.averager.excluded()
+        liar, honest = peers[2], peers[:2]
+        for p in peers:
+            await p.ex.add_gradients(gradient() * (1000.0 if p is liar else 1.0), 4)
+        await wait_for(lambda: all(liar.pid in p.averager.excluded() for p in honest), 30, "the liar excluded")
+        for p in honest:
+            checks = p.averager.checks_status()
+            assert checks["excluded"][liar.pid]["reason"].startswith("outlier: norm"), checks["excluded"]
+        await wait_for(lambda: not any(p.ex.averaging for p in honest), 30, "the outlying round aborted")
+        for p in honest:
+            await p.ex.add_gradients(gradient(), 2)
+        await wait_for(lambda: all(p.ex.step == 2 for p in honest), 30, "the honest peers step without it")
+        assert honest[0].ex.digest == honest[1].ex.digest
+        assert ok_steps(honest) == {0: 12, 1: 12}  # their own samples, none lost to the aborted round
 
 
 # ---- each role dying at each phase --------------------------------------------------------------

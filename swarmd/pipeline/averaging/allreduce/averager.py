@@ -33,10 +33,10 @@ Roles and states of one round ``r`` at step ``s`` (timeouts: ``T = averaging_tim
 
     owner of part j
       COLLECT (until every member's part j, or the plan's patience P <= T) --> REDUCE (the parts
-      that came; outliers refused; float64, peer-id order; encoded once with grad_codec) --> READY
-      (report digest + samples + the members missed to the coordinator) --> SERVE (the same bytes
-      to every member, until the round is forgotten)
-      a part non-finite, badly signed or an outlier: READY without a digest (-> abort)
+      that came; float64, peer-id order; encoded once with grad_codec) --> READY (report digest +
+      samples + each member's per-sample norm of its slice + the members missed to the coordinator)
+      --> SERVE (the same bytes to every member, until the round is forgotten)
+      a part non-finite or badly signed: READY without a digest (-> abort)
 
     coordinator
       HOLD reports --(reports at s with its digest + own samples >= target, every trusted mate
@@ -45,9 +45,10 @@ Roles and states of one round ``r`` at step ``s`` (timeouts: ``T = averaging_tim
       --> VERIFY (fetch every part itself: after a commit it can serve any of them)
       --> DECIDE: commit iff every part is ready and verified, every owner reduced the same
           members (all but those every owner missed at P: DROPPED) with the same samples, none
-          refused, samples >= target, the members left are still a QUORUM of the stage as
-          counted now, and it is at most COMMIT_GRACE_S past the round's deadline (a frozen
-          coordinator aborts) --> SERVE decision; members some owner missed are excluded (silent)
+          refused (nor an outlier, by the owners' norms added up), samples >= target, the
+          members left are still a QUORUM of the stage as counted now, and it is at most
+          COMMIT_GRACE_S past the round's deadline (a frozen coordinator aborts) --> SERVE
+          decision; members some owner missed are excluded (silent)
       HOLD --(a full batch, no quorum)--> HOLD (and challenge the unproven listed mates now)
       HOLD --(a trusted mate at s names this coordinator and never reports, for P; or claims in
           its progress samples that would complete the batch and never reports them)--> exclude
@@ -84,10 +85,13 @@ A peer thus either applies the one committed mean, bit for bit the others', or s
 and resyncs: never two peers at ``s + 1`` with different parameters.
 
 Checks against liars (``swarmd.pipeline.averaging.trust.round_checks``): parts are signed by their members and
-refused from unproven or excluded peers; an owner refuses outlier parts (per-sample norms of the
-part) and non-finite ones (a 422 at the data plane); refused members are named in the decision and
-excluded by every member; each part mean lists what it holds, and every member checks the lists
-and its own part against each part mean (``check_answer``) before applying.
+refused from unproven or excluded peers; an owner refuses non-finite ones (a 422 at the data plane);
+the coordinator refuses outlier contributions, judged whole as the single leader judges them (the
+owners' per-part norms added up: ``plan.decide``; a part's slice of an honest gradient may lie 65x
+from its stage-mates' where the whole lies within the band); refused members are named in the
+decision and excluded by every member; each part mean lists what it holds, and every member checks
+the lists and its own part against each part mean (``check_answer``), and the whole contributions'
+norms as the coordinator did, before applying.
 
 Hostile contributions (issue #29, as the single leader convicts them: ``hostile_contributions``).
 Each owner scores every other member's slice against its own slice and reports the terms with its

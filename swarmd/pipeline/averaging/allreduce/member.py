@@ -36,7 +36,15 @@ from swarmd.pipeline.averaging.trust.accusations import (
 )
 from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, combine_terms
 from swarmd.pipeline.averaging.trust.refusals import Refusal
-from swarmd.pipeline.averaging.trust.round_checks import Suspicions, Used, check_answer, per_sample_norm, tensor_digest
+from swarmd.pipeline.averaging.trust.round_checks import (
+    Suspicions,
+    Used,
+    check_answer,
+    outliers,
+    per_sample_norm,
+    tensor_digest,
+    whole_norms,
+)
 from swarmd.pipeline.failures import refused_connection
 from swarmd.pipeline.stage.executor import Contribution, StageExecutor
 
@@ -680,21 +688,32 @@ class MemberRound:
         av.count_repeats(plan.step, [owner.mbs.get(pid, ()) for pid in sorted(owner.parts)])
 
     def _check(self, d: Decision) -> str | None:
-        """Why this member refuses the committed mean (the round checks, part by part; off the loop)."""
+        """Why this member refuses the committed mean (the round checks, part by part, and the outlier rule
+        on the whole contributions, as the coordinator judged them: ``plan.decide``; off the loop)."""
         av, plan = self.av, self.plan
+        lists: list[dict[str, tuple[float, int]]] = []
         for j, (mean, used_wire) in sorted(self.parts.items()):
-            if plan.owners[j] == av.peer_id or j not in self.mine:
-                continue
             try:
                 used = tuple(Used.from_wire(u) for u in used_wire)
             except ValueError as exc:
                 return f"part {j}'s used list is malformed ({exc})"
+            lists.append({u.peer_id: (u.norm, u.samples) for u in used if u.samples > 0})
+            if plan.owners[j] == av.peer_id or j not in self.mine:
+                continue
             own, decoded = self.mine[j]
             why = check_answer(own=own, own_grads=decoded, mean=mean, used=used, total=d.samples,
-                               leader=plan.owners[j], codec=av.executor.training.grad_codec)
+                               leader=plan.owners[j], codec=av.executor.training.grad_codec, check_outliers=False)
             if why is not None:
                 av.suspicions.accuse(plan.owners[j], why)
                 return f"part {j} (owner {plan.owners[j][:12]}): {why}"
+        whole = whole_norms(lists) if len(lists) == len(plan.owners) else None
+        if whole is None:
+            return "the parts' used lists name different members or samples"
+        bad = {pid: why for pid, why in outliers(whole, plan.coordinator).items() if pid != plan.coordinator}
+        if bad:
+            pid, why = next(iter(sorted(bad.items())))
+            av.suspicions.accuse(plan.coordinator, f"it committed {pid[:12]}'s outlier contribution ({why})")
+            return f"the commit holds {pid[:12]}'s contribution although it is an outlier ({why})"
         return None
 
 

@@ -1,15 +1,15 @@
 """The owner of one part of a chunked all-reduce round (``swarmd.pipeline.averaging.allreduce.averager``).
 
-Owner ``j`` receives part ``j`` of every member's gradients, refuses outliers among them (the
-checks of ``swarmd.pipeline.averaging.trust.round_checks``, on the part's per-sample norms), reduces the rest with
-the leader's rule applied to the part (``swarmd.pipeline.averaging.reduction``: slices far from or
-against the owner's own slice left out, a CenteredClip of three or more, the plain mean of two;
-the plain float64 sum in peer-id order when nothing is clipped), encodes the mean once with the
-swarm's codec (under ``auto``, the most compressed its members' slices came with) and keeps those
-bytes: every member fetches and decodes exactly them, so the part means, hence the peers, stay
-bit-identical. The members the plan names as struck (they owe the coordinator an opening:
-``allreduce.openings``) are left out of the part's mean, counted for their samples, by every owner
-alike (this owner's own slice too).
+Owner ``j`` receives part ``j`` of every member's gradients, reports each member's per-sample norm of its
+slice (the coordinator adds them up over the parts and refuses outlier contributions, judged whole as the
+single leader judges them: ``plan.decide``), reduces them with the leader's rule applied to the part
+(``swarmd.pipeline.averaging.reduction``: slices far from or against the owner's own slice left out, a
+CenteredClip of three or more, the plain mean of two; the plain float64 sum in peer-id order when nothing
+is clipped), encodes the mean once with the swarm's codec (under ``auto``, the most compressed its
+members' slices came with) and keeps those bytes: every member fetches and decodes exactly them, so
+the part means, hence the peers, stay bit-identical. The members the plan names as struck (they owe the
+coordinator an opening: ``allreduce.openings``) are left out of the part's mean, counted for their
+samples, by every owner alike (this owner's own slice too).
 
 Bounded influence per part: one member's slice moves part ``j``'s mean by at most that part's
 bound (``robust_aggregation``), so the whole mean by at most the root of the sum of the parts'
@@ -45,7 +45,7 @@ from swarmd.pipeline.averaging.reduction import reduce_contributions
 from swarmd.pipeline.averaging.trust.hostile_contributions import WINDOW, Score, part_terms
 from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution as Weighted
-from swarmd.pipeline.averaging.trust.round_checks import Used, outliers, per_sample_norm, tensor_digest
+from swarmd.pipeline.averaging.trust.round_checks import Used, per_sample_norm, tensor_digest
 from swarmd.pipeline.stage.executor import Contribution
 
 
@@ -156,10 +156,7 @@ class PartOwner:
         plan, parts = self.plan, dict(self.parts)
         missing = tuple(sorted(set(plan.member_ids) - set(parts) - set(self.refused)))
         norms = {pid: (per_sample_norm(g, s), s) for pid, (s, g) in parts.items()}
-        refused = dict(self.refused)
-        for pid, why in outliers(norms, self.owner).items():
-            if pid != self.owner:  # the owner computed its own gradients: it does not refuse them
-                refused[pid] = Refusal("outlier", f"in part {self.part}: {why}")
+        refused = dict(self.refused)  # (outliers are the coordinator's to judge, on the whole contributions)
         samples = tuple(sorted((pid, s) for pid, (s, _) in parts.items()))
         # members whose part did not come within the plan's patience are left out (``decide`` commits without
         # them only if every owner left out the same ones); a refusal aborts the round
@@ -183,7 +180,8 @@ class PartOwner:
         decoded = decode_frame(encoded).tensors["grads"] if codec != "none" else mean
         self.encoded, self.mean, self.used = encoded, decoded, used
         return Ready(plan.round_id, self.part, self.owner, part_digest(decoded, used), samples, missing,
-                     scores=tuple(sorted(terms.items())))
+                     scores=tuple(sorted(terms.items())),
+                     norms=tuple(sorted((pid, norm) for pid, (norm, s) in norms.items() if s > 0)))
 
     async def mean_bytes(self, wait_s: float) -> bytes | None:
         """The encoded mean, once reduced (waiting at most ``wait_s``); None if not (yet, or ever)."""

@@ -36,6 +36,8 @@ import torch
 
 from swarmd.net.addresses import is_relayed
 from swarmd.pipeline.averaging.trust.hostile_contributions import PartTerms
+from swarmd.pipeline.averaging.trust.refusals import Refusal
+from swarmd.pipeline.averaging.trust.round_checks import outliers, whole_norms
 
 _PART_DOMAIN = b"swarmd-allreduce-part/1\x00"
 _READY_DOMAIN = b"swarmd-allreduce-ready/1\x00"
@@ -238,6 +240,9 @@ class Ready:
     # each other member's slice scored against the owner's own (``hostile_contributions.part_terms``): the
     # coordinator adds them up over the parts into the leader's scores, to strike and convict
     scores: tuple[tuple[str, PartTerms], ...] = ()
+    # (member, per-sample norm of its slice) for each member with samples: the coordinator adds them up over
+    # the parts into the whole contributions' norms, for the outlier rule (``decide``)
+    norms: tuple[tuple[str, float], ...] = ()
 
     def message(self, stage: int) -> bytes:
         return _READY_DOMAIN + msgpack.packb([stage, *self.to_wire()], use_bin_type=True)
@@ -245,21 +250,30 @@ class Ready:
     def to_wire(self) -> list[Any]:
         out = [self.round_id, self.part, self.owner, self.digest, [list(s) for s in self.samples],
                list(self.missing), [list(r) for r in self.refused]]
-        if self.scores:
+        if self.scores or self.norms:
             out.append([[pid, t.to_wire()] for pid, t in self.scores])
+        if self.norms:
+            out.append([list(n) for n in self.norms])
         return out
 
     @classmethod
     def from_wire(cls, value: Any) -> Ready:
-        if not (isinstance(value, list) and len(value) in (7, 8)):
+        if not (isinstance(value, list) and len(value) in (7, 8, 9)):
             raise ValueError("a part-ready report is [round_id, part, owner, digest, samples, missing, refused"
-                             "[, scores]]")
+                             "[, scores[, norms]]]")
         rid, part, owner, digest, samples, missing, refused = value[:7]
-        raw_scores = value[7] if len(value) == 8 else []
+        raw_scores = value[7] if len(value) >= 8 else []
         if not (isinstance(raw_scores, list) and len(raw_scores) <= MAX_MEMBERS
                 and all(isinstance(t, list) and len(t) == 2 and _short_str(t[0]) for t in raw_scores)):
             raise ValueError("a part-ready report's scores are [peer_id, terms] pairs")
         scores = tuple((t[0], PartTerms.from_wire(t[1])) for t in raw_scores)
+        raw_norms = value[8] if len(value) == 9 else []
+        if not (isinstance(raw_norms, list) and len(raw_norms) <= MAX_MEMBERS
+                and all(isinstance(n, list) and len(n) == 2 and _short_str(n[0]) and isinstance(n[1], float)
+                        and math.isfinite(n[1]) and n[1] >= 0 for n in raw_norms)
+                and len({n[0] for n in raw_norms}) == len(raw_norms)):
+            raise ValueError("a part-ready report's norms are [peer_id, finite non-negative float] pairs, "
+                             "one per member")
         if not (_short_str(rid) and _nat(part) and _short_str(owner) and isinstance(digest, str)
                 and len(digest) in (0, 64)):
             raise ValueError("a part-ready report names its round, part, owner and a 64-hex digest")
@@ -273,7 +287,7 @@ class Ready:
                         and len(r[1]) <= 512 for r in refused)):
             raise ValueError("a part-ready report's refusals are [peer_id, why] pairs")
         return cls(rid, part, owner, digest, tuple((s[0], s[1]) for s in samples), tuple(missing),
-                   tuple((r[0], r[1]) for r in refused), scores)
+                   tuple((r[0], r[1]) for r in refused), scores, tuple((n[0], n[1]) for n in raw_norms))
 
 
 @dataclass(frozen=True)
@@ -384,12 +398,44 @@ def decide(plan: RoundPlan, readies: Mapping[int, Ready], target: int) -> Decisi
             counts = got
         elif got != counts:
             return abort(f"part {j} counts other samples than part 0 (a member sent differing counts)")
+    why = _outliers(plan, readies, counts or {})
+    if why is not None:
+        return abort(*why)
     total = sum((counts or {}).values())
     if total < target:
         return abort(f"the round holds {total} samples, below the target {target}")
     digests = tuple(readies[j].digest for j in range(len(plan.owners)))
     return Decision(plan.round_id, plan.stage, plan.step, "commit", total, digests, plan.coordinator,
                     dropped=missed)
+
+
+def _outliers(plan: RoundPlan, readies: Mapping[int, Ready],
+              counts: Mapping[str, int]) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """The outlier rule on the whole contributions (``round_checks.outliers``, the single leader's), from
+    the owners' per-part norms: an abort's reason and refusals, or None. A part's slice of an honest
+    gradient can lie much further from its stage-mates' than the whole does (a spike in one layer, or an
+    error-feedback residual capped against the whole gradient's norm, concentrated in one part: 65x a
+    part's median seen in an honest run), so the owners do not judge their part alone. The coordinator's
+    own contribution is never refused (it computed it), as a leader's or an owner's own. Ready reports
+    without norms (an older build's owners, which judged their part themselves) skip the rule; norms
+    that do not name exactly the members with samples abort."""
+    holding = {pid for pid, n in counts.items() if n > 0}
+    if not any(readies[j].norms for j in range(len(plan.owners))):
+        return None
+    per_part: list[dict[str, tuple[float, int]]] = []
+    for j in range(len(plan.owners)):
+        norms = dict(readies[j].norms)
+        if set(norms) != holding:
+            return f"part {j} reports the norms of other members than those holding samples", ()
+        per_part.append({pid: (norm, counts[pid]) for pid, norm in norms.items()})
+    whole = whole_norms(per_part)
+    if whole is None:  # (every part named the same members with the same counts: not reached)
+        return "the parts' norms do not add up to whole contributions", ()
+    bad = {pid: why for pid, why in outliers(whole, plan.coordinator).items() if pid != plan.coordinator}
+    if not bad:
+        return None
+    refused = tuple(sorted((pid, str(Refusal("outlier", why))) for pid, why in bad.items()))
+    return f"{len(refused)} contribution(s) refused by the coordinator", refused
 
 
 def quorum(members: Iterable[str], listed: Iterable[str], excluded: Iterable[str] = ()) -> str | None:

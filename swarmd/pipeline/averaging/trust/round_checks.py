@@ -89,6 +89,7 @@ __all__ = [
     "per_sample_norm",
     "reference",
     "tensor_digest",
+    "whole_norms",
 ]
 
 OUTLIER_FACTOR = 64.0
@@ -196,6 +197,24 @@ def outliers(entries: Mapping[str, tuple[float, int]], leader: str) -> dict[str,
     return out
 
 
+def whole_norms(parts: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, tuple[float, int]] | None:
+    """Each member's whole per-sample norm and samples from its slices' (peer id -> (per-sample norm of
+    the slice, samples), one mapping per part of a chunked all-reduce, in part order): the root of the
+    sum of the squares, as :func:`outliers` takes them. None when the parts name different members or
+    sample counts (no whole to speak of). The coordinator (from the owners' ready reports) and every
+    member (from the part means' used lists) sum the same floats in the same order: the same verdict."""
+    if not parts:
+        return None
+    first = parts[0]
+    squares = {pid: 0.0 for pid in first}
+    for part in parts:
+        if set(part) != set(first) or any(part[pid][1] != first[pid][1] for pid in part):
+            return None
+        for pid in sorted(part):
+            squares[pid] += part[pid][0] ** 2
+    return {pid: (math.sqrt(squares[pid]), first[pid][1]) for pid in sorted(first)}
+
+
 def check_answer(
     *,
     own: Used,
@@ -205,11 +224,15 @@ def check_answer(
     total: int,
     leader: str,
     codec: str,
+    check_outliers: bool = True,
 ) -> str | None:
     """Why a contributor refuses the leader's ``ok`` answer (None: it applies it).
 
     ``own``: this contributor's entry as it computed it (digest and norm of its gradients as the
     leader decoded them: ``own_grads``); ``mean``: the decoded mean; ``used``: the leader's list.
+    ``check_outliers``: False for one part of a chunked all-reduce, whose members check the whole
+    contributions' norms (:func:`whole_norms`) instead: a part's slice of an honest gradient can lie far
+    further from its stage-mates' than the whole does.
     """
     by_peer: dict[str, Used] = {}
     for u in used:
@@ -226,7 +249,7 @@ def check_answer(
     if total <= 0:
         return "the round has no samples"
     listed_norms = {u.peer_id: (own.norm if u.peer_id == own.peer_id else u.norm, u.samples) for u in used}
-    bad = outliers(listed_norms, leader)
+    bad = outliers(listed_norms, leader) if check_outliers else {}
     if bad:
         pid, why = next(iter(bad.items()))
         return f"the answer lists {pid[:12]} although it is an outlier ({why})"
