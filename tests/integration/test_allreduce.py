@@ -453,6 +453,35 @@ async def test_an_honest_spike_in_one_part_commits_and_an_outlier_whole_is_refus
         assert ok_steps(honest) == {0: 12, 1: 12}  # their own samples, none lost to the aborted round
 
 
+@pytest.mark.parametrize("ahead", ["coordinator", "member"])
+async def test_a_resync_that_leaves_a_peer_behind_is_retried_after_a_growing_pause(ahead: str) -> None:
+    """A peer behind its stage resyncs (``on_behind``); while that fails (no stage-mate proves itself at the
+    step yet, a download fails) the tick that finds it behind comes round again, and in the all-reduce a
+    member's report is answered "behind" at once: without a pause the loop spun (each try a DHT read and
+    proofs in a daemon), starving every daemon of a test swarm's one event loop. Here the resync fails for
+    2 s, then works: a handful of tries meanwhile, not hundreds, and the peer catches up."""
+    async with stage(2, target=8) as peers:
+        coordinator, member = peers  # the smallest peer id coordinates
+        front, behind = (coordinator, member) if ahead == "coordinator" else (member, coordinator)
+        meta, tensors = await front.ex.snapshot_state()
+        await front.ex.load_state({**meta, "step": 1}, tensors)
+        tries: list[float] = []
+        working = behind.averager.on_behind
+
+        async def failing(step: int) -> None:
+            tries.append(time.monotonic())
+
+        behind.averager.on_behind = failing
+        async with running(peers):
+            await wait_for(lambda: tries, 10, "a first resync")
+            await asyncio.sleep(2.0)
+            assert 2 <= len(tries) <= 12, len(tries)
+            assert behind.averager.resyncs_failed == len(tries)
+            behind.averager.on_behind = working
+            await wait_for(lambda: behind.ex.step == 1, 10, "the peer behind caught up")
+        assert behind.ex.digest == front.ex.digest and behind.averager.resyncs_failed == 0
+
+
 # ---- each role dying at each phase --------------------------------------------------------------
 
 PHASES = {

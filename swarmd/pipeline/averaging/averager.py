@@ -193,7 +193,7 @@ class StageAverager(RoundLeader, RoundContributor):
         # that stepped alone (on a batch of its own, or on its own lie) leaves the majority here
         if ahead and len(ahead) >= level and self.on_behind is not None:
             log.info("stage-mates are at step %d, this peer at %d: resyncing", max(ahead), step)
-            await self.on_behind(max(ahead))
+            await self._resync(max(ahead))
             return
         if ex.averaging or self._round is not None:  # a stage-mate opened a round meanwhile
             return

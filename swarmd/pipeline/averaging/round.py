@@ -90,6 +90,12 @@ LISTING_FRESH_S = 0.5
 #: ... and it goes on this long after the peer last held samples (between batches: on a long link a DHT read
 #: takes longer than a batch's backwards take to arrive, so a read begun with the batch would end after it).
 LISTING_KEEP_S = 30.0
+#: A resync that left this peer behind (no stage-mate proved itself at that step yet, or its download failed) is
+#: tried again after a pause that doubles from ``poll_s`` up to this: the tick that finds the peer behind comes
+#: round again at once, and each try reads the stage's listing and asks for proofs (in the all-reduce a member's
+#: report is answered "behind" at once: without the pause that loop spun, one event loop for every daemon of a
+#: test swarm, and the stage stalled).
+RESYNC_PAUSE_MAX_S = 2.0
 
 
 
@@ -217,6 +223,7 @@ class AveragerCore:
         self.on_round = on_round
         self.rounds_ok = 0
         self.rounds_aborted = 0
+        self.resyncs_failed = 0  # resyncs in a row that left this peer behind (``_resync``)
         self.control_requests: Counter[str] = Counter()  # averaging requests without gradients sent, by kind
         self.rounds_refused = 0  # answers of a leader this peer refused to apply
         self.codecs_sent: Counter[str] = Counter()  # gradients this peer sent (contributions, parts), by codec
@@ -394,6 +401,21 @@ class AveragerCore:
         if fresh and len(fresh) <= FIRST_PROOF_WAIT_MAX and task is not None:  # new: a moment to prove themselves
             await asyncio.wait({task}, timeout=FIRST_PROOF_WAIT_S)
         return {pid: mates[pid] for pid in prover.proven(mates)}
+
+    async def _resync(self, step: int) -> None:
+        """``on_behind(step)``: adopt a stage-mate's state at ``step``; when that left this peer behind,
+        pause before the tick that will find it behind again (``RESYNC_PAUSE_MAX_S``)."""
+        if self.on_behind is None:
+            return
+        await self.on_behind(step)
+        if self.executor.step >= step:
+            self.resyncs_failed = 0
+            return
+        self.resyncs_failed += 1
+        pause = min(RESYNC_PAUSE_MAX_S, self.poll_s * 2 ** min(self.resyncs_failed - 1, 16))
+        log.info("stage %d: still at step %d after a resync to %d (%d in a row); trying again in %.2f s",
+                 self.executor.stage, self.executor.step, step, self.resyncs_failed, pause)
+        await asyncio.sleep(pause)
 
     async def _newly_listed(self) -> bool:
         """Whether a fresh read of the stage's listing names a stage-mate (not excluded) that the

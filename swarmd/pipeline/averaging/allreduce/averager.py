@@ -387,7 +387,7 @@ class AllReduceAverager(StageAverager):
         excluded = reply.status == "refused" and reply.reason == EXCLUDED
         if (reply.status == "behind" or excluded) and reply.step > ex.step and self.on_behind is not None:
             log.info("stage-mates are at step %d, this peer at %d: resyncing", reply.step, ex.step)
-            await self.on_behind(reply.step)
+            await self._resync(reply.step)
             return
         self._share = share_of_missing(reply.missing, reply.members)
         if reply.status == "refused":
@@ -413,7 +413,7 @@ class AllReduceAverager(StageAverager):
         if ahead and len(ahead) >= level and self.on_behind is not None:
             self.coord.release_all(step, 0, 1)
             log.info("stage-mates are at step %d, this coordinator at %d: resyncing", max(ahead), step)
-            await self.on_behind(max(ahead))
+            await self._resync(max(ahead))
             return
         waiting = {pid: r for pid, r in self.coord.waiting(step, digest).items() if pid in mates}
         total = ex.grad_samples + sum(r.samples for r in waiting.values())
