@@ -18,7 +18,9 @@ Roles and states of one round ``r`` at step ``s`` (timeouts: ``T = averaging_tim
       IDLE --report (long-poll, to the coordinator)--> REPORTED
       REPORTED --"wait"/"superseded"--> IDLE            (report again when its samples grew by
                                                          its share of what the stage misses)
-      REPORTED --"behind"--> RESYNC                     (most stage-mates are ahead: adopt one's state)
+      REPORTED --"behind"--> RESYNC                     (most stage-mates are ahead: adopt one's state;
+                                                         still behind after it: IDLE after a pause
+                                                         doubling up to RESYNC_PAUSE_MAX_S)
       REPORTED --"start" + plan--> SCATTER
       SCATTER: take the gradients out of the stage (backwards answer Busy), send part j to owner j,
                start fetching every part mean (long-polls)                   --> AWAIT_DECISION
