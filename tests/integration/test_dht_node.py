@@ -136,7 +136,9 @@ async def test_a_record_is_readable_from_every_other_node():
 
 
 async def test_thirty_writers_under_one_key_all_survive():
-    async with dht_network(50, star=True) as nodes:
+    # counted, not timed (as below): under a loaded suite one store's acknowledgement once came after the default
+    # timeout (19 of the 20 closest counted), which is slowness, not a lost record
+    async with dht_network(50, star=True, rpc_timeout=10.0) as nodes:
         writers = nodes[10:40]
         counts = await asyncio.gather(*(w.store("shared", peer_record(w.identity, compact=True)) for w in writers))
         assert min(counts) >= 20
