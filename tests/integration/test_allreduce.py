@@ -778,6 +778,54 @@ async def test_two_coordinators_that_cannot_prove_each_other_never_both_commit_a
     assert ok_steps(peers) == {0: 16}  # the one round holds all four peers' samples
 
 
+async def test_a_member_whose_listing_missed_the_coordinator_reads_it_again_while_its_samples_grow() -> None:
+    """The livelock of a stage of 3 under load (seen in full-suite runs: the stage held thousands of samples
+    for minutes while the other stage stepped on): the largest-id member read a listing that lacked the
+    smallest-id peer (a cached read from a moment its record was missing), so it reported to the middle
+    peer, which reports to the smallest, which waits because a mate at its step names another coordinator.
+    While trainers keep feeding the member, each report was superseded by the next before its hold ran
+    out, and the member never went back to read the listing again. A member now re-reads it (and picks the
+    coordinator again) at least every few holds, however fast its samples grow."""
+    async with stage(3, target=8) as peers, running(peers):
+        first, middle, last = peers
+        await wait_for(lambda: all(p.averager._leader_view == first.pid for p in peers), 20, "one coordinator")
+        listed = last.averager.stage_peers
+        misled = asyncio.Event()
+
+        async def stale(*, fresh: bool = False) -> dict[str, str]:
+            got = dict(await listed(fresh=fresh))
+            if not misled.is_set():
+                got.pop(first.pid, None)  # its record was missing when this peer's cache was filled
+            return got
+
+        last.averager.stage_peers = stale  # type: ignore[method-assign]
+        await wait_for(lambda: last.averager._leader_view == middle.pid, 10, "the last peer misled")
+        misled.set()  # any read from now on lists the first peer again
+        feed = Feeder()
+        for p in (first, middle):
+            await feed(p, 4)  # the target is held without the last peer's samples
+
+        async def trainers() -> None:  # the last peer's samples keep growing faster than a report is held
+            from swarmd.errors import Busy, StaleStep
+
+            while last.ex.step == 0:
+                with contextlib.suppress(Busy, StaleStep):
+                    await feed(last, 1)
+                await asyncio.sleep(0.05)
+
+        feeding = asyncio.get_running_loop().create_task(trainers())
+        try:
+            await wait_for(lambda: all(p.ex.step == 1 for p in peers), 20, "the stage steps with the last peer")
+        finally:
+            feeding.cancel()
+            await asyncio.gather(feeding, return_exceptions=True)
+        await wait_for(lambda: all(any(r["step"] == 0 and r["status"] == "ok" for r in p.averager.history)
+                                   for p in peers), 10, "every peer's record of the round")
+        assert len({p.ex.digest for p in peers}) == 1
+        assert coordinators_of_ok_rounds(peers) == {0: {first.pid}}
+        assert [r["contributors"] for r in first.averager.history if r["status"] == "ok"] == [3]
+
+
 async def test_a_survivor_of_two_waits_for_its_dead_mates_record_to_expire() -> None:
     """A stage of 2 whose other peer died: its record stays listed until it expires, and until then it
     may be alive and stepping elsewhere, so the survivor holding a full batch does not step alone;

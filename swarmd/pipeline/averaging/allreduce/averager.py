@@ -17,7 +17,10 @@ Roles and states of one round ``r`` at step ``s`` (timeouts: ``T = averaging_tim
     member (every peer of the round, the coordinator and the owners included)
       IDLE --report (long-poll, to the coordinator)--> REPORTED
       REPORTED --"wait"/"superseded"--> IDLE            (report again when its samples grew by
-                                                         its share of what the stage misses)
+                                                         its share of what the stage misses; past
+                                                         REPORT_TURN_HOLDS holds, only once the report
+                                                         is answered and the coordinator is chosen
+                                                         again from a fresh listing)
       REPORTED --"behind"--> RESYNC                     (most stage-mates are ahead: adopt one's state;
                                                          still behind after it: IDLE after a pause
                                                          doubling up to RESYNC_PAUSE_MAX_S)
@@ -243,6 +246,10 @@ log = logging.getLogger(__name__)
 EXCLUDED = "excluded by this stage"
 #: A member's report is held this long at the coordinator unless the round starts.
 HOLD_S = 1.0
+#: A member supersedes its report with newer samples for at most this many holds, then lets the last one be
+#: answered and picks the coordinator again from a fresh listing: fed faster than a report is held, it
+#: otherwise kept reporting to a coordinator taken from one stale listing (a livelock of the stage).
+REPORT_TURN_HOLDS = 2.0
 #: A part arriving before its owner heard of the round waits this long for the plan.
 PLAN_WAIT_S = 5.0
 #: Probes of a stage-mate that did not report are reused this long.
@@ -336,12 +343,15 @@ class AllReduceAverager(StageAverager):
         pending = send()
         reported = ex.grad_samples
         grown: asyncio.Task[bool] | None = None
+        turn_ends = time.monotonic() + self.hold_s * REPORT_TURN_HOLDS
         try:
             while True:
+                left = max(0.0, turn_ends - time.monotonic())
                 grown = asyncio.get_running_loop().create_task(
-                    ex.wait_progress(self.hold_s * 2, samples=reported + self._share))
+                    ex.wait_progress(min(self.hold_s * 2, left), samples=reported + self._share))
                 done, _ = await asyncio.wait({pending, grown}, return_when=asyncio.FIRST_COMPLETED)
-                if pending not in done and grown.result():
+                # past the turn: no newer report, only the answer to this one, then back to the tick
+                if pending not in done and grown.result() and time.monotonic() < turn_ends:
                     older, pending, reported = pending, send(), ex.grad_samples
                     reply = await older  # "superseded", or "start" if the round began meanwhile
                     if reply.status == "start":
