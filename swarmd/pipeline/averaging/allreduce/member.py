@@ -40,10 +40,10 @@ from swarmd.pipeline.averaging.trust.round_checks import (
     Suspicions,
     Used,
     check_answer,
-    outliers,
     per_sample_norm,
     tensor_digest,
     whole_norms,
+    whole_outliers,
 )
 from swarmd.pipeline.failures import refused_connection
 from swarmd.pipeline.stage.executor import Contribution, StageExecutor
@@ -709,7 +709,7 @@ class MemberRound:
         whole = whole_norms(lists) if len(lists) == len(plan.owners) else None
         if whole is None:
             return "the parts' used lists name different members or samples"
-        bad = {pid: why for pid, why in outliers(whole, plan.coordinator).items() if pid != plan.coordinator}
+        bad = whole_outliers(whole, plan.coordinator)
         if bad:
             pid, why = next(iter(sorted(bad.items())))
             av.suspicions.accuse(plan.coordinator, f"it committed {pid[:12]}'s outlier contribution ({why})")

@@ -37,7 +37,7 @@ import torch
 from swarmd.net.addresses import is_relayed
 from swarmd.pipeline.averaging.trust.hostile_contributions import PartTerms
 from swarmd.pipeline.averaging.trust.refusals import Refusal
-from swarmd.pipeline.averaging.trust.round_checks import outliers, whole_norms
+from swarmd.pipeline.averaging.trust.round_checks import whole_norms, whole_outliers
 
 _PART_DOMAIN = b"swarmd-allreduce-part/1\x00"
 _READY_DOMAIN = b"swarmd-allreduce-ready/1\x00"
@@ -431,7 +431,7 @@ def _outliers(plan: RoundPlan, readies: Mapping[int, Ready],
     whole = whole_norms(per_part)
     if whole is None:  # (every part named the same members with the same counts: not reached)
         return "the parts' norms do not add up to whole contributions", ()
-    bad = {pid: why for pid, why in outliers(whole, plan.coordinator).items() if pid != plan.coordinator}
+    bad = whole_outliers(whole, plan.coordinator)
     if not bad:
         return None
     refused = tuple(sorted((pid, str(Refusal("outlier", why))) for pid, why in bad.items()))

@@ -215,6 +215,13 @@ def whole_norms(parts: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, t
     return {pid: (math.sqrt(squares[pid]), first[pid][1]) for pid in sorted(first)}
 
 
+def whole_outliers(whole: Mapping[str, tuple[float, int]], coordinator: str) -> dict[str, str]:
+    """The outlier rule of a chunked all-reduce round on whole contributions (:func:`whole_norms`): the
+    coordinator's own is never refused (it computed it), as a leader's own is not. The coordinator
+    (``plan.decide``) and every member (before applying) ask it of the same sums: the same verdict."""
+    return {pid: why for pid, why in outliers(whole, coordinator).items() if pid != coordinator}
+
+
 def check_answer(
     *,
     own: Used,
