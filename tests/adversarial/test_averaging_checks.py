@@ -471,7 +471,8 @@ async def test_real_daemons_refuse_a_lying_leader_and_a_joiner_never_downloads_f
     test above) claiming the newest step. The honest two refuse the lie, keep their samples, exclude
     the liar and step without it; the fake never leads nor is waited for; a joiner then downloads its
     state from an honest peer: not from the fake (no proof), not from the liar (a minority digest)."""
-    training = TrainingSpec(target_batch_size=12, lr=3e-3, warmup_steps=2, averaging_timeout_s=5.0)
+    training = TrainingSpec(target_batch_size=12, lr=3e-3, warmup_steps=2, averaging_timeout_s=5.0,
+                            averaging="leader")  # a lying leader: the single leader's round
     refusing = socket.socket()  # bound, never listening: every connection is refused at once
     refusing.bind(("127.0.0.1", 0))
     pit = f"127.0.0.1:{refusing.getsockname()[1]}"

@@ -162,7 +162,7 @@ async def test_a_sync_trainer_tops_up_around_a_lying_leader_and_a_poisoned_contr
     ``--sync`` trainer (what a user runs) finishes every step; every honest round holds a full batch
     of honest samples only; the honest peers stay identical; each liar is named in a log line with
     the evidence, counted in ``/status``, and the refused leader (a fork) is not routed to."""
-    async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
+    async with fast_swarm(SPEC, replace(TRAINING, averaging="leader"), peers_per_stage=3) as daemons:
         await _proven(daemons)
         stages = [sorted((d for d in daemons if d.stage == k), key=lambda d: str(d.peer_id)) for k in (0, 1)]
         leader_liar, poisoner = stages[0][0], stages[1][-1]  # the smallest id leads

@@ -186,7 +186,7 @@ async def start_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int, t
     model = one_stage_model(tmp_path)
     founder = DaemonProcess(["--model", str(model), "--stage", "0", "--announce-period", "1",
                              "--target-batch-size", str(TARGET), "--lr", "3e-3", "--warmup-steps", "2",
-                             "--averaging-timeout", str(timeout_s)], tmp_path)
+                             "--averaging-timeout", str(timeout_s), "--averaging", "leader"], tmp_path)
     procs = [founder]
     try:
         info = await asyncio.to_thread(founder.wait_ready)
