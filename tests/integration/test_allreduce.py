@@ -806,11 +806,8 @@ async def test_a_member_whose_listing_missed_the_coordinator_reads_it_again_whil
             await feed(p, 4)  # the target is held without the last peer's samples
 
         async def trainers() -> None:  # the last peer's samples keep growing faster than a report is held
-            from swarmd.errors import Busy, StaleStep
-
             while last.ex.step == 0:
-                with contextlib.suppress(Busy, StaleStep):
-                    await feed(last, 1)
+                await feed_when_free(feed, last, 1)
                 await asyncio.sleep(0.05)
 
         feeding = asyncio.get_running_loop().create_task(trainers())

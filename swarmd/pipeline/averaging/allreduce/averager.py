@@ -346,9 +346,8 @@ class AllReduceAverager(StageAverager):
         turn_ends = time.monotonic() + self.hold_s * REPORT_TURN_HOLDS
         try:
             while True:
-                left = max(0.0, turn_ends - time.monotonic())
                 grown = asyncio.get_running_loop().create_task(
-                    ex.wait_progress(min(self.hold_s * 2, left), samples=reported + self._share))
+                    ex.wait_progress(self.hold_s * 2, samples=reported + self._share))
                 done, _ = await asyncio.wait({pending, grown}, return_when=asyncio.FIRST_COMPLETED)
                 # past the turn: no newer report, only the answer to this one, then back to the tick
                 if pending not in done and grown.result() and time.monotonic() < turn_ends:
