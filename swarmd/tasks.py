@@ -144,3 +144,23 @@ async def all_or_nothing(*aws: Awaitable[T]) -> list[T]:
             if not task.done():
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Whether ``event`` is set within ``timeout`` seconds (a non-positive timeout: whether it is set now).
+
+    Use it instead of ``asyncio.wait_for(event.wait(), timeout)``: before Python 3.12, ``wait_for`` swallows
+    a cancellation that arrives in the same turn of the loop as the event, so a loop around it went on
+    waiting its whole timeout after being cancelled. Measured: the all-reduce coordinator cancelled a wait for
+    its own samples the moment a mate's report woke it, and sat out the rest of a one-second hold every few
+    steps (``tests/unit/test_tasks.py``)."""
+    if event.is_set():
+        return True
+    if timeout <= 0:
+        return False
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()  # (a no-op once it is done)
+    return bool(done)

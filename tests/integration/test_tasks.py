@@ -118,3 +118,54 @@ async def test_a_task_that_ignores_its_cancellation_is_logged_with_what_it_waits
     task.cancel()
     await asyncio.wait({task}, timeout=5)
     assert task.done()
+
+
+async def test_wait_event_says_whether_the_event_came_in_time() -> None:
+    event = asyncio.Event()
+    assert await tasks.wait_event(event, 0.01) is False
+    assert await tasks.wait_event(event, 0) is False
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await tasks.wait_event(event, 5) is True
+    assert await tasks.wait_event(event, 0) is True  # already set: at once
+
+
+async def test_a_loop_waiting_on_an_event_ends_when_cancelled_as_the_event_comes() -> None:
+    # Python 3.11's asyncio.wait_for swallows a cancellation that arrives in the turn its event is set: a loop
+    # around it then waited out its whole timeout (the all-reduce coordinator sat out a 1 s hold every few steps)
+    event = asyncio.Event()
+    turns = 0
+
+    async def loop() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            if not await tasks.wait_event(event, 30):
+                return
+            event.clear()
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.01)
+    event.set()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)  # (not a TimeoutError: the loop did not wait on)
+    assert turns == 1
+
+
+async def test_a_wait_for_progress_cancelled_as_the_samples_arrive_ends_at_once() -> None:
+    from swarmd.pipeline.spec import TrainingSpec
+    from swarmd.pipeline.stage.executor import StageExecutor
+    from tests.support.averaging import ONE
+
+    ex = StageExecutor(ONE, 0, training=TrainingSpec(target_batch_size=10**6), threads=1)
+    try:
+        task = asyncio.create_task(ex.wait_progress(8, samples=10**6))
+        await asyncio.sleep(0.01)
+        event = ex._progressed
+        assert event is not None
+        event.set()  # as _adopt does when the samples change
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+    finally:
+        await ex.close()

@@ -46,6 +46,7 @@ from swarmd.pipeline.averaging.round import (
     _wire_codec,
     lone_mean,
 )
+from swarmd.tasks import wait_event
 
 # one logger for the whole protocol, whichever module of it speaks
 log = logging.getLogger("swarmd.pipeline.averaging.averager")
@@ -94,9 +95,7 @@ class RoundLeader(RoundOpenings):
                 if remaining <= 0:
                     break
                 rnd.arrived.clear()
-                try:
-                    await asyncio.wait_for(rnd.arrived.wait(), remaining)
-                except asyncio.TimeoutError:
+                if not await wait_event(rnd.arrived, remaining):
                     break
             arrivals.update({p: time.monotonic() - opened for p in rnd.contributions if p not in arrivals})
             # From here the mean is fixed: a contribution arriving while we apply it would be

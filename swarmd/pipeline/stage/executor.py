@@ -61,6 +61,7 @@ from swarmd.pipeline.stage.step_protocol import GradientAccumulator, StepProtoco
 from swarmd.pipeline.stage.updates import Contribution, StageUpdates
 from swarmd.pipeline.stage.worker import StageWorker
 from swarmd.pipeline.throughput import ThroughputEMA
+from swarmd.tasks import wait_event
 
 __all__ = ["BackwardResult", "Contribution", "ForwardResult", "ProgressSnapshot", "StageExecutor"]
 
@@ -335,9 +336,7 @@ class StageExecutor:
                 return False
             if self._progressed is None:
                 self._progressed = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._progressed.wait(), left)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._progressed, left):
                 return reached()
             if samples is None and step is None:
                 return True

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from swarmd.pipeline.averaging.allreduce.messages import ArReport, ArReportReply
 from swarmd.pipeline.averaging.allreduce.plan import Decision, Ready, RoundPlan, decide
+from swarmd.tasks import wait_event
 
 #: Reports of a member older than this no longer count it at a step (for "behind" answers).
 REPORT_MEMORY_S = 5.0
@@ -137,9 +138,7 @@ class Coordinator:
             if remaining <= 0:
                 return
             rnd.arrived.clear()
-            try:
-                await asyncio.wait_for(rnd.arrived.wait(), remaining)
-            except asyncio.TimeoutError:
+            if not await wait_event(rnd.arrived, remaining):
                 return
 
     @staticmethod
@@ -154,9 +153,7 @@ class Coordinator:
         rnd = self.rounds.get(round_id)
         if rnd is None:
             return None
-        try:
-            await asyncio.wait_for(rnd.decided.wait(), wait_s)
-        except asyncio.TimeoutError:
+        if not await wait_event(rnd.decided, wait_s):
             return None
         assert rnd.decision is not None  # set before ``decided``
         return rnd.decision, rnd.signature

@@ -47,6 +47,7 @@ from swarmd.pipeline.averaging.trust.round_checks import (
 )
 from swarmd.pipeline.failures import refused_connection
 from swarmd.pipeline.stage.executor import Contribution, StageExecutor
+from swarmd.tasks import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -504,7 +505,7 @@ class MemberRound:
     async def answer_decision(self, wait_s: float) -> None:
         """Until this member holds the decision or is cut off, at most ``wait_s`` (a member asking whether
         any decision can still come: :meth:`_nobody_holds_it`)."""
-        await asyncio.wait_for(self.settled.wait(), wait_s)
+        await wait_event(self.settled, wait_s)
 
     async def _ask_decision(self, addr: str, wait: float) -> Decision | None:
         return (await self._ask_decision_of(addr, wait))[0]

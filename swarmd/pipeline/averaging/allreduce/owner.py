@@ -47,6 +47,7 @@ from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution as Weighted
 from swarmd.pipeline.averaging.trust.round_checks import Used, per_sample_norm, tensor_digest
 from swarmd.pipeline.stage.executor import Contribution
+from swarmd.tasks import wait_event
 
 
 class PartStrikes:
@@ -143,10 +144,7 @@ class PartOwner:
     async def settle(self, wait_s: float) -> Ready:
         """Wait for every member's part (at most ``wait_s``: the plan's patience), then reduce those that
         came; the report for the coordinator (naming the members whose part did not come)."""
-        try:
-            await asyncio.wait_for(self._complete.wait(), max(0.0, wait_s))
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(self._complete, wait_s)
         ready = await asyncio.to_thread(self._reduce)
         self.ready = ready
         self._reduced.set()
@@ -185,8 +183,6 @@ class PartOwner:
 
     async def mean_bytes(self, wait_s: float) -> bytes | None:
         """The encoded mean, once reduced (waiting at most ``wait_s``); None if not (yet, or ever)."""
-        try:
-            await asyncio.wait_for(self._reduced.wait(), max(0.0, wait_s))
-        except asyncio.TimeoutError:
+        if not await wait_event(self._reduced, wait_s):
             return None
         return self.encoded
