@@ -823,6 +823,27 @@ async def test_a_member_whose_listing_missed_the_coordinator_reads_it_again_whil
         assert [r["contributors"] for r in first.averager.history if r["status"] == "ok"] == [3]
 
 
+async def test_a_member_short_of_its_share_reports_its_last_samples_once_they_stop_growing() -> None:
+    """A sync trainer's last microbatches of a step: a member whose samples grew by less than its share of
+    what the stage missed (at its last answer) held them back until the coordinator answered its report, a
+    whole hold (1 s, every few steps in the chaos harness). It now reports them once they stop growing
+    (``QUIET_S``). Holds here are the coordinator's longest (10 s), so without that the stage does not step
+    within the wait below."""
+    async with stage(2, target=8) as peers, running(peers):
+        first, second = peers
+        for p in peers:
+            p.averager.hold_s = 30.0  # (the coordinator holds a report at most 10 s)
+        await wait_for(lambda: all(p.averager._leader_view == first.pid for p in peers), 20, "one coordinator")
+        await wait_for(lambda: second.pid in first.averager.coord.waiting(0, first.ex.digest), 20, "a held report")
+        second.averager._share = 8  # its last answer said the stage misses 16 (two members)
+        feed = Feeder()
+        await feed(first, 4)
+        await feed(second, 4)  # the batch is complete; the second peer's share is not reached
+        await wait_for(lambda: all(p.ex.step == 1 for p in peers), 8, "the stage steps with both peers' samples")
+        assert len({p.ex.digest for p in peers}) == 1
+        assert ok_steps(peers) == {0: 8}
+
+
 async def test_a_survivor_of_two_waits_for_its_dead_mates_record_to_expire() -> None:
     """A stage of 2 whose other peer died: its record stays listed until it expires, and until then it
     may be alive and stepping elsewhere, so the survivor holding a full batch does not step alone;

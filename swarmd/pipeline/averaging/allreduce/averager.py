@@ -17,7 +17,8 @@ Roles and states of one round ``r`` at step ``s`` (timeouts: ``T = averaging_tim
     member (every peer of the round, the coordinator and the owners included)
       IDLE --report (long-poll, to the coordinator)--> REPORTED
       REPORTED --"wait"/"superseded"--> IDLE            (report again when its samples grew by
-                                                         its share of what the stage misses; past
+                                                         its share of what the stage misses, or
+                                                         grew and stayed so for QUIET_S; past
                                                          REPORT_TURN_HOLDS holds, only once the report
                                                          is answered and the coordinator is chosen
                                                          again from a fresh listing)
@@ -239,6 +240,7 @@ from swarmd.pipeline.averaging.trust.refusals import Refusal, RefusalKind
 from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
 from swarmd.pipeline.failures import refused_connection, timed_out
 from swarmd.pipeline.stage.executor import Contribution
+from swarmd.tasks import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +252,8 @@ HOLD_S = 1.0
 #: answered and picks the coordinator again from a fresh listing: fed faster than a report is held, it
 #: otherwise kept reporting to a coordinator taken from one stale listing (a livelock of the stage).
 REPORT_TURN_HOLDS = 2.0
+#: A member whose samples grew by less than its share reports them once they stayed unchanged this long.
+QUIET_S = 0.05
 #: A part arriving before its owner heard of the round waits this long for the plan.
 PLAN_WAIT_S = 5.0
 #: Probes of a stage-mate that did not report are reused this long.
@@ -346,8 +350,7 @@ class AllReduceAverager(StageAverager):
         turn_ends = time.monotonic() + self.hold_s * REPORT_TURN_HOLDS
         try:
             while True:
-                grown = asyncio.get_running_loop().create_task(
-                    ex.wait_progress(self.hold_s * 2, samples=reported + self._share))
+                grown = asyncio.get_running_loop().create_task(self._grown(reported, self.hold_s * 2))
                 done, _ = await asyncio.wait({pending, grown}, return_when=asyncio.FIRST_COMPLETED)
                 # past the turn: no newer report, only the answer to this one, then back to the tick
                 if pending not in done and grown.result() and time.monotonic() < turn_ends:
@@ -376,6 +379,24 @@ class AllReduceAverager(StageAverager):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+
+    async def _grown(self, reported: int, timeout: float) -> bool:
+        """Whether to supersede a report of ``reported`` samples, within ``timeout``: once the samples grew by
+        this member's share of what the stage misses, or grew at all and then stayed unchanged for ``QUIET_S``.
+        The share keeps a steady stream at O(n) reports per round; the quiet bound ends a burst's wait (a sync
+        trainer's last microbatches of a step: members just short of their shares would otherwise hold
+        the last samples back until the coordinator answers the report, a whole hold, every step)."""
+        ex = self.executor
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if ex.grad_samples >= reported + self._share:
+                return True
+            if ex.grad_samples > reported:
+                if not await ex.wait_progress(min(QUIET_S, left)):  # no change for QUIET_S: the burst is over
+                    return ex.grad_samples > reported
+            elif not await ex.wait_progress(left, samples=reported + 1):
+                return False
+        return False
 
     async def _call_report(self, addr: str, report: ArReport) -> ArReportReply:
         # the coordinator answers within wait_s; on a loaded one the answer may come late, and a member that
@@ -859,9 +880,7 @@ class AllReduceAverager(StageAverager):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not rid.startswith(f"{self.executor.step}-"):
                 return None
-            try:
-                await asyncio.wait_for(self._plan_arrived.wait(), remaining)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._plan_arrived, remaining):
                 return None
         return self.owners[(rid, part)]
 
