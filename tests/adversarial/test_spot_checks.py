@@ -561,11 +561,11 @@ async def _the_report_endpoint_refuses_bad_input_and_counts_good_reports(d: Daem
                 assert (await resp.json())["message"]
 
 
-async def _train_with(lie: str | None, steps: int = 40) -> tuple[float, set[str], set[str]]:
+async def _train_with(lie: str | None, steps: int = 40) -> tuple[float, set[str], set[str], dict[int, list[int]]]:
     """Two checking trainers for ``steps`` steps on a fresh 2x3 swarm, with one lying peer (``lie``
     on stage 0 for the forward lies, on stage 1 for wrong input gradients); the held-out loss of
-    the trained swarm, the liars caught, and the liar's id. The liar is excluded by every honest
-    peer, after a bounded number of answers."""
+    the trained swarm, the liars caught, the liar's id, and each stage's peers' steps. The liar is excluded
+    by every honest peer, after a bounded number of answers."""
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=3) as daemons:
         liars: set[str] = set()
         liar: Daemon | None = None
@@ -592,10 +592,13 @@ async def _train_with(lie: str | None, steps: int = 40) -> tuple[float, set[str]
         final = await Trainer(replace(trainer_config(api, "val", steps=1, fraction=0.0, seed=99),
                                       val_batches=16)).run()
         assert final.val_loss is not None
-        return final.val_loss, {p for s in summaries for p in s.verify["caught"]}, liars
+        stage_steps: dict[int, list[int]] = {}
+        for d in daemons:
+            stage_steps.setdefault(d.stage, []).append(d.status()["step"])
+        return final.val_loss, {p for s in summaries for p in s.verify["caught"]}, liars, stage_steps
 
 
-_HONEST_LOSS: list[float] = []  # the honest run's held-out loss, run once for the three kinds of liar
+_HONEST_LOSS: list[tuple[float, dict[int, list[int]]]] = []  # the honest run's held-out loss and stage steps, run once
 
 
 # 40 steps and 64 held-out windows: at 20 steps and 8 windows honest runs alone spread 3.16-3.36, so a
@@ -612,13 +615,15 @@ async def test_each_kind_of_liar_is_caught_and_excluded_and_the_loss_ends_within
     number of answers (``_train_with``'s assertions), and the held-out loss within 5 % of an honest
     run's (a gradient liar's unconfirmed answers once cost 6-9 %: ``SpotChecks.check``)."""
     if not _HONEST_LOSS:
-        honest, caught, _ = await _train_with(None)
+        honest, caught, _, honest_steps = await _train_with(None)
         assert not caught  # no false alarm on the honest swarm
-        _HONEST_LOSS.append(honest)
-    honest_loss = _HONEST_LOSS[0]
-    loss, caught, liars = await _train_with(lie)
+        _HONEST_LOSS.append((honest, honest_steps))
+    honest_loss, honest_steps = _HONEST_LOSS[0]
+    loss, caught, liars, stage_steps = await _train_with(lie)
     assert caught == liars
-    assert abs(loss - honest_loss) <= 0.05 * honest_loss, (loss, honest_loss)
+    # (two CI runs of ~10 failed at 3.10-3.11 against ~2.92, not reproduced in 30 reruns: the stages' steps say
+    # whether a stage stepped less than in the honest run)
+    assert abs(loss - honest_loss) <= 0.05 * honest_loss, (loss, honest_loss, stage_steps, honest_steps)
 
 
 async def test_the_sitecustomize_hook_makes_a_child_process_executor_lie(monkeypatch: pytest.MonkeyPatch) -> None:
