@@ -153,7 +153,7 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     a cancellation that arrives in the same turn of the loop as the event, so a loop around it went on
     waiting its whole timeout after being cancelled. Measured: the all-reduce coordinator cancelled a wait for
     its own samples the moment a mate's report woke it, and sat out the rest of a one-second hold every few
-    steps (``tests/unit/test_tasks.py``)."""
+    steps (``tests/integration/test_tasks.py``)."""
     if event.is_set():
         return True
     if timeout <= 0:
