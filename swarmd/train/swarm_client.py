@@ -263,12 +263,16 @@ class SwarmClient:
 
     # ---- the stage map ---------------------------------------------------------------------
 
+    def stage_map_due(self) -> bool:
+        """Whether :meth:`stage_map` would read ``/swarm`` now (its last read is ``refresh_s`` old)."""
+        return self._clock() - self._view_at >= self.refresh_s
+
     async def stage_map(self, *, force: bool = False) -> SwarmView | None:
         """The daemon's ``/swarm``: every stage's listed peers (``swarmd.train.swarm_view.peer_views``
         reads them); None when it was read less than ``refresh_s`` ago (unless ``force``) or could
         not be read (logged: the trainer keeps its last view)."""
         async with self._view_lock:
-            if not force and self._clock() - self._view_at < self.refresh_s:
+            if not force and not self.stage_map_due():
                 return None
             try:
                 # off loopback the control plane's read-only endpoints need the token too

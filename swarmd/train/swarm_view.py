@@ -127,6 +127,8 @@ class SwarmView:
         self._probation_slots = max(1, window // 4)
         self._listed: dict[int, list[PeerView]] = {}  # stage -> its peers, as /swarm last listed them
         self._steps: dict[int, dict[str, int]] = {}  # stage -> peer -> the step it last reported
+        self._refreshing: asyncio.Task[None] | None = None  # a read of the stage map in the background
+        self._refresh_failed: BaseException | None = None  # ... that failed with a bug: raised by the next poll
         #: the listed peers that some peer's last progress answer named as accused once (not excluded):
         #: the spot checks check their answers more (``swarmd.train.verify.CheckLedger.watch``)
         self.suspected: frozenset[str] = frozenset()
@@ -153,6 +155,32 @@ class SwarmView:
         for stage, peers in self._listed.items():
             if 0 <= stage < len(self.routers):
                 self.routers[stage].update_peers(peers)
+
+    def refresh_soon(self) -> None:
+        """Re-read the stage map in the background when it is due, not while the caller waits: the
+        read is a DHT lookup behind the daemon's control plane, which takes seconds when a peer has
+        just died (the lookup waits out its DHT node's RPC timeout, 2-3.6 s measured), and a trainer
+        that awaited it in every poll stopped renewing its sample leases for that long (the lease
+        book took them for a dead trainer's and granted their samples again). The polls go on with
+        the map the routers have; the new one is adopted when it comes. One read at a time, owned
+        here and cancelled by :meth:`aclose`; a read that fails with anything but the network errors
+        :meth:`SwarmClient.stage_map` logs is raised by the next :meth:`poll`."""
+        if self._refreshing is not None or not self.swarm.stage_map_due():
+            return
+        self._refreshing = asyncio.create_task(self.refresh(), name="swarmd-trainer-stage-map")
+        self._refreshing.add_done_callback(self._refreshed)
+
+    def _refreshed(self, task: asyncio.Task[None]) -> None:
+        self._refreshing = None
+        if not task.cancelled() and task.exception() is not None:
+            self._refresh_failed = task.exception()
+
+    async def aclose(self) -> None:
+        """Cancel and await a read of the stage map still running in the background."""
+        task = self._refreshing
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def announced(self, stage: int) -> list[float]:
         """The throughputs (samples/s of a forward and a backward) ``stage``'s serving peers announce in
@@ -202,10 +230,14 @@ class SwarmView:
         answers also carry each peer's excluded set, which decides whom the routers leave out
         (:func:`exclusions_of`). ``on_stage(k, answers)``: each stage polled on its own, told as soon as
         its peers answered (a sync trainer's next batch need not wait for the slowest stage's answer).
-        ``refresh``: re-read the stage map first when it is due (False: poll the peers it lists now).
+        ``refresh``: re-read the stage map when it is due, in the background (:meth:`refresh_soon`;
+        False: not at all). Either way the poll asks the peers the routers list now.
         """
+        if self._refresh_failed is not None:
+            failed, self._refresh_failed = self._refresh_failed, None
+            raise failed
         if refresh:
-            await self.refresh()
+            self.refresh_soon()
         stages: list[list[tuple[str, str]]] = []
         probation: set[str] = set()
         for router in self.routers:

@@ -155,6 +155,7 @@ class Trainer:
                 await checks.finish()
             finally:
                 heartbeat.cancel()
+                await view.aclose()  # a read of the stage map still out
                 await swarm.aclose()  # newcomers' progress polls still out (issue #18)
                 await checks.cancel()
                 await asyncio.gather(heartbeat, return_exceptions=True)

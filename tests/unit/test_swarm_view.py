@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -133,13 +134,72 @@ async def test_a_poll_says_which_listed_peers_some_peer_holds_one_report_against
         async def stage_map(self, *, force: bool = False) -> SwarmView:
             return body([{"peer_id": "a"}, {"peer_id": "b"}], [{"peer_id": "c"}])
 
+        def stage_map_due(self) -> bool:
+            return False
+
         async def progress(self, stages: Any, **kw: Any) -> list[list[PeerProgress]]:
             return answers.pop(0)
 
     view = swarm_view.SwarmView(Swarm(), request_timeout_s=1.0, window=1, timing=Timing())  # type: ignore[arg-type]
     view.adopt(2)
+    await view.refresh()
     assert view.suspected == frozenset()
     await view.poll()
     assert view.suspected == {"b"}
     await view.poll()
     assert view.suspected == frozenset()
+
+
+async def test_a_poll_does_not_wait_for_the_stage_map_a_slow_daemon_is_still_reading() -> None:
+    """``/swarm`` is a DHT lookup behind the daemon's control plane: seconds when a peer just died. A poll
+    that awaited it stalled the trainer's loop for that long (its sample leases expired unrenewed). Now the
+    poll asks the peers the routers list and the read goes on in the background, one at a time; its map is
+    adopted when it comes, ``aclose`` cancels it, and a read that fails with a bug is raised by the next poll."""
+    gate = asyncio.Event()
+    reads: list[str] = []
+
+    class SlowDaemon:
+        due = True
+
+        def stage_map_due(self) -> bool:
+            return self.due
+
+        async def stage_map(self, *, force: bool = False) -> SwarmView:
+            reads.append("read")
+            await gate.wait()
+            self.due = False
+            return body([{"peer_id": "a"}, {"peer_id": "b"}], [{"peer_id": "c"}])
+
+        async def progress(self, stages: Any, **kw: Any) -> list[list[PeerProgress]]:
+            return [[PeerProgress(pid, 1) for pid, _ in peers] for peers in stages]
+
+    daemon = SlowDaemon()
+    view = swarm_view.SwarmView(daemon, request_timeout_s=1.0, window=1, timing=Timing())  # type: ignore[arg-type]
+    view.adopt(2)
+    first = await asyncio.wait_for(view.poll(), 1.0)  # the read hangs; the poll does not
+    second = await asyncio.wait_for(view.poll(), 1.0)
+    assert first == second == [[], []] and reads == ["read"]  # one read under way, not one per poll
+    gate.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    polled = await view.poll()
+    assert [[p.peer_id for p in stage] for stage in polled] == [["a", "b"], ["c"]] and reads == ["read"]
+
+    gate.clear()
+    daemon.due = True
+    await view.poll()
+    await asyncio.sleep(0)  # the second read starts, and hangs
+    await view.aclose()  # the read still out is cancelled and awaited
+    assert reads == ["read", "read"] and view._refreshing is None
+
+    class Broken(SlowDaemon):
+        async def stage_map(self, *, force: bool = False) -> SwarmView:
+            raise KeyError("a bug in reading the map")
+
+    broken = swarm_view.SwarmView(Broken(), request_timeout_s=1.0, window=1, timing=Timing())  # type: ignore[arg-type]
+    broken.adopt(2)
+    await broken.poll()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    with pytest.raises(KeyError, match="a bug in reading the map"):
+        await broken.poll()
