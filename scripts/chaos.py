@@ -64,7 +64,7 @@ CORPUS_BYTES = 2 << 20
 
 
 def start_swarm(workdir: Path, stages: int, peers: int, target: int, tag: str,
-                averaging: str = "leader", log_level: str = "WARNING") -> list[DaemonProcess]:
+                averaging: str = TrainingSpec().averaging, log_level: str = "WARNING") -> list[DaemonProcess]:
     common = ["--swarm", f"chaos-{tag}", "--announce-period", str(ANNOUNCE_S), "--log-level", log_level,
               "--rebalance-policy", "none"]
     founder = _peer(0, workdir, [*common, "--model", "tiny", "--stage", "0", "--target-batch-size", str(target),
@@ -240,8 +240,8 @@ def main() -> int:
     p.add_argument("--target-batch-size", type=int, default=16)
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--averaging", choices=("leader", "allreduce"), default="leader",
-                   help="the stages' averaging mode, chosen by the founder (default: leader)")
+    p.add_argument("--averaging", choices=("leader", "allreduce"), default=TrainingSpec().averaging,
+                   help=f"the stages' averaging mode, chosen by the founder (default: {TrainingSpec().averaging})")
     p.add_argument("--log-level", default="WARNING", help="the daemons' log level (default: WARNING)")
     p.add_argument("--keep-workdir", metavar="DIR", default=None,
                    help="run in DIR (created; kept afterwards, with the daemons' logs) instead of a temporary one")

@@ -120,7 +120,7 @@ def build_parser(prog: str = "swarmd", overview: str | None = None) -> argparse.
                           "measured throughput (default: auto)")
     founding.add_argument("--averaging", choices=("leader", "allreduce"), default=None,
                           help="how a stage's peers average: one leader receives every contribution, or a chunked "
-                          "all-reduce whose per-peer traffic does not grow with the stage (default: leader)")
+                          "all-reduce whose per-peer traffic does not grow with the stage (default: allreduce)")
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=0, help="data-plane port; 0 picks a free one (default: 0)")
     p.add_argument("--relay-max-peers", type=non_negative_int, default=8, metavar="N",

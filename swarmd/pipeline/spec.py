@@ -487,7 +487,9 @@ class TrainingSpec:
     # how a stage's peers average (one of AVERAGING_MODES): "leader", one peer receives every
     # contribution and answers everyone (swarmd.pipeline.averaging.averager); "allreduce", a chunked
     # all-reduce with one atomic decision (swarmd.pipeline.averaging.allreduce.averager), per-peer traffic ~2 x |grads|
-    averaging: str = "leader"
+    # whatever the stage's size. A swarm record without the field was written before the all-reduce
+    # existed (or by a founder who chose the leader): it reads as "leader" (from_dict).
+    averaging: str = "allreduce"
 
     def __post_init__(self) -> None:
         for name, (low, high) in _TRAINING_INT_BOUNDS.items():
@@ -546,8 +548,9 @@ class TrainingSpec:
 
     def to_dict(self) -> dict[str, Scalar]:
         """Every field as an int, float, bool or str: what the swarm record's ``training`` holds.
-        ``averaging`` is left out when it is the default ``leader``, so swarms founded before it
-        existed keep their digest (and peers of older builds can read the record)."""
+        ``averaging`` is left out when it is ``leader``, so swarms founded before it existed keep their
+        digest (and peers of older builds can read the record); :meth:`from_dict` reads its absence
+        from a record as ``leader``."""
         out = dataclasses.asdict(self)
         if out["averaging"] == "leader":
             del out["averaging"]
@@ -564,6 +567,10 @@ class TrainingSpec:
         peer that ignored a setting computes a different :attr:`digest` than the newer peers
         (theirs covers the new field), so comparing digests still tells the two apart. Pass
         ``strict=True`` for input a person typed, where an unknown key is a typo.
+
+        A record (``strict=False``) without ``averaging`` means ``leader``: :meth:`to_dict` leaves
+        that value out, and records written before the all-reduce existed lack the field. Input a
+        person typed takes the default (``allreduce``) instead.
         """
         if not isinstance(d, Mapping):
             raise ConfigError(
@@ -577,7 +584,10 @@ class TrainingSpec:
                     f"unknown training field(s) {', '.join(unknown)}; "
                     f"valid fields are: {', '.join(known)}"
                 )
-        return cls(**{name: d[name] for name in known if name in d})
+        given = {name: d[name] for name in known if name in d}
+        if not strict:
+            given.setdefault("averaging", "leader")
+        return cls(**given)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of the update that takes the parameters from ``step`` to ``step + 1``.

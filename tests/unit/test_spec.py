@@ -378,8 +378,9 @@ def test_load_spec_stem_that_is_not_a_valid_name(tmp_path: Path) -> None:
 
 # Changing this literal changes what every deployed peer computes for the default settings;
 # only do it on purpose, together with TRAINING_DIGEST_VERSION (or, as when grad_codec's default became
-# "auto" in issue 28, for a new default value: the payload's format, hence every explicit spec's digest, stays).
-DEFAULT_DIGEST = "34394b903efe0b82253545e2cc40869c009cf6c711625fff228eba8331bb3ea1"
+# "auto" and averaging's "allreduce" in issue 28, for a new default value: the payload's format, hence every
+# explicit spec's digest, stays).
+DEFAULT_DIGEST = "a4321b003fb8811bf7e3a9aa550aded945adcb11e249527256b69d7b244bc50b"
 
 # ---- TrainingSpec: validation -----------------------------------------------------------------
 
@@ -390,7 +391,7 @@ def test_defaults() -> None:
         "target_batch_size": 32, "optimizer": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.95,
         "eps": 1e-8, "weight_decay": 0.01, "warmup_steps": 10, "schedule": "cosine",
         "total_steps": 10_000, "min_lr_ratio": 0.1, "clip_norm": 1.0, "delay_updates": False,
-        "averaging_timeout_s": 30.0, "grad_codec": "auto",
+        "averaging_timeout_s": 30.0, "grad_codec": "auto", "averaging": "allreduce",
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.lr = 1.0  # type: ignore[misc]
@@ -455,8 +456,9 @@ def test_from_dict_ignores_unknown_keys_and_defaults_missing_ones() -> None:
     # A newer peer wrote the record: it knows a setting this build does not.
     d = {"lr": 3e-4, "schedule": "constant", "gradient_compression": "8bit", "zz": None}
     spec = TrainingSpec.from_dict(d)
-    assert spec == TrainingSpec(lr=3e-4, schedule="constant")
-    assert TrainingSpec.from_dict({}) == TrainingSpec()
+    assert spec == TrainingSpec(lr=3e-4, schedule="constant", averaging="leader")  # no field: a leader record
+    assert TrainingSpec.from_dict({}) == TrainingSpec(averaging="leader")
+    assert TrainingSpec.from_dict({}, strict=True) == TrainingSpec()
     # Known keys are still validated next to unknown ones.
     with pytest.raises(ConfigError, match="'lr'"):
         TrainingSpec.from_dict({"lr": None, "new_field": 1})
@@ -490,11 +492,24 @@ def test_digest_is_the_literal_and_sensitive_to_every_field() -> None:
         "target_batch_size": 33, "optimizer": "lamb", "lr": 1.1e-3, "beta1": 0.8, "beta2": 0.999,
         "eps": 1e-6, "weight_decay": 0.0, "warmup_steps": 11, "schedule": "linear",
         "total_steps": 10_001, "min_lr_ratio": 0.0, "clip_norm": 0.0, "delay_updates": True,
-        "averaging_timeout_s": 31.0, "grad_codec": "fp16", "averaging": "allreduce",
+        "averaging_timeout_s": 31.0, "grad_codec": "fp16", "averaging": "leader",
     }
     assert set(changed) == {f.name for f in dataclasses.fields(TrainingSpec)}
     digests = {TrainingSpec(**{name: value}).digest for name, value in changed.items()}
     assert len(digests) == len(changed) and DEFAULT_DIGEST not in digests
+
+
+def test_a_record_without_averaging_is_a_leader_swarm_and_a_typed_config_takes_the_all_reduce() -> None:
+    # Records written before the all-reduce existed (and a founder's explicit "leader") lack the field:
+    # a joiner must read them as the leader swarm they are, or its digest differs from the founder's.
+    leader = TrainingSpec(averaging="leader")
+    assert "averaging" not in leader.to_dict()
+    assert TrainingSpec.from_dict(leader.to_dict()) == leader
+    assert TrainingSpec.from_dict(leader.to_dict()).digest == leader.digest
+    assert TrainingSpec.from_dict(TrainingSpec().to_dict()) == TrainingSpec()
+    # What a person typed (strict) without the field takes the default.
+    assert TrainingSpec.from_dict({"lr": 2e-3}, strict=True).averaging == "allreduce"
+    assert TrainingSpec.from_dict({"lr": 2e-3}).averaging == "leader"
 
 
 # ---- the learning-rate schedule ---------------------------------------------------------------
