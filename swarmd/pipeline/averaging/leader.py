@@ -101,7 +101,7 @@ class RoundLeader(RoundOpenings):
             # From here the mean is fixed: a contribution arriving while we apply it would be
             # answered with a mean that does not hold it, and its samples would vanish.
             rnd.closed = True
-            self._accuse_silent(rnd, set(rnd.contributions) | set(rnd.refused))
+            await self._accuse_silent(rnd, set(rnd.contributions) | set(rnd.refused))
             result = await asyncio.to_thread(self._reduce, rnd)
             if result.status == "ok":
                 await self._recompute_sampled(rnd)  # on this step's parameters, before the mean moves them
@@ -159,11 +159,20 @@ class RoundLeader(RoundOpenings):
                         pid[:12], why, dropped, period)
             self._accuse(pid, rnd.step)  # and show the stage-mates the evidence (accuser)
 
-    def _accuse_silent(self, rnd: _OpenRound, arrived: set[str]) -> None:
+    async def _accuse_silent(self, rnd: _OpenRound, arrived: set[str]) -> None:
         """Exclude the expected contributors that never came (issue #18: a proof shows a peer holds
-        its identity, not that it will contribute), with the growing periods of the round checks."""
-        self.accuse_silent(RoundPatience.silent(rnd.expected, arrived, leader=self.peer_id), rnd.step,
-                           "was expected in the round and never contributed")
+        its identity, not that it will contribute), with the growing periods of the round checks;
+        not those whose view moved on while the round waited (asked once: at the round's step naming
+        another leader, or past it): while a swarm starts, the listings of stage-mates differ for a few
+        seconds, a mate takes a newly listed peer for its leader, and honest peers were excluded for
+        "silence" by the leader they had left, which forked them off their stage."""
+        missing = RoundPatience.silent(rnd.expected, arrived, leader=self.peer_id)
+        if not missing:
+            return
+        listed = {pid: self._mates[pid] for pid in missing if pid in self._mates}
+        progress = await self._poll(listed)
+        moved_on = {pid for pid, p in progress.items() if p.step != rnd.step or p.leader != self.peer_id}
+        self.accuse_silent(missing - moved_on, rnd.step, "was expected in the round and never contributed")
 
     def _reduce(self, rnd: _OpenRound) -> RoundResult:
         """Refuse outliers, take the robust mean, score the contributions, encode the answer
@@ -271,6 +280,12 @@ class RoundLeader(RoundOpenings):
             self.contributions_refused[why.kind] += 1
             self._warn(peer_id, why.kind, "stage %d step %d: contribution of %s refused (%s)",
                        ex.stage, step, peer_id[:12], why)
+            rnd = self._round
+            if rnd is not None and rnd.step == step and not rnd.closed and peer_id in rnd.expected:
+                # it came and was turned away here (often for this peer's own view: not yet listed, not yet
+                # proven): the round waits for it no longer, and never accuses it of silence
+                rnd.expected.discard(peer_id)
+                rnd.arrived.set()
             return _aborted(step, str(why))
         if step != ex.step:  # stepped while the signature was checked
             return _aborted(step)
@@ -365,7 +380,11 @@ class RoundLeader(RoundOpenings):
             mates = await self._trusted_mates()
             progress = await self._poll(mates)
             digest = self.executor.digest
-            rnd.expected |= {pid for pid, p in progress.items() if p.step == rnd.step and p.params_digest == digest}
+            # only the mates that name this peer their leader are coming: one whose view names another (it was
+            # refused here lately, or its listing differs) was never on its way, and waiting for it would
+            # accuse an honest peer of silence
+            rnd.expected |= {pid for pid, p in progress.items()
+                             if p.step == rnd.step and p.params_digest == digest and p.leader == self.peer_id}
             await self._settle(rnd)
         except asyncio.CancelledError:
             pass
