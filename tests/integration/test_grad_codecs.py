@@ -28,6 +28,9 @@ STEPS = 8
 GRAD_CODEC_LOSS_MARGIN = {"fp16": 1e-5, "8bit": 3e-3, "4bit": 3e-2, "3bit": 5e-2, "5level": 5e-2}
 
 
+SENT: dict[str, list[dict[str, int]]] = {}  # codec -> what each peer sent its stage-mates with, per codec
+
+
 async def train(codec: str) -> tuple[list[float], list[set[tuple[int, int, str]]]]:
     training = replace(TRAINING, grad_codec=codec)
     async with swarm(TINY, training) as daemons:
@@ -47,6 +50,7 @@ async def train(codec: str) -> tuple[list[float], list[set[tuple[int, int, str]]
         fed = sum(d.executor._feedback.rounds_kept for d in daemons)
         fed_codec = codec in ("8bit", "4bit", "3bit", "5level")
         assert fed >= (STEPS * 2 if fed_codec else 0) and (fed == 0) == (codec in ("none", "fp16"))
+        SENT[codec] = [d.status()["averaging"]["codecs_sent"] for d in daemons]
     return summary.step_losses, seen
 
 
@@ -60,7 +64,9 @@ async def test_compressed_averaging_keeps_peers_identical_and_the_loss_close() -
     for codec, margin in GRAD_CODEC_LOSS_MARGIN.items():
         final = losses[codec][0][-1]
         print(f"grad_codec {codec}: final loss {final:.6f} vs {none:.6f} ({abs(final - none) / none:.2e} relative)")
-        assert final != none  # the codec really was lossy
+        # the codec really was lossy (one CI run of the all-reduce's fp16 matched 'none' to the last bit, not
+        # reproduced in 2 reruns: what each peer sent with says whether any gradient travelled in fp16 then)
+        assert final != none, (codec, SENT.get(codec))
         assert abs(final - none) <= margin * none, (codec, final, none)
     # and the digests differ from the uncompressed run's: the codec really reached the parameters
     assert losses["fp16"][1][-1] != losses["none"][1][-1]
