@@ -280,12 +280,8 @@ class RoundLeader(RoundOpenings):
             self.contributions_refused[why.kind] += 1
             self._warn(peer_id, why.kind, "stage %d step %d: contribution of %s refused (%s)",
                        ex.stage, step, peer_id[:12], why)
-            rnd = self._round
-            if rnd is not None and rnd.step == step and not rnd.closed and peer_id in rnd.expected:
-                # it came and was turned away here (often for this peer's own view: not yet listed, not yet
-                # proven): the round waits for it no longer, and never accuses it of silence
-                rnd.expected.discard(peer_id)
-                rnd.arrived.set()
+            # often for this peer's own view (the sender not yet listed, not yet proven): never silent
+            self._not_coming(peer_id, step)
             return _aborted(step, str(why))
         if step != ex.step:  # stepped while the signature was checked
             return _aborted(step)
@@ -337,6 +333,14 @@ class RoundLeader(RoundOpenings):
                 return Refusal("unproven", "it has not answered this peer's proof challenge yet")
         return None
 
+    def _not_coming(self, peer_id: str, step: int | None = None) -> None:
+        """``peer_id``'s contribution came and was refused: the open round (of ``step``, when given) waits for
+        it no longer, and does not accuse it of silence."""
+        rnd = self._round
+        if rnd is not None and (step is None or rnd.step == step) and not rnd.closed and peer_id in rnd.expected:
+            rnd.expected.discard(peer_id)
+            rnd.arrived.set()
+
     def signer_of(self, frame: Frame) -> str | None:
         """The peer that signed this contribution frame for this leader (its key hashing to the peer id
         it names, the signature covering the frame's step, samples and gradients), else None. Pure and
@@ -364,10 +368,7 @@ class RoundLeader(RoundOpenings):
         name = peer_id[:12] if isinstance(peer_id, str) else "?"
         if signer is not None:
             period = self.suspicions.accuse(signer, f"{reason}: {why[:120]}")
-            rnd = self._round
-            if rnd is not None and signer in rnd.expected and not rnd.closed:  # do not wait for it any longer
-                rnd.expected.discard(signer)
-                rnd.arrived.set()
+            self._not_coming(signer)
             self._warn(signer, reason, "stage %d: refused a %s contribution signed by %s (%s); excluded from this "
                        "peer's rounds for %.0fs", self.executor.stage, reason, signer[:12], why[:200], period)
         else:
