@@ -31,7 +31,6 @@ from swarmd.net.handover import GradientsRequest, hand_over, handover_order
 from swarmd.peer_state import PeerState
 from swarmd.pipeline.placement.resume import Offer, Plan, Source, plan
 from swarmd.pipeline.placement.state_sync import adopt_state, choose_donors, proven_donors
-from swarmd.tasks import wait_event
 
 if TYPE_CHECKING:
     import torch
@@ -169,8 +168,9 @@ class StageState:
                 log.error("%s", message)
                 warned = True
             self.source = Source.LOST.value
-            # look again soon: the holder may be a peer that is starting at the same moment
-            if not await wait_event(host.stop_requested, min(LOST_RETRY_S, host.config.dht.announce_period_s)):
+            try:  # look again soon: the holder may be a peer that is starting at the same moment
+                await asyncio.wait_for(host.stop_requested.wait(), min(LOST_RETRY_S, host.config.dht.announce_period_s))
+            except asyncio.TimeoutError:
                 if time.monotonic() - announced >= host.config.dht.announce_period_s:
                     await host.announce_quietly()  # stay listed as joining, so nobody else is sent to this stage
                     announced = time.monotonic()

@@ -138,7 +138,6 @@ from swarmd.pipeline.averaging.trust.accusations import RecomputedEvidence, deco
 from swarmd.pipeline.reports import MisbehaviourReport, ReportLedger
 from swarmd.pipeline.stage.runtime import RuntimeGetter, StageRuntime
 from swarmd.swarm_key import AUTH_HEADER, HttpAuth, SwarmKey, body_sha256
-from swarmd.tasks import wait_event
 
 __all__ = ["CODEC_KEY", "MAX_REPORT_FRAME_BYTES", "DataPlane", "error_response"]
 
@@ -258,16 +257,22 @@ class DataPlane:
         if self._site is not None:
             site, self._site = self._site, None
             await site.stop()  # close the listening socket: no new connections
-        if await wait_event(self._idle, timeout):
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        log.warning("drain timed out after %.1fs with %d request(s) in flight", timeout, self.in_flight)
-        return False
+        except asyncio.TimeoutError:
+            log.warning("drain timed out after %.1fs with %d request(s) in flight", timeout, self.in_flight)
+            return False
 
     async def pause(self, timeout: float) -> bool:
         """Answer new requests with 503 (retry elsewhere) and wait for in-flight ones: a peer
         changing stage must not swap its stage under a running request. False on timeout."""
         self._paused = True
-        return await wait_event(self._idle, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def resume(self) -> None:
         self._paused = False
