@@ -312,6 +312,9 @@ class StatusCollector(Collector):
                   "swarmd_averaging_rounds", "kind", averaging.control_requests)
         yield _counter("swarmd_averaging_silent_contributors", "expected contributors that never came to a round "
                        "this peer led (then excluded)", averaging.silent_contributors)
+        yield _counter("swarmd_averaging_dissenting_mates", "stage-mates this peer stopped waiting for to agree on "
+                       "the round's leader (named another for longer than the stage's patience)",
+                       averaging.dissenting_mates)
         yield _counter("swarmd_averaging_duplicate_microbatches", "microbatch ids found in two contributions of one "
                        "round this peer led (exactly-once, issue 13)", averaging.duplicate_microbatches)
         yield _by("swarmd_averaging_excluded_peers", "stage-mates this peer leaves out of its rounds now, by why",

@@ -179,6 +179,10 @@ class AveragingInfo(BaseModel):
                                      "unchecked (computed at other parameters or precision)")
     duplicate_microbatches: int = 0
     silent_contributors: int = 0
+    dissenting_mates: int = Field(default=0, description="stage-mates this peer stopped waiting for to agree on "
+                                  "the round's leader (they named another for longer than the stage's patience)")
+    dissenting: list[str] = Field(default_factory=list, description="stage-mates left out of this peer's rounds "
+                                  "now: they name another leader")
     excluded: dict[str, Exclusion] = Field(default_factory=dict, description="peer id -> why and for how long")
     excluded_by_reports: list[str] = Field(default_factory=list)
     proofs: ProofsInfo | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.pipeline.averaging.patience import RoundPatience
+from swarmd.pipeline.averaging.patience import Dissent, RoundPatience
 
 
 def test_the_round_timeout_holds_until_enough_honest_rounds_were_seen() -> None:
@@ -47,3 +47,31 @@ def test_per_peer_memory_is_bounded() -> None:
 def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         RoundPatience(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_mate_naming_another_leader_is_waited_for_the_grace_then_left_out_until_it_agrees() -> None:
+    d = Dissent()
+    # a view that lags (a peer joined) agrees within the grace: never left out
+    assert d.disregarded({"lag": "x", "fake": "fake"}, "lead", now=0.0, grace_s=3.0) == frozenset()
+    assert d.disregarded({"lag": "lead", "fake": "fake"}, "lead", now=1.0, grace_s=3.0) == frozenset()
+    assert d.disregarded({"lag": "lead", "fake": "fake"}, "lead", now=2.9, grace_s=3.0) == frozenset()
+    # one that keeps naming another for the grace is left out, counted once, at this and later steps
+    assert d.disregarded({"lag": "lead", "fake": "fake"}, "lead", now=3.0, grace_s=3.0) == {"fake"}
+    assert d.disregarded({"fake": "fake"}, "lead", now=3.1, grace_s=3.0) == {"fake"}
+    assert d.left_out == 1 and d.current == {"fake"}
+    # unseen for a while (another step), it is still left out when it comes back naming another
+    assert d.disregarded({}, "lead", now=10.0, grace_s=3.0) == frozenset()
+    assert d.disregarded({"fake": None}, "lead", now=11.0, grace_s=3.0) == {"fake"}
+    # once it names this peer's leader, it counts again; naming another later costs a fresh grace
+    assert d.disregarded({"fake": "lead"}, "lead", now=12.0, grace_s=3.0) == frozenset()
+    assert d.current == frozenset()
+    assert d.disregarded({"fake": "other"}, "lead", now=13.0, grace_s=3.0) == frozenset()
+    assert d.disregarded({"fake": "other"}, "lead", now=16.0, grace_s=3.0) == {"fake"}
+    assert d.left_out == 2
+
+
+def test_dissent_memory_is_bounded() -> None:
+    d = Dissent(max_peers=3)
+    for i in range(10):
+        d.disregarded({f"p{i}": "other"}, "lead", now=float(i), grace_s=0.0)
+    assert len(d._since) == 3 and d.current <= {"p7", "p8", "p9"}

@@ -42,10 +42,11 @@ class FakePeer:
 
 class Mirror(FakePeer):
     """Answers ``/v1/proof`` with its own signature and ``/v1/progress`` with ``mirror``'s answer
-    under its own id; every other request has its connection cut (it never contributes)."""
+    under its own id (naming ``names`` its stage's leader, if given: a view of the stage no honest
+    peer shares); every other request has its connection cut (it never contributes)."""
 
-    def __init__(self, mirror: str, identity: Identity, stage: int) -> None:
-        self.mirror, self.identity, self.stage = mirror, identity, stage
+    def __init__(self, mirror: str, identity: Identity, stage: int, names: str | None = None) -> None:
+        self.mirror, self.identity, self.stage, self.names = mirror, identity, stage, names
         self.polls = 0
         self.proofs = 0
         self.dropped = 0
@@ -58,8 +59,9 @@ class Mirror(FakePeer):
         if request.method == "GET" and request.path == "/v1/progress":
             self.polls += 1
             progress = await self._mirrored(request.query)
+            named = {} if self.names is None else {"leader": self.names}
             return web.json_response({**progress, "peer_id": self.identity.peer_id, "round": None,
-                                      "round_expected": None, "round_contributors": None})
+                                      "round_expected": None, "round_contributors": None, **named})
         if request.method == "GET" and request.path == "/v1/proof":
             self.proofs += 1
             progress = await self._mirrored({})

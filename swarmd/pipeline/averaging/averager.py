@@ -176,12 +176,21 @@ class StageAverager(RoundLeader, RoundContributor):
             except Exception:  # one bad round must not end the stage's training
                 log.exception("averaging round of stage %d failed", self.executor.stage)
 
+    def _choose_leader(self, group: dict[str, str], now: float) -> str:
+        """The round's leader in this peer's view: the least id of ``group`` and this peer, not suspected;
+        a relayed peer (swarmd.net.relay) leads only when no direct one can: its stage-mates reach it
+        through one more hop, and its relay's death would abort the round."""
+        addrs = {**group, self.peer_id: self._own_addr}
+        candidates = sorted((pid for pid in addrs if self._suspects.get(pid, 0) <= now),
+                            key=lambda pid: (is_relayed(addrs[pid]), pid))
+        self._leader_view = candidates[0] if candidates else self.peer_id
+        return self._leader_view
+
     async def _tick(self) -> None:
         ex = self.executor
         if ex.averaging or self._round is not None:
             return
         mates = await self._trusted_mates()
-        own = self._own_addr
         progress = await self._poll(mates)
         step = ex.step
         # a peer caught lying to this one lately may be ahead on a fork of its own (it applied its own
@@ -202,13 +211,14 @@ class StageAverager(RoundLeader, RoundContributor):
         # keep the two bit-identical (and one of them is wrong)
         group = {pid: mates[pid] for pid, p in progress.items() if p.step == step and p.params_digest == digest}
         now = time.monotonic()
-        # a relayed peer (swarmd.net.relay) leads only when no direct one can: its stage-mates reach it
-        # through one more hop, and its relay's death would abort the round
-        addrs = {**group, self.peer_id: own}
-        candidates = sorted((pid for pid in addrs if self._suspects.get(pid, 0) <= now),
-                            key=lambda pid: (is_relayed(addrs[pid]), pid))
-        self._leader_view = candidates[0] if candidates else self.peer_id
-        leader = self._leader_view
+        leader = self._choose_leader(group, now)
+        # a mate naming another leader for longer than the stage's patience is not waited for to agree (a
+        # proven fake can name one no honest peer would choose at every poll): left out of this peer's rounds
+        apart = self.dissent.disregarded({pid: progress[pid].leader for pid in group}, leader, now=now,
+                                         grace_s=self.patience.wait_s(self.timeout_s))
+        if apart:
+            group = {pid: addr for pid, addr in group.items() if pid not in apart}
+            leader = self._choose_leader(group, now)
         if leader == self.peer_id and self.catch_up.holds_off(
                 step, {pid: p.step for pid, p in progress.items()}, now=now,
                 grace_s=min(CATCH_UP_MAX_S, self.patience.wait_s(self.timeout_s))):
@@ -235,5 +245,5 @@ class StageAverager(RoundLeader, RoundContributor):
         if leader == self.peer_id:
             await self._lead(step, set(group))
         else:
-            await self._contribute_to(self._leader_view, group[self._leader_view])
+            await self._contribute_to(leader, group[leader])
 

@@ -32,6 +32,16 @@ that never contributes is never waited for. One that made it wait in vain (still
 grace ran out: a liar about its step, or a peer that froze) is not waited for again for the next
 ``forget_after`` rounds, so a contributor cannot cost every round a grace.
 
+A round opens only once the stage-mates at its step name the same leader (:class:`Dissent`): one
+that names another means the views of the stage differ (a peer joined or left, a leader is
+suspected), and they agree again within a poll or two. A proven fake can name a leader no honest
+peer would choose at every poll, and waiting for it to agree would stall the stage for as long as
+it answers. So a mate is waited for to agree for the stage's patience at most; one that has named
+another leader for longer is left out of this peer's rounds (its samples not counted, not waited
+for) until it names the same leader again. An honest mate whose view lags pays nothing; one whose
+view stays apart (it cannot see this leader) rounds with those it can see, and the steps of the two
+groups are reconciled as any peer that fell behind is (it resyncs from the majority).
+
 Pure: times are given, nothing sleeps. The averager feeds it and asks it.
 """
 
@@ -41,7 +51,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-__all__ = ["CatchUp", "RoundPatience"]
+__all__ = ["CatchUp", "Dissent", "RoundPatience"]
 
 
 class RoundPatience:
@@ -126,3 +136,37 @@ class CatchUp:
         for pid in behind:  # waited for in vain: not again for a while
             self._vain[pid] = step
         return False
+
+
+class Dissent:
+    """Stage-mates that name another leader than this peer's, and since when (pure: the times are
+    passed in). Counts every mate it starts to disregard (``left_out``, for ``/status``)."""
+
+    def __init__(self, *, max_peers: int = 1024) -> None:
+        self.max_peers = max_peers
+        self._since: dict[str, float] = {}  # mate -> when it began naming another leader (reset once it agrees)
+        self._disregarded: set[str] = set()
+        self.left_out = 0
+
+    def disregarded(self, named: Mapping[str, str | None], leader: str, *, now: float,
+                    grace_s: float) -> frozenset[str]:
+        """Of the mates at this peer's step and parameters, with the leader each names (``named``),
+        those that have named another than ``leader`` for ``grace_s`` or longer: not waited for."""
+        for pid, theirs in named.items():
+            if theirs == leader:
+                self._since.pop(pid, None)
+                self._disregarded.discard(pid)
+            else:
+                self._since.setdefault(pid, now)
+        while len(self._since) > self.max_peers:  # the oldest dissent first (insertion order)
+            self._disregarded.discard(pid := next(iter(self._since)))
+            del self._since[pid]
+        out = frozenset(pid for pid in named if pid in self._since and now - self._since[pid] >= grace_s)
+        self.left_out += len(out - self._disregarded)
+        self._disregarded |= out
+        return out
+
+    @property
+    def current(self) -> frozenset[str]:
+        """The mates disregarded at the last call that named another leader (for ``/status``)."""
+        return frozenset(self._disregarded)

@@ -29,7 +29,7 @@ from swarmd.net.links import LinkMeter, dials_loopback
 from swarmd.net.messages import AverageReply, ProgressReply
 from swarmd.net.wire import decode_frame, encode_frame
 from swarmd.pipeline.averaging.codec_choice import AUTO, resolve
-from swarmd.pipeline.averaging.patience import CatchUp, RoundPatience
+from swarmd.pipeline.averaging.patience import CatchUp, Dissent, RoundPatience
 from swarmd.pipeline.averaging.trust.accusations import Claim, OwnNorms, RecomputedEvidence, StruckClaims
 from swarmd.pipeline.averaging.trust.contribution_proofs import Awaited
 from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch
@@ -267,6 +267,7 @@ class AveragerCore:
         self.patience = RoundPatience()  # how long rounds wait for contributors (issue #18)
         self.catch_up = CatchUp()  # the last round's contributors, still applying its answer, are waited for
         self.silent_contributors = 0  # expected contributors that never came (then excluded)
+        self.dissent = Dissent()  # mates naming another leader: waited for to agree a bounded time (patience)
         self._led_mbs: tuple[int, frozenset[int]] = (-1, frozenset())  # the step and ids of the last round led
         self.last_round: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=256)  # recent rounds this peer took part in
@@ -348,6 +349,8 @@ class AveragerCore:
             "openings": dict(self.openings),
             "duplicate_microbatches": self.duplicate_microbatches,
             "silent_contributors": self.silent_contributors,
+            "dissenting_mates": self.dissent.left_out,
+            "dissenting": sorted(self.dissent.current),
             "excluded": self.suspicions.status(),
             "excluded_by_reports": sorted(self.exclude()),
             "control_requests": dict(self.control_requests),

@@ -505,10 +505,11 @@ class AllReduceAverager(StageAverager):
     async def _accounted(self, mates: dict[str, str], waiting: dict[str, ArReport], step: int, digest: str) -> bool:
         """Whether every trusted stage-mate that did not report here is elsewhere: at another step or
         with other parameters, or silent (:meth:`_unreported_mates`). A mate at this step that names
-        another coordinator means the views differ: no round yet. One that names this coordinator and
-        does not report is waited for as long as honest contributions take (``patience``, as
-        the leader waits for an expected contributor), then excluded as silent: a proven fake that
-        mirrors an honest peer's progress must not hold every round."""
+        another coordinator means the views differ: no round yet, for the stage's patience at most (then
+        it is left out: ``patience.Dissent``). One that names this coordinator and does not report is
+        waited for as long as honest contributions take (``patience``, as the leader waits for an
+        expected contributor), then excluded as silent: a proven fake that mirrors an honest peer's
+        progress must not hold every round."""
         here = await self._unreported_mates(mates, waiting, step, digest)
         if here is None:
             return False
@@ -538,13 +539,19 @@ class AllReduceAverager(StageAverager):
             got = await asyncio.gather(*(self._probe(pid, addr) for pid, addr in stale.items()))
             for pid, body in zip(stale, got, strict=True):
                 self._probes[pid] = (now, body)
+        at_step = {pid: p for pid in unknown if (p := self._probes.get(pid, (0.0, None))[1]) is not None
+                   and p.step == step and p.params_digest == digest}
+        # one naming another coordinator for longer than the stage's patience is not waited for to agree (a
+        # proven fake can name one no honest peer would choose at every poll, patience.Dissent)
+        apart = self.dissent.disregarded({pid: p.leader for pid, p in at_step.items()}, self.peer_id, now=now,
+                                         grace_s=self.patience.wait_s(self.timeout_s))
         here = {}
-        for pid in unknown:
-            p = self._probes.get(pid, (0.0, None))[1]
-            if p is not None and p.step == step and p.params_digest == digest:
-                if p.leader != self.peer_id:
-                    return None  # alive at this step and naming another coordinator: the views differ
-                here[pid] = p.samples  # it names this one: it is about to report, or it never will
+        for pid, p in at_step.items():
+            if pid in apart:
+                continue
+            if p.leader != self.peer_id:
+                return None  # alive at this step and naming another coordinator: the views differ
+            here[pid] = p.samples  # it names this one: it is about to report, or it never will
         return here
 
     def _silent_after_patience(self, here: Collection[str], step: int, what: str) -> bool:

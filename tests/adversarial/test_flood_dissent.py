@@ -1,0 +1,58 @@
+"""A proven fake that mirrors a stage-mate's progress but names another leader (issue #29).
+
+A round opens only once the stage-mates at its step agree on who leads it (the leader's rule)
+or coordinates it (the all-reduce's): a mate naming another one means the views of the stage
+differ, a peer joined or left, and they agree again within a poll or two. A fake passes the proof
+(its own key at its own address), answers ``GET /v1/progress`` with an honest stage-mate's step,
+params digest and samples under its own id, and names a leader no honest peer would choose: itself.
+It never contributes. Waiting for the views to agree would stall the stage for as long as the fake
+keeps answering, so a mate that names another leader is waited for a bounded time (the stage's
+patience, ``swarmd.pipeline.averaging.patience.Dissent``), then left out of the rounds, its samples
+not counted, until it names this peer's leader again. Real in-process daemons on loopback, a real
+trainer; the fake is a little aiohttp server of this test published with a validly signed record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from swarmd.pipeline.spec import PRESETS, TrainingSpec
+from swarmd.train.trainer import Trainer, TrainerConfig
+from tests.support.fakes import Mirror, identity_after, proven_by, publish_fake
+from tests.support.swarms import fast_swarm
+
+SPEC = replace(PRESETS["tiny"], name="dissent", n_stages=1, layers_per_stage=1)  # one stage: its rounds are all
+STEPS = 4
+
+
+@pytest.mark.parametrize("averaging", ["allreduce", pytest.param("leader", marks=pytest.mark.slow)])
+async def test_a_proven_fake_naming_another_leader_does_not_stall_the_stage(averaging: str) -> None:
+    training = TrainingSpec(target_batch_size=16, lr=3e-3, warmup_steps=1, averaging_timeout_s=2.5,
+                            averaging=averaging)
+    async with fast_swarm(SPEC, training, peers_per_stage=2) as daemons:
+        stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")
+        mate = stage0[1]
+        assert mate.peer_id is not None and mate.data_addr is not None
+        identity = identity_after(mate.peer_id)
+        async with Mirror(mate.data_addr, identity, stage=0, names=identity.peer_id) as fake:
+            await publish_fake(daemons[0].dht, "train-test", 0, fake.addr, fake.identity)
+            api = f"http://{daemons[0].status()['api_addr']}"
+            for d in stage0:  # a stage-mate like any other now, whose every answer names itself the leader
+                await proven_by(d, fake)
+            trainer = Trainer(TrainerConfig(api=api, steps=STEPS, microbatch_size=4, window=4, codec="none",
+                                            val_every=0, val_batches=1, max_corpus_bytes=1 << 20, refresh_s=0.5,
+                                            request_timeout_s=20.0, verify_fraction=0.0))
+            summary = await asyncio.wait_for(trainer.run(), 90)
+            assert summary.steps == STEPS
+            statuses = [d.status()["averaging"] for d in stage0]
+            assert fake.polls >= 1
+            # the honest peers stepped together, the fake's mirrored samples never counted
+            assert max(a["rounds_ok"] for a in statuses) >= STEPS, statuses
+            assert all(a["rounds_aborted"] <= 1 for a in statuses), statuses
+            assert sum(a["dissenting_mates"] for a in statuses) >= 1, statuses
+            assert stage0[0].executor is not None and stage0[1].executor is not None
+            assert stage0[0].executor.step == stage0[1].executor.step >= STEPS
+            assert stage0[0].executor.digest == stage0[1].executor.digest
