@@ -627,6 +627,50 @@ async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_repl
             setattr(cls, method, original)
 
 
+async def test_members_of_a_coordinator_that_moved_to_another_stage_settle_without_waiting_out_the_slack() -> None:
+    """A coordinator that migrates mid-round (``swarmd.pipeline.placement.migration``: its averager of this
+    stage stopped before it decided, then it serves another stage at the same address, answering) can
+    decide the round no more, as if it were dead; but its address still answers, so the members did not
+    learn it from a refused connection and waited ``T + reply_slack_s`` (40 s in test_migration's heal test,
+    the whole stage stalled). Asked for the decision now, it says it is cut off from that stage's rounds:
+    the members settle as they do for a dead coordinator (all keep their gradients) and step on without
+    it. The slack here is an hour, so a member that waited it out would fail the test's waits."""
+    from swarmd.pipeline.averaging.allreduce import member as allreduce_member
+
+    n, directory = 3, {}
+    two = dataclasses.replace(ONE, name="two", n_stages=2)
+    async with stage(n, target=4 * n, timeout_s=3.0, slack_s=3600.0, directory=directory) as peers, \
+            running(peers) as tasks, aiohttp.ClientSession() as session:
+        victim = peers[0]  # the smallest peer id coordinates
+        moved = StageExecutor(two, 1, training=victim.ex.training)
+        fired: list[int] = []
+        original = allreduce_member.MemberRound._decide
+
+        async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.av is victim.averager and not fired:  # the move: leave the rounds, serve stage 1
+                fired.append(self.plan.step)
+                del directory[victim.pid]
+                runtime = victim.plane._runtime()
+                runtime.averager = AllReduceAverager(moved, peer_id=victim.pid, stage_peers=lambda **_: {},
+                                                     session=session, identity=victim.identity)
+                tasks[victim.pid].cancel()  # (this very task: ended by the raise below)
+                raise asyncio.CancelledError
+            return await original(self, *args, **kwargs)
+
+        allreduce_member.MemberRound._decide = moving  # type: ignore[method-assign]
+        try:
+            feed, survivors = await _fed_until_killed(peers, victim, fired, "the coordinator began deciding")
+            await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
+                           "the members settled without the moved coordinator's decision")
+            assert all(p.ex.step == 0 and p.ex.grad_samples == 4 for p in survivors), [
+                (p.ex.step, p.ex.grad_samples) for p in survivors]
+            assert all(p.averager.history[-1]["status"] == "aborted" for p in survivors)
+            await _carry_on(feed, survivors)
+        finally:
+            allreduce_member.MemberRound._decide = original  # type: ignore[method-assign]
+            await moved.close()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_a_coordinator_aborts_at_once_when_a_part_owner_is_gone() -> None:
     """A part owner killed (connections refused) before it reports its part ready: no process can report

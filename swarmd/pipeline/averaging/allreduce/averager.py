@@ -907,7 +907,11 @@ class AllReduceAverager(StageAverager):
 
     async def _on_decision(self, q: ArQuery) -> ArDecisionReply:
         """The round's signed decision: waited for when this peer coordinates it, else the copy this
-        member received (a member whose coordinator died asks the others)."""
+        member received (a member whose coordinator died asks the others). Of another stage's round: none,
+        and none can come from here (``cut_off``): this peer left that stage (a migration stops its
+        averager before it serves another stage), and what that averager decided only its members hold."""
+        if q.stage != self.executor.stage:
+            return ArDecisionReply(None, cut_off=True)
         if q.round_id in self.coord.rounds:
             got = await self.coord.decision(q.round_id, min(q.wait_s, self.timeout_s + self.reply_slack_s))
             if got is not None:

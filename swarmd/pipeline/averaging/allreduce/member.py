@@ -445,6 +445,10 @@ class MemberRound:
         would stay behind holding samples the others stepped on; or, sooner, once no decision can reach
         it any more (:meth:`_nobody_holds_it`: the coordinator is gone and no live member holds one).
 
+        A coordinator that moved to another stage says it is cut off from the round (its averager of this
+        stage was stopped before it served the other): the same as gone. A migrating coordinator held its
+        members for ``T + reply_slack_s`` (40 s in test_migration's heal test) before that.
+
         A SIGKILLed coordinator refuses connections from then on. Waiting out ``T + reply_slack_s`` for it
         stalled the stage by ~35 s in the chaos run (a leader's contributors give up on a dead leader at
         once): the wait only ever served to hear of a decision it sent before it died, and only members
@@ -455,13 +459,16 @@ class MemberRound:
         while self.decision is None and self._left(av.reply_slack_s) > 0:
             av.control_requests["decision"] += 1
             try:
-                if await self._ask_decision(coordinator, min(60.0, self._left(av.reply_slack_s))) is not None:
+                decision, gone = await self._ask_decision_of(coordinator, min(60.0, self._left(av.reply_slack_s)))
+                if decision is not None:
                     return
-                continue
+                if not gone:
+                    continue
             except PeerError as exc:
-                if refused_connection(exc) and not self.cut_off:
-                    self.cut_off = True
-                    self.settled.set()
+                gone = refused_connection(exc)
+            if gone and not self.cut_off:
+                self.cut_off = True
+                self.settled.set()
             if await self._nobody_holds_it():
                 return
             await asyncio.sleep(min(1.0, self._left(av.reply_slack_s)))
@@ -506,9 +513,6 @@ class MemberRound:
         """Until this member holds the decision or is cut off, at most ``wait_s`` (a member asking whether
         any decision can still come: :meth:`_nobody_holds_it`)."""
         await wait_event(self.settled, wait_s)
-
-    async def _ask_decision(self, addr: str, wait: float) -> Decision | None:
-        return (await self._ask_decision_of(addr, wait))[0]
 
     async def _ask_decision_of(self, addr: str, wait: float) -> tuple[Decision | None, bool]:
         """The decision as the peer at ``addr`` holds it (taken, when this member has none yet and it is
