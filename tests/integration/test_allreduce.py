@@ -627,14 +627,17 @@ async def test_members_of_a_dead_coordinator_settle_without_waiting_out_the_repl
             setattr(cls, method, original)
 
 
-async def test_members_of_a_coordinator_that_moved_to_another_stage_settle_without_waiting_out_the_slack() -> None:
+@pytest.mark.parametrize("asked", ["after the move", "while it moves"])
+async def test_members_of_a_coordinator_that_moved_to_another_stage_settle_without_waiting_out_the_slack(
+        asked: str) -> None:
     """A coordinator that migrates mid-round (``swarmd.pipeline.placement.migration``: its averager of this
-    stage stopped before it decided, then it serves another stage at the same address, answering) can
+    stage stopped and closed before it decided, then it serves another stage at the same address) can
     decide the round no more, as if it were dead; but its address still answers, so the members did not
-    learn it from a refused connection and waited ``T + reply_slack_s`` (40 s in test_migration's heal test,
-    the whole stage stalled). Asked for the decision now, it says it is cut off from that stage's rounds:
-    the members settle as they do for a dead coordinator (all keep their gradients) and step on without
-    it. The slack here is an hour, so a member that waited it out would fail the test's waits."""
+    learn it from a refused connection and waited ``T + reply_slack_s`` (40 s in test_migration's heal
+    test, the whole stage stalled). Now its averager decides "abort" as it closes (the members' long-polls
+    in flight get that), and asked later it says it is cut off from that stage's rounds: either way the
+    members keep their gradients and step on without it. The slack here is an hour, so a member that
+    waited it out would fail the test's waits."""
     from swarmd.pipeline.averaging.allreduce import member as allreduce_member
 
     n, directory = 3, {}
@@ -645,14 +648,18 @@ async def test_members_of_a_coordinator_that_moved_to_another_stage_settle_witho
         moved = StageExecutor(two, 1, training=victim.ex.training)
         fired: list[int] = []
         original = allreduce_member.MemberRound._decide
+        closing: list[asyncio.Task[None]] = []
 
         async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
             if self.av is victim.averager and not fired:  # the move: leave the rounds, serve stage 1
                 fired.append(self.plan.step)
+                if asked == "while it moves":  # the members' long-polls for the decision reach it first
+                    await asyncio.sleep(0.5)
                 del directory[victim.pid]
                 runtime = victim.plane._runtime()
-                runtime.averager = AllReduceAverager(moved, peer_id=victim.pid, stage_peers=lambda **_: {},
-                                                     session=session, identity=victim.identity)
+                old, runtime.averager = runtime.averager, AllReduceAverager(
+                    moved, peer_id=victim.pid, stage_peers=lambda **_: {}, session=session, identity=victim.identity)
+                closing.append(asyncio.get_running_loop().create_task(old.close()))  # as stop_averaging does
                 tasks[victim.pid].cancel()  # (this very task: ended by the raise below)
                 raise asyncio.CancelledError
             return await original(self, *args, **kwargs)
@@ -668,6 +675,52 @@ async def test_members_of_a_coordinator_that_moved_to_another_stage_settle_witho
             await _carry_on(feed, survivors)
         finally:
             allreduce_member.MemberRound._decide = original  # type: ignore[method-assign]
+            await asyncio.gather(*closing)
+            await moved.close()
+
+
+async def test_a_member_that_moved_to_another_stage_mid_round_is_not_excluded_as_silent() -> None:
+    """A member that migrates mid-round (its averager of this stage stopped before it sent its parts; it
+    serves another stage at the same address) never sends its parts, and the coordinator leaves it out.
+    It was excluded as silent, and a daemon leaves the peers its averager excludes out of its view of the
+    whole swarm: trainers asking that daemon did not use the mover on its new stage (test_migration's
+    heal test: no backward reached it in the 50 steps after its move). Asked before it is accused, it says
+    it serves another stage: spared, once (a fake saying so at every round pays for its silence again)."""
+    from swarmd.pipeline.averaging.allreduce import member as allreduce_member
+
+    n = 4
+    two = dataclasses.replace(ONE, name="two", n_stages=2)
+    async with stage(n, target=4 * n, timeout_s=3.0, slack_s=2.0) as peers, running(peers) as tasks, \
+            aiohttp.ClientSession() as session:
+        victim, coordinator = peers[-1], peers[0]
+        moved = StageExecutor(two, 1, training=victim.ex.training)
+        fired: list[int] = []
+        original = allreduce_member.MemberRound._scatter
+
+        async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.av is victim.averager and not fired:  # the move: leave the rounds, serve stage 1
+                fired.append(self.plan.step)
+                runtime = victim.plane._runtime()
+                runtime.executor = moved
+                runtime.averager = AllReduceAverager(moved, peer_id=victim.pid, stage_peers=lambda **_: {},
+                                                     session=session, identity=victim.identity)
+                tasks[victim.pid].cancel()  # (this very task: ended by the raise below)
+                raise asyncio.CancelledError
+            return await original(self, *args, **kwargs)
+
+        allreduce_member.MemberRound._scatter = moving  # type: ignore[method-assign]
+        try:
+            feed, survivors = await _fed_until_killed(peers, victim, fired, "the member began scattering")
+            await wait_for(lambda: all(p.averager.history and not p.ex.averaging for p in survivors), 30,
+                           "the round settled")
+            await wait_for(lambda: victim.pid in coordinator.averager._spared, 10, "the mover was asked and spared")
+            assert victim.pid not in coordinator.averager.excluded()
+            assert coordinator.averager.silent_contributors == 0
+            # spared once: the same answer at the next round in vain does not spare it again
+            assert coordinator.averager._movers({victim.pid: await coordinator.averager.client.progress(
+                victim.addr, timeout_s=2.0)}) == set()
+        finally:
+            allreduce_member.MemberRound._scatter = original  # type: ignore[method-assign]
             await moved.close()
 
 

@@ -23,9 +23,11 @@ async def wait_for(predicate, timeout: float = 20.0, state=lambda: None) -> None
 
 
 def peers(daemons: list[Daemon]) -> list[tuple]:
-    """Each daemon's id, stage, step, digest and backwards served (for failure messages)."""
+    """Each daemon's id, stage, step, digest, samples held, whether it is averaging, and backwards served
+    (for failure messages)."""
     return [(d.peer_id and d.peer_id[:12], d.stage, d.executor and d.executor.step,
-             d.executor and d.executor.digest[:12], d.data_plane and d.data_plane.served["backward"]) for d in daemons]
+             d.executor and d.executor.digest[:12], d.executor and d.executor.grad_samples,
+             d.executor and d.executor.averaging, d.data_plane and d.data_plane.served["backward"]) for d in daemons]
 
 
 async def test_post_migrate_moves_a_peer_and_refuses_to_empty_a_stage() -> None:

@@ -165,14 +165,17 @@ class RoundLeader(RoundOpenings):
         not those whose view moved on while the round waited (asked once: at the round's step naming
         another leader, or past it): while a swarm starts, the listings of stage-mates differ for a few
         seconds, a mate takes a newly listed peer for its leader, and honest peers were excluded for
-        "silence" by the leader they had left, which forked them off their stage."""
+        "silence" by the leader they had left, which forked them off their stage. Nor those that say
+        they left the stage (a move: ``_movers``)."""
         missing = RoundPatience.silent(rnd.expected, arrived, leader=self.peer_id)
         if not missing:
             return
         listed = {pid: self._mates[pid] for pid in missing if pid in self._mates}
-        progress = await self._poll(listed)
+        answers = await self._answers(listed)
+        progress = {pid: p for pid, p in answers.items() if self._takes_part(pid, p)}
         moved_on = {pid for pid, p in progress.items() if p.step != rnd.step or p.leader != self.peer_id}
-        self.accuse_silent(missing - moved_on, rnd.step, "was expected in the round and never contributed")
+        self.accuse_silent(missing - moved_on - self._movers(answers), rnd.step,
+                           "was expected in the round and never contributed")
 
     def _reduce(self, rnd: _OpenRound) -> RoundResult:
         """Refuse outliers, take the robust mean, score the contributions, encode the answer

@@ -52,6 +52,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarmd.pipeline.averaging.averager")
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A done callback: log the exception a task of an averager ended with (its traceback included)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("averaging task %s failed", task.get_name(), exc_info=exc)
+
+
 class StagePeers(Protocol):
     """The serving stage-mates (peer_id -> data_addr), this peer included; ``fresh``: read now,
     not from a listing cached for a moment (the daemon's DHT lookup)."""
@@ -96,6 +102,10 @@ LISTING_KEEP_S = 30.0
 #: report is answered "behind" at once: without the pause that loop spun, one event loop for every daemon of a
 #: test swarm, and the stage stalled).
 RESYNC_PAUSE_MAX_S = 2.0
+#: A stage-mate a round waited for in vain is not excluded as silent when, asked then, it says it left the stage
+#: (it serves another, or is leaving: a move, ``swarmd.pipeline.placement.migration``, stops its averager mid-round):
+#: at most once per peer in this many seconds, so a fake that says so whenever asked still pays for its silence.
+SPARE_MOVER_EVERY_S = 300.0
 
 
 
@@ -268,6 +278,7 @@ class AveragerCore:
         self.catch_up = CatchUp()  # the last round's contributors, still applying its answer, are waited for
         self.silent_contributors = 0  # expected contributors that never came (then excluded)
         self.dissent = Dissent()  # mates naming another leader: waited for to agree a bounded time (patience)
+        self._spared: dict[str, float] = {}  # mates not excluded as silent because they had moved, and when
         self._led_mbs: tuple[int, frozenset[int]] = (-1, frozenset())  # the step and ids of the last round led
         self.last_round: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=256)  # recent rounds this peer took part in
@@ -301,10 +312,12 @@ class AveragerCore:
                         self.executor.stage, step, len(repeated))
 
     def _own(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Run ``coro`` as a task this averager owns: cancelled and awaited by :meth:`close`."""
+        """Run ``coro`` as a task this averager owns: cancelled and awaited by :meth:`close`; one that
+        fails is logged with its traceback when it ends (never silently)."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
         return task
 
     async def close(self) -> None:
@@ -486,19 +499,42 @@ class AveragerCore:
 
     async def _poll(self, mates: dict[str, str]) -> dict[str, ProgressReply]:
         """The progress of the stage-mates that answered and take part in this stage's rounds."""
+        return {pid: body for pid, body in (await self._answers(mates)).items() if self._takes_part(pid, body)}
+
+    async def _answers(self, mates: dict[str, str]) -> dict[str, ProgressReply]:
+        """The stage-mates' answers to ``GET /v1/progress``, whatever they say (silent, refusing or
+        unreadable ones left out)."""
 
         async def one(pid: str, addr: str) -> tuple[str, ProgressReply | None]:
             try:
-                body = await self.client.progress(addr, timeout_s=POLL_TIMEOUT_S)
-            except PeerError:  # silent, refusing or unreadable: not part of this round
+                return pid, await self.client.progress(addr, timeout_s=POLL_TIMEOUT_S)
+            except PeerError:
                 return pid, None
-            # a peer leaving the stage (away) takes no part in its rounds; nor one that answers for another
-            ok = not body.away and body.stage == self.executor.stage and body.peer_id in (None, pid)
-            return pid, body if ok else None
 
         self.control_requests["progress"] += len(mates)
         answers = await asyncio.gather(*(one(pid, addr) for pid, addr in mates.items()))
         return {pid: body for pid, body in answers if body is not None}
+
+    def _takes_part(self, pid: str, body: ProgressReply) -> bool:
+        """A peer leaving the stage (away) takes no part in its rounds; nor one that serves another stage,
+        or answers for another peer."""
+        return not body.away and body.stage == self.executor.stage and body.peer_id in (None, pid)
+
+    def _movers(self, answers: dict[str, ProgressReply]) -> set[str]:
+        """Of these answers of stage-mates a round waited for in vain, those that say they left the stage
+        (another stage, or away) and were not spared that way lately (``SPARE_MOVER_EVERY_S``): a move
+        stops a peer's rounds mid-way, which is no silence to exclude it for (its exclusion would also
+        leave it out of this daemon's view of the swarm: its trainers would not use it on its new stage)."""
+        now = time.monotonic()
+        movers = {pid for pid, body in answers.items() if body.peer_id in (None, pid)
+                  and (body.away or body.stage != self.executor.stage)
+                  and now - self._spared.get(pid, -SPARE_MOVER_EVERY_S) >= SPARE_MOVER_EVERY_S}
+        for pid in movers:
+            self._spared.pop(pid, None)
+            self._spared[pid] = now
+        while len(self._spared) > 4096:
+            self._spared.pop(next(iter(self._spared)))
+        return movers
 
     def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
                 reason: str | None = None, refused: dict[str, str] | None = None,

@@ -232,7 +232,14 @@ from swarmd.pipeline.averaging.allreduce.messages import (
 from swarmd.pipeline.averaging.allreduce.openings import ArAwaited
 from swarmd.pipeline.averaging.allreduce.openings import judge as judge_opening
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner, PartStrikes
-from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, choose_coordinator, part_message, plan_round, quorum
+from swarmd.pipeline.averaging.allreduce.plan import (
+    Decision,
+    RoundPlan,
+    choose_coordinator,
+    part_message,
+    plan_round,
+    quorum,
+)
 from swarmd.pipeline.averaging.averager import COMMIT_GRACE_S, POLL_TIMEOUT_S, REPLY_SLACK_S, StageAverager
 from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
 from swarmd.pipeline.averaging.trust.recomputation import extra_share
@@ -296,6 +303,18 @@ class AllReduceAverager(StageAverager):
         self._ar_awaited: dict[str, ArAwaited] = {}  # member -> the opening it owes this coordinator
         self._judging = asyncio.Lock()  # openings are judged one at a time (``_check_report_opening``)
         self._listed_addr = ""  # this peer's address as its stage's records last listed it
+
+    async def close(self) -> None:
+        """Decide "abort" the rounds this peer coordinates and left undecided (its loop was cancelled: a
+        move to another stage, a stop), then close as any averager: members waiting for those decisions
+        get them now and keep their gradients (``Coordinator.abandon``)."""
+        def sign(decision: Decision) -> bytes | None:
+            return self.identity.sign(decision.message()) if self.identity is not None else None
+
+        for d in self.coord.abandon(sign, "the coordinator left the stage's rounds"):
+            log.info("stage %d step %d: round %s aborted: this coordinator leaves the stage's rounds", d.stage,
+                     d.step, d.round_id)
+        await super().close()
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -599,12 +618,20 @@ class AllReduceAverager(StageAverager):
         counted now and the peers this one excludes), or None."""
         return quorum(members, await self.counted_stage(probe=False), self._quorum_excluded())
 
-    def drop_silent(self, peer_ids: Iterable[str], step: int) -> None:
+    def drop_silent(self, peer_ids: Iterable[str], step: int, addrs: dict[str, str]) -> None:
         """Members of a round this peer coordinated whose parts its owners did not get within the round's
-        patience: excluded from the next rounds as silent (``accuse_silent``), but still counted in the
-        quorum's strict majority (:meth:`_quorum_excluded`)."""
+        patience (``addrs``: the round's members' addresses): excluded from the next rounds as silent
+        (``accuse_silent``; asked first, in a task this averager owns, in case they left the stage:
+        ``_movers``), but still counted in the quorum's strict majority (:meth:`_quorum_excluded`)."""
         peer_ids = set(peer_ids) - {self.peer_id}
-        self.accuse_silent(peer_ids, step, "was a member of a round and never sent its parts")
+
+        async def accuse() -> None:
+            answers = await self._answers({pid: addrs[pid] for pid in peer_ids if addrs.get(pid)})
+            self.accuse_silent(peer_ids - self._movers(answers), step, "was a member of a round and never sent "
+                               "its parts")
+
+        if peer_ids:
+            self._own(accuse(), "swarmd-accuse-silent")
         for pid in peer_ids:
             self._dropped.pop(pid, None)
             self._dropped[pid] = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarmd.pipeline.averaging.allreduce.messages import ArReport, ArReportReply
@@ -148,6 +149,22 @@ class Coordinator:
     def settle(self, rnd: CoordRound, decision: Decision, signature: bytes | None) -> None:
         rnd.decision, rnd.signature = decision, signature
         rnd.decided.set()
+
+    def abandon(self, sign: Callable[[Decision], bytes | None], why: str) -> list[Decision]:
+        """Decide "abort" every round this peer coordinates and has not decided (it leaves the stage's
+        rounds: a move, a stop), so that the members' long-polls for the decision get it now instead of
+        waiting out ``T + reply_slack_s`` on a round nobody will decide; answer held reports "wait"."""
+        out = []
+        for rnd in self.rounds.values():
+            if rnd.decision is None:
+                plan = rnd.plan
+                decision = Decision(plan.round_id, plan.stage, plan.step, "abort", 0, (), plan.coordinator, why)
+                self.settle(rnd, decision, sign(decision))
+                out.append(decision)
+        for held in self.held.values():
+            if not held.answer.done():
+                held.answer.set_result(ArReportReply("wait", held.report.step, 0, 0))
+        return out
 
     async def decision(self, round_id: str, wait_s: float) -> tuple[Decision, bytes | None] | None:
         rnd = self.rounds.get(round_id)

@@ -102,7 +102,7 @@ class RoundHost(Protocol):
 
     async def quorum_lost(self, members: Iterable[str]) -> str | None: ...
 
-    def drop_silent(self, peer_ids: Iterable[str], step: int) -> None: ...
+    def drop_silent(self, peer_ids: Iterable[str], step: int, addrs: dict[str, str]) -> None: ...
 
     def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
                 reason: str | None = None, refused: dict[str, str] | None = None,
@@ -324,7 +324,7 @@ class MemberRound:
         if decision.status == "commit":  # the owners' scores, summed: strike, and convict on the last stage
             decision, convicted, claimed = await asyncio.to_thread(self._judge, rnd, decision)
         if decision.dropped:  # members whose parts no owner (on a commit), or some owner, had at the patience
-            av.drop_silent(decision.dropped, plan.step)
+            av.drop_silent(decision.dropped, plan.step, dict(plan.members))
         if decision.status == "commit":  # how long honest parts took, as this owner saw them (patience)
             for j in plan.parts_of(av.peer_id):
                 owner = av.owners.get((plan.round_id, j))
