@@ -11,63 +11,11 @@ Real executors, averagers and data planes in one process; the contributor's appl
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
-
-from swarmd.dht.identity import Identity
-from swarmd.net.proof import ProofService, Prover
-from swarmd.net.server import DataPlane
-from swarmd.net.wire import WireLimits
-from swarmd.pipeline.averaging.averager import StageAverager
-from swarmd.pipeline.stage.executor import StageExecutor
-from swarmd.pipeline.stage.runtime import StageRuntime
-from swarmd.pipeline.spec import TrainingSpec
-from tests.support.averaging import ONE, Feeder, Peer, wait_for
+from tests.support.averaging import Feeder, Peer, leader_stage, wait_for
 
 APPLY_DELAY_S = 1.0  # the contributor's answer arrives and is applied this much after the leader's step
-
-
-@contextlib.asynccontextmanager
-async def delayed_stage(n: int, *, target: int) -> AsyncIterator[list[Peer]]:
-    """``n`` peers of one stage with delayed updates, averaging (sorted by id: the first leads)."""
-    training = TrainingSpec(target_batch_size=target, delay_updates=True, averaging_timeout_s=5.0, lr=3e-3,
-                            warmup_steps=2)
-    directory: dict[str, str] = {}
-
-    async def stage_peers(*, fresh: bool = False) -> dict[str, str]:
-        return dict(directory)
-
-    peers: list[Peer] = []
-    tasks: list[asyncio.Task[None]] = []
-    async with aiohttp.ClientSession() as session:
-        try:
-            for _ in range(n):
-                identity = Identity.generate()
-                ex = StageExecutor(ONE, 0, training=training)
-                runtime = StageRuntime(ex)
-                plane = DataPlane(lambda r=runtime: r, limits=WireLimits())
-                ProofService(lambda i=identity: i, lambda i=identity: directory.get(i.peer_id),
-                             lambda e=ex: e).install(plane.app)
-                host, port = await plane.start("127.0.0.1", 0)
-                avg = StageAverager(ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session,
-                                    poll_s=0.02, identity=identity, prover=Prover(lambda: session, timeout_s=0.5))
-                runtime.averager = avg
-                directory[identity.peer_id] = f"{host}:{port}"
-                peers.append(Peer(identity, ex, plane, avg, f"{host}:{port}"))
-            peers.sort(key=lambda p: p.pid)
-            tasks = [asyncio.get_running_loop().create_task(p.averager.run()) for p in peers]
-            yield peers
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for p in peers:
-                await p.averager.close()
-                await p.plane.close()
-                await p.ex.close()
 
 
 def slow_apply(peer: Peer, delay_s: float) -> None:
@@ -82,7 +30,7 @@ def slow_apply(peer: Peer, delay_s: float) -> None:
 
 
 async def test_the_leader_waits_for_its_contributor_to_apply_the_last_round_before_the_next() -> None:
-    async with delayed_stage(2, target=8) as peers:
+    async with leader_stage(2, target=8, delay_updates=True) as peers:
         leader, mate = peers
         slow_apply(mate, APPLY_DELAY_S)
         feed = Feeder()
