@@ -51,3 +51,47 @@ async def test_a_contributor_that_moved_mid_round_is_spared_not_excluded_as_sile
         finally:
             StageAverager._contribute_to = original  # type: ignore[method-assign]
             await moved.close()
+
+
+async def test_contributors_of_a_leader_that_moved_mid_round_keep_their_gradients_at_once() -> None:
+    """The leader moves after its contributions arrived, before it answered: its round is cancelled, its
+    averager closes (as ``stop_averaging`` closes it) and it serves stage 1. Its contributors are answered
+    "aborted" at once and keep their gradients (they were answered a 500, "the peer failed unexpectedly")."""
+    from swarmd.pipeline.averaging.leader import RoundLeader
+
+    two = dataclasses.replace(ONE, name="two", n_stages=2)
+    directory: dict[str, str] = {}
+    async with leader_stage(3, target=12, timeout_s=3.0, directory=directory) as peers:
+        leader, mates = peers[0], peers[1:]
+        moved = StageExecutor(two, 1, training=leader.ex.training)
+        original = RoundLeader._accuse_silent
+        fired: list[str] = []
+        closing: list[asyncio.Task[None]] = []
+
+        async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self is leader.averager and not fired:  # contributions in: the leader leaves the stage's rounds
+                fired.append(self.peer_id)
+                del directory[leader.pid]
+                runtime = leader.plane._runtime()
+                old, (runtime.executor, runtime.averager) = runtime.averager, (moved, None)
+                closing.append(asyncio.get_running_loop().create_task(old.close()))
+                raise asyncio.CancelledError
+            return await original(self, *args, **kwargs)
+
+        RoundLeader._accuse_silent = moving  # type: ignore[method-assign]
+        try:
+            feed = Feeder()
+            for p in peers:
+                await feed(p)
+            await wait_for(lambda: fired, 20, "the leader had its contributions")
+            await wait_for(lambda: all(m.averager.history and not m.ex.averaging for m in mates), 10,
+                           "the contributors settled without the moved leader's answer")
+            assert all(m.ex.step == 0 and m.ex.grad_samples == 4 for m in mates), [
+                (m.ex.step, m.ex.grad_samples) for m in mates]
+            assert all(m.averager.history[-1]["status"] == "aborted" for m in mates)
+            assert all(m.averager.history[-1]["reason"] == "the leader left the stage's rounds" for m in mates), [
+                m.averager.history[-1] for m in mates]
+        finally:
+            RoundLeader._accuse_silent = original  # type: ignore[method-assign]
+            await asyncio.gather(*closing)
+            await moved.close()

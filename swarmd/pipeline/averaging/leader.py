@@ -134,7 +134,11 @@ class RoundLeader(RoundOpenings):
             rnd.result.set_result(result)
             return result
         except BaseException as exc:
-            if not rnd.result.done():
+            if not rnd.result.done() and isinstance(exc, asyncio.CancelledError):
+                # this peer leaves the stage's rounds (a move, a stop): its contributors are answered "aborted"
+                # and keep their gradients at once (it was a 500 "the peer failed unexpectedly")
+                rnd.result.set_result(_aborted(rnd.step, "the leader left the stage's rounds"))
+            elif not rnd.result.done():
                 rnd.result.set_exception(exc if isinstance(exc, Exception) else RuntimeError("round cancelled"))
                 rnd.result.exception()  # retrieved: contributors see it through their requests
             if self.executor.averaging:
