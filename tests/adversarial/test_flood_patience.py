@@ -70,6 +70,15 @@ def test_a_mate_naming_another_leader_is_waited_for_the_grace_then_left_out_unti
     assert d.left_out == 2
 
 
+def test_dissent_forgets_the_mates_no_longer_listed() -> None:
+    d = Dissent()
+    assert d.disregarded({"fake": "fake"}, "lead", now=0.0, grace_s=1.0) == frozenset()
+    assert d.disregarded({"fake": "fake"}, "lead", now=2.0, grace_s=1.0) == {"fake"} and d.current == {"fake"}
+    assert d.disregarded({}, "lead", now=3.0, grace_s=1.0, mates={"honest"}) == frozenset()
+    assert d.current == frozenset()  # gone from the listing: neither shown nor remembered
+    assert d.disregarded({"fake": "fake"}, "lead", now=4.0, grace_s=1.0, mates={"fake"}) == frozenset()  # anew
+
+
 def test_dissent_memory_is_bounded() -> None:
     d = Dissent(max_peers=3)
     for i in range(10):

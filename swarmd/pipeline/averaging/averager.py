@@ -215,7 +215,7 @@ class StageAverager(RoundLeader, RoundContributor):
         # a mate naming another leader for longer than the stage's patience is not waited for to agree (a
         # proven fake can name one no honest peer would choose at every poll): left out of this peer's rounds
         apart = self.dissent.disregarded({pid: progress[pid].leader for pid in group}, leader, now=now,
-                                         grace_s=self.patience.wait_s(self.timeout_s))
+                                         grace_s=self.patience.wait_s(self.timeout_s), mates=mates)
         if apart:
             group = {pid: addr for pid, addr in group.items() if pid not in apart}
             leader = self._choose_leader(group, now)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 __all__ = ["CatchUp", "Dissent", "RoundPatience"]
 
@@ -148,10 +148,15 @@ class Dissent:
         self._disregarded: set[str] = set()
         self.left_out = 0
 
-    def disregarded(self, named: Mapping[str, str | None], leader: str, *, now: float,
-                    grace_s: float) -> frozenset[str]:
+    def disregarded(self, named: Mapping[str, str | None], leader: str, *, now: float, grace_s: float,
+                    mates: Collection[str] | None = None) -> frozenset[str]:
         """Of the mates at this peer's step and parameters, with the leader each names (``named``),
-        those that have named another than ``leader`` for ``grace_s`` or longer: not waited for."""
+        those that have named another than ``leader`` for ``grace_s`` or longer: not waited for.
+        ``mates``: the stage-mates listed now (the others, gone, are forgotten)."""
+        if mates is not None:
+            for pid in [pid for pid in self._since if pid not in mates]:
+                del self._since[pid]
+                self._disregarded.discard(pid)
         for pid, theirs in named.items():
             if theirs == leader:
                 self._since.pop(pid, None)

@@ -563,7 +563,7 @@ class AllReduceAverager(StageAverager):
         # one naming another coordinator for longer than the stage's patience is not waited for to agree (a
         # proven fake can name one no honest peer would choose at every poll, patience.Dissent)
         apart = self.dissent.disregarded({pid: p.leader for pid, p in at_step.items()}, self.peer_id, now=now,
-                                         grace_s=self.patience.wait_s(self.timeout_s))
+                                         grace_s=self.patience.wait_s(self.timeout_s), mates=mates)
         here = {}
         for pid, p in at_step.items():
             if pid in apart:
