@@ -210,14 +210,17 @@ function drawPeer(status, trainers) {
     (counts.length ? `; moves so far: ${counts.join(", ")}` : "");
   migration.className = m ? "" : "muted";
   // stage-mates this peer leaves out: caught by its round checks or convicted of hostile contributions
-  // (its own conviction, or a stage-mate's it seconded: issue 29), and peers the trainers' reports exclude
+  // (its own conviction, or a stage-mate's it seconded: issue 29), peers the trainers' reports exclude,
+  // and mates that kept naming another leader past the stage's patience (left out until they agree)
   const excluded = document.getElementById("excluded");
   const avg = (status && status.averaging) || {};
   const caught = Object.entries(avg.excluded || {}).map(([p, e]) => `${p.slice(0, 12)}: ${String((e && e.reason) || "").split(":")[0]}`);
   const reported = ((status && status.reports && status.reports.excluded) || []).map((p) => `${p.slice(0, 12)}: reported`);
+  const dissent = (avg.dissenting || []).map((p) => `${p.slice(0, 12)}: names another leader`);
+  const out = caught.concat(reported, dissent);
   const acc = Object.entries(avg.accusations || {}).filter(([, n]) => n > 0).map(([k, n]) => `${n} ${k}`);
-  excluded.textContent = (caught.concat(reported).join("; ") || "none") + (acc.length ? ` (accusations: ${acc.join(", ")})` : "");
-  excluded.className = caught.length || reported.length ? "" : "muted";
+  excluded.textContent = (out.join("; ") || "none") + (acc.length ? ` (accusations: ${acc.join(", ")})` : "");
+  excluded.className = out.length ? "" : "muted";
   const body = document.querySelector("#trainers tbody");
   body.replaceChildren(...((trainers && trainers.length) ? trainers.map((t) => el("tr", {}, el("td", {}, t.name + " " + t.trainer_id.slice(0, 8)),
     el("td", { class: "num" }, fmt(t.step, 0)), el("td", { class: "num" }, fmt(t.loss, 3)), el("td", { class: "num" }, fmt(t.samples_per_s)),
