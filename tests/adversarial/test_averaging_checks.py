@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
 import pytest
 import torch
 from aiohttp import web
@@ -35,11 +34,8 @@ from swarmd.dht.identity import Identity
 from swarmd.dht.records import PeerRecord, sign_record
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.messages import AverageRequest
-from swarmd.net.proof import ProofService, Prover
-from swarmd.net.server import DataPlane
-from swarmd.net.wire import WireLimits, decode_frame, encode_frame
-from swarmd.pipeline.averaging.averager import RoundResult, StageAverager, contribution_message
-from swarmd.pipeline.stage.executor import StageExecutor
+from swarmd.net.wire import decode_frame, encode_frame
+from swarmd.pipeline.averaging.averager import RoundResult, contribution_message
 from swarmd.pipeline.averaging.trust.round_checks import (
     StallWatch,
     Suspicions,
@@ -50,9 +46,9 @@ from swarmd.pipeline.averaging.trust.round_checks import (
     per_sample_norm,
     tensor_digest,
 )
-from swarmd.pipeline.stage.runtime import StageRuntime
 from swarmd.pipeline.spec import TrainingSpec
-from tests.support.averaging import MICRO, ONE, Feeder, Peer, text_batch, wait_for
+from swarmd.pipeline.stage.executor import StageExecutor
+from tests.support.averaging import MICRO, ONE, Feeder, Peer, leader_stage, text_batch, wait_for
 from tests.support.liars import lie_as_leader, poison_contributions
 
 # ---- the pure rules --------------------------------------------------------------------------------
@@ -158,49 +154,11 @@ def test_suspicions_grow_on_repeat_on_a_fake_clock() -> None:
 @contextlib.asynccontextmanager
 async def stage(n: int, *, target: int, codec: str = "none", extra: dict[str, str] | None = None,
                 timeout_s: float = 5.0, unlisted_s: float = 0.0) -> AsyncIterator[list[Peer]]:
-    """``n`` peers of one stage, averaging; ``extra``: more listed "stage-mates" (fakes), id -> address.
-    ``unlisted_s``: for that long after the first listing, a cached listing names nobody (a daemon's
-    listing is a DHT read cached for a second), until some peer asks for a fresh one."""
-    training = TrainingSpec(target_batch_size=target, grad_codec=codec, averaging_timeout_s=timeout_s, lr=3e-3,
-                            warmup_steps=2)
-    directory: dict[str, str] = {}
-    stale_until: list[float] = []
-
-    async def stage_peers(*, fresh: bool = False) -> dict[str, str]:
-        if not stale_until:
-            stale_until.append(time.monotonic() + unlisted_s)
-        if fresh:
-            stale_until[0] = 0.0
-        if time.monotonic() < stale_until[0]:
-            return {}
-        return {**directory, **(extra or {})}
-
-    peers: list[Peer] = []
-    tasks: list[asyncio.Task[None]] = []
-    async with aiohttp.ClientSession() as session:
-        try:
-            for _ in range(n):
-                identity = Identity.generate()
-                ex = StageExecutor(ONE, 0, training=training)  # no threads=: process-wide
-                runtime = StageRuntime(ex)
-                plane = DataPlane(lambda r=runtime: r, limits=WireLimits())
-                ProofService(lambda i=identity: i, lambda i=identity: directory.get(i.peer_id),
-                             lambda e=ex: e).install(plane.app)
-                host, port = await plane.start("127.0.0.1", 0)
-                avg = StageAverager(ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session,
-                                    poll_s=0.02, identity=identity, prover=Prover(lambda: session, timeout_s=0.5))
-                runtime.averager = avg
-                directory[identity.peer_id] = f"{host}:{port}"
-                peers.append(Peer(identity, ex, plane, avg, f"{host}:{port}"))
-            peers.sort(key=lambda p: p.pid)
-            yield peers
-        finally:
-            for t in tasks:
-                t.cancel()
-            for p in peers:
-                await p.averager.close()
-                await p.plane.close()
-                await p.ex.close()
+    """``n`` peers of one stage, averaging through a leader, not running yet (``averaging_running``);
+    ``extra`` and ``unlisted_s`` as ``tests.support.averaging.leader_stage`` says."""
+    async with leader_stage(n, target=target, codec=codec, extra=extra, timeout_s=timeout_s, unlisted_s=unlisted_s,
+                            run=False) as peers:
+        yield peers
 
 
 @contextlib.asynccontextmanager

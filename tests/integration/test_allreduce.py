@@ -23,9 +23,8 @@ import pytest
 import torch
 
 from swarmd.dht.identity import Identity
-from swarmd.net.proof import ProofService, ProvenPeers, Prover
-from swarmd.net.server import DataPlane
-from swarmd.net.wire import WireLimits, decode_frame
+from swarmd.net.proof import ProvenPeers, Prover
+from swarmd.net.wire import decode_frame
 from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
 from swarmd.pipeline.averaging.allreduce.messages import ArPart, ArReport, ArReportReply
 from swarmd.pipeline.averaging.allreduce.plan import (
@@ -42,8 +41,7 @@ from swarmd.pipeline.averaging.allreduce.plan import (
 from swarmd.pipeline.averaging.trust.round_checks import outliers, whole_norms
 from swarmd.pipeline.spec import TrainingSpec
 from swarmd.pipeline.stage.executor import StageExecutor
-from swarmd.pipeline.stage.runtime import StageRuntime
-from tests.support.averaging import ONE, Feeder, Peer, wait_for
+from tests.support.averaging import ONE, Feeder, Peer, move, serving_peer, wait_for
 
 # ---- the pure rules ----------------------------------------------------------------------------
 
@@ -282,23 +280,17 @@ async def stage(n: int, *, target: int, codec: str = "none", timeout_s: float = 
     async with aiohttp.ClientSession() as session:
         try:
             for _ in range(n):
-                identity = Identity.generate()
-                ex = StageExecutor(ONE, 0, training=training)
-                runtime = StageRuntime(ex)
-                plane = DataPlane(lambda r=runtime: r, limits=WireLimits())
-                ProofService(lambda i=identity: i, lambda i=identity: listing.get(i.peer_id),
-                             lambda e=ex: e).install(plane.app)
-                host, port = await plane.start("127.0.0.1", 0)
-                avg = AllReduceAverager(ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session,
-                                        poll_s=0.02, identity=identity,
-                                        prover=Prover(lambda: session, ProvenPeers(backoff_s=proof_backoff_s),
-                                                      timeout_s=0.5),
-                                        on_behind=_resync_from(ex, peers))
-                avg.reply_slack_s = slack_s
-                avg.commit_grace_s = slack_s / 3
-                runtime.averager = avg
-                listing[identity.peer_id] = f"{host}:{port}"
-                peers.append(Peer(identity, ex, plane, avg, f"{host}:{port}"))
+                def averager(ex: StageExecutor, identity: Identity) -> AllReduceAverager:
+                    avg = AllReduceAverager(ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session,
+                                            poll_s=0.02, identity=identity,
+                                            prover=Prover(lambda: session, ProvenPeers(backoff_s=proof_backoff_s),
+                                                          timeout_s=0.5),
+                                            on_behind=_resync_from(ex, peers))
+                    avg.reply_slack_s = slack_s
+                    avg.commit_grace_s = slack_s / 3
+                    return avg
+
+                peers.append(await serving_peer(training, listing, averager))
             peers.sort(key=lambda p: p.pid)
             yield peers
         finally:
@@ -535,6 +527,28 @@ def _killing(original: Any, victim: Peer, tasks: Any, fired: list[int]) -> Any:
     return hooked
 
 
+def _moving(original: Any, victim: Peer, tasks: Any, fired: list[int], to: StageExecutor,
+            session: aiohttp.ClientSession, closing: list[asyncio.Task[None]], *,
+            first: Any = None) -> Any:
+    """``original`` (a ``MemberRound`` method), hooked: the victim's first round that reaches it moves the
+    victim to ``to``'s stage (after awaiting ``first()``, if given): its data plane serves that stage's
+    executor and averager at the same address, its old averager closes (the task joins ``closing``), and
+    its round ends there; everybody else's runs on."""
+
+    async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.av is victim.averager and not fired:
+            fired.append(self.plan.step)
+            if first is not None:
+                await first()
+            closing.append(move(victim, to, AllReduceAverager(to, peer_id=victim.pid, session=session,
+                                                              stage_peers=lambda **_: {}, identity=victim.identity)))
+            tasks[victim.pid].cancel()  # (this very task: ended by the raise below)
+            raise asyncio.CancelledError
+        return await original(self, *args, **kwargs)
+
+    return hooked
+
+
 async def _fed_until_killed(peers: list[Peer], victim: Peer, fired: list[int], what: str) -> tuple[Feeder, list[Peer]]:
     """Every peer fed one microbatch's samples, until the hook fired: the feeder and the survivors."""
     feed = Feeder()
@@ -650,20 +664,12 @@ async def test_members_of_a_coordinator_that_moved_to_another_stage_settle_witho
         original = allreduce_member.MemberRound._decide
         closing: list[asyncio.Task[None]] = []
 
-        async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.av is victim.averager and not fired:  # the move: leave the rounds, serve stage 1
-                fired.append(self.plan.step)
-                if asked == "while it moves":  # the members' long-polls for the decision reach it first
-                    await asyncio.sleep(0.5)
-                del directory[victim.pid]
-                runtime = victim.plane._runtime()
-                old, runtime.averager = runtime.averager, AllReduceAverager(
-                    moved, peer_id=victim.pid, stage_peers=lambda **_: {}, session=session, identity=victim.identity)
-                closing.append(asyncio.get_running_loop().create_task(old.close()))  # as stop_averaging does
-                tasks[victim.pid].cancel()  # (this very task: ended by the raise below)
-                raise asyncio.CancelledError
-            return await original(self, *args, **kwargs)
+        async def first() -> None:
+            if asked == "while it moves":  # the members' long-polls for the decision reach it first
+                await asyncio.sleep(0.5)
+            del directory[victim.pid]
 
+        moving = _moving(original, victim, tasks, fired, moved, session, closing, first=first)
         allreduce_member.MemberRound._decide = moving  # type: ignore[method-assign]
         try:
             feed, survivors = await _fed_until_killed(peers, victim, fired, "the coordinator began deciding")
@@ -695,19 +701,10 @@ async def test_a_member_that_moved_to_another_stage_mid_round_is_not_excluded_as
         victim, coordinator = peers[-1], peers[0]
         moved = StageExecutor(two, 1, training=victim.ex.training)
         fired: list[int] = []
+        closing: list[asyncio.Task[None]] = []
         original = allreduce_member.MemberRound._scatter
 
-        async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.av is victim.averager and not fired:  # the move: leave the rounds, serve stage 1
-                fired.append(self.plan.step)
-                runtime = victim.plane._runtime()
-                runtime.executor = moved
-                runtime.averager = AllReduceAverager(moved, peer_id=victim.pid, stage_peers=lambda **_: {},
-                                                     session=session, identity=victim.identity)
-                tasks[victim.pid].cancel()  # (this very task: ended by the raise below)
-                raise asyncio.CancelledError
-            return await original(self, *args, **kwargs)
-
+        moving = _moving(original, victim, tasks, fired, moved, session, closing)
         allreduce_member.MemberRound._scatter = moving  # type: ignore[method-assign]
         try:
             feed, survivors = await _fed_until_killed(peers, victim, fired, "the member began scattering")
@@ -721,6 +718,7 @@ async def test_a_member_that_moved_to_another_stage_mid_round_is_not_excluded_as
                 victim.addr, timeout_s=2.0)}) == set()
         finally:
             allreduce_member.MemberRound._scatter = original  # type: ignore[method-assign]
+            await asyncio.gather(*closing)
             await moved.close()
 
 

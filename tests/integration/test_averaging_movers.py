@@ -18,7 +18,7 @@ from typing import Any
 
 from swarmd.pipeline.averaging.averager import StageAverager
 from swarmd.pipeline.stage.executor import StageExecutor
-from tests.support.averaging import ONE, Feeder, leader_stage, wait_for
+from tests.support.averaging import ONE, Feeder, leader_stage, move, wait_for
 
 
 async def test_a_contributor_that_moved_mid_round_is_spared_not_excluded_as_silent() -> None:
@@ -28,14 +28,14 @@ async def test_a_contributor_that_moved_mid_round_is_spared_not_excluded_as_sile
         moved = StageExecutor(two, 1, training=mover.ex.training)
         original = StageAverager._contribute_to
         fired: list[str] = []
+        closing: list[asyncio.Task[None]] = []
 
         async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
             if self is mover.averager and not fired:  # the move: its averager stops, it serves stage 1
                 fired.append(self.peer_id)
                 # once the leader's round expects it (or the leader would never open one: 8 of 12 samples)
                 await wait_for(lambda: leader.averager._round is not None, 10, "the leader opened its round")
-                runtime = mover.plane._runtime()
-                runtime.executor, runtime.averager = moved, None
+                closing.append(move(mover, moved))
                 raise asyncio.CancelledError  # (its averager's own task: ended here)
             return await original(self, *args, **kwargs)
 
@@ -50,6 +50,7 @@ async def test_a_contributor_that_moved_mid_round_is_spared_not_excluded_as_sile
             assert mover.pid not in leader.averager.excluded() and leader.averager.silent_contributors == 0
         finally:
             StageAverager._contribute_to = original  # type: ignore[method-assign]
+            await asyncio.gather(*closing)
             await moved.close()
 
 
@@ -72,9 +73,7 @@ async def test_contributors_of_a_leader_that_moved_mid_round_keep_their_gradient
             if self is leader.averager and not fired:  # contributions in: the leader leaves the stage's rounds
                 fired.append(self.peer_id)
                 del directory[leader.pid]
-                runtime = leader.plane._runtime()
-                old, (runtime.executor, runtime.averager) = runtime.averager, (moved, None)
-                closing.append(asyncio.get_running_loop().create_task(old.close()))
+                closing.append(move(leader, moved))
                 raise asyncio.CancelledError
             return await original(self, *args, **kwargs)
 

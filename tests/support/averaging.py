@@ -79,37 +79,67 @@ def text_batch(rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+async def serving_peer(training: TrainingSpec, listing: dict[str, str],
+                       averager: Callable[[StageExecutor, Identity], StageAverager]) -> Peer:
+    """A peer of ``ONE``'s stage serving on a loopback port (its proofs too), averaging with what
+    ``averager(executor, identity)`` builds, listed in ``listing`` (peer id -> address)."""
+    identity = Identity.generate()
+    ex = StageExecutor(ONE, 0, training=training)  # no threads=: process-wide
+    runtime = StageRuntime(ex)
+    plane = DataPlane(lambda r=runtime: r, limits=WireLimits())
+    ProofService(lambda i=identity: i, lambda i=identity: listing.get(i.peer_id), lambda e=ex: e).install(plane.app)
+    host, port = await plane.start("127.0.0.1", 0)
+    runtime.averager = avg = averager(ex, identity)
+    listing[identity.peer_id] = f"{host}:{port}"
+    return Peer(identity, ex, plane, avg, f"{host}:{port}")
+
+
+def move(peer: Peer, executor: StageExecutor, averager: StageAverager | None = None) -> asyncio.Task[None]:
+    """``peer`` moves to ``executor``'s stage, as a migration swaps a daemon's runtime: its data plane serves
+    that executor (and ``averager``: None while it takes part in no round) at the same address; its old
+    averager closes as ``stop_averaging`` closes it, in a task returned to await (the caller may be that
+    averager's own round, which it ends by raising ``CancelledError``)."""
+    runtime = peer.plane._runtime()
+    old = runtime.averager
+    runtime.executor, runtime.averager = executor, averager
+    return asyncio.get_running_loop().create_task(old.close() if old is not None else asyncio.sleep(0))
+
+
 @contextlib.asynccontextmanager
 async def leader_stage(n: int, *, target: int, delay_updates: bool = False, timeout_s: float = 5.0,
-                       directory: dict[str, str] | None = None) -> AsyncIterator[list[Peer]]:
-    """``n`` proven peers of one stage averaging through a single leader, running (sorted by id: the first
-    leads); ``directory``: the stage's records, peer id -> address, filled here (a test may drop one)."""
+                       codec: str = "none", directory: dict[str, str] | None = None,
+                       extra: dict[str, str] | None = None, unlisted_s: float = 0.0,
+                       run: bool = True) -> AsyncIterator[list[Peer]]:
+    """``n`` proven peers of one stage averaging through a single leader (sorted by id: the first leads),
+    their averagers running unless ``run`` is False. ``directory``: the stage's records, peer id ->
+    address, filled here (a test may drop one); ``extra``: more listed "stage-mates" (fakes), id ->
+    address; ``unlisted_s``: for that long after the first listing, a cached listing names nobody (a
+    daemon's listing is a DHT read cached for a second), until some peer asks for a fresh one."""
     training = TrainingSpec(target_batch_size=target, delay_updates=delay_updates, averaging_timeout_s=timeout_s,
-                            lr=3e-3, warmup_steps=2, averaging="leader")
+                            grad_codec=codec, lr=3e-3, warmup_steps=2, averaging="leader")
     listing: dict[str, str] = {} if directory is None else directory
+    stale_until: list[float] = []
 
     async def stage_peers(*, fresh: bool = False) -> dict[str, str]:
-        return dict(listing)
+        if not stale_until:
+            stale_until.append(time.monotonic() + unlisted_s)
+        if fresh:
+            stale_until[0] = 0.0
+        if time.monotonic() < stale_until[0]:
+            return {}
+        return {**listing, **(extra or {})}
 
     peers: list[Peer] = []
     tasks: list[asyncio.Task[None]] = []
     async with aiohttp.ClientSession() as session:
         try:
             for _ in range(n):
-                identity = Identity.generate()
-                ex = StageExecutor(ONE, 0, training=training)
-                runtime = StageRuntime(ex)
-                plane = DataPlane(lambda r=runtime: r, limits=WireLimits())
-                ProofService(lambda i=identity: i, lambda i=identity: listing.get(i.peer_id),
-                             lambda e=ex: e).install(plane.app)
-                host, port = await plane.start("127.0.0.1", 0)
-                avg = StageAverager(ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session,
-                                    poll_s=0.02, identity=identity, prover=Prover(lambda: session, timeout_s=0.5))
-                runtime.averager = avg
-                listing[identity.peer_id] = f"{host}:{port}"
-                peers.append(Peer(identity, ex, plane, avg, f"{host}:{port}"))
+                peers.append(await serving_peer(training, listing, lambda ex, identity: StageAverager(
+                    ex, peer_id=identity.peer_id, stage_peers=stage_peers, session=session, poll_s=0.02,
+                    identity=identity, prover=Prover(lambda: session, timeout_s=0.5))))
             peers.sort(key=lambda p: p.pid)
-            tasks = [asyncio.get_running_loop().create_task(p.averager.run()) for p in peers]
+            if run:
+                tasks = [asyncio.get_running_loop().create_task(p.averager.run()) for p in peers]
             yield peers
         finally:
             for t in tasks:
