@@ -21,7 +21,7 @@ import pytest
 
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from swarmd.train.trainer import Trainer, TrainerConfig
-from tests.support.fakes import Mirror, identity_after, proven_by, publish_fake
+from tests.support.fakes import proven_mirror
 from tests.support.swarms import fast_swarm
 
 SPEC = replace(PRESETS["tiny"], name="dissent", n_stages=1, layers_per_stage=1)  # one stage: its rounds are all
@@ -33,15 +33,8 @@ async def test_a_proven_fake_naming_another_leader_does_not_stall_the_stage(aver
     training = TrainingSpec(target_batch_size=16, lr=3e-3, warmup_steps=1, averaging_timeout_s=2.5,
                             averaging=averaging)
     async with fast_swarm(SPEC, training, peers_per_stage=2) as daemons:
-        stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")
-        mate = stage0[1]
-        assert mate.peer_id is not None and mate.data_addr is not None
-        identity = identity_after(mate.peer_id)
-        async with Mirror(mate.data_addr, identity, stage=0, names=identity.peer_id) as fake:
-            await publish_fake(daemons[0].dht, "train-test", 0, fake.addr, fake.identity)
+        async with proven_mirror(daemons, names_itself=True) as (fake, stage0):
             api = f"http://{daemons[0].status()['api_addr']}"
-            for d in stage0:  # a stage-mate like any other now, whose every answer names itself the leader
-                await proven_by(d, fake)
             trainer = Trainer(TrainerConfig(api=api, steps=STEPS, microbatch_size=4, window=4, codec="none",
                                             val_every=0, val_batches=1, max_corpus_bytes=1 << 20, refresh_s=0.5,
                                             request_timeout_s=20.0, verify_fraction=0.0))

@@ -19,7 +19,7 @@ import pytest
 
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
 from swarmd.train.trainer import Trainer, TrainerConfig
-from tests.support.fakes import Mirror, identity_after, proven_by, publish_fake
+from tests.support.fakes import proven_mirror
 from tests.support.swarms import fast_swarm
 
 SPEC = replace(PRESETS["tiny"], name="silent", n_stages=1, layers_per_stage=1)  # one stage: its books are all
@@ -30,14 +30,9 @@ STEPS = 4
 @pytest.mark.slow  # ~12 s, most of it starting four daemons; the default run's variant: tests/adversarial/test_tarpit.py
 async def test_a_proven_silent_fake_stage_mate_is_waited_for_a_bounded_time_then_excluded() -> None:
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=2) as daemons:
-        stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")
-        leader, mate = stage0
-        assert mate.peer_id is not None and mate.data_addr is not None
-        async with Mirror(mate.data_addr, identity_after(mate.peer_id), stage=0) as fake:
-            await publish_fake(daemons[0].dht, "train-test", 0, fake.addr, fake.identity)
+        async with proven_mirror(daemons) as (fake, stage0):  # to whichever honest peer leads the rounds
+            leader, mate = stage0
             api = f"http://{daemons[0].status()['api_addr']}"
-            for d in stage0:  # a stage-mate like any other now, to whichever honest peer leads the rounds
-                await proven_by(d, fake)
             trainer = Trainer(TrainerConfig(api=api, steps=STEPS, microbatch_size=4, window=4, codec="none",
                                             val_every=0, val_batches=1, max_corpus_bytes=1 << 20, refresh_s=0.5,
                                             request_timeout_s=20.0, verify_fraction=0.0))

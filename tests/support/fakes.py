@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import aiohttp
@@ -103,6 +105,24 @@ async def publish_fake(daemon_dht: object, swarm: str, stage: int, addr: str, id
     accepted = await daemon_dht.store_peer(swarm, sign_record(identity, record))  # type: ignore[attr-defined]
     assert accepted >= 1
     return identity.peer_id
+
+
+@contextlib.asynccontextmanager
+async def proven_mirror(daemons: list[Any], *,
+                        names_itself: bool = False) -> AsyncIterator[tuple[Mirror, list[Any]]]:
+    """A :class:`Mirror` of the second peer (by id) of stage 0 of a ``fast_swarm`` of swarm ``train-test``,
+    published with a validly signed record and proven by every peer of stage 0 (a stage-mate like any
+    other now); ``names_itself``: its every answer names itself the stage's leader. Yields it and the
+    stage's honest peers, sorted by id."""
+    stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")
+    mate = stage0[1]
+    assert mate.peer_id is not None and mate.data_addr is not None
+    identity = identity_after(mate.peer_id)
+    async with Mirror(mate.data_addr, identity, stage=0, names=identity.peer_id if names_itself else None) as fake:
+        await publish_fake(daemons[0].dht, "train-test", 0, fake.addr, fake.identity)
+        for d in stage0:
+            await proven_by(d, fake)
+        yield fake, stage0
 
 
 _Fake = TypeVar("_Fake", bound="FakePeer")
