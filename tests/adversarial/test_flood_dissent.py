@@ -20,8 +20,7 @@ from dataclasses import replace
 import pytest
 
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
-from swarmd.train.trainer import Trainer, TrainerConfig
-from tests.support.fakes import proven_mirror
+from tests.support.fakes import proven_mirror, trainer_beside
 from tests.support.swarms import fast_swarm
 
 SPEC = replace(PRESETS["tiny"], name="dissent", n_stages=1, layers_per_stage=1)  # one stage: its rounds are all
@@ -34,11 +33,7 @@ async def test_a_proven_fake_naming_another_leader_does_not_stall_the_stage(aver
                             averaging=averaging)
     async with fast_swarm(SPEC, training, peers_per_stage=2) as daemons:
         async with proven_mirror(daemons, names_itself=True) as (fake, stage0):
-            api = f"http://{daemons[0].status()['api_addr']}"
-            trainer = Trainer(TrainerConfig(api=api, steps=STEPS, microbatch_size=4, window=4, codec="none",
-                                            val_every=0, val_batches=1, max_corpus_bytes=1 << 20, refresh_s=0.5,
-                                            request_timeout_s=20.0, verify_fraction=0.0))
-            summary = await asyncio.wait_for(trainer.run(), 90)
+            summary = await asyncio.wait_for(trainer_beside(daemons[0], STEPS).run(), 90)
             assert summary.steps == STEPS
             statuses = [d.status()["averaging"] for d in stage0]
             assert fake.polls >= 1

@@ -18,8 +18,7 @@ from dataclasses import replace
 import pytest
 
 from swarmd.pipeline.spec import PRESETS, TrainingSpec
-from swarmd.train.trainer import Trainer, TrainerConfig
-from tests.support.fakes import proven_mirror
+from tests.support.fakes import proven_mirror, trainer_beside
 from tests.support.swarms import fast_swarm
 
 SPEC = replace(PRESETS["tiny"], name="silent", n_stages=1, layers_per_stage=1)  # one stage: its books are all
@@ -32,11 +31,7 @@ async def test_a_proven_silent_fake_stage_mate_is_waited_for_a_bounded_time_then
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=2) as daemons:
         async with proven_mirror(daemons) as (fake, stage0):  # to whichever honest peer leads the rounds
             leader, mate = stage0
-            api = f"http://{daemons[0].status()['api_addr']}"
-            trainer = Trainer(TrainerConfig(api=api, steps=STEPS, microbatch_size=4, window=4, codec="none",
-                                            val_every=0, val_batches=1, max_corpus_bytes=1 << 20, refresh_s=0.5,
-                                            request_timeout_s=20.0, verify_fraction=0.0))
-            summary = await asyncio.wait_for(trainer.run(), 90)
+            summary = await asyncio.wait_for(trainer_beside(daemons[0], STEPS).run(), 90)
             assert summary.steps == STEPS
             statuses = [d.status()["averaging"] for d in stage0]
             assert fake.polls >= 1

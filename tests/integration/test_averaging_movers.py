@@ -13,34 +13,53 @@ in one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from swarmd.pipeline.averaging.averager import StageAverager
 from swarmd.pipeline.stage.executor import StageExecutor
-from tests.support.averaging import ONE, Feeder, leader_stage, move, wait_for
+from tests.support.averaging import ONE, Feeder, Peer, leader_stage, move, wait_for
+
+TWO = dataclasses.replace(ONE, name="two", n_stages=2)
+
+
+@contextlib.asynccontextmanager
+async def moves_at(cls: Any, method: str, peer: Peer, first: Callable[[], Awaitable[None]]) -> AsyncIterator[list[str]]:
+    """``cls.method`` hooked: its first call on ``peer``'s averager awaits ``first()``, then moves ``peer`` to
+    stage 1 (``move``: its averager stops and closes, it serves that stage at the same address) and ends
+    the averager's task there; every other call runs on. Yields the list the move appends ``peer``'s id to."""
+    moved = StageExecutor(TWO, 1, training=peer.ex.training)
+    original = getattr(cls, method)
+    fired: list[str] = []
+    closing: list[asyncio.Task[None]] = []
+
+    async def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is peer.averager and not fired:
+            fired.append(self.peer_id)
+            await first()
+            closing.append(move(peer, moved))
+            raise asyncio.CancelledError  # (its averager's own task: ended here)
+        return await original(self, *args, **kwargs)
+
+    setattr(cls, method, hooked)
+    try:
+        yield fired
+    finally:
+        setattr(cls, method, original)
+        await asyncio.gather(*closing)
+        await moved.close()
 
 
 async def test_a_contributor_that_moved_mid_round_is_spared_not_excluded_as_silent() -> None:
-    two = dataclasses.replace(ONE, name="two", n_stages=2)
     async with leader_stage(3, target=12, timeout_s=3.0) as peers:
         leader, mover = peers[0], peers[-1]
-        moved = StageExecutor(two, 1, training=mover.ex.training)
-        original = StageAverager._contribute_to
-        fired: list[str] = []
-        closing: list[asyncio.Task[None]] = []
 
-        async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self is mover.averager and not fired:  # the move: its averager stops, it serves stage 1
-                fired.append(self.peer_id)
-                # once the leader's round expects it (or the leader would never open one: 8 of 12 samples)
-                await wait_for(lambda: leader.averager._round is not None, 10, "the leader opened its round")
-                closing.append(move(mover, moved))
-                raise asyncio.CancelledError  # (its averager's own task: ended here)
-            return await original(self, *args, **kwargs)
+        async def first() -> None:  # once the leader's round expects it (or it never opens one: 8 of 12 samples)
+            await wait_for(lambda: leader.averager._round is not None, 10, "the leader opened its round")
 
-        StageAverager._contribute_to = moving  # type: ignore[method-assign]
-        try:
+        async with moves_at(StageAverager, "_contribute_to", mover, first) as fired:
             feed = Feeder()
             for p in peers:
                 await feed(p)
@@ -48,10 +67,6 @@ async def test_a_contributor_that_moved_mid_round_is_spared_not_excluded_as_sile
             await wait_for(lambda: leader.averager.history, 20, "the leader's round ended without the mover")
             await wait_for(lambda: mover.pid in leader.averager._spared, 10, "the mover was asked and spared")
             assert mover.pid not in leader.averager.excluded() and leader.averager.silent_contributors == 0
-        finally:
-            StageAverager._contribute_to = original  # type: ignore[method-assign]
-            await asyncio.gather(*closing)
-            await moved.close()
 
 
 async def test_contributors_of_a_leader_that_moved_mid_round_keep_their_gradients_at_once() -> None:
@@ -60,25 +75,14 @@ async def test_contributors_of_a_leader_that_moved_mid_round_keep_their_gradient
     "aborted" at once and keep their gradients (they were answered a 500, "the peer failed unexpectedly")."""
     from swarmd.pipeline.averaging.leader import RoundLeader
 
-    two = dataclasses.replace(ONE, name="two", n_stages=2)
     directory: dict[str, str] = {}
     async with leader_stage(3, target=12, timeout_s=3.0, directory=directory) as peers:
         leader, mates = peers[0], peers[1:]
-        moved = StageExecutor(two, 1, training=leader.ex.training)
-        original = RoundLeader._accuse_silent
-        fired: list[str] = []
-        closing: list[asyncio.Task[None]] = []
 
-        async def moving(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self is leader.averager and not fired:  # contributions in: the leader leaves the stage's rounds
-                fired.append(self.peer_id)
-                del directory[leader.pid]
-                closing.append(move(leader, moved))
-                raise asyncio.CancelledError
-            return await original(self, *args, **kwargs)
+        async def first() -> None:  # contributions in: the leader leaves the stage's rounds
+            del directory[leader.pid]
 
-        RoundLeader._accuse_silent = moving  # type: ignore[method-assign]
-        try:
+        async with moves_at(RoundLeader, "_accuse_silent", leader, first) as fired:
             feed = Feeder()
             for p in peers:
                 await feed(p)
@@ -90,7 +94,3 @@ async def test_contributors_of_a_leader_that_moved_mid_round_keep_their_gradient
             assert all(m.averager.history[-1]["status"] == "aborted" for m in mates)
             assert all(m.averager.history[-1]["reason"] == "the leader left the stage's rounds" for m in mates), [
                 m.averager.history[-1] for m in mates]
-        finally:
-            RoundLeader._accuse_silent = original  # type: ignore[method-assign]
-            await asyncio.gather(*closing)
-            await moved.close()

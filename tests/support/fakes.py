@@ -14,6 +14,7 @@ from aiohttp import web
 from swarmd.dht.identity import Identity
 from swarmd.dht.records import PeerRecord, sign_record
 from swarmd.net.proof import ProofClaim, sign_proof
+from swarmd.train.trainer import Trainer, TrainerConfig
 
 
 class FakePeer:
@@ -123,6 +124,14 @@ async def proven_mirror(daemons: list[Any], *,
         for d in stage0:
             await proven_by(d, fake)
         yield fake, stage0
+
+
+def trainer_beside(daemon: Any, steps: int) -> Trainer:
+    """A trainer of ``steps`` steps through ``daemon``'s control plane, as the flood tests run one beside
+    their fakes (short requests, no spot checks: what is tested is the stage's rounds)."""
+    return Trainer(TrainerConfig(api=f"http://{daemon.status()['api_addr']}", steps=steps, microbatch_size=4, window=4,
+                                 codec="none", val_every=0, val_batches=1, max_corpus_bytes=1 << 20, refresh_s=0.5,
+                                 request_timeout_s=20.0, verify_fraction=0.0))
 
 
 _Fake = TypeVar("_Fake", bound="FakePeer")

@@ -212,16 +212,17 @@ class StageAverager(RoundLeader, RoundContributor):
         group = {pid: mates[pid] for pid, p in progress.items() if p.step == step and p.params_digest == digest}
         now = time.monotonic()
         leader = self._choose_leader(group, now)
+        patience_s = self.patience.wait_s(self.timeout_s)
         # a mate naming another leader for longer than the stage's patience is not waited for to agree (a
         # proven fake can name one no honest peer would choose at every poll): left out of this peer's rounds
         apart = self.dissent.disregarded({pid: progress[pid].leader for pid in group}, leader, now=now,
-                                         grace_s=self.patience.wait_s(self.timeout_s), mates=mates)
+                                         grace_s=patience_s, mates=mates)
         if apart:
             group = {pid: addr for pid, addr in group.items() if pid not in apart}
             leader = self._choose_leader(group, now)
         if leader == self.peer_id and self.catch_up.holds_off(
                 step, {pid: p.step for pid, p in progress.items()}, now=now,
-                grace_s=min(CATCH_UP_MAX_S, self.patience.wait_s(self.timeout_s))):
+                grace_s=min(CATCH_UP_MAX_S, patience_s)):
             return  # the last round's contributors are still applying its answer: opening now would leave them behind
         leader_progress = progress.get(leader)
         joining_open_round = leader != self.peer_id and leader_progress is not None and leader_progress.round == step

@@ -176,7 +176,7 @@ class RoundLeader(RoundOpenings):
             return
         listed = {pid: self._mates[pid] for pid in missing if pid in self._mates}
         answers = await self._answers(listed)
-        progress = {pid: p for pid, p in answers.items() if self._takes_part(pid, p)}
+        progress = self._taking_part(answers)
         moved_on = {pid for pid, p in progress.items() if p.step != rnd.step or p.leader != self.peer_id}
         self.accuse_silent(missing - moved_on - self._movers(answers), rnd.step,
                            "was expected in the round and never contributed")

@@ -155,21 +155,23 @@ class Dissent:
         ``mates``: the stage-mates listed now (the others, gone, are forgotten)."""
         if mates is not None:
             for pid in [pid for pid in self._since if pid not in mates]:
-                del self._since[pid]
-                self._disregarded.discard(pid)
+                self._forget(pid)
         for pid, theirs in named.items():
             if theirs == leader:
-                self._since.pop(pid, None)
-                self._disregarded.discard(pid)
+                self._forget(pid)
             else:
                 self._since.setdefault(pid, now)
         while len(self._since) > self.max_peers:  # the oldest dissent first (insertion order)
-            self._disregarded.discard(pid := next(iter(self._since)))
-            del self._since[pid]
+            self._forget(next(iter(self._since)))
         out = frozenset(pid for pid in named if pid in self._since and now - self._since[pid] >= grace_s)
         self.left_out += len(out - self._disregarded)
         self._disregarded |= out
         return out
+
+    def _forget(self, pid: str) -> None:
+        """``pid`` agrees, or is gone: it dissents no more."""
+        self._since.pop(pid, None)
+        self._disregarded.discard(pid)
 
     @property
     def current(self) -> frozenset[str]:

@@ -499,7 +499,7 @@ class AveragerCore:
 
     async def _poll(self, mates: dict[str, str]) -> dict[str, ProgressReply]:
         """The progress of the stage-mates that answered and take part in this stage's rounds."""
-        return {pid: body for pid, body in (await self._answers(mates)).items() if self._takes_part(pid, body)}
+        return self._taking_part(await self._answers(mates))
 
     async def _answers(self, mates: dict[str, str]) -> dict[str, ProgressReply]:
         """The stage-mates' answers to ``GET /v1/progress``, whatever they say (silent, refusing or
@@ -515,10 +515,11 @@ class AveragerCore:
         answers = await asyncio.gather(*(one(pid, addr) for pid, addr in mates.items()))
         return {pid: body for pid, body in answers if body is not None}
 
-    def _takes_part(self, pid: str, body: ProgressReply) -> bool:
-        """A peer leaving the stage (away) takes no part in its rounds; nor one that serves another stage,
-        or answers for another peer."""
-        return not body.away and body.stage == self.executor.stage and body.peer_id in (None, pid)
+    def _taking_part(self, answers: dict[str, ProgressReply]) -> dict[str, ProgressReply]:
+        """The answers of the mates that take part in this stage's rounds: not a peer leaving the stage
+        (away), nor one that serves another stage, or answers for another peer."""
+        return {pid: body for pid, body in answers.items()
+                if not body.away and body.stage == self.executor.stage and body.peer_id in (None, pid)}
 
     def _movers(self, answers: dict[str, ProgressReply]) -> set[str]:
         """Of these answers of stage-mates a round waited for in vain, those that say they left the stage

@@ -308,13 +308,14 @@ class AllReduceAverager(StageAverager):
         """Decide "abort" the rounds this peer coordinates and left undecided (its loop was cancelled: a
         move to another stage, a stop), then close as any averager: members waiting for those decisions
         get them now and keep their gradients (``Coordinator.abandon``)."""
-        def sign(decision: Decision) -> bytes | None:
-            return self.identity.sign(decision.message()) if self.identity is not None else None
-
-        for d in self.coord.abandon(sign, "the coordinator left the stage's rounds"):
+        for d in self.coord.abandon(self.sign_decision, "the coordinator left the stage's rounds"):
             log.info("stage %d step %d: round %s aborted: this coordinator leaves the stage's rounds", d.stage,
                      d.step, d.round_id)
         await super().close()
+
+    def sign_decision(self, decision: Decision) -> bytes | None:
+        """This coordinator's signature of a round's decision (None without an identity)."""
+        return self.identity.sign(decision.message()) if self.identity is not None else None
 
     # ---- the loop ---------------------------------------------------------------------------
 

@@ -104,6 +104,8 @@ class RoundHost(Protocol):
 
     def drop_silent(self, peer_ids: Iterable[str], step: int, addrs: dict[str, str]) -> None: ...
 
+    def sign_decision(self, decision: Decision) -> bytes | None: ...
+
     def _record(self, result: RoundResult, leader: str, missing: list[str], *, status: str | None = None,
                 reason: str | None = None, refused: dict[str, str] | None = None,
                 started: float | None = None, clipped: tuple[str, ...] = (), struck: tuple[str, ...] = (),
@@ -331,7 +333,7 @@ class MemberRound:
                 if owner is not None:
                     av.patience.observe({pid: t for pid, t in owner.arrived.items() if pid != av.peer_id})
                     break
-        sig = av.identity.sign(decision.message()) if av.identity is not None else None
+        sig = av.sign_decision(decision)
         self.decision, self.decision_sig = decision, sig
         self.decision_pk = av.identity.public_key_bytes if av.identity is not None else None
         self.settled.set()
