@@ -580,7 +580,8 @@ async def _run_2x3(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, kind
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook_dir), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("SWARMD_TEST_LIAR_CTL", str(ctl))
     founder = DaemonProcess(["--model", "tiny", "--stage", "0", "--announce-period", "1", "--target-batch-size", "24",
-                             "--lr", "3e-3", "--warmup-steps", "2", "--averaging-timeout", "5"], tmp_path)
+                             "--lr", "3e-3", "--warmup-steps", "2", "--averaging-timeout", "5",
+                             "--averaging", "leader"], tmp_path)  # these liars lie to, or as, the single leader
     procs = [founder]
     try:
         info = await asyncio.to_thread(founder.wait_ready, 180)  # a loaded machine starts six daemons slowly
