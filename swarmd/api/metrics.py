@@ -282,6 +282,8 @@ class StatusCollector(Collector):
         yield _counter("swarmd_averaging_contributions_struck", "contributions left out of the mean (their samples "
                        "counted) as far from or against the leader's own gradient, in rounds this peer led",
                        averaging.contributions_struck)
+        yield _counter("swarmd_averaging_own_slices_struck", "(all-reduce) parts this peer owned whose mean left its "
+                       "own slice out, far from or against the part's median", averaging.own_slices_struck)
         yield _counter("swarmd_averaging_hostile_convictions", "stage-mates this peer, leading, convicted of hostile "
                        "contributions (then excluded; summed over peers)", sum(averaging.hostile_convictions.values()))
         yield _by("swarmd_averaging_accusations", "convictions of hostile contributions shown to the stage-mates "

@@ -161,6 +161,9 @@ class AveragingInfo(BaseModel):
     contributions_struck: int = Field(default=0, description="contributions left out of the mean (their samples "
                                       "counted) as far from or against the leader's own gradient, in rounds this "
                                       "peer led")
+    own_slices_struck: int = Field(default=0, description="(all-reduce) parts this peer owned whose mean left its own "
+                                   "slice out, far from or against the part's median: its gradients disagree with "
+                                   "its stage's")
     accusations: dict[str, int] = Field(default_factory=dict, description="convictions of hostile contributions "
                                         "shown to the stage-mates as signed evidence, by outcome: sent (this peer "
                                         "convicted), seconded (a stage-mate's, checked against this peer's own "

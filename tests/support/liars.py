@@ -135,10 +135,12 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
     return told
 
 
-def poison_contributions(averager: StageAverager, how: str) -> None:
+def poison_contributions(averager: StageAverager, how: str, *, own_part_only: bool = False) -> None:
     """Make ``averager`` send poisoned contributions (``scaled``, ``noisy``, ``nan``; ``minus20`` or
     ``flipped``: its true gradient times -20 or -1, issue 29's table); its executor
-    keeps the true gradients, so a refused contribution is restored intact."""
+    keeps the true gradients, so a refused contribution is restored intact. ``own_part_only`` (a member of
+    the chunked all-reduce): poison only its slice of the parts it owns, the other owners get the truth
+    (scored by nobody but itself, its lie was its part's mean: issue 29)."""
     if how not in ("scaled", "noisy", "nan", "minus20", "flipped"):
         raise ValueError(f"unknown poison {how!r}")
 
@@ -158,9 +160,19 @@ def poison_contributions(averager: StageAverager, how: str) -> None:
             own = dataclasses.replace(own, grads=grads)
         return own
 
-    if isinstance(averager, AllReduceAverager):  # a member: every part it sends (not its own part: it owns
-        original_parts = averager._to_send  # that one as a leader owns its round, honestly)
-        averager._to_send = lambda own: poisoned(original_parts(own))  # type: ignore[method-assign]
+    if isinstance(averager, AllReduceAverager):  # a member: every part it sends, and its slice of the part it
+        original_parts = averager._to_send  # owns (it reduces that part honestly: ``lie_as_owner`` does not)
+        def to_send(own: Any, plan: Any) -> Any:
+            sent = original_parts(own, plan)
+            if not own_part_only or sent.grads is None:
+                return poisoned(sent)
+            lying, grads = poisoned(sent), sent.grads.clone()
+            for j in plan.parts_of(averager.peer_id):
+                lo, hi = plan.bounds[j]
+                grads[lo:hi] = lying.grads[lo:hi]
+            return dataclasses.replace(sent, grads=grads)
+
+        averager._to_send = to_send  # type: ignore[method-assign]
         return
     original = averager._post
 

@@ -23,6 +23,7 @@ from swarmd.pipeline.averaging.trust.hostile_contributions import (
     Score,
     combine_terms,
     part_terms,
+    score_owner,
     score_round,
 )
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution
@@ -128,6 +129,47 @@ def test_a_struck_contribution_counts_its_samples_but_moves_nothing(factor: floa
     assert red.mean is not None and red.total == 16 and red.struck == (liar.peer_id,)
     assert sum(u.samples for u in red.used) == 16
     assert torch.equal(red.mean, plain_mean(held(items[:2]), DIM, 12))  # the mean of the honest two
+
+
+@pytest.mark.parametrize("noise", [0.3, 3.0])
+def test_an_honest_part_owner_is_never_struck_by_its_own_score(noise: float) -> None:
+    """``score_own`` (an all-reduce part's owner): honest slices, noise-dominated ones too, never strike the
+    owner's own against their median, and the part's mean stays bit for bit the plain mean."""
+    for seed in range(20):
+        for samples in ([4, 8, 4], [4, 8, 4, 1, 16], [1, 1, 1]):
+            items = honest(seed, samples, noise=noise)
+            for owner in (items[0], items[-1]):
+                judged = score_owner(items, owner.peer_id)
+                assert judged is not None and judged[0].strike() is None, (seed, samples, judged)
+                red = reduce_contributions(held(items), {}, leader=owner.peer_id, target=0, numel=DIM, score=True,
+                                           score_own=True)
+                assert not red.struck and red.mean is not None
+                assert torch.equal(red.mean, plain_mean(held(items), DIM, sum(samples)))
+
+
+@pytest.mark.parametrize("factor", [-20.0, -1.0])
+def test_a_part_owner_whose_own_slice_lies_is_left_out_of_its_own_part(factor: float) -> None:
+    """Issue 29: every member of a chunked all-reduce owns a part; scored only against its own slice, a liar's
+    lie was its part's reference, the honest slices were struck as against it and its lie was the part's mean.
+    Scored against the part's median, its own slice is struck and the honest ones make the mean."""
+    for seed in range(10):
+        items = honest(seed, [8, 4, 4])
+        liar = poisoned(items[2], factor)
+        slices = held([items[0], items[1], liar])
+        before = reduce_contributions(slices, {}, leader=liar.peer_id, target=16, numel=DIM, score=True)
+        assert before.mean is not None and set(before.struck) == {items[0].peer_id, items[1].peer_id}
+        red = reduce_contributions(slices, {}, leader=liar.peer_id, target=16, numel=DIM, score=True,
+                                   score_own=True)
+        assert red.mean is not None and red.total == 16 and red.struck == (liar.peer_id,), (seed, red.struck)
+        assert torch.equal(red.mean, plain_mean(held(items[:2]), DIM, 12))  # the mean of the honest two
+        # an honest owner with the liar among its members strikes the liar, as before
+        red = reduce_contributions(slices, {}, leader=items[0].peer_id, target=16, numel=DIM, score=True,
+                                   score_own=True)
+        assert red.struck == (liar.peer_id,)
+    # two slices: a median of two is either of them, so the owner is judged by nobody but itself (as the
+    # leader of a round of two is)
+    items = honest(3, [4, 4])
+    assert score_owner([items[0], poisoned(items[1], -20.0)], items[1].peer_id) is None
 
 
 def test_a_contribution_owing_its_opening_is_struck_but_never_all_of_the_mean() -> None:

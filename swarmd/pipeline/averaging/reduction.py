@@ -19,7 +19,9 @@ leader), in the order it runs:
    last ``WINDOW`` rounds is convicted (direction alone never convicts: see there): its
    contribution is turned away when the others still hold the target (its sender keeps it), else
    counted and left out as a struck one. The caller excludes the peer (``round_checks.Suspicions``,
-   ``HOSTILE_EXCLUSION_S``) and shows its stage-mates the evidence (``accuser``).
+   ``HOSTILE_EXCLUSION_S``) and shows its stage-mates the evidence (``accuser``). A part's owner in
+   the chunked all-reduce scores its own slice too (``score_own``): every member owns a part, so a
+   liar's own slice must not be the one its part is judged by.
 
 Deterministic: contributions are taken in peer-id order and reduced in float64, so the mean does
 not depend on arrival order; the leader computes it once and every peer applies that answer.
@@ -33,7 +35,13 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmd.finite import all_finite
-from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, score_round
+from swarmd.pipeline.averaging.trust.hostile_contributions import (
+    HostileWatch,
+    Score,
+    score_against,
+    score_owner,
+    score_round,
+)
 from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution as Weighted
 from swarmd.pipeline.averaging.trust.robust_aggregation import RobustMean, robust_mean
@@ -88,14 +96,17 @@ def _robust(contributions: Mapping[str, Contribution]) -> RobustMean | None:
 def reduce_contributions(contributions: Mapping[str, Contribution], digests: Mapping[str, str], *, leader: str,
                          target: int, numel: int, watch: HostileWatch | None = None,
                          score: bool = False, strike: frozenset[str] = frozenset(),
-                         strike_own: bool = False) -> Reduction:
+                         strike_own: bool = False, score_own: bool = False) -> Reduction:
     """Reduce one round's ``contributions`` (peer id -> contribution; ``digests``: of their gradients as
     decoded here) on its ``leader`` (see the module docstring). ``watch``: the leader's strikes,
     updated by this round (None: no convictions, and no scoring unless ``score``: a part's owner of the
     chunked all-reduce leaves struck slices out but convicts nobody). ``strike``: contributions to leave
     out of the mean whatever their scores (their senders owe an opening: ``openings``); never the leader's
-    own, unless ``strike_own`` (an all-reduce part's owner may owe its coordinator an opening). Pure
-    but for ``watch``; call it off the event loop."""
+    own, unless ``strike_own`` (an all-reduce part's owner may owe its coordinator an opening).
+    ``score_own`` (an all-reduce part's owner, with ``score``): the leader's own contribution is scored
+    too, against the coordinate-wise median of all of them (``hostile_contributions.score_owner``, three
+    or more with samples); struck, it is left out like any struck one and the others are scored against
+    that median instead of against it. Pure but for ``watch``; call it off the event loop."""
     kept = dict(contributions)
     refused: dict[str, Refusal] = {}
     refused_samples = 0
@@ -109,9 +120,19 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
     convicted: dict[str, str] = {}
     struck: set[str] = set()
     if watch is not None or score:
-        scores = score_round([Weighted(pid, c.grads, c.samples) for pid, c in sorted(kept.items())
-                              if c.samples > 0 and c.grads is not None], leader)
+        weighted = [Weighted(pid, c.grads, c.samples) for pid, c in sorted(kept.items())
+                    if c.samples > 0 and c.grads is not None]
+        judged = score_owner(weighted, leader) if score_own else None
+        if judged is not None and judged[0].strike() is not None:  # the owner's own slice is the one that lies
+            own_struck = True
+            scores = score_against([w for w in weighted if w.peer_id != leader], judged[1],
+                                   sum(w.samples for w in weighted if w.peer_id != leader))
+        else:
+            own_struck = False
+            scores = score_round(weighted, leader)
         struck = {pid for pid, score in scores.items() if score.strike() is not None}
+        if own_struck and any(w.peer_id not in struck for w in weighted if w.peer_id != leader):
+            struck.add(leader)  # (never all of the mean's samples)
         convicted = watch.observe(scores) if watch is not None else {}
         total = sum(c.samples for c in kept.values())
         for pid, why in sorted(convicted.items()):

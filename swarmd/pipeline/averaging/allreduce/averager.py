@@ -114,9 +114,11 @@ and excludes the accused too. Per part the owner's reduction already leaves stru
 and clips the rest (bounded influence per part); a conviction does not reopen the round: the
 convicted member's slices stay in it as struck, and its next reports are refused. An excluded
 member follows the stage's step (a refused report names the coordinator's step: it resyncs), so
-what it still serves the trainers is not computed on ever older parameters. Not covered: a member
-lying in the part it owns (it reduces that part, as a leader its round: the analog of a liar that
-leads, docs/SECURITY.md).
+what it still serves the trainers is not computed on ever older parameters. A member's own slice of
+the part it owns is scored against the part's median (three or more slices: ``owner``) and left out
+when struck, so a member whose contribution lies does not make its lie its part's mean by reducing
+that part honestly. Not covered: an owner that does not reduce honestly (it reduces its part, as a
+leader its round: the analog of a liar that leads, docs/SECURITY.md).
 
 One round per step (the quorum, ``plan.quorum``). Let ``L`` be the stage as the
 coordinator counts it (``membership``: every serving record of the stage, proven or not, at
@@ -296,6 +298,7 @@ class AllReduceAverager(StageAverager):
         self._challenged: dict[str, float] = {}  # unproven mate -> when it was last challenged out of turn
         self._challenging: asyncio.Task[None] | None = None
         self.quorum_holds = 0  # times a round with a full batch waited for a quorum of the listed stage
+        self.own_slices_struck = 0  # parts this peer owned whose mean left its own slice out (``owner``)
         self.membership = StageMembership()  # the stage as the quorum counts it
         self._unreported: tuple[int, float] | None = None  # the step a full batch waits at for mates, and since
         self._dropped: dict[str, None] = {}  # members dropped from a round as silent (still counted by the quorum)
@@ -704,9 +707,10 @@ class AllReduceAverager(StageAverager):
                 t.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
 
-    def _to_send(self, own: Contribution) -> Contribution:
-        """What this member scatters of its contribution ``own``: ``own`` (tests wrap it to send something
-        else, as the leader's contributors' ``_post``; the executor keeps the true gradients either way)."""
+    def _to_send(self, own: Contribution, plan: RoundPlan) -> Contribution:
+        """What this member scatters of its contribution ``own`` in ``plan``'s round (its slice of the part it
+        owns included): ``own`` (tests wrap it to send something else, as the leader's contributors' ``_post``;
+        the executor keeps the true gradients either way)."""
         return own
 
     def convict_members(self, convicted: dict[str, str], step: int, *, struck: int) -> None:
@@ -979,6 +983,7 @@ class AllReduceAverager(StageAverager):
         out = super().checks_status()
         out["mode"] = "allreduce"
         out["quorum_holds"] = self.quorum_holds
+        out["own_slices_struck"] = self.own_slices_struck
         out["membership"] = self.membership.status(time.monotonic())
         return out
 

@@ -80,13 +80,14 @@ class RoundHost(Protocol):
     contributions_refused: Counter[str]
     accusations: Counter[str]
     part_strikes: PartStrikes
+    own_slices_struck: int
 
     @property
     def target(self) -> int: ...
 
     def convicts(self) -> bool: ...
 
-    def _to_send(self, own: Contribution) -> Contribution: ...
+    def _to_send(self, own: Contribution, plan: RoundPlan) -> Contribution: ...
 
     def convict_members(self, convicted: dict[str, str], step: int, *, struck: int) -> None: ...
 
@@ -174,14 +175,14 @@ class MemberRound:
     async def _scatter(self, own: Contribution) -> None:
         av, plan = self.av, self.plan
         ex = av.executor
-        sent = av._to_send(own)  # what it sends to the other owners (tests make it lie)
+        sent = av._to_send(own, plan)  # what it reduces and sends to the other owners (tests make it lie)
         codecs: dict[int, str] = {}
 
         async def prepare(j: int) -> None:
             lo, hi = plan.bounds[j]
             owner = plan.owners[j]
             if owner == av.peer_id:  # its own part, reduced here, as a leader's own contribution is
-                piece = own.grads[lo:hi] if own.grads is not None else None
+                piece = sent.grads[lo:hi] if sent.grads is not None else None
                 digest = await asyncio.to_thread(tensor_digest, piece)
                 self.mine[j] = (Used(av.peer_id, own.samples, digest, per_sample_norm(piece, own.samples)), piece)
                 return
@@ -251,6 +252,10 @@ class MemberRound:
         owner = av.owners[(plan.round_id, j)]
         # the members' parts are waited for as long as the plan's patience, then the silent ones are dropped
         ready = await owner.settle(min(self._left(), self.started + plan.wait_s - time.monotonic()))
+        if av.peer_id in owner.struck and av.peer_id not in plan.struck:  # its own slice, against the part's median
+            av.own_slices_struck += 1
+            log.warning("stage %d step %d: part %d left this peer's own slice out (far from or against the "
+                        "part's median): its gradients disagree with its stage's", av.executor.stage, plan.step, j)
         if self.rnd is not None:
             av.coord.on_ready(ready)
             return

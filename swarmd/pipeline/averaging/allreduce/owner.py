@@ -16,9 +16,13 @@ bound (``robust_aggregation``), so the whole mean by at most the root of the sum
 squared bounds. Convictions: the owner also scores every other member's slice against its own
 (``hostile_contributions.part_terms``) and reports the terms with its ready report; the coordinator
 adds them up over the parts into the leader's scores, strikes and convicts (``member``), so a
-hostile member is excluded as the single leader excludes it. A member's slice of the part it owns
-itself is scored by nobody (its other parts are). Part 0's owner (the coordinator: owners are sorted,
-the coordinator is the smallest of them) also keeps each member's signed claim of its whole
+hostile member is excluded as the single leader excludes it. The owner's own slice is scored too,
+against the coordinate-wise median of the part's slices (three or more:
+``hostile_contributions.score_owner``): struck, it is left out of the mean and the others are judged by
+that median, so a member whose contribution lies (every member owns a part) cannot make its lie its
+part's mean by reducing it honestly. An owner that does not reduce honestly is not caught here
+(docs/SECURITY.md). Part 0's owner (the coordinator: owners are sorted, the coordinator is the
+smallest of them) also keeps each member's signed claim of its whole
 contribution (``accusations.contribution_message``): the evidence a conviction shows the stage-mates.
 It waits for every member's part at most the plan's patience (``RoundPlan.wait_s``: what honest
 rounds take, ``patience``), then reduces those that came and reports a
@@ -163,7 +167,7 @@ class PartOwner:
                          tuple(sorted((pid, str(why)) for pid, why in refused.items())))
         red = reduce_contributions({pid: Contribution(step=0, samples=s, grads=g) for pid, (s, g) in parts.items()},
                                    {}, leader=self.owner, target=0, numel=self.size, score=True,
-                                   strike=frozenset(plan.struck), strike_own=True)
+                                   strike=frozenset(plan.struck), strike_own=True, score_own=True)
         mean = red.mean if red.mean is not None else reduce_part(parts, self.size)[0]
         self.clipped, self.struck = red.clipped, red.struck
         self.scores = dict(red.scores)  # each other member's slice against this owner's own (PartStrikes)

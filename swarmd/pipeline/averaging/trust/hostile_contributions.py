@@ -61,7 +61,10 @@ rounding. Summing, not averaging per-part scores, bounds what one lying owner do
 member's ``far``: whatever slice ``x`` it takes for its own, its part adds at most ``2||g_j||^2 +
 2||x||^2`` to the numerator and ``||x||^2`` to the denominator, so with the other parts honest the
 honest member's ``far`` stays within a small constant (``tests/unit/test_hostile_contributions.py``);
-a member's own part (it owns it) is not scored, and neither is a part whose owner holds no samples.
+a member's own part (it owns it) is not scored here, and neither is a part whose owner holds no samples.
+The owner's reduction scores its own slice against the part's median instead (:func:`score_owner`):
+struck, it is left out of that part's mean (every member owns a part, so a liar's own slice must not
+be the reference its part is judged by), but that strike counts toward no conviction.
 """
 
 from __future__ import annotations
@@ -73,10 +76,10 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution
+from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution, weighted_median
 
 __all__ = ["AGAINST_COS", "FAR_FACTOR", "STRIKES", "WINDOW", "HostileWatch", "PartTerms", "Score", "combine_terms",
-           "part_terms", "score_round"]
+           "part_terms", "score_against", "score_owner", "score_round"]
 
 #: A contribution further than this from the leader's own, relative to the leader's norm and their
 #: sample counts (the module docstring's ``far``), is a strike.
@@ -121,18 +124,42 @@ def score_round(contributions: Sequence[Contribution], leader: str) -> dict[str,
     own = by_id.pop(leader, None)
     if own is None:
         return {}
-    a = own.grads.detach().to(torch.float64) / own.samples
+    return score_against(by_id.values(), own.grads.detach().to(torch.float64) / own.samples, own.samples)
+
+
+def score_against(contributions: Iterable[Contribution], reference: torch.Tensor, samples: int) -> dict[str, Score]:
+    """Each contribution's :class:`Score` against a per-sample ``reference`` gradient standing for
+    ``samples`` samples (:func:`score_round`'s, with the leader's own as the reference); empty when the
+    reference is zero. Pure; float64 throughout."""
+    a = reference.to(torch.float64)
     a_norm = _norm(a)
     if a_norm == 0:
         return {}
     out = {}
-    for pid, c in sorted(by_id.items()):
+    for c in sorted((c for c in contributions if c.samples > 0), key=lambda c: c.peer_id):
         g = c.grads.detach().to(torch.float64) / c.samples
         g_norm = _norm(g)
-        far = _norm(g - a) / (a_norm * math.sqrt(1 + own.samples / c.samples))
+        far = _norm(g - a) / (a_norm * math.sqrt(1 + samples / c.samples))
         cos = float(torch.dot(g, a)) / (g_norm * a_norm) if g_norm > 0 else 0.0
-        out[pid] = Score(far=far, cos=cos)
+        out[c.peer_id] = Score(far=far, cos=cos)
     return out
+
+
+def score_owner(contributions: Sequence[Contribution], owner: str) -> tuple[Score, torch.Tensor] | None:
+    """An all-reduce part owner's own slice scored against the others' (``reduction``, ``score_own``): the
+    :class:`Score` of the owner's slice against the coordinate-wise median of every slice of the part (each
+    counted once, whatever its samples, the owner's included), and that median (per sample, float64). None
+    with fewer than three slices holding samples (a median of two is either of them) or without the
+    owner's. A liar owns a part as every member does; scored against its own slice alone, its lie would
+    be the part's reference and the honest slices the ones left out."""
+    holding = sorted((c for c in contributions if c.samples > 0 and c.grads is not None), key=lambda c: c.peer_id)
+    own = next((c for c in holding if c.peer_id == owner), None)
+    if own is None or len(holding) < 3:
+        return None
+    median = weighted_median([c.grads.detach().to(torch.float64) / c.samples for c in holding], [1.0] * len(holding))
+    others = sum(c.samples for c in holding if c.peer_id != owner)
+    scores = score_against([own], median, others)
+    return (scores[owner], median) if owner in scores else None
 
 
 @dataclass(frozen=True)
