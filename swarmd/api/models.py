@@ -174,6 +174,11 @@ class AveragingInfo(BaseModel):
                                         "parameters of that step left, inputs that do not fit), "
                                         "recheck_not_taken (stage-mates that did not take up this peer's "
                                         "conviction by recomputation)")
+    audits: dict[str, int] = Field(default_factory=dict, description="(all-reduce) audits of part owners: drawn (a "
+                                   "commit drew this peer to audit a part), ok, mismatch (the owner convicted), "
+                                   "unanswered, unprovable (the owner showed evidence that does not hold up), "
+                                   "shown (stage-mates that took up a conviction's evidence), seconded, not_seconded, "
+                                   "busy (evidence shown while checking other)")
     openings: dict[str, int] = Field(default_factory=dict, description="opened contributions (issue 29, item 3: "
                                      "each last-stage contribution's sketch against its microbatches'): sent (by "
                                      "this peer), and as leader ok, missing, bad (refused), inconsistent (convicted); "

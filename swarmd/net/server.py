@@ -355,12 +355,15 @@ class DataPlane:
             raise RequestTimeout(f"the request body did not arrive within {self.read_timeout_s:.0f}s") from exc
 
     async def _read_frame(self, request: web.Request) -> Frame:
+        return (await self._read_frame_and_body(request))[0]
+
+    async def _read_frame_and_body(self, request: web.Request) -> tuple[Frame, bytes]:
         sent = media_type(request.headers.get("Content-Type"))
         if sent != CONTENT_TYPE:
             raise UnsupportedMediaType(f"send the body as {CONTENT_TYPE}, not {sent[:64] or 'nothing'}")
         body = await self._read_body(request)
         frame: Frame = await self._in_pool(decode_frame, body, self.limits)
-        return frame
+        return frame, body
 
     def _current(self) -> StageRuntime:
         """The runtime this request is served with (one per request, whatever a migration does)."""
@@ -631,8 +634,9 @@ class DataPlane:
         handle = getattr(runtime.averager, "handle", None)
         if handle is None:
             raise Busy("this peer takes no part in all-reduce rounds now")
-        frame = await self._read_frame(request)
-        body = await handle(request.match_info["op"], frame, request.remote or "")
+        # (the body too: a part's owner keeps its member's signed frame as it came, for audits)
+        frame, raw = await self._read_frame_and_body(request)
+        body = await handle(request.match_info["op"], frame, request.remote or "", raw)
         return web.Response(body=body, content_type=CONTENT_TYPE)
 
     async def _reserve(self, request: web.Request) -> web.Response:

@@ -46,11 +46,12 @@ async def test_auto_compresses_over_a_link_measured_slow_and_keeps_peers_identic
     async with swarm(TINY, replace(TRAINING, grad_codec="auto")) as daemons:
         addrs = [d.status()["data_addr"] for d in daemons]
         for d in daemons:
-            # every stage-mate as if remote, over a link measured at 1 Mbit/s (the answers in 5level stay
-            # below links.MIN_SAMPLE_BYTES on tiny: the measurement stands for the whole run)
+            # every stage-mate as if remote, over a link measured at 1 Mbit/s for the whole run (the answers in
+            # 5level stay below links.MIN_SAMPLE_BYTES on tiny, but an audit's transfer, loopback-fast, would not)
             links = LinkMeter(loopback_is_local=False)
             for addr in addrs:
                 links.record(addr, 2**20, 8.0)
+            links.record = lambda *args, **kwargs: None  # type: ignore[method-assign]
             d.averager.client.links = links
         losses = await _train(daemons)
         assert losses[-1] < losses[0]

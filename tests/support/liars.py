@@ -31,7 +31,7 @@ from swarmd.pipeline.averaging.averager import RoundResult, StageAverager
 from swarmd.pipeline.stage.executor import StageExecutor
 
 __all__ = ["AWARE_HONEST_ANSWERS", "LIES", "SITECUSTOMIZE", "Told", "lie_about_a_microbatch", "lie_as_leader",
-           "make_liar", "poison_contributions", "withhold_inputs"]
+           "lie_as_owner", "make_liar", "poison_contributions", "withhold_inputs"]
 
 LIES = ("scale", "noise", "grad", "sometimes", "gradnoise", "stale", "ahead", "far", "aware", "awareflip")
 #: How many answers the check-aware liar (``aware``) gives honestly first: a peer's first answers
@@ -180,6 +180,27 @@ def poison_contributions(averager: StageAverager, how: str, *, own_part_only: bo
         return await original(addr, poisoned(own), leader)
 
     averager._post = _post  # type: ignore[method-assign]
+
+
+def lie_as_owner(averager: AllReduceAverager, factor: float = -1.0) -> None:
+    """Make ``averager`` publish the mean of every part it owns times ``factor`` (-1: a sign flip, which the
+    members' box checks pass: ``round_checks.check_answer``), its ready report signed over that lie; its
+    slices and everything else honest. What the audits of part owners catch (``allreduce.audit``)."""
+    original = averager._register
+
+    def register(plan: Any) -> None:
+        original(plan)
+        for j in plan.parts_of(averager.peer_id):
+            owner = averager.owners[(plan.round_id, j)]
+            honest_rule = owner._rule
+
+            def lying_rule(parts: Any, honest_rule: Any = honest_rule) -> Any:
+                mean, red = honest_rule(parts)
+                return mean * factor, red
+
+            owner._rule = lying_rule  # type: ignore[method-assign]
+
+    averager._register = register  # type: ignore[method-assign]
 
 
 def withhold_openings(averager: StageAverager) -> None:

@@ -219,7 +219,10 @@ function drawPeer(status, trainers) {
   const dissent = (avg.dissenting || []).map((p) => `${p.slice(0, 12)}: names another leader`);
   const out = caught.concat(reported, dissent);
   const acc = Object.entries(avg.accusations || {}).filter(([, n]) => n > 0).map(([k, n]) => `${n} ${k}`);
-  excluded.textContent = (out.join("; ") || "none") + (acc.length ? ` (accusations: ${acc.join(", ")})` : "");
+  // audits of part owners (all-reduce): an owner convicted by one shows as "hostile" above
+  const audits = Object.entries(avg.audits || {}).filter(([, n]) => n > 0).map(([k, n]) => `${n} ${k}`);
+  excluded.textContent = (out.join("; ") || "none") + (acc.length ? ` (accusations: ${acc.join(", ")})` : "")
+    + (audits.length ? ` (audits: ${audits.join(", ")})` : "");
   excluded.className = out.length ? "" : "muted";
   const body = document.querySelector("#trainers tbody");
   body.replaceChildren(...((trainers && trainers.length) ? trainers.map((t) => el("tr", {}, el("td", {}, t.name + " " + t.trainer_id.slice(0, 8)),

@@ -117,8 +117,10 @@ member follows the stage's step (a refused report names the coordinator's step: 
 what it still serves the trainers is not computed on ever older parameters. A member's own slice of
 the part it owns is scored against the part's median (three or more slices: ``owner``) and left out
 when struck, so a member whose contribution lies does not make its lie its part's mean by reducing
-that part honestly. Not covered: an owner that does not reduce honestly (it reduces its part, as a
-leader its round: the analog of a liar that leads, docs/SECURITY.md).
+that part honestly. An owner that does not reduce by the rule (it reduces its part, as a leader its
+round: the analog of a liar that leads) is caught by the audits (``audit``): a share of the commits
+draws a member that recomputes one part from its members' signed slices and the owner's signed ready
+report, convicts a mean that does not come out, and shows its stage-mates the evidence to second.
 
 One round per step (the quorum, ``plan.quorum``). Let ``L`` be the stage as the
 coordinator counts it (``membership``: every serving record of the stage, proven or not, at
@@ -218,6 +220,7 @@ from typing import Any
 from swarmd.errors import NonFinite, PeerError, RequestError
 from swarmd.net.messages import ProgressReply
 from swarmd.net.wire import Frame
+from swarmd.pipeline.averaging.allreduce.auditor import PartAuditor
 from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound, share_of_missing
 from swarmd.pipeline.averaging.allreduce.member import MemberRound
 from swarmd.pipeline.averaging.allreduce.membership import StageMembership
@@ -298,6 +301,7 @@ class AllReduceAverager(StageAverager):
         self._challenged: dict[str, float] = {}  # unproven mate -> when it was last challenged out of turn
         self._challenging: asyncio.Task[None] | None = None
         self.quorum_holds = 0  # times a round with a full batch waited for a quorum of the listed stage
+        self.auditor = PartAuditor(self)  # audits of part owners (``audit``)
         self.own_slices_struck = 0  # parts this peer owned whose mean left its own slice out (``owner``)
         self.membership = StageMembership()  # the stage as the quorum counts it
         self._unreported: tuple[int, float] | None = None  # the step a full batch waits at for mates, and since
@@ -713,6 +717,11 @@ class AllReduceAverager(StageAverager):
         the executor keeps the true gradients either way)."""
         return own
 
+    def forget_proof(self, peer_id: str) -> None:
+        """Prove ``peer_id`` afresh before trusting it again (a convicted peer)."""
+        if self.prover is not None:
+            self.prover.table.forget(peer_id)
+
     def convict_members(self, convicted: dict[str, str], step: int, *, struck: int) -> None:
         """This coordinator's commit convicted ``convicted`` of hostile contributions (``member``): exclude
         each as the single leader does (``hostile_contributions``: ``HOSTILE_EXCLUSION_S``, growing on
@@ -826,12 +835,13 @@ class AllReduceAverager(StageAverager):
 
     # ---- serving (POST /v1/allreduce/<op>) ---------------------------------------------------
 
-    async def handle(self, op: str, frame: Frame, remote: str = "") -> bytes:
-        """One request of the round's protocol; the answer frame's bytes (RequestError: a 4xx)."""
+    async def handle(self, op: str, frame: Frame, remote: str = "", raw: bytes = b"") -> bytes:
+        """One request of the round's protocol; the answer frame's bytes (RequestError: a 4xx). ``raw``: the
+        request's bytes (a part's owner keeps a member's signed frame as it came, for audits: ``audit``)."""
         if op == "report":
             return (await self._on_report(ArReport.from_frame(frame))).encode()
         if op == "part":
-            return (await self._on_part(frame)).encode()
+            return (await self._on_part(frame, raw)).encode()
         if op == "ready":
             return self._on_ready(ArReady.from_frame(frame)).encode()
         if op == "decision":
@@ -843,6 +853,10 @@ class AllReduceAverager(StageAverager):
             if data is None:
                 return ArAck(False, "this peer holds no such part mean").encode()
             return data
+        if op == "slices":  # an auditor asks for a part this peer reduced (``audit``)
+            return await self.auditor.on_slices(ArQuery.from_frame(frame))
+        if op == "audit":  # an auditor shows this peer an owner's evidence
+            return (await self.auditor.on_audit(frame)).encode()
         raise RequestError(f"no all-reduce operation {op!r}")
 
     async def _on_report(self, report: ArReport) -> ArReportReply:
@@ -872,7 +886,7 @@ class AllReduceAverager(StageAverager):
             reply = ArReportReply("wait", step, max(0, self.target - total), 1 + len(waiting))
         return reply
 
-    async def _on_part(self, frame: Frame) -> ArAck:
+    async def _on_part(self, frame: Frame, raw: bytes = b"") -> ArAck:
         rid, part = frame.meta.get("round_id"), frame.meta.get("part")
         owner = await self._owner(rid, part)
         if owner is None:
@@ -895,7 +909,8 @@ class AllReduceAverager(StageAverager):
             return ArAck(False, "excluded: this stage excludes that peer for now")
         claim = ((req.public_key, req.claim_norm, req.claim_sig) if owner.part == 0 and req.public_key is not None
                  and req.claim_norm is not None and req.claim_sig is not None else None)
-        why = owner.add(req.peer_id, req.samples, req.grads, digest, req.codec, req.mbs, claim, req.unexplained)
+        why = owner.add(req.peer_id, req.samples, req.grads, digest, req.codec, req.mbs, claim, req.unexplained,
+                        raw or None)
         return ArAck(why is None, why or "")
 
     def _part_signer(self, frame: Frame, owner: PartOwner, digest: str | None = None) -> str | None:
@@ -984,6 +999,7 @@ class AllReduceAverager(StageAverager):
         out["mode"] = "allreduce"
         out["quorum_holds"] = self.quorum_holds
         out["own_slices_struck"] = self.own_slices_struck
+        out["audits"] = self.auditor.status()
         out["membership"] = self.membership.status(time.monotonic())
         return out
 

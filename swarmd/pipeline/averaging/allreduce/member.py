@@ -18,6 +18,7 @@ import torch
 from swarmd.dht.identity import Identity, peer_id_of, verify
 from swarmd.errors import Busy, PeerError, SwarmdError
 from swarmd.net.client import DataPlaneClient
+from swarmd.pipeline.averaging.allreduce.auditor import PartAuditor
 from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArDecisionReply, ArPart, ArQuery, ArReady, read_mean
 from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, open_contribution, opening_codec
@@ -81,6 +82,7 @@ class RoundHost(Protocol):
     accusations: Counter[str]
     part_strikes: PartStrikes
     own_slices_struck: int
+    auditor: PartAuditor
 
     @property
     def target(self) -> int: ...
@@ -218,10 +220,17 @@ class MemberRound:
             claim = (self.claim_norm, claim_sig) if j == 0 and claim_sig is not None else (None, None)
             if owner == av.peer_id:
                 key = av.identity.public_key_bytes if av.identity is not None and j == 0 else None
+                own_frame = None  # (its own slice as a signed part frame, as any member's: what an audit is shown)
+                if av.identity is not None:
+                    own_sig = av.identity.sign(part_message(ex.stage, plan.round_id, j, own.samples, used.digest,
+                                                            av.peer_id, owner))
+                    mine = ArPart(ex.stage, plan.round_id, j, av.peer_id, own.samples, decoded, used.digest, "none",
+                                  av.identity.public_key_bytes, own_sig)
+                    own_frame = await asyncio.to_thread(mine.encode)
                 why = av.owners[(plan.round_id, j)].add(
                     av.peer_id, own.samples, decoded, used.digest, mbs=own.mbs if j == 0 else (),
                     claim=(key, self.claim_norm, claim_sig) if key is not None and claim_sig is not None else None,
-                    unexplained=unexplained if j == 0 else None)
+                    unexplained=unexplained if j == 0 else None, frame=own_frame)
                 if why is not None:
                     log.warning("stage %d: own part %d refused by itself (%s)", ex.stage, j, why)
                 return
@@ -256,12 +265,13 @@ class MemberRound:
             av.own_slices_struck += 1
             log.warning("stage %d step %d: part %d left this peer's own slice out (far from or against the "
                         "part's median): its gradients disagree with its stage's", av.executor.stage, plan.step, j)
+        key = sig = None
+        if av.identity is not None:  # (signed also by a coordinator to itself: what an audit of this part is shown)
+            key, sig = av.identity.public_key_bytes, av.identity.sign(ready.message(av.executor.stage))
+            owner.ready_signed = (key, sig)
         if self.rnd is not None:
             av.coord.on_ready(ready)
             return
-        key = sig = None
-        if av.identity is not None:
-            key, sig = av.identity.public_key_bytes, av.identity.sign(ready.message(av.executor.stage))
         req = ArReady(av.executor.stage, ready, key, sig)
         av.control_requests["ready"] += 1
         try:
@@ -590,6 +600,7 @@ class MemberRound:
         mean = torch.cat([self.parts[j][0] for j in range(len(plan.owners))])
         await ex.apply_average(mean, plan.step)
         self._second(d)
+        av.auditor.after_commit(plan, d, self.decision_sig)  # (if the commit draws this peer: ``audit``)
         if self.lossy and own.grads is not None and len(self.mine) == len(plan.owners):  # error feedback:
             decoded = [self.mine[j][1] for j in range(len(plan.owners))]  # each part as its owner decoded it
             if all(d is not None for d in decoded):

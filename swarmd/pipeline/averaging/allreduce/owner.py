@@ -20,9 +20,10 @@ hostile member is excluded as the single leader excludes it. The owner's own sli
 against the coordinate-wise median of the part's slices (three or more:
 ``hostile_contributions.score_owner``): struck, it is left out of the mean and the others are judged by
 that median, so a member whose contribution lies (every member owns a part) cannot make its lie its
-part's mean by reducing it honestly. An owner that does not reduce honestly is not caught here
-(docs/SECURITY.md). Part 0's owner (the coordinator: owners are sorted, the coordinator is the
-smallest of them) also keeps each member's signed claim of its whole
+part's mean by reducing it honestly. An owner that does not reduce by the rule is what the audits
+catch (``audit``: it keeps its members' signed frames and signs its ready report for them). Part 0's
+owner (the coordinator: owners are sorted, the coordinator is the smallest of them) also keeps each
+member's signed claim of its whole
 contribution (``accusations.contribution_message``): the evidence a conviction shows the stage-mates.
 It waits for every member's part at most the plan's patience (``RoundPlan.wait_s``: what honest
 rounds take, ``patience``), then reduces those that came and reports a
@@ -36,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -45,13 +46,32 @@ from swarmd.net.wire import decode_frame
 from swarmd.pipeline.averaging.allreduce.messages import encode_mean
 from swarmd.pipeline.averaging.allreduce.plan import Ready, RoundPlan, part_digest, reduce_part
 from swarmd.pipeline.averaging.codec_choice import answer_codec
-from swarmd.pipeline.averaging.reduction import reduce_contributions
+from swarmd.pipeline.averaging.reduction import Reduction, reduce_contributions
 from swarmd.pipeline.averaging.trust.hostile_contributions import WINDOW, Score, part_terms
 from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.robust_aggregation import Contribution as Weighted
 from swarmd.pipeline.averaging.trust.round_checks import Used, per_sample_norm, tensor_digest
 from swarmd.pipeline.stage.executor import Contribution
 from swarmd.tasks import wait_event
+
+
+def reduce_slices(parts: Mapping[str, tuple[int, torch.Tensor | None]], owner: str, struck: Iterable[str],
+                  size: int) -> tuple[torch.Tensor, Reduction]:
+    """The owner's rule for one part (module docstring) over the members' slices (member -> (samples, slice)),
+    leaving ``struck`` out: the part's mean (float32, before its codec) and the reduction. What an owner
+    reduces, and what an audit recomputes from the signed slices (``audit``). Pure; off the event loop."""
+    red = reduce_contributions({pid: Contribution(step=0, samples=s, grads=g) for pid, (s, g) in parts.items()},
+                               {}, leader=owner, target=0, numel=size, score=True,
+                               strike=frozenset(struck), strike_own=True, score_own=True)
+    mean = red.mean if red.mean is not None else reduce_part(parts, size)[0]
+    return mean, red
+
+
+def encoded_mean(round_id: str, part: int, mean: torch.Tensor, codec: str,
+                 used: list[list[Any]]) -> tuple[bytes, torch.Tensor]:
+    """A part's mean encoded once with ``codec`` (the bytes every member fetches), and decoded from them."""
+    encoded = encode_mean(round_id, part, mean, codec, used)
+    return encoded, decode_frame(encoded).tensors["grads"] if codec != "none" else mean
 
 
 class PartStrikes:
@@ -109,14 +129,20 @@ class PartOwner:
         self.clipped: tuple[str, ...] = ()  # slices whose influence the part's robust mean cut
         self.struck: tuple[str, ...] = ()  # slices left out of the part's mean (far from or against the owner's)
         self.claims: dict[str, tuple[bytes, float, bytes]] = {}  # part 0: member -> (key, per-sample norm, signature)
+        # each member's signed part frame as it came (its own slice: as this owner would have sent it), and this
+        # owner's key and signature of its ready report: what an audit of this part is shown (``audit``)
+        self.frames: dict[str, bytes] = {}
+        self.ready_signed: tuple[bytes, bytes] | None = None
+        self.mean_codec = "none"  # the codec the mean was encoded with
         self.scores: dict[str, Score] = {}
 
     def add(self, peer_id: str, samples: int, grads: torch.Tensor | None, digest: str | None = None,
             codec: str = "none", mbs: tuple[int, ...] = (),
-            claim: tuple[bytes, float, bytes] | None = None, unexplained: int | None = None) -> str | None:
+            claim: tuple[bytes, float, bytes] | None = None, unexplained: int | None = None,
+            frame: bytes | None = None) -> str | None:
         """A member's slice (``digest``: its tensor_digest, computed when None; ``codec``: the one it
-        travelled with, which under ``auto`` sets the mean's, ``codec_choice.answer_codec``); why
-        it is turned away."""
+        travelled with, which under ``auto`` sets the mean's, ``codec_choice.answer_codec``; ``signed``: the
+        member's signed ``ar_part`` frame as it came, kept for audits); why it is turned away."""
         if peer_id not in self.plan.member_ids:
             return "not a member of this round"
         if self._reduced.is_set() or self.ready is not None:
@@ -131,6 +157,8 @@ class PartOwner:
         self.unexplained[peer_id] = unexplained
         if claim is not None:  # (checked by the coordinator against every part's used list: ``member``)
             self.claims[peer_id] = claim
+        if frame is not None:
+            self.frames[peer_id] = frame
         if grads is not None:
             self.sent_codecs.append(codec)
         self.digests[peer_id] = digest if digest is not None else tensor_digest(grads)
@@ -165,10 +193,7 @@ class PartOwner:
         if refused or not parts:
             return Ready(plan.round_id, self.part, self.owner, "", samples, missing,
                          tuple(sorted((pid, str(why)) for pid, why in refused.items())))
-        red = reduce_contributions({pid: Contribution(step=0, samples=s, grads=g) for pid, (s, g) in parts.items()},
-                                   {}, leader=self.owner, target=0, numel=self.size, score=True,
-                                   strike=frozenset(plan.struck), strike_own=True, score_own=True)
-        mean = red.mean if red.mean is not None else reduce_part(parts, self.size)[0]
+        mean, red = self._rule(parts)
         self.clipped, self.struck = red.clipped, red.struck
         self.scores = dict(red.scores)  # each other member's slice against this owner's own (PartStrikes)
         terms = part_terms([Weighted(pid, g, s) for pid, (s, g) in sorted(parts.items()) if s > 0 and g is not None],
@@ -178,12 +203,16 @@ class PartOwner:
             codec = "none"  # float16 would overflow: this part travels uncompressed (its frame says so)
         used = [Used(pid, s, self.digests.get(pid, ""), norms[pid][0]).to_wire()
                 for pid, (s, _) in sorted(parts.items())]
-        encoded = encode_mean(plan.round_id, self.part, mean, codec, used)
-        decoded = decode_frame(encoded).tensors["grads"] if codec != "none" else mean
-        self.encoded, self.mean, self.used = encoded, decoded, used
+        encoded, decoded = encoded_mean(plan.round_id, self.part, mean, codec, used)
+        self.encoded, self.mean, self.used, self.mean_codec = encoded, decoded, used, codec
         return Ready(plan.round_id, self.part, self.owner, part_digest(decoded, used), samples, missing,
                      scores=tuple(sorted(terms.items())),
-                     norms=tuple(sorted((pid, norm) for pid, (norm, s) in norms.items() if s > 0)))
+                     norms=tuple(sorted((pid, norm) for pid, (norm, s) in norms.items() if s > 0)),
+                     struck=tuple(sorted(plan.struck)))
+
+    def _rule(self, parts: Mapping[str, tuple[int, torch.Tensor | None]]) -> tuple[torch.Tensor, Reduction]:
+        """The part's mean by the rule (:func:`reduce_slices`; tests make an owner lie here)."""
+        return reduce_slices(parts, self.owner, self.plan.struck, self.size)
 
     async def mean_bytes(self, wait_s: float) -> bytes | None:
         """The encoded mean, once reduced (waiting at most ``wait_s``); None if not (yet, or ever)."""

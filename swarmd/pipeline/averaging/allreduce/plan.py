@@ -243,6 +243,9 @@ class Ready:
     # (member, per-sample norm of its slice) for each member with samples: the coordinator adds them up over
     # the parts into the whole contributions' norms, for the outlier rule (``decide``)
     norms: tuple[tuple[str, float], ...] = ()
+    # the members the plan named struck, which the owner left out of its part's mean (``RoundPlan.struck``):
+    # signed, so an audit recomputes the part as the owner said it reduced it (``audit``)
+    struck: tuple[str, ...] = ()
 
     def message(self, stage: int) -> bytes:
         return _READY_DOMAIN + msgpack.packb([stage, *self.to_wire()], use_bin_type=True)
@@ -250,24 +253,29 @@ class Ready:
     def to_wire(self) -> list[Any]:
         out = [self.round_id, self.part, self.owner, self.digest, [list(s) for s in self.samples],
                list(self.missing), [list(r) for r in self.refused]]
-        if self.scores or self.norms:
+        if self.scores or self.norms or self.struck:
             out.append([[pid, t.to_wire()] for pid, t in self.scores])
-        if self.norms:
+        if self.norms or self.struck:
             out.append([list(n) for n in self.norms])
+        if self.struck:
+            out.append(list(self.struck))
         return out
 
     @classmethod
     def from_wire(cls, value: Any) -> Ready:
-        if not (isinstance(value, list) and len(value) in (7, 8, 9)):
+        if not (isinstance(value, list) and len(value) in (7, 8, 9, 10)):
             raise ValueError("a part-ready report is [round_id, part, owner, digest, samples, missing, refused"
-                             "[, scores[, norms]]]")
+                             "[, scores[, norms[, struck]]]]")
         rid, part, owner, digest, samples, missing, refused = value[:7]
         raw_scores = value[7] if len(value) >= 8 else []
         if not (isinstance(raw_scores, list) and len(raw_scores) <= MAX_MEMBERS
                 and all(isinstance(t, list) and len(t) == 2 and _short_str(t[0]) for t in raw_scores)):
             raise ValueError("a part-ready report's scores are [peer_id, terms] pairs")
         scores = tuple((t[0], PartTerms.from_wire(t[1])) for t in raw_scores)
-        raw_norms = value[8] if len(value) == 9 else []
+        raw_norms = value[8] if len(value) >= 9 else []
+        struck = value[9] if len(value) == 10 else []
+        if not (isinstance(struck, list) and len(struck) <= MAX_MEMBERS and all(_short_str(s) for s in struck)):
+            raise ValueError("a part-ready report's struck members are peer ids")
         if not (isinstance(raw_norms, list) and len(raw_norms) <= MAX_MEMBERS
                 and all(isinstance(n, list) and len(n) == 2 and _short_str(n[0]) and isinstance(n[1], float)
                         and math.isfinite(n[1]) and n[1] >= 0 for n in raw_norms)
@@ -287,7 +295,8 @@ class Ready:
                         and len(r[1]) <= 512 for r in refused)):
             raise ValueError("a part-ready report's refusals are [peer_id, why] pairs")
         return cls(rid, part, owner, digest, tuple((s[0], s[1]) for s in samples), tuple(missing),
-                   tuple((r[0], r[1]) for r in refused), scores, tuple((n[0], n[1]) for n in raw_norms))
+                   tuple((r[0], r[1]) for r in refused), scores, tuple((n[0], n[1]) for n in raw_norms),
+                   tuple(struck))
 
 
 @dataclass(frozen=True)
@@ -389,6 +398,8 @@ def decide(plan: RoundPlan, readies: Mapping[int, Ready], target: int) -> Decisi
             return abort(f"part {j} reported by another owner or round")
         if not ready.digest:
             return abort(f"part {j} could not be reduced")
+        if set(ready.struck) != set(plan.struck):  # (what an audit recomputes the part by: ``audit``)
+            return abort(f"part {j} was reduced striking other members than the plan's")
         if set(ready.missing) != dropped:
             return abort(f"part {j} misses {len(ready.missing)} member(s), other owners {len(dropped)}")
         got = dict(ready.samples)

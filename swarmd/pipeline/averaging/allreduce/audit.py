@@ -1,0 +1,229 @@
+"""Audits of part owners: a share of the commits draws a member that recomputes one part from its signed slices.
+
+Every member of a chunked all-reduce (``averager``) owns a part: it alone receives that part's slices
+and publishes their mean, as a single leader publishes its round's. The members' checks
+(``round_checks.check_answer``) bound a part mean by the norms listed with it, so an owner that does not
+reduce by the rule (``owner.reduce_slices``) could publish any mean inside that box (a sign flip: under
+AdamW as harmful as -20x) and every member would apply it alike (issue 29).
+
+An audit makes that lie a conviction. The owner signs its ready report (``plan.Ready``: the digest of
+the decoded mean and its used list, the members it reduced with their samples, and the members the plan
+struck) before the coordinator decides; every slice it reduced came as its member's signed ``ar_part``
+frame (``plan.part_message``, over the slice as decoded), which the owner keeps as it came. So the
+owner's answer is a function of signed inputs, and anyone holding them recomputes it: the rule is
+deterministic (peer-id order, float64), and the mean re-encoded with the owner's codec must come out as
+the owner's, within ``AUDIT_TOLERANCE`` (on one build: bit for bit, measured; another build may round a
+value of a lossy code to the next level). Whether a commit is audited (``AUDIT_SHARE``), which part and
+who audits it are drawn from the signed commit (:func:`draw`), which exists only after every owner
+signed its report: an owner cannot tell whether its part will be audited when it lies, and the auditor
+is never the part's owner.
+
+The auditor asks the owner for its evidence (``POST /v1/allreduce/slices``: :class:`PartEvidence`, the
+signed ready report, the mean's frame as served and every slice's frame as it came, compressed as the
+members sent them). An owner that does not answer, or answers what does not hold up (a slice not signed
+by its member, a mean whose digest is not the one it signed), is counted (``unanswered``,
+``unprovable``): nothing in such an answer convicts it before others. A mean the recomputation does not
+reproduce convicts: the auditor excludes the owner as a hostile peer (``HOSTILE_EXCLUSION_S``, growing
+on repeat) and posts the same evidence to its stage-mates (``POST /v1/allreduce/audit``); each checks
+the signatures and recomputes the part itself, trusting nobody, and excludes the owner too
+(``seconded``), so the stage's coordinators leave it out of their plans and its progress answers name
+it to the trainers. The auditor is only a messenger: it cannot forge the owner's report or a member's
+slice, and an honest owner's part recomputes to its own mean.
+
+Cost: an audited commit moves one part's slices and mean to one member (about ``|grads| x (1 + 1/n)``
+bytes as the members' codec sent them: a whole gradient's worth, on top of that member's ``2 |grads|``
+of the round) and reduces one part there (``1/n`` of the round's reduction); ``AUDIT_SHARE`` of the
+commits are audited, so a member receives ``AUDIT_SHARE / n`` of that per round on average. A liar
+owning one of ``n`` parts is caught in a round it lies in with probability ``AUDIT_SHARE / n``
+(``1/12`` in a stage of 3): the rounds it lies in before that are applied. A conviction sends the
+evidence to each stage-mate once.
+
+What is left: a lie inside the tolerance (a mean within 1% of the rule's: bounded by it); an owner whose
+slices' members collude with it (they sign what it wants); the rounds a liar spends before its part is
+drawn; heterogeneous builds that score a slice on the other side of a strike threshold recompute
+another mean (an honest owner convicted that way is the price of a threshold, as in
+``hostile_contributions``; none seen on one build). The members' own slices are not checked here: that
+is the owners' scoring and the openings' business.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarmd.dht.identity import peer_id_of, verify
+from swarmd.errors import RequestError, WireError
+from swarmd.net.codecs import CODECS
+from swarmd.net.wire import Frame, decode_frame, encode_frame
+from swarmd.pipeline.averaging.allreduce.messages import ArPart, read_mean
+from swarmd.pipeline.averaging.allreduce.owner import PartOwner, encoded_mean, reduce_slices
+from swarmd.pipeline.averaging.allreduce.plan import MAX_MEMBERS, Ready, part_digest, part_message
+from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
+
+__all__ = ["AUDIT_KIND", "AUDIT_SHARE", "AUDIT_TOLERANCE", "AuditVerdict", "PartEvidence", "SignedSlice", "draw",
+           "evidence_of"]
+
+AUDIT_KIND = "allreduce-audit"
+#: The share of commits audited (``draw``): each audit moves one part's slices, about ``|grads|`` (as the
+#: members' codec sent them) to one member, so auditing every commit would add that to one peer's round.
+AUDIT_SHARE = 0.25
+#: An owner's mean further than this from the recomputed one (relative L2 distance, after both are
+#: decoded from the owner's codec) convicts it.
+AUDIT_TOLERANCE = 1e-2
+_DRAW_DOMAIN = b"swarmd-allreduce-audit-draw/1\x00"
+
+
+def draw(decision_message: bytes, signature: bytes | None, owners: Sequence[str], members: Iterable[str],
+         left_out: Iterable[str] = (), share: float = 1.0) -> tuple[int, str] | None:
+    """The part a committed round audits and the member that audits it, from the signed commit (its message
+    and signature: fixed once every owner reported, so no owner knows beforehand): with probability
+    ``share`` a part, then a member of the round other than its owner and not ``left_out`` (dropped or
+    refused). None: this commit is not audited, or nobody can audit it."""
+    if not owners:
+        return None
+    h = hashlib.sha256(_DRAW_DOMAIN + decision_message + (signature or b"")).digest()
+    if int.from_bytes(h[16:24], "big") >= share * 2**64:
+        return None
+    part = int.from_bytes(h[:8], "big") % len(owners)
+    skip = set(left_out) | {owners[part]}
+    candidates = sorted(set(members) - skip)
+    if not candidates:
+        return None
+    return part, candidates[int.from_bytes(h[8:16], "big") % len(candidates)]
+
+
+def evidence_of(owner: PartOwner, stage: int) -> PartEvidence | str:
+    """What an owner shows an auditor of a part it reduced (:class:`PartEvidence`), or why it cannot."""
+    ready, signed = owner.ready, owner.ready_signed
+    if ready is None or not ready.digest or signed is None or owner.encoded is None:
+        return "this part was not reduced here, or not signed"
+    frames = []
+    for pid in sorted(owner.parts):
+        if pid not in owner.frames:
+            return "a slice of this part came unsigned"
+        frames.append(owner.frames[pid])
+    return PartEvidence(stage, ready, signed[0], signed[1], owner.mean_codec, owner.encoded, tuple(frames))
+
+
+@dataclass(frozen=True)
+class SignedSlice:
+    """One member's slice of the part, as the owner decoded it from the member's signed frame."""
+
+    peer_id: str
+    samples: int
+    grads: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class AuditVerdict:
+    """A recomputation's outcome: ``distance`` (relative L2 between the owner's mean and the recomputed one)
+    and ``why`` the owner is convicted (None: its mean holds up)."""
+
+    distance: float
+    why: str | None
+
+
+@dataclass(frozen=True)
+class PartEvidence:
+    """What an owner shows of one part it reduced: its signed ready report, the mean's frame as it served it
+    (and the codec it encoded it with), and every slice it reduced as the signed ``ar_part`` frame its member
+    sent (the bytes that came, compressed as they came). :meth:`decode` validates the outer frame (cheap);
+    :meth:`check` opens and checks the rest and recomputes the part (off the event loop)."""
+
+    stage: int
+    ready: Ready
+    ready_key: bytes
+    ready_sig: bytes
+    codec: str
+    mean_frame: bytes
+    part_frames: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        blobs = [self.mean_frame, *self.part_frames]
+        data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+        meta = {"stage": self.stage, "ready": self.ready.to_wire(), "ready_pk": self.ready_key,
+                "ready_sig": self.ready_sig, "codec": self.codec, "lengths": [len(b) for b in blobs]}
+        return encode_frame(AUDIT_KIND, meta, {"frames": data})
+
+    @classmethod
+    def decode(cls, frame: Frame) -> PartEvidence:
+        """``RequestError`` unless the outer frame is well formed (remote input)."""
+        if frame.kind != AUDIT_KIND:
+            raise RequestError(f"an audit's evidence is a {AUDIT_KIND!r} frame, not {frame.kind!r}")
+        m = frame.meta
+        stage, raw_ready, key, sig, codec, lengths = (m.get("stage"), m.get("ready"), m.get("ready_pk"),
+                                                      m.get("ready_sig"), m.get("codec"), m.get("lengths"))
+        try:
+            ready = Ready.from_wire(raw_ready)
+        except ValueError as exc:
+            raise RequestError(f"meta.ready: {exc}") from None
+        if not (type(stage) is int and stage >= 0 and type(key) is bytes and len(key) == 32
+                and type(sig) is bytes and len(sig) == 64 and codec in CODECS):
+            raise RequestError("an audit's evidence names its stage, the owner's key and signature and a codec")
+        data = frame.tensors.get("frames")
+        if data is None or data.dtype != torch.uint8 or data.dim() != 1:
+            raise RequestError("an audit's evidence carries its frames as one flat uint8 tensor")
+        if not (isinstance(lengths, list) and 2 <= len(lengths) <= MAX_MEMBERS + 1
+                and all(type(n) is int and n > 0 for n in lengths) and sum(lengths) == data.numel()):
+            raise RequestError("meta.lengths split the frames: the mean's, then one per slice")
+        raw = data.numpy().tobytes()
+        blobs, at = [], 0
+        for n in lengths:
+            blobs.append(raw[at:at + n])
+            at += n
+        return cls(stage, ready, key, sig, str(codec), blobs[0], tuple(blobs[1:]))
+
+    def check(self) -> AuditVerdict | str:
+        """Why this evidence does not hold up (a string), or the recomputation's verdict. It holds up when the
+        ready report is signed by the part's owner, the mean is the one its digest names, and every slice is
+        signed by its member and is one the report says was reduced, all of them. Then the part is recomputed
+        by the owner's rule (:func:`owner.reduce_slices`) and re-encoded with its codec: the owner is convicted
+        when its mean lies further than ``AUDIT_TOLERANCE`` from that. Pure; off the event loop."""
+        ready = self.ready
+        if peer_id_of(self.ready_key) != ready.owner or not verify(self.ready_key, ready.message(self.stage),
+                                                                   self.ready_sig):
+            return "the ready report is not signed by the part's owner"
+        try:
+            mean_frame = decode_frame(self.mean_frame)
+            size = mean_frame.tensors["grads"].numel() if "grads" in mean_frame.tensors else 0
+            mean, used = read_mean(mean_frame, ready.round_id, ready.part, size)
+        except (WireError, RequestError) as exc:
+            return f"the mean's frame does not read ({exc})"
+        if not ready.digest or part_digest(mean, used) != ready.digest:
+            return "the mean is not the one the owner's signed report names"
+        slices = []
+        for blob in self.part_frames:
+            try:
+                part = ArPart.from_frame(decode_frame(blob), size)
+            except (WireError, RequestError) as exc:
+                return f"a slice's frame does not read ({exc})"
+            digest = tensor_digest(part.grads)
+            message = part_message(self.stage, ready.round_id, ready.part, part.samples, digest, part.peer_id,
+                                   ready.owner)
+            if (part.public_key is None or part.signature is None or peer_id_of(part.public_key) != part.peer_id
+                    or not verify(part.public_key, message, part.signature)):
+                return f"the slice of {part.peer_id[:12]} is not signed by its member for this part"
+            slices.append(SignedSlice(part.peer_id, part.samples, part.grads))
+        by_peer = {s.peer_id: s for s in slices}
+        listed = {u[0]: u for u in used if isinstance(u, list) and len(u) == 4 and isinstance(u[0], str)}
+        if (len(by_peer) != len(slices) or len(listed) != len(used) or set(by_peer) != set(listed)
+                or dict(ready.samples) != {pid: s.samples for pid, s in by_peer.items()}):
+            return "the slices are not the members the owner reduced"
+        for s in slices:
+            if listed[s.peer_id][1] != s.samples or listed[s.peer_id][2] != tensor_digest(s.grads):
+                return f"the slice of {s.peer_id[:12]} is not the one the owner listed"
+        mean_rule, _ = reduce_slices({s.peer_id: (s.samples, s.grads) for s in slices}, ready.owner, ready.struck,
+                                     size)
+        _, decoded = encoded_mean(ready.round_id, ready.part, mean_rule, self.codec, used)
+        theirs, ours = mean.to(torch.float64), decoded.to(torch.float64)
+        scale = max(float(torch.linalg.vector_norm(theirs)), float(torch.linalg.vector_norm(ours)))
+        distance = float(torch.linalg.vector_norm(theirs - ours)) / scale if scale > 0 else 0.0
+        if not math.isfinite(distance) or distance > AUDIT_TOLERANCE:
+            return AuditVerdict(distance, f"part {ready.part} of round {ready.round_id}: its signed mean lies "
+                                          f"{distance:.3g} (relative) from the mean its members' signed slices give "
+                                          f"by the rule (tolerance {AUDIT_TOLERANCE:g})")
+        return AuditVerdict(distance, None)

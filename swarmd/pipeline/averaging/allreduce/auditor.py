@@ -1,0 +1,234 @@
+"""A peer's part in the audits of part owners (``audit``: the rule, the draw, the evidence, the cost).
+
+Three roles, all on ``POST /v1/allreduce/<op>``:
+
+- **auditor**: after it applied a commit, a member the commit draws (``audit.draw``) asks the drawn
+  part's owner for its evidence (``slices``), checks it and recomputes the part off the event loop; a mean
+  that does not hold up convicts the owner here and the evidence goes to every listed stage-mate (``audit``);
+- **owner**: answers ``slices`` with what it kept of a part it reduced (its signed ready report, the mean's
+  frame, every member's signed part frame as it came: ``owner.PartOwner``, the last rounds' parts);
+- **stage-mate**: checks evidence it is shown itself (signatures, then the recomputation), one at a time,
+  each (owner, round, part) once, and excludes the owner too when it holds (``seconded``).
+
+``/status`` averaging ``audits`` (``drawn``, ``ok``, ``mismatch``, ``unanswered``, ``unprovable``, ``seconded``,
+``not_seconded``, ``busy``); ``/metrics`` ``swarmd_averaging_audits_total{outcome}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+from swarmd.errors import PeerError, RequestError, SwarmdError
+from swarmd.net.wire import Frame
+from swarmd.pipeline.averaging.allreduce.audit import AUDIT_SHARE, PartEvidence, draw, evidence_of
+from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArQuery
+from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
+from swarmd.pipeline.averaging.trust.refusals import Refusal
+
+if TYPE_CHECKING:
+    from swarmd.dht.identity import Identity
+    from swarmd.net.client import DataPlaneClient
+    from swarmd.pipeline.averaging.allreduce.owner import PartOwner
+    from swarmd.pipeline.averaging.allreduce.plan import Decision, RoundPlan
+    from swarmd.pipeline.averaging.trust.round_checks import Suspicions
+    from swarmd.pipeline.stage.executor import StageExecutor
+
+__all__ = ["AUDIT_TIMEOUT_S", "PartAuditor"]
+
+log = logging.getLogger(__name__)
+
+#: How long fetching an owner's evidence, or showing it to one stage-mate, may take.
+AUDIT_TIMEOUT_S = 30.0
+#: Evidence a stage-mate checks at once (more is answered "busy": the auditor's other mates check it).
+_CHECKING_MAX = 2
+#: The (owner, round, part) triples whose evidence this peer checked (each is checked once).
+_CHECKED_KEEP = 256
+
+
+class AuditHost(Protocol):
+    """What the auditor uses of its averager (``averager.AllReduceAverager``)."""
+
+    executor: StageExecutor
+    peer_id: str
+    identity: Identity | None
+    client: DataPlaneClient
+    owners: dict[tuple[str, int], PartOwner]
+    suspicions: Suspicions
+    hostile_convictions: Counter[str]
+
+    @property
+    def stage_peers(self) -> Callable[[], Awaitable[dict[str, str]]]: ...
+
+    def _own(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
+
+    def _excluded_as_hostile(self, peer_id: str) -> bool: ...
+
+    def forget_proof(self, peer_id: str) -> None: ...
+
+
+class PartAuditor:
+    """The audits of one averager: its draws, its answers as an owner, its checks of others' evidence."""
+
+    def __init__(self, av: AuditHost) -> None:
+        self.av = av
+        self.share = AUDIT_SHARE  # the commits audited (``audit.draw``: tests audit every one)
+        self.counts: Counter[str] = Counter()
+        self._checked: OrderedDict[tuple[str, str, int], None] = OrderedDict()
+        self._checking = 0
+
+    # ---- auditor -----------------------------------------------------------------------------
+
+    def after_commit(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> None:
+        """A commit this member applied: audit the drawn part if the draw names this peer (an owned task)."""
+        av = self.av
+        if av.identity is None or signature is None:  # (nothing signed: nothing an audit could show)
+            return
+        left_out = [*decision.dropped, *(pid for pid, _ in decision.refused)]
+        drawn = draw(decision.message(), signature, plan.owners, plan.member_ids, left_out, self.share)
+        if drawn is None or drawn[1] != av.peer_id:
+            return
+        part = drawn[0]
+        owner = plan.owners[part]
+        if owner in av.suspicions.excluded():
+            return
+        self.counts["drawn"] += 1
+        av._own(self._audit(plan, decision, part), "swarmd-audit")
+
+    async def _audit(self, plan: RoundPlan, decision: Decision, part: int) -> None:
+        av, owner = self.av, plan.owners[part]
+        stage = av.executor.stage
+        query = ArQuery(stage, plan.round_id, part)
+        try:
+            frame = await av.client.allreduce(plan.addr(owner), "slices", query.encode, timeout_s=AUDIT_TIMEOUT_S)
+        except (PeerError, SwarmdError) as exc:
+            self._unanswered(owner, part, plan, str(exc))
+            return
+        if frame.kind == ArAck.KIND:
+            try:
+                reason = ArAck.from_frame(frame).reason
+            except RequestError as exc:
+                reason = str(exc)
+            self._unanswered(owner, part, plan, reason)
+            return
+        try:
+            evidence = await asyncio.to_thread(PartEvidence.decode, frame)
+        except RequestError as exc:
+            self._unprovable(owner, part, plan, str(exc))
+            return
+        ready = evidence.ready
+        if (evidence.stage != stage or ready.owner != owner or ready.round_id != plan.round_id or ready.part != part
+                or ready.digest != decision.digests[part]):
+            self._unprovable(owner, part, plan, "its evidence is of another part, or of a mean not committed")
+            return
+        verdict = await asyncio.to_thread(evidence.check)
+        if isinstance(verdict, str):
+            self._unprovable(owner, part, plan, verdict)
+            return
+        if verdict.why is None:
+            self.counts["ok"] += 1
+            log.debug("stage %d step %d: audited part %d of %s: its mean holds up (%.2g)", stage, plan.step, part,
+                      owner[:12], verdict.distance)
+            return
+        self.counts["mismatch"] += 1
+        self._convict(owner, verdict.why, "convicted")
+        await self._show(owner, evidence)
+
+    def _unanswered(self, owner: str, part: int, plan: RoundPlan, why: str) -> None:
+        self.counts["unanswered"] += 1
+        log.info("stage %d step %d: the owner %s of part %d did not show it for an audit (%s)",
+                 self.av.executor.stage, plan.step, owner[:12], part, why[:200])
+
+    def _unprovable(self, owner: str, part: int, plan: RoundPlan, why: str) -> None:
+        self.counts["unprovable"] += 1
+        log.warning("stage %d step %d: the owner %s of part %d showed evidence that does not hold up for an "
+                    "audit (%s); nothing in it convicts it before others", self.av.executor.stage, plan.step,
+                    owner[:12], part, why[:200])
+
+    def _convict(self, owner: str, why: str, how: str) -> None:
+        av = self.av
+        av.hostile_convictions[owner] += 1
+        period = av.suspicions.accuse(owner, str(Refusal("hostile", f"audited: {why}")), base_s=HOSTILE_EXCLUSION_S)
+        av.forget_proof(owner)
+        log.warning("stage %d: %s part owner %s by an audit (%s); excluded from this peer's rounds for %.0fs",
+                    av.executor.stage, how, owner[:12], why, period)
+
+    async def _show(self, owner: str, evidence: PartEvidence) -> None:
+        """Post the evidence to every listed stage-mate but the owner and this peer."""
+        av = self.av
+        try:
+            mates = await av.stage_peers()
+        except Exception as exc:  # the DHT lookup failed: nobody to tell this time
+            log.warning("stage %d: could not list the stage-mates to show the audit of %s (%s)",
+                        av.executor.stage, owner[:12], exc)
+            return
+        raw = await asyncio.to_thread(evidence.encode)
+        targets = [addr for pid, addr in sorted(mates.items()) if pid not in (owner, av.peer_id)]
+
+        async def one(addr: str) -> bool:
+            try:
+                frame = await av.client.allreduce(addr, "audit", lambda: raw, len(raw), timeout_s=AUDIT_TIMEOUT_S)
+                return ArAck.from_frame(frame).ok
+            except (PeerError, SwarmdError):
+                return False
+
+        taken = await asyncio.gather(*(one(addr) for addr in targets))
+        self.counts["shown"] += sum(taken)
+
+    # ---- owner -------------------------------------------------------------------------------
+
+    async def on_slices(self, q: ArQuery) -> bytes:
+        """An auditor asks for a part this peer reduced: its evidence, or an ack saying why none."""
+        owner = self.av.owners.get((q.round_id, q.part))
+        if q.stage != self.av.executor.stage or owner is None:
+            return ArAck(False, "this peer holds no such part (another stage, or a round forgotten)").encode()
+        evidence = evidence_of(owner, q.stage)
+        if isinstance(evidence, str):
+            return ArAck(False, evidence).encode()
+        return await asyncio.to_thread(evidence.encode)
+
+    # ---- stage-mate --------------------------------------------------------------------------
+
+    async def on_audit(self, frame: Frame) -> ArAck:
+        """Evidence an auditor shows: checked in an owned task (RequestError: malformed, a 422)."""
+        evidence = await asyncio.to_thread(PartEvidence.decode, frame)
+        av, ready = self.av, evidence.ready
+        if evidence.stage != av.executor.stage:
+            return ArAck(False, "another stage")
+        key = (ready.owner, ready.round_id, ready.part)
+        if key in self._checked:
+            return ArAck(True, "checked already")
+        if ready.owner == av.peer_id:
+            return ArAck(False, "this peer owns that part")
+        if av._excluded_as_hostile(ready.owner):
+            return ArAck(True, "ignored: excluded already")
+        if self._checking >= _CHECKING_MAX:
+            self.counts["busy"] += 1
+            return ArAck(False, "busy: checking other evidence")
+        self._checked[key] = None
+        while len(self._checked) > _CHECKED_KEEP:
+            self._checked.popitem(last=False)
+        self._checking += 1
+        av._own(self._second(evidence), "swarmd-audit-check")
+        return ArAck(True, "checking")
+
+    async def _second(self, evidence: PartEvidence) -> None:
+        try:
+            verdict = await asyncio.to_thread(evidence.check)
+        finally:
+            self._checking -= 1
+        owner = evidence.ready.owner
+        if isinstance(verdict, str) or verdict.why is None:
+            self.counts["not_seconded"] += 1
+            log.warning("stage %d: an audit of part owner %s shown here does not hold up (%s)",
+                        self.av.executor.stage, owner[:12], verdict if isinstance(verdict, str)
+                        else "its mean is the rule's")
+            return
+        self.counts["seconded"] += 1
+        self._convict(owner, verdict.why, "seconded the conviction of")
+
+    def status(self) -> dict[str, int]:
+        return dict(self.counts)
