@@ -91,7 +91,8 @@ async def _trace_request(session: Any, ctx: Any, params: aiohttp.TraceRequestSta
         CONTROL[path] += 1
 
 
-async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int) -> dict[str, Any]:
+async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
+                   audit_share: float | None = None) -> dict[str, Any]:
     training = TrainingSpec(target_batch_size=TARGET, grad_codec=codec, averaging_timeout_s=60.0, averaging=mode)
     executors = [StageExecutor(spec, 0, "cpu", training=training, threads=1) for _ in range(n)]
     runtimes = [StageRuntime(ex) for ex in executors]
@@ -119,6 +120,8 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int) -> dic
                  for ex, ident, s in zip(executors, identities, sessions, strict=True)]
     for runtime, averager in zip(runtimes, averagers, strict=True):
         runtime.averager = averager
+        if isinstance(averager, AllReduceAverager) and audit_share is not None:
+            averager.auditor.share = audit_share
     tasks = [asyncio.create_task(a.run()) for a in averagers]
     gen = torch.Generator().manual_seed(1)
     took, peak, peak_total, control = [], 0, 0, []
@@ -134,6 +137,9 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int) -> dic
                     raise RuntimeError(f"{mode} n={n}: round {r} did not complete in {ROUND_LIMIT_S:.0f}s")
                 await asyncio.sleep(0.002)
             elapsed = time.perf_counter() - started
+            # an audit's piece (all-reduce) moves its bytes after the step: counted in its round
+            while any(getattr(a, "auditor", None) is not None and a.auditor.fetching for a in averagers):
+                await asyncio.sleep(0.002)
             await asyncio.sleep(0.05)  # the last answers' bytes
             if not r:
                 continue
@@ -161,7 +167,10 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int) -> dic
         for ex in executors:
             await ex.close()
     grad_bytes = executors[0].grad_numel * 4
+    audits = sum(a.auditor.counts["drawn"] for a in averagers if isinstance(a, AllReduceAverager))
     return {"peers": n, "mode": mode, "codec": codec, "gradient_bytes": grad_bytes,
+            **({"audit_share": averagers[0].auditor.share, "audits": audits}
+               if isinstance(averagers[0], AllReduceAverager) else {}),
             "max_peer_bytes_per_round": peak, "max_peer_bytes_total_per_round": peak_total,
             "ratio_to_gradient": round(peak / grad_bytes, 3),
             "control_requests_per_round": round(statistics.mean(control), 1),
@@ -175,6 +184,9 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["leader", "allreduce"], choices=["leader", "allreduce"])
     p.add_argument("--codecs", nargs="+", default=["none"], choices=GRAD_CODECS)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--audit-share", type=float, nargs="+", default=[None],
+                   help="the all-reduce's share of commits audited (default: the daemon's, audit.AUDIT_SHARE); "
+                        "several: each measured")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if max(args.peers) > 250:
@@ -185,9 +197,10 @@ def main() -> int:
     for codec in args.codecs:
         for mode in args.modes:
             for n in args.peers:
-                results.append(asyncio.run(run_mode(spec, n, mode, codec, args.rounds)))
-                if not args.json:
-                    print(results[-1], flush=True)
+                for share in (args.audit_share if mode == "allreduce" else [None]):
+                    results.append(asyncio.run(run_mode(spec, n, mode, codec, args.rounds, share)))
+                    if not args.json:
+                        print(results[-1], flush=True)
     out = {"preset": args.preset, "target_batch_size": TARGET, "rounds": args.rounds, "torch": torch.__version__,
            "results": results}
     if args.json:

@@ -88,7 +88,10 @@ async def test_an_honest_swarm_audits_every_commit_and_convicts_nobody() -> None
         _audit_every_commit(daemons)
         await _train(daemons, 8, seed=0)
         audits = [_audits(d) for d in daemons if d.averager is not None]
-        assert sum(a.get("ok", 0) for a in audits) >= 8, audits  # (a commit per step and stage, each audited)
-        assert not any(a.get(k) for a in audits for k in ("mismatch", "unprovable", "seconded")), audits
+        # a commit per step and stage, each drawing an auditor; one audit at a time per peer (a draw while one is
+        # under way is skipped), its pieces one a commit: all but the last audit of each peer are done
+        assert sum(a.get("ok", 0) for a in audits) >= 4, audits
+        assert all(a.get("drawn", 0) - a.get("ok", 0) <= 1 for a in audits), audits
+        assert not any(a.get(k) for a in audits for k in ("mismatch", "unprovable", "unanswered", "seconded")), audits
         for d in daemons:
             assert not d.status()["averaging"]["excluded"], d.status()["averaging"]["excluded"]

@@ -14,7 +14,15 @@ import torch
 from swarmd.dht.identity import Identity
 from swarmd.errors import RequestError
 from swarmd.net.wire import decode_frame, encode_frame
-from swarmd.pipeline.averaging.allreduce.audit import AUDIT_TOLERANCE, AuditVerdict, PartEvidence, draw, evidence_of
+from swarmd.pipeline.averaging.allreduce.audit import (
+    AUDIT_ROUNDS,
+    AUDIT_TOLERANCE,
+    AuditVerdict,
+    PartEvidence,
+    draw,
+    evidence_of,
+    slices_per_piece,
+)
 from swarmd.pipeline.averaging.allreduce.messages import ArPart
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner
 from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, part_message
@@ -123,7 +131,8 @@ def test_malformed_evidence_is_refused_before_anything_is_checked() -> None:
     good = _evidence(_owner()[0])
     frame = decode_frame(good.encode())
     for meta_change in ({"codec": "gzip"}, {"ready": [1, 2]}, {"lengths": [1, 2]}, {"lengths": [0, 0]},
-                        {"ready_pk": b"short"}, {"lengths": "all"}, {"stage": -1}):
+                        {"ready_pk": b"short"}, {"lengths": "all"}, {"stage": -1}, {"piece": [3, 2]},
+                        {"piece": [1, 3]}, {"piece": "all"}):
         bad = encode_frame(frame.kind, {**frame.meta, **meta_change}, frame.tensors)
         with pytest.raises(RequestError):
             PartEvidence.decode(decode_frame(bad))
@@ -132,6 +141,36 @@ def test_malformed_evidence_is_refused_before_anything_is_checked() -> None:
             PartEvidence.decode(decode_frame(encode_frame(frame.kind, frame.meta, tensors)))
     with pytest.raises(RequestError):
         PartEvidence.decode(decode_frame(encode_frame("ar_ack", {"ok": False}, {})))
+
+
+@pytest.mark.parametrize("slices", [1, 3, 8, 9, 20])
+def test_the_evidence_travels_in_pieces_of_a_few_slices_and_is_put_together_again(slices: int) -> None:
+    """An auditor fetches the evidence a piece a round (``AUDIT_ROUNDS`` pieces at most, the mean with the
+    first): the pieces, through the wire and put together, are the evidence; out of order, short, or of
+    another part they are refused."""
+    owner, _ = _owner("8bit")
+    whole = _evidence(owner)
+    frames = (whole.part_frames * slices)[:slices]  # (a stand-in for a part of `slices` members: sizes only)
+    evidence = dataclasses.replace(whole, part_frames=frames)
+    pieces, start = [], 0
+    while (piece := evidence.piece(start)) is not None:
+        got = PartEvidence.decode(decode_frame(piece.encode()))
+        assert got.piece_of == (start, slices) and bool(got.mean_frame) == (start == 0)
+        pieces.append(got)
+        start += len(got.part_frames)
+    assert start == slices and len(pieces) <= AUDIT_ROUNDS and len(pieces[0].part_frames) == slices_per_piece(slices)
+    assert PartEvidence.assemble(pieces) == evidence
+    assert "a piece" in str(pieces[0].check())  # a piece alone judges nothing
+    if len(pieces) > 1:
+        assert isinstance(PartEvidence.assemble(pieces[::-1]), str)
+        assert isinstance(PartEvidence.assemble(pieces[:-1]), str)
+        other = dataclasses.replace(pieces[1], codec="none" if pieces[1].codec != "none" else "8bit")
+        assert isinstance(PartEvidence.assemble([pieces[0], other, *pieces[2:]]), str)
+    assert PartEvidence.assemble([]) == "no pieces" and PartEvidence.assemble([evidence]) == "no pieces"
+    # the owner's three slices, a piece each, put together: its mean holds up
+    parts = [PartEvidence.decode(decode_frame(p.encode())) for k in range(3) if (p := whole.piece(k)) is not None]
+    together = PartEvidence.assemble(parts)
+    assert isinstance(together, PartEvidence) and _check(together).why is None
 
 
 def test_the_draw_is_the_commits_never_the_owner_and_spread_evenly() -> None:

@@ -31,9 +31,12 @@ it to the trainers. The auditor is only a messenger: it cannot forge the owner's
 slice, and an honest owner's part recomputes to its own mean.
 
 Cost: an audited commit moves one part's slices and mean to one member (about ``|grads| x (1 + 1/n)``
-bytes as the members' codec sent them: a whole gradient's worth, on top of that member's ``2 |grads|``
-of the round) and reduces one part there (``1/n`` of the round's reduction); ``AUDIT_SHARE`` of the
-commits are audited, so a member receives ``AUDIT_SHARE / n`` of that per round on average. A liar
+bytes as the members' codec sent them), in at most ``AUDIT_ROUNDS`` pieces, one a commit the auditor
+applies (the mean with the first): a peak round grows by the mean and ``ceil(n / AUDIT_ROUNDS)`` slices,
+not by a whole gradient (``scripts/bench_averaging.py --audit-share``: B within 2.2 |grads| at n = 2-16
+with every commit audited); and it reduces one part there (``1/n`` of the round's reduction).
+``AUDIT_SHARE`` of the commits are audited, one at a time per auditor (a draw while one is under way is
+skipped), so a member receives about ``AUDIT_SHARE / n`` of a gradient more per round on average. A liar
 owning one of ``n`` parts is caught in a round it lies in with probability ``AUDIT_SHARE / n``
 (``1/12`` in a stage of 3): the rounds it lies in before that are applied. A conviction sends the
 evidence to each stage-mate once.
@@ -52,6 +55,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,13 +68,17 @@ from swarmd.pipeline.averaging.allreduce.owner import PartOwner, encoded_mean, r
 from swarmd.pipeline.averaging.allreduce.plan import MAX_MEMBERS, Ready, part_digest, part_message
 from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
 
-__all__ = ["AUDIT_KIND", "AUDIT_SHARE", "AUDIT_TOLERANCE", "AuditVerdict", "PartEvidence", "SignedSlice", "draw",
-           "evidence_of"]
+__all__ = ["AUDIT_KIND", "AUDIT_ROUNDS", "AUDIT_SHARE", "AUDIT_TOLERANCE", "AuditVerdict", "PartEvidence",
+           "SignedSlice", "draw", "evidence_of", "slices_per_piece"]
 
 AUDIT_KIND = "allreduce-audit"
 #: The share of commits audited (``draw``): each audit moves one part's slices, about ``|grads|`` (as the
 #: members' codec sent them) to one member, so auditing every commit would add that to one peer's round.
 AUDIT_SHARE = 0.25
+#: An auditor fetches the evidence in this many pieces at most, one a round it applies (the mean and the first
+#: slices with the commit it audits): about ``|grads| / AUDIT_ROUNDS`` more bytes a round, not ``|grads|`` at
+#: once. An owner keeps its parts for 16 rounds (``averager``).
+AUDIT_ROUNDS = 8
 #: An owner's mean further than this from the recomputed one (relative L2 distance, after both are
 #: decoded from the owner's codec) convicts it.
 AUDIT_TOLERANCE = 1e-2
@@ -94,6 +102,11 @@ def draw(decision_message: bytes, signature: bytes | None, owners: Sequence[str]
     if not candidates:
         return None
     return part, candidates[int.from_bytes(h[8:16], "big") % len(candidates)]
+
+
+def slices_per_piece(slices: int) -> int:
+    """How many slices an owner hands an auditor at once: all of them within ``AUDIT_ROUNDS`` pieces."""
+    return max(1, -(-slices // AUDIT_ROUNDS))
 
 
 def evidence_of(owner: PartOwner, stage: int) -> PartEvidence | str:
@@ -132,7 +145,10 @@ class PartEvidence:
     """What an owner shows of one part it reduced: its signed ready report, the mean's frame as it served it
     (and the codec it encoded it with), and every slice it reduced as the signed ``ar_part`` frame its member
     sent (the bytes that came, compressed as they came). :meth:`decode` validates the outer frame (cheap);
-    :meth:`check` opens and checks the rest and recomputes the part (off the event loop)."""
+    :meth:`check` opens and checks the rest and recomputes the part (off the event loop). An owner hands it
+    to an auditor in pieces (:meth:`piece`, ``piece``: the first slice's index and the count of all slices;
+    the mean comes with the first piece), a few slices a round, and the auditor puts them together
+    (:meth:`assemble`)."""
 
     stage: int
     ready: Ready
@@ -141,12 +157,43 @@ class PartEvidence:
     codec: str
     mean_frame: bytes
     part_frames: tuple[bytes, ...]
+    piece_of: tuple[int, int] | None = None  # (first slice's index, slices in all) of a piece; None: all of it
+
+    def piece(self, start: int) -> PartEvidence | None:
+        """The piece of this evidence from slice ``start``: ``slices_per_piece`` slices (the mean with the first);
+        None past the last slice."""
+        every = len(self.part_frames)
+        if not 0 <= start < every:
+            return None
+        end = min(every, start + slices_per_piece(every))
+        return PartEvidence(self.stage, self.ready, self.ready_key, self.ready_sig, self.codec,
+                            self.mean_frame if start == 0 else b"", self.part_frames[start:end], (start, every))
+
+    @classmethod
+    def assemble(cls, pieces: Sequence[PartEvidence]) -> PartEvidence | str:
+        """The whole evidence from its pieces in order, or why they are not the pieces of one."""
+        first = pieces[0] if pieces else None
+        if first is None or first.piece_of is None:
+            return "no pieces"
+        every = first.piece_of[1]
+        frames: list[bytes] = []
+        for p in pieces:
+            if (p.piece_of != (len(frames), every) or p.stage != first.stage or p.ready != first.ready
+                    or p.ready_key != first.ready_key or p.ready_sig != first.ready_sig or p.codec != first.codec):
+                return "the pieces are not those of one part's evidence, in order"
+            frames.extend(p.part_frames)
+        if len(frames) != every or not first.mean_frame:
+            return "the pieces do not hold every slice and the mean"
+        return PartEvidence(first.stage, first.ready, first.ready_key, first.ready_sig, first.codec,
+                            first.mean_frame, tuple(frames))
 
     def encode(self) -> bytes:
         blobs = [self.mean_frame, *self.part_frames]
         data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
-        meta = {"stage": self.stage, "ready": self.ready.to_wire(), "ready_pk": self.ready_key,
-                "ready_sig": self.ready_sig, "codec": self.codec, "lengths": [len(b) for b in blobs]}
+        meta: dict[str, Any] = {"stage": self.stage, "ready": self.ready.to_wire(), "ready_pk": self.ready_key,
+                                "ready_sig": self.ready_sig, "codec": self.codec, "lengths": [len(b) for b in blobs]}
+        if self.piece_of is not None:
+            meta["piece"] = list(self.piece_of)
         return encode_frame(AUDIT_KIND, meta, {"frames": data})
 
     @classmethod
@@ -164,18 +211,28 @@ class PartEvidence:
         if not (type(stage) is int and stage >= 0 and type(key) is bytes and len(key) == 32
                 and type(sig) is bytes and len(sig) == 64 and codec in CODECS):
             raise RequestError("an audit's evidence names its stage, the owner's key and signature and a codec")
+        raw_piece = m.get("piece")
+        piece: tuple[int, int] | None = None
+        if raw_piece is not None:
+            if not (isinstance(raw_piece, list) and len(raw_piece) == 2 and all(type(x) is int for x in raw_piece)
+                    and 0 <= raw_piece[0] < raw_piece[1] <= MAX_MEMBERS):
+                raise RequestError("meta.piece is [first slice's index, slices in all]")
+            piece = (raw_piece[0], raw_piece[1])
         data = frame.tensors.get("frames")
         if data is None or data.dtype != torch.uint8 or data.dim() != 1:
             raise RequestError("an audit's evidence carries its frames as one flat uint8 tensor")
+        # the mean's frame first (empty in a piece after the first), then one per slice
+        mean_given = piece is None or piece[0] == 0
         if not (isinstance(lengths, list) and 2 <= len(lengths) <= MAX_MEMBERS + 1
-                and all(type(n) is int and n > 0 for n in lengths) and sum(lengths) == data.numel()):
+                and all(type(n) is int and n > 0 for n in lengths[1:]) and sum(lengths) == data.numel()
+                and type(lengths[0]) is int and (lengths[0] > 0) == mean_given):
             raise RequestError("meta.lengths split the frames: the mean's, then one per slice")
         raw = data.numpy().tobytes()
         blobs, at = [], 0
         for n in lengths:
             blobs.append(raw[at:at + n])
             at += n
-        return cls(stage, ready, key, sig, str(codec), blobs[0], tuple(blobs[1:]))
+        return cls(stage, ready, key, sig, str(codec), blobs[0], tuple(blobs[1:]), piece)
 
     def check(self) -> AuditVerdict | str:
         """Why this evidence does not hold up (a string), or the recomputation's verdict. It holds up when the
@@ -184,6 +241,8 @@ class PartEvidence:
         by the owner's rule (:func:`owner.reduce_slices`) and re-encoded with its codec: the owner is convicted
         when its mean lies further than ``AUDIT_TOLERANCE`` from that. Pure; off the event loop."""
         ready = self.ready
+        if self.piece_of is not None:
+            return "a piece of the evidence, not all of it"
         if peer_id_of(self.ready_key) != ready.owner or not verify(self.ready_key, ready.message(self.stage),
                                                                    self.ready_sig):
             return "the ready report is not signed by the part's owner"

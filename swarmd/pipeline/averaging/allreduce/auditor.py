@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmd.errors import PeerError, RequestError, SwarmdError
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: How long fetching an owner's evidence, or showing it to one stage-mate, may take.
 AUDIT_TIMEOUT_S = 30.0
+#: An audit whose pieces did not all come within this long is given up (``unanswered``).
+PENDING_MAX_S = 300.0
 #: Evidence a stage-mate checks at once (more is answered "busy": the auditor's other mates check it).
 _CHECKING_MAX = 2
 #: The (owner, round, part) triples whose evidence this peer checked (each is checked once).
@@ -70,6 +74,17 @@ class AuditHost(Protocol):
     def forget_proof(self, peer_id: str) -> None: ...
 
 
+@dataclass
+class _Pending:
+    """An audit under way: the commit it audits and the pieces of the owner's evidence fetched so far."""
+
+    plan: RoundPlan
+    decision: Decision
+    part: int
+    pieces: list[PartEvidence]
+    started: float
+
+
 class PartAuditor:
     """The audits of one averager: its draws, its answers as an owner, its checks of others' evidence."""
 
@@ -79,32 +94,54 @@ class PartAuditor:
         self.counts: Counter[str] = Counter()
         self._checked: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self._checking = 0
+        self._pending: _Pending | None = None  # this peer's audit under way
+        self.fetching = 0  # its fetches of a piece now (``scripts/bench_averaging.py`` counts them in their round)
 
     # ---- auditor -----------------------------------------------------------------------------
 
     def after_commit(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> None:
-        """A commit this member applied: audit the drawn part if the draw names this peer (an owned task)."""
+        """A commit this member applied: fetch the next piece of the audit under way (one a round), and start
+        auditing the part the commit draws if the draw names this peer (one audit at a time: owned tasks)."""
         av = self.av
+        pending = self._pending
+        if pending is not None and time.monotonic() - pending.started > PENDING_MAX_S:
+            self._pending = pending = None
+            self.counts["unanswered"] += 1
+        if pending is not None and not self.fetching:
+            self._fetch_next(pending)
         if av.identity is None or signature is None:  # (nothing signed: nothing an audit could show)
             return
         left_out = [*decision.dropped, *(pid for pid, _ in decision.refused)]
         drawn = draw(decision.message(), signature, plan.owners, plan.member_ids, left_out, self.share)
-        if drawn is None or drawn[1] != av.peer_id:
+        if drawn is None or drawn[1] != av.peer_id or plan.owners[drawn[0]] in av.suspicions.excluded():
             return
-        part = drawn[0]
-        owner = plan.owners[part]
-        if owner in av.suspicions.excluded():
+        if pending is not None:
+            self.counts["skipped"] += 1  # (auditing another part still)
             return
         self.counts["drawn"] += 1
-        av._own(self._audit(plan, decision, part), "swarmd-audit")
+        self._pending = _Pending(plan, decision, drawn[0], [], time.monotonic())
+        self._fetch_next(self._pending)
 
-    async def _audit(self, plan: RoundPlan, decision: Decision, part: int) -> None:
-        av, owner = self.av, plan.owners[part]
-        stage = av.executor.stage
-        query = ArQuery(stage, plan.round_id, part)
+    def _fetch_next(self, pending: _Pending) -> None:
+        self.fetching += 1
+        self.av._own(self._fetch(pending), "swarmd-audit")
+
+    async def _fetch(self, pending: _Pending) -> None:
+        try:
+            await self._fetch_piece(pending)
+        finally:
+            self.fetching -= 1
+
+    async def _fetch_piece(self, pending: _Pending) -> None:
+        """The next piece of the owner's evidence; with the last, check it all and judge the owner."""
+        av, plan, part = self.av, pending.plan, pending.part
+        owner, stage = plan.owners[part], av.executor.stage
+        start = sum(len(p.part_frames) for p in pending.pieces)
+        query = ArQuery(stage, plan.round_id, part, index=start)
         try:
             frame = await av.client.allreduce(plan.addr(owner), "slices", query.encode, timeout_s=AUDIT_TIMEOUT_S)
         except (PeerError, SwarmdError) as exc:
+            self._end(pending)
             self._unanswered(owner, part, plan, str(exc))
             return
         if frame.kind == ArAck.KIND:
@@ -112,17 +149,29 @@ class PartAuditor:
                 reason = ArAck.from_frame(frame).reason
             except RequestError as exc:
                 reason = str(exc)
+            self._end(pending)
             self._unanswered(owner, part, plan, reason)
             return
         try:
-            evidence = await asyncio.to_thread(PartEvidence.decode, frame)
+            piece = await asyncio.to_thread(PartEvidence.decode, frame)
         except RequestError as exc:
+            self._end(pending)
             self._unprovable(owner, part, plan, str(exc))
             return
-        ready = evidence.ready
-        if (evidence.stage != stage or ready.owner != owner or ready.round_id != plan.round_id or ready.part != part
-                or ready.digest != decision.digests[part]):
-            self._unprovable(owner, part, plan, "its evidence is of another part, or of a mean not committed")
+        ready = piece.ready
+        if (piece.stage != stage or ready.owner != owner or ready.round_id != plan.round_id or ready.part != part
+                or ready.digest != pending.decision.digests[part] or piece.piece_of is None
+                or piece.piece_of[0] != start):
+            self._end(pending)
+            self._unprovable(owner, part, plan, "its evidence is of another part, piece, or a mean not committed")
+            return
+        pending.pieces.append(piece)
+        if start + len(piece.part_frames) < piece.piece_of[1]:
+            return  # the next piece with the next commit
+        self._end(pending)
+        evidence = PartEvidence.assemble(pending.pieces)
+        if isinstance(evidence, str):
+            self._unprovable(owner, part, plan, evidence)
             return
         verdict = await asyncio.to_thread(evidence.check)
         if isinstance(verdict, str):
@@ -136,6 +185,10 @@ class PartAuditor:
         self.counts["mismatch"] += 1
         self._convict(owner, verdict.why, "convicted")
         await self._show(owner, evidence)
+
+    def _end(self, pending: _Pending) -> None:
+        if self._pending is pending:
+            self._pending = None
 
     def _unanswered(self, owner: str, part: int, plan: RoundPlan, why: str) -> None:
         self.counts["unanswered"] += 1
@@ -188,7 +241,10 @@ class PartAuditor:
         evidence = evidence_of(owner, q.stage)
         if isinstance(evidence, str):
             return ArAck(False, evidence).encode()
-        return await asyncio.to_thread(evidence.encode)
+        piece = evidence.piece(q.index)
+        if piece is None:
+            return ArAck(False, f"this part holds {len(evidence.part_frames)} slices").encode()
+        return await asyncio.to_thread(piece.encode)
 
     # ---- stage-mate --------------------------------------------------------------------------
 

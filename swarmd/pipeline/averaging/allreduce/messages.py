@@ -260,24 +260,28 @@ class ArReady:
 @dataclass(frozen=True)
 class ArQuery:
     """Ask for a round's decision (``part`` unused) or part ``part``'s encoded mean, waiting up to
-    ``wait_s`` for it to exist."""
+    ``wait_s`` for it to exist; or (``slices``) the ``index``-th piece of an owner's evidence of the part."""
 
     stage: int
     round_id: str
     part: int = 0
     wait_s: float = 0.0
+    index: int = 0
 
     KIND = "ar_query"
 
     def encode(self, codec: str = "none") -> bytes:
-        return encode_frame(self.KIND, {"stage": self.stage, "round_id": self.round_id, "part": self.part,
-                                        "wait_s": self.wait_s}, {})
+        meta = {"stage": self.stage, "round_id": self.round_id, "part": self.part, "wait_s": self.wait_s}
+        if self.index:
+            meta["index"] = self.index
+        return encode_frame(self.KIND, meta, {})
 
     @classmethod
     def from_frame(cls, frame: Frame) -> ArQuery:
         _kind(frame, cls.KIND)
         m = frame.meta
-        return cls(_nat(m, "stage"), _str(m, "round_id"), _nat(m, "part"), _wait(m))
+        index = _nat(m, "index") if m.get("index") is not None else 0
+        return cls(_nat(m, "stage"), _str(m, "round_id"), _nat(m, "part"), _wait(m), index)
 
 
 @dataclass(frozen=True)
