@@ -26,6 +26,12 @@ seeds):
 * ``honest_blamed``: honest peers any trainer convicted (must be none);
 * ``suspicions``: unpaired answers checked after they came for their size (``verify.AnswerSizes``).
 
+The all-reduce's part owners (``ownpart``: -20x in its own slice of the part it owns, honest to the other
+owners; ``ownflip``: publishes the part it owns sign-flipped, honest otherwise; both on the first stage):
+the first is left out of its own part by the median rule and never convicted; the second is convicted
+when an audit draws its part (``swarmd.pipeline.averaging.allreduce.audit``), ``excluded_at``, and
+``routed_out_at`` once a stage-mate seconded it.
+
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
 the leader's reduction bounds and scores them (``swarmd.pipeline.averaging.reduction``), and their
@@ -66,6 +72,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,7 +81,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.liars import make_liar, poison_contributions  # noqa: E402
+from tests.support.liars import lie_as_owner, make_liar, poison_contributions  # noqa: E402
 from tests.support.checks import SPEC, TRAINING, trainer_config  # noqa: E402
 from tests.support.swarms import config, fast_swarm  # noqa: E402
 
@@ -85,8 +92,10 @@ from swarmd.train.trainer import Trainer  # noqa: E402
 
 #: The stage each liar serves (input-gradient liars: the last one, whose fused backward answers them).
 STAGE = {"aware": 1, "awareflip": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
-         "minus20": 1, "flipped": 1}
-AVERAGING = ("minus20", "flipped")
+         "minus20": 1, "flipped": 1, "ownpart": 0, "ownflip": 0}
+#: (``ownpart``: -20x in its own slice of the part it owns only; ``ownflip``: publishes the part it owns
+#: sign-flipped: the all-reduce's owners, issue 29; on the first stage, where no opening checks a contribution)
+AVERAGING = ("minus20", "flipped", "ownpart", "ownflip")
 
 
 def plain_averaging() -> None:
@@ -206,6 +215,11 @@ def trace_lies(liar: Daemon, stage0: list[Daemon], told: Any) -> Callable[[], in
 async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
     SCORED.clear()
     async with fast_swarm(SPEC, TRAINING, peers_per_stage=args.peers_per_stage) as daemons:
+        if args.audit_share is not None:  # (the all-reduce's audits of part owners: audit.AUDIT_SHARE by default)
+            for d in daemons:
+                auditor = getattr(d.averager, "auditor", None)
+                if auditor is not None:
+                    auditor.share = args.audit_share
         liar = None
         told = None
         if lie is not None:
@@ -213,7 +227,11 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             if lie in AVERAGING:  # the largest id of its stage: a liar that leads is not scored (SECURITY.md)
                 liar = max((d for d in daemons if d.stage == STAGE[lie]), key=lambda d: d.peer_id or "")
                 assert liar.averager is not None
-                poison_contributions(liar.averager, lie)
+                if lie == "ownflip":
+                    lie_as_owner(liar.averager, -1.0)  # type: ignore[arg-type]
+                else:
+                    poison_contributions(liar.averager, "minus20" if lie == "ownpart" else lie,
+                                         own_part_only=lie == "ownpart")
             else:
                 assert liar.executor is not None
                 told = make_liar(liar.executor, lie)
@@ -315,6 +333,12 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             "clipped": sum(a.contributions_clipped for a in averagers),
             "struck": sum(a.contributions_struck for a in averagers),
             "rounds": sum(a.rounds_ok for a in averagers),
+            # the all-reduce's audits of part owners (summed over the honest peers), and the parts whose own slice
+            # their owner's median rule left out (the liar's, for ownpart: it reduces honestly)
+            "audits": dict(sum((Counter(a.checks_status().get("audits", {})) for a in averagers), Counter())),
+            "own_slices_struck": {"liar": liar.status()["averaging"].get("own_slices_struck", 0)
+                                  if liar is not None and liar.averager is not None else None,
+                                  "honest": sum(a.checks_status().get("own_slices_struck", 0) for a in averagers)},
             # the checks' compute in forward passes (a forward 1, a backward 2, the last stage's fused call 3,
             # swarmd.train.verify.call_passes) per pass of the microbatches' own calls
             "extra_compute": round(sum(s.verify["extra_passes"] for s in summaries) / max(1, work), 4),
@@ -394,6 +418,8 @@ if __name__ == "__main__":
     parser.add_argument("--plain-averaging", action="store_true", help="average as before issue 29 (plain mean)")
     parser.add_argument("--peers-per-stage", type=int, default=3, help="peers serving each of the 2 stages")
     parser.add_argument("--joins", type=int, default=0, help="peers that join during each run (churn), evenly spaced")
+    parser.add_argument("--audit-share", type=float, default=None,
+                        help="the share of all-reduce commits audited (default: the daemon's, audit.AUDIT_SHARE)")
     parser.add_argument("--log", action="store_true", help="warnings to stderr (the checks' verdicts)")
     parser.add_argument("--directions", action="store_true", help="per stage, what a rule convicting on direction "
                         "(STRIKES cosines below -AGAINST_COS in WINDOW rounds) would have convicted")
