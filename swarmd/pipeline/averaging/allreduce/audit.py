@@ -41,12 +41,14 @@ owning one of ``n`` parts is caught in a round it lies in with probability ``AUD
 (``1/12`` in a stage of 3): the rounds it lies in before that are applied. A conviction sends the
 evidence to each stage-mate once.
 
-What is left: a lie inside the tolerance (a mean within 1% of the rule's: bounded by it); an owner whose
-slices' members collude with it (they sign what it wants); the rounds a liar spends before its part is
-drawn; heterogeneous builds that score a slice on the other side of a strike threshold recompute
-another mean (an honest owner convicted that way is the price of a threshold, as in
-``hostile_contributions``; none seen on one build). The members' own slices are not checked here: that
-is the owners' scoring and the openings' business.
+What is left: an owner that will not show its evidence (refuses, or shows what does not hold up) is
+only counted (``unanswered``, ``unprovable``), so a liar that refuses every audit is not convicted; a
+lie inside the tolerance (a mean within 1% of the rule's: bounded by it); an owner whose slices'
+members collude with it (they sign what it wants); the rounds a liar spends before its part is drawn;
+heterogeneous builds that score a slice on the other side of a strike threshold recompute another mean
+(an honest owner convicted that way is the price of a threshold, as in ``hostile_contributions``; none
+seen on one build). The members' own slices are not checked here: that is the owners' scoring and the
+openings' business.
 """
 
 from __future__ import annotations
