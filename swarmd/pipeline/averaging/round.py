@@ -311,6 +311,20 @@ class AveragerCore:
                         "whose peer could not be asked); the step weighs them twice",
                         self.executor.stage, step, len(repeated))
 
+    async def mates_to_tell(self, accused: str, what: str) -> list[str]:
+        """The addresses of every listed stage-mate but ``accused`` and this peer, to show ``what`` (a
+        conviction's evidence); none when the listing fails or lists nobody else (both logged)."""
+        try:
+            mates = await self.stage_peers()
+        except Exception as exc:  # the DHT lookup failed: nobody to tell this time
+            log.warning("stage %d: could not list the stage-mates to show %s of %s (%s)", self.executor.stage,
+                        what, accused[:12], exc)
+            return []
+        targets = [addr for pid, addr in sorted(mates.items()) if pid not in (accused, self.peer_id)]
+        if not targets:
+            log.warning("stage %d: no stage-mate listed to show %s of %s", self.executor.stage, what, accused[:12])
+        return targets
+
     def _own(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Run ``coro`` as a task this averager owns: cancelled and awaited by :meth:`close`; one that
         fails is logged with its traceback when it ends (never silently)."""

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,8 +64,7 @@ class AuditHost(Protocol):
     suspicions: Suspicions
     hostile_convictions: Counter[str]
 
-    @property
-    def stage_peers(self) -> Callable[[], Awaitable[dict[str, str]]]: ...
+    async def mates_to_tell(self, accused: str, what: str) -> list[str]: ...
 
     def _own(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
 
@@ -212,14 +211,8 @@ class PartAuditor:
     async def _show(self, owner: str, evidence: PartEvidence) -> None:
         """Post the evidence to every listed stage-mate but the owner and this peer."""
         av = self.av
-        try:
-            mates = await av.stage_peers()
-        except Exception as exc:  # the DHT lookup failed: nobody to tell this time
-            log.warning("stage %d: could not list the stage-mates to show the audit of %s (%s)",
-                        av.executor.stage, owner[:12], exc)
-            return
+        targets = await av.mates_to_tell(owner, "the audit")
         raw = await asyncio.to_thread(evidence.encode)
-        targets = [addr for pid, addr in sorted(mates.items()) if pid not in (owner, av.peer_id)]
 
         async def one(addr: str) -> bool:
             try:

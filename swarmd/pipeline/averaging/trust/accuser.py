@@ -291,16 +291,7 @@ class RoundAccuser(AveragerCore):
 
         async def post() -> None:
 
-            try:
-                mates = await self.stage_peers()
-            except Exception as exc:  # the DHT lookup failed: nobody to tell this time
-                log.warning("stage %d: could not list the stage-mates to accuse %s before (%s)",
-                            self.executor.stage, accused[:12], exc)
-                return
-            targets = [addr for pid, addr in sorted(mates.items()) if pid not in (accused, self.peer_id)]
-            if not targets:
-                log.warning("stage %d: no stage-mate listed to show the conviction of %s", self.executor.stage,
-                            accused[:12])
+            targets = await self.mates_to_tell(accused, "the conviction")
             accepted = await asyncio.gather(*(one(addr) for addr in targets))
             self.accusations[counter] += 1
             self.accusations["accepted_by_mates"] += sum(accepted)
