@@ -70,11 +70,13 @@ async def test_an_owner_publishing_a_false_mean_is_audited_convicted_seconded_an
             if all(liar.peer_id in d.status()["averaging"]["excluded"] for d in honest):
                 break
         audits = [_audits(d) for d in honest]
-        assert sum(a.get("mismatch", 0) for a in audits) == 1, audits  # one auditor convicted it
-        assert sum(a.get("seconded", 0) for a in audits) == 1, audits  # and the other seconded it
+        # an auditor convicted it, and the other honest peer seconded it from the evidence shown, or had drawn
+        # the liar's part of another commit before the evidence came and convicted it itself (seen under load)
+        assert sum(a.get("mismatch", 0) for a in audits) >= 1, audits
+        assert all(a.get("mismatch", 0) + a.get("seconded", 0) >= 1 for a in audits), audits
         assert not any(a.get("not_seconded") or a.get("unprovable") for a in audits), audits
-        auditor = next(d for d, a in zip(honest, audits, strict=True) if a.get("mismatch"))
-        assert await _metric(auditor, 'swarmd_averaging_audits_total{outcome="mismatch"}') == 1
+        auditor, counts = next((d, a) for d, a in zip(honest, audits, strict=True) if a.get("mismatch"))
+        assert await _metric(auditor, 'swarmd_averaging_audits_total{outcome="mismatch"}') == counts["mismatch"]
         for d in honest:
             excluded = d.status()["averaging"]["excluded"]
             assert excluded[liar.peer_id]["reason"].startswith("hostile: audited"), excluded
