@@ -24,7 +24,7 @@ from swarmd.net.messages import AverageRequest
 from swarmd.net.wire import Frame, decode_frame
 from swarmd.pipeline.averaging.codec_choice import answer_codec
 from swarmd.pipeline.averaging.patience import RoundPatience
-from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S, reduce_contributions
+from swarmd.pipeline.averaging.reduction import reduce_contributions
 from swarmd.pipeline.averaging.trust.accusations import NORM_TOLERANCE, contribution_message
 from swarmd.pipeline.averaging.trust.openings import RoundOpenings
 from swarmd.pipeline.averaging.trust.refusals import Refusal
@@ -154,9 +154,7 @@ class RoundLeader(RoundOpenings):
         self.contributions_struck += len(rnd.struck)
         for pid, why in sorted(rnd.convicted.items()):
             self.hostile_convictions[pid] += 1
-            period = self.suspicions.accuse(pid, str(Refusal("hostile", why)), base_s=HOSTILE_EXCLUSION_S)
-            if self.prover is not None:
-                self.prover.table.forget(pid)
+            period = self.exclude_hostile(pid, why)
             dropped = "dropped from" if pid in rnd.refused else "kept, clipped, in"
             log.warning("stage %d step %d: convicted %s of hostile contributions (%s); its contribution %s this "
                         "round; excluded from this peer's rounds for %.0fs", self.executor.stage, rnd.step,

@@ -30,6 +30,7 @@ from swarmd.net.messages import AverageReply, ProgressReply
 from swarmd.net.wire import decode_frame, encode_frame
 from swarmd.pipeline.averaging.codec_choice import AUTO, resolve
 from swarmd.pipeline.averaging.patience import CatchUp, Dissent, RoundPatience
+from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
 from swarmd.pipeline.averaging.trust.accusations import Claim, OwnNorms, RecomputedEvidence, StruckClaims
 from swarmd.pipeline.averaging.trust.contribution_proofs import Awaited
 from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch
@@ -310,6 +311,15 @@ class AveragerCore:
             log.warning("stage %d step %d: %d microbatch(es) were counted by two peers (a lost backward answer "
                         "whose peer could not be asked); the step weighs them twice",
                         self.executor.stage, step, len(repeated))
+
+    def exclude_hostile(self, peer_id: str, why: str) -> float:
+        """Exclude ``peer_id`` from this peer's rounds as hostile (reason ``hostile: why``, for
+        ``HOSTILE_EXCLUSION_S``, growing on repeat) and prove it afresh before trusting it again; the
+        exclusion's period in seconds."""
+        period = self.suspicions.accuse(peer_id, str(Refusal("hostile", why)), base_s=HOSTILE_EXCLUSION_S)
+        if self.prover is not None:
+            self.prover.table.forget(peer_id)
+        return period
 
     async def mates_to_tell(self, accused: str, what: str) -> list[str]:
         """The addresses of every listed stage-mate but ``accused`` and this peer, to show ``what`` (a

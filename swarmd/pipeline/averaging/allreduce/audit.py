@@ -67,7 +67,7 @@ from swarmd.net.codecs import CODECS
 from swarmd.net.wire import Frame, decode_frame, encode_frame
 from swarmd.pipeline.averaging.allreduce.messages import ArPart, read_mean
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner, encoded_mean, reduce_slices
-from swarmd.pipeline.averaging.allreduce.plan import MAX_MEMBERS, Ready, part_digest, part_message
+from swarmd.pipeline.averaging.allreduce.plan import MAX_MEMBERS, Ready, part_digest, part_signer
 from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
 
 __all__ = ["AUDIT_KIND", "AUDIT_ROUNDS", "AUDIT_SHARE", "AUDIT_TOLERANCE", "AuditVerdict", "PartEvidence",
@@ -256,26 +256,25 @@ class PartEvidence:
             return f"the mean's frame does not read ({exc})"
         if not ready.digest or part_digest(mean, used) != ready.digest:
             return "the mean is not the one the owner's signed report names"
-        slices = []
+        slices, digests = [], {}
         for blob in self.part_frames:
             try:
-                part = ArPart.from_frame(decode_frame(blob), size)
+                frame = decode_frame(blob)
+                part = ArPart.from_frame(frame, size)
             except (WireError, RequestError) as exc:
                 return f"a slice's frame does not read ({exc})"
             digest = tensor_digest(part.grads)
-            message = part_message(self.stage, ready.round_id, ready.part, part.samples, digest, part.peer_id,
-                                   ready.owner)
-            if (part.public_key is None or part.signature is None or peer_id_of(part.public_key) != part.peer_id
-                    or not verify(part.public_key, message, part.signature)):
+            if part_signer(frame.meta, digest, self.stage, ready.round_id, ready.part, ready.owner) != part.peer_id:
                 return f"the slice of {part.peer_id[:12]} is not signed by its member for this part"
             slices.append(SignedSlice(part.peer_id, part.samples, part.grads))
+            digests[part.peer_id] = digest
         by_peer = {s.peer_id: s for s in slices}
         listed = {u[0]: u for u in used if isinstance(u, list) and len(u) == 4 and isinstance(u[0], str)}
         if (len(by_peer) != len(slices) or len(listed) != len(used) or set(by_peer) != set(listed)
                 or dict(ready.samples) != {pid: s.samples for pid, s in by_peer.items()}):
             return "the slices are not the members the owner reduced"
         for s in slices:
-            if listed[s.peer_id][1] != s.samples or listed[s.peer_id][2] != tensor_digest(s.grads):
+            if listed[s.peer_id][1] != s.samples or listed[s.peer_id][2] != digests[s.peer_id]:
                 return f"the slice of {s.peer_id[:12]} is not the one the owner listed"
         mean_rule, _ = reduce_slices({s.peer_id: (s.samples, s.grads) for s in slices}, ready.owner, ready.struck,
                                      size)

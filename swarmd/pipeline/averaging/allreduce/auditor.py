@@ -28,8 +28,6 @@ from swarmd.errors import PeerError, RequestError, SwarmdError
 from swarmd.net.wire import Frame
 from swarmd.pipeline.averaging.allreduce.audit import AUDIT_SHARE, PartEvidence, draw, evidence_of
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArQuery
-from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
-from swarmd.pipeline.averaging.trust.refusals import Refusal
 
 if TYPE_CHECKING:
     from swarmd.dht.identity import Identity
@@ -70,7 +68,7 @@ class AuditHost(Protocol):
 
     def _excluded_as_hostile(self, peer_id: str) -> bool: ...
 
-    def forget_proof(self, peer_id: str) -> None: ...
+    def exclude_hostile(self, peer_id: str, why: str) -> float: ...
 
 
 @dataclass
@@ -203,8 +201,7 @@ class PartAuditor:
     def _convict(self, owner: str, why: str, how: str) -> None:
         av = self.av
         av.hostile_convictions[owner] += 1
-        period = av.suspicions.accuse(owner, str(Refusal("hostile", f"audited: {why}")), base_s=HOSTILE_EXCLUSION_S)
-        av.forget_proof(owner)
+        period = av.exclude_hostile(owner, f"audited: {why}")
         log.warning("stage %d: %s part owner %s by an audit (%s); excluded from this peer's rounds for %.0fs",
                     av.executor.stage, how, owner[:12], why, period)
 

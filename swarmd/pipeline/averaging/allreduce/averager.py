@@ -241,12 +241,11 @@ from swarmd.pipeline.averaging.allreduce.plan import (
     Decision,
     RoundPlan,
     choose_coordinator,
-    part_message,
+    part_signer,
     plan_round,
     quorum,
 )
 from swarmd.pipeline.averaging.averager import COMMIT_GRACE_S, POLL_TIMEOUT_S, REPLY_SLACK_S, StageAverager
-from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
 from swarmd.pipeline.averaging.trust.recomputation import extra_share
 from swarmd.pipeline.averaging.trust.refusals import Refusal, RefusalKind
 from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
@@ -717,11 +716,6 @@ class AllReduceAverager(StageAverager):
         the executor keeps the true gradients either way)."""
         return own
 
-    def forget_proof(self, peer_id: str) -> None:
-        """Prove ``peer_id`` afresh before trusting it again (a convicted peer)."""
-        if self.prover is not None:
-            self.prover.table.forget(peer_id)
-
     def convict_members(self, convicted: dict[str, str], step: int, *, struck: int) -> None:
         """This coordinator's commit convicted ``convicted`` of hostile contributions (``member``): exclude
         each as the single leader does (``hostile_contributions``: ``HOSTILE_EXCLUSION_S``, growing on
@@ -732,9 +726,7 @@ class AllReduceAverager(StageAverager):
         self.contributions_struck += struck
         for pid, why in sorted(convicted.items()):
             self.hostile_convictions[pid] += 1
-            period = self.suspicions.accuse(pid, str(Refusal("hostile", why)), base_s=HOSTILE_EXCLUSION_S)
-            if self.prover is not None:
-                self.prover.table.forget(pid)
+            period = self.exclude_hostile(pid, why)
             self.coord.forget({pid})
             log.warning("stage %d step %d: convicted %s of hostile contributions (%s); its parts kept, struck, in "
                         "this round; excluded from this peer's rounds for %.0fs", self.executor.stage, step,
@@ -803,9 +795,7 @@ class AllReduceAverager(StageAverager):
             return Refusal("bad_opening", why)
         self.hostile_convictions[pid] += 1
         self._opening_convictions[pid] = why
-        period = self.suspicions.accuse(pid, str(Refusal("hostile", why)), base_s=HOSTILE_EXCLUSION_S)
-        if self.prover is not None:
-            self.prover.table.forget(pid)
+        period = self.exclude_hostile(pid, why)
         log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
                     "for %.0fs", ex.stage, report.step, pid[:12], why, period)
         self._post_accusation(pid, evidence, evidence.step, "sent")  # anyone can check it: the mates second it
@@ -914,17 +904,8 @@ class AllReduceAverager(StageAverager):
         return ArAck(why is None, why or "")
 
     def _part_signer(self, frame: Frame, owner: PartOwner, digest: str | None = None) -> str | None:
-        meta, grads = frame.meta, frame.tensors.get("grads")
-        pid, pk, sig, samples = meta.get("peer_id"), meta.get("pk"), meta.get("sig"), meta.get("samples")
-        if not (isinstance(pid, str) and type(pk) is bytes and type(sig) is bytes and type(samples) is int):
-            return None
-        from swarmd.dht.identity import peer_id_of, verify  # (keeps this module's imports about rounds)
-
-        if peer_id_of(pk) != pid:
-            return None
-        d = digest if digest is not None else tensor_digest(grads)
-        message = part_message(self.executor.stage, owner.plan.round_id, owner.part, samples, d, pid, self.peer_id)
-        return pid if verify(pk, message, sig) else None
+        d = digest if digest is not None else tensor_digest(frame.tensors.get("grads"))
+        return part_signer(frame.meta, d, self.executor.stage, owner.plan.round_id, owner.part, self.peer_id)
 
     async def _owner(self, rid: Any, part: Any) -> PartOwner | None:
         if not isinstance(rid, str) or not isinstance(part, int):

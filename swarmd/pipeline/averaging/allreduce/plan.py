@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeGuard
 import msgpack
 import torch
 
+from swarmd.dht.identity import peer_id_of, verify
 from swarmd.net.addresses import is_relayed
 from swarmd.pipeline.averaging.trust.hostile_contributions import PartTerms
 from swarmd.pipeline.averaging.trust.refusals import Refusal
@@ -224,6 +225,18 @@ def claim_digest(part_digests: Sequence[str]) -> str:
 def part_message(stage: int, round_id: str, part: int, samples: int, digest: str, peer_id: str, owner: str) -> bytes:
     """What a member signs when it sends part ``part`` of its gradients to its owner."""
     return _PART_DOMAIN + msgpack.packb([stage, round_id, part, samples, digest, peer_id, owner], use_bin_type=True)
+
+
+def part_signer(meta: Mapping[str, Any], digest: str, stage: int, round_id: str, part: int, owner: str) -> str | None:
+    """The member that signed an ``ar_part`` frame's ``meta`` (its ``peer_id``, ``pk``, ``sig``, ``samples``) for
+    part ``part`` of ``round_id`` to ``owner``, over ``digest`` (the slice's ``tensor_digest`` as decoded); None
+    when the frame is not signed so (remote input: any meta)."""
+    pid, pk, sig, samples = meta.get("peer_id"), meta.get("pk"), meta.get("sig"), meta.get("samples")
+    if not (isinstance(pid, str) and type(pk) is bytes and type(sig) is bytes and type(samples) is int):
+        return None
+    if peer_id_of(pk) != pid:
+        return None
+    return pid if verify(pk, part_message(stage, round_id, part, samples, digest, pid, owner), sig) else None
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import torch
 
 from swarmd.errors import RequestError, SwarmdError
 from swarmd.net.messages import AverageRequest, RecheckRequest, ReportRequest
-from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
 from swarmd.pipeline.averaging.round import AveragerCore, _OpenRound, log
 from swarmd.pipeline.averaging.trust.accusations import (
     Claim,
@@ -126,9 +125,7 @@ class RoundAccuser(AveragerCore):
                        describe(evidence.claims, self.own_norms))
             return "not_seconded"
         self.accusations["seconded"] += 1
-        period = self.suspicions.accuse(accused, why, base_s=HOSTILE_EXCLUSION_S)
-        if self.prover is not None:
-            self.prover.table.forget(accused)
+        period = self.exclude_hostile(accused, why.removeprefix("hostile: "))  # (``second`` names it hostile)
         log.warning("stage %d: seconded %s's accusation of %s (%s); excluded from this peer's rounds for %.0fs",
                     self.executor.stage, report.reporter_id[:12], accused[:12], why, period)
         self._post_accusation(accused, evidence, max(c.step for c in evidence.claims), "seconded_sent")
@@ -145,9 +142,7 @@ class RoundAccuser(AveragerCore):
                        "not seconded", self.executor.stage, report.reporter_id[:12], accused[:12], evidence.step)
             return "not_seconded"
         self.accusations["seconded"] += 1
-        period = self.suspicions.accuse(accused, f"hostile: {why}", base_s=HOSTILE_EXCLUSION_S)
-        if self.prover is not None:
-            self.prover.table.forget(accused)
+        period = self.exclude_hostile(accused, why)
         log.warning("stage %d: seconded %s's accusation of %s (%s); excluded from this peer's rounds for %.0fs",
                     self.executor.stage, report.reporter_id[:12], accused[:12], why, period)
         self._post_accusation(accused, evidence, evidence.step, "seconded_sent")
@@ -231,9 +226,7 @@ class RoundAccuser(AveragerCore):
                f"{RECOMPUTE_TOLERANCE:g}), as {report.reporter_id[:12]} found")
         self.accusations["seconded"] += 1
         count()
-        period = self.suspicions.accuse(accused, f"hostile: {why}", base_s=HOSTILE_EXCLUSION_S)
-        if self.prover is not None:
-            self.prover.table.forget(accused)
+        period = self.exclude_hostile(accused, why)
         log.warning("stage %d: seconded %s's conviction of %s by recomputation (%s); excluded from this peer's "
                     "rounds for %.0fs", ex.stage, report.reporter_id[:12], accused[:12], why, period)
         shown = (evidence.opening.encode(), evidence.mb, evidence.inputs, evidence.targets)

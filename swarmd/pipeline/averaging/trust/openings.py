@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarmd.errors import RequestError
-from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
 from swarmd.pipeline.averaging.round import _OpenRound, log
 from swarmd.pipeline.averaging.trust.accuser import RoundAccuser
 from swarmd.pipeline.averaging.trust.contribution_proofs import (
@@ -298,9 +297,7 @@ class RoundOpenings(RoundAccuser):
         assert evidence is not None  # "inconsistent" and "mismatch" carry it
         self.hostile_convictions[peer_id] += 1
         self._opening_convictions[peer_id] = why
-        period = self.suspicions.accuse(peer_id, str(Refusal("hostile", why)), base_s=HOSTILE_EXCLUSION_S)
-        if self.prover is not None:
-            self.prover.table.forget(peer_id)
+        period = self.exclude_hostile(peer_id, why)
         log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
                     "for %.0fs", self.executor.stage, step, peer_id[:12], why, period)
         if verdict == "inconsistent":  # anyone can check it from the signed opening
