@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # One OpenMP thread per process, for the test workers and every process they start (before torch is
-# imported): two xdist workers, their in-process daemons and the daemons they spawn share two cores,
+# imported): the xdist workers, their in-process daemons and the daemons they spawn share two cores,
 # and oversubscribed OpenMP threads spin. Measured in the full suite under -n 2: a unit test that
 # takes 0.06 s alone took 14 s (tests/unit/test_optimizer.py, test_model.py, test_codecs.py: 64 s -> 5 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -99,6 +99,16 @@ class DaemonProcess(local_swarm.DaemonProcess):
 
     def close(self) -> None:
         self.kill()
+
+
+# Heaviest first: pytest-xdist's ``--dist loadfile`` hands out files in collection order (``scripts/test`` turns
+# off its reordering by test count, which put the many tiny unit tests first and the single-test files of a minute
+# last, so one worker ran them alone at the end); the end-to-end folders go first and the unit tests fill the gaps.
+_HEAVY_FIRST = {"system": 0, "adversarial": 1, "integration": 2, "unit": 3}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: _HEAVY_FIRST.get(Path(str(item.path)).parent.name, 4))  # stable within a folder
 
 
 @pytest.fixture

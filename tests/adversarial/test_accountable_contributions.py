@@ -32,12 +32,13 @@ from swarmd.pipeline.averaging.trust.contribution_proofs import Opening
 from swarmd.pipeline.averaging.trust.recomputation import extra_bound
 from swarmd.pipeline.reports import MisbehaviourReport
 from swarmd.train.trainer import Trainer
+from tests.support.averaging import AVERAGING_MODES
 from tests.support.checks import SPEC, TRAINING, trainer_config
 from tests.support.liars import lie_about_a_microbatch, poison_contributions, withhold_inputs, withhold_openings
 from tests.support.swarms import fast_swarm
 
 STEPS = 12
-MODES = ["leader", "allreduce"]
+MODES = AVERAGING_MODES
 
 
 async def _train(daemons: list[Daemon], steps: int = STEPS) -> None:

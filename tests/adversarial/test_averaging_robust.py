@@ -18,6 +18,7 @@ import pytest
 
 from swarmd.daemon import Daemon
 from swarmd.train.trainer import Trainer
+from tests.support.averaging import AVERAGING_MODES
 from tests.support.checks import SPEC, TRAINING, trainer_config
 from tests.support.liars import poison_contributions
 from tests.support.swarms import fast_swarm
@@ -83,7 +84,7 @@ async def _honest_loss(averaging: str) -> float:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("averaging", ["leader", "allreduce"])
+@pytest.mark.parametrize("averaging", AVERAGING_MODES)
 @pytest.mark.parametrize("poison", ["minus20", "flipped"])
 async def test_an_averaging_liar_is_bounded_convicted_and_excluded(poison: str, averaging: str) -> None:
     """In leader rounds the leader scores whole contributions; in the chunked all-reduce each part's owner
@@ -160,7 +161,7 @@ async def _served(daemon: Daemon) -> float:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("averaging", ["leader", "allreduce"])
+@pytest.mark.parametrize("averaging", AVERAGING_MODES)
 async def test_a_convicted_averaging_liar_is_seconded_and_the_trainers_stop_routing_to_it(averaging: str) -> None:
     """Issue #29, item 4: the leader's conviction of a -20x liar reaches its stage-mates as signed
     evidence (``swarmd.pipeline.averaging.trust.accusations``); the honest stage-mate checks it against its own

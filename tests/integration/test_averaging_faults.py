@@ -457,6 +457,7 @@ async def test_a_contribution_reaching_the_leader_after_its_reduction_is_refused
     assert microbatch.sent == sum(rounds.values()) + dropped + held, (microbatch.sent, rounds, dropped, held)
 
 
+@pytest.mark.slow  # 23 s, the leader mode (no longer the default): its other fault tests stay in the short run
 async def test_a_leader_frozen_past_its_contributors_patience_does_not_step_alone(tmp_path, monkeypatch) -> None:
     """The leader reduced, then froze (SIGSTOP: a VM pause, a swapped-out process) for longer
     than its contributors wait for an answer. They gave up, kept their gradients and stepped

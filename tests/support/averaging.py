@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
+import pytest
 import torch
 
 from swarmd.dht.identity import Identity
@@ -24,6 +25,12 @@ from swarmd.pipeline.stage.executor import StageExecutor
 from swarmd.pipeline.stage.runtime import StageRuntime
 
 MICRO = 4
+
+# The modes a test of both runs in. The single leader is the mode that is no longer the default (``--averaging
+# leader``, and swarms founded before the all-reduce): its variants of the long end-to-end tests run with ``-m slow``
+# (about 70 s of the short run's time); its own checks keep their tests in the short run (test_averaging_checks,
+# test_averaging_faults, test_liars_sync, test_accountable_contributions' recomputation tests).
+AVERAGING_MODES = [pytest.param("leader", marks=pytest.mark.slow), "allreduce"]
 ONE = replace(PRESETS["tiny"], name="one", n_stages=1, layers_per_stage=1)
 
 
