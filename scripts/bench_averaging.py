@@ -125,12 +125,13 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
     tasks = [asyncio.create_task(a.run()) for a in averagers]
     gen = torch.Generator().manual_seed(1)
     took, peak, peak_total, control = [], 0, 0, []
+    by_path: Counter[str] = Counter()  # control requests of the measured rounds, by path
     try:
         for r in range(rounds + 1):  # the first round warms up (connections, imports)
             for i, ex in enumerate(executors):
                 flat = torch.randn(ex.grad_numel, generator=gen) * 1e-3
                 await ex.add_gradients(flat, TARGET // n + (1 if i < TARGET % n else 0))
-            sent0, recv0, ctl0 = Counter(SENT), Counter(RECEIVED), sum(CONTROL.values())
+            sent0, recv0, ctl0 = Counter(SENT), Counter(RECEIVED), Counter(CONTROL)
             started = time.perf_counter()
             while not all(ex.step == r + 1 for ex in executors):
                 if time.perf_counter() - started > ROUND_LIMIT_S:
@@ -147,7 +148,8 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
             for ip in ips:
                 s, rcv = SENT[ip] - sent0[ip], RECEIVED[ip] - recv0[ip]
                 peak, peak_total = max(peak, s, rcv), max(peak_total, s + rcv)
-            control.append(sum(CONTROL.values()) - ctl0)
+            control.append(sum((CONTROL - ctl0).values()))
+            by_path.update(CONTROL - ctl0)
         if DEBUG:
             for a in averagers:
                 print(a.peer_id[:6], [(h["step"], h["status"], h.get("reason")) for h in a.history],
@@ -174,6 +176,8 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
             "max_peer_bytes_per_round": peak, "max_peer_bytes_total_per_round": peak_total,
             "ratio_to_gradient": round(peak / grad_bytes, 3),
             "control_requests_per_round": round(statistics.mean(control), 1),
+            "control_requests_per_round_by_path": {k.rsplit("/", 1)[-1]: round(v / len(control), 1)
+                                                   for k, v in sorted(by_path.items())},
             "round_s_median": round(statistics.median(took), 4)}
 
 

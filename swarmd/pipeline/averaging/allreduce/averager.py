@@ -303,6 +303,7 @@ class AllReduceAverager(StageAverager):
         self.auditor = PartAuditor(self)  # audits of part owners (``audit``)
         self.own_slices_struck = 0  # parts this peer owned whose mean left its own slice out (``owner``)
         self.membership = StageMembership()  # the stage as the quorum counts it
+        self._short_since: tuple[int, float] | None = None  # the step this coordinator is short of the batch at, since
         self._unreported: tuple[int, float] | None = None  # the step a full batch waits at for mates, and since
         self._dropped: dict[str, None] = {}  # members dropped from a round as silent (still counted by the quorum)
         self.part_strikes = PartStrikes()  # far strikes of the members' slices of this peer's parts (seconding)
@@ -480,7 +481,12 @@ class AllReduceAverager(StageAverager):
             # not report them: with theirs the stage holds the target, so trainers wait for this step while
             # the round waits for samples; they are waited for the stage's patience, then excluded as silent
             # (the leader's rule for an expected contributor: test_tarpit's mirror of an honest peer's progress)
-            here = await self._unreported_mates(mates, waiting, step, digest) if set(mates) - set(waiting) else {}
+            if self._short_since is None or self._short_since[0] != step:
+                self._short_since = (step, now)
+            # a mate at this step reports within a hold: asked (a progress each) only once it had one. Asking at
+            # once asked nearly every mate every round, reports being milliseconds apart (n - 1 requests a round)
+            asked = set(mates) - set(waiting) and now - self._short_since[1] >= self.hold_s
+            here = await self._unreported_mates(mates, waiting, step, digest) if asked else {}
             if here and total + sum(here.values()) >= self.target:
                 self._silent_after_patience(here, step, "claimed samples at this coordinator's step and never "
                                             "reported them")
