@@ -19,6 +19,10 @@ measured rounds, each from "every peer holds its share of the batch" to "every p
 the idle time in between (the leader's stage keeps polling while it waits).
 
 Time: that interval, median over ``--rounds`` rounds (the first, warming up, is not counted).
+``cpu_s_per_peer_round_median``: this process's CPU time from the round's start until its audits' fetches ended (every thread: the
+codec and digest work runs off the loop), divided by ``n``: what one peer of a round costs its machine.
+All ``n`` peers share this machine's cores, so the round's time grows with ``n`` here whatever the
+protocol; the CPU a peer spends says what the round would take with a machine per peer.
 
     .venv/bin/python scripts/bench_averaging.py --json
     .venv/bin/python scripts/bench_averaging.py --peers 2 4 --modes allreduce --rounds 3 --preset tiny
@@ -124,7 +128,7 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
             averager.auditor.share = audit_share
     tasks = [asyncio.create_task(a.run()) for a in averagers]
     gen = torch.Generator().manual_seed(1)
-    took, peak, peak_total, control = [], 0, 0, []
+    took, peak, peak_total, control, cpu = [], 0, 0, [], []
     by_path: Counter[str] = Counter()  # control requests of the measured rounds, by path
     try:
         for r in range(rounds + 1):  # the first round warms up (connections, imports)
@@ -132,7 +136,7 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
                 flat = torch.randn(ex.grad_numel, generator=gen) * 1e-3
                 await ex.add_gradients(flat, TARGET // n + (1 if i < TARGET % n else 0))
             sent0, recv0, ctl0 = Counter(SENT), Counter(RECEIVED), Counter(CONTROL)
-            started = time.perf_counter()
+            started, cpu0 = time.perf_counter(), time.process_time()
             while not all(ex.step == r + 1 for ex in executors):
                 if time.perf_counter() - started > ROUND_LIMIT_S:
                     raise RuntimeError(f"{mode} n={n}: round {r} did not complete in {ROUND_LIMIT_S:.0f}s")
@@ -145,6 +149,7 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
             if not r:
                 continue
             took.append(elapsed)
+            cpu.append((time.process_time() - cpu0) / n)
             for ip in ips:
                 s, rcv = SENT[ip] - sent0[ip], RECEIVED[ip] - recv0[ip]
                 peak, peak_total = max(peak, s, rcv), max(peak_total, s + rcv)
@@ -178,7 +183,8 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
             "control_requests_per_round": round(statistics.mean(control), 1),
             "control_requests_per_round_by_path": {k.rsplit("/", 1)[-1]: round(v / len(control), 1)
                                                    for k, v in sorted(by_path.items())},
-            "round_s_median": round(statistics.median(took), 4)}
+            "round_s_median": round(statistics.median(took), 4),
+            "cpu_s_per_peer_round_median": round(statistics.median(cpu), 4)}
 
 
 def main() -> int:

@@ -101,6 +101,28 @@ def test_the_averaging_liars_of_the_table_are_held_to_the_bound(lie: str) -> Non
     assert cos > 0.9, cos
 
 
+def _median_by_sorting(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The rule as written first: a stable sort of each coordinate's values, the first whose cumulative weight
+    reaches half the total."""
+    w = torch.tensor(weights, dtype=torch.float64)
+    ordered, index = torch.sort(torch.stack(values), dim=0, stable=True)
+    pick = (torch.cumsum(w[index], dim=0) >= float(w.sum()) / 2).to(torch.int8).argmax(dim=0, keepdim=True)
+    return ordered.gather(0, pick)[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 17), equal=st.sampled_from([1.0, 0.25, 1 / 3, 1 / 6, 0.1, 7.0]), seed=st.integers(0, 2**16))
+def test_the_weighted_median_of_equal_weights_selects_what_the_sort_rule_selects(n: int, equal: float,
+                                                                                seed: int) -> None:
+    """Equal weights take a selection instead of a sort (``weighted_median``'s fast path): the same value for
+    every coordinate, ties included (values rounded to tenths), for weights whose sums round (1/6, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    vals = [torch.randn(300, generator=g, dtype=torch.float64).round(decimals=1) for _ in range(n)]
+    assert torch.equal(weighted_median(vals, [equal] * n), _median_by_sorting(vals, [equal] * n))
+    unequal = [float(k) for k in torch.randint(1, 5, (n,), generator=g)]
+    assert torch.equal(weighted_median(vals, unequal), _median_by_sorting(vals, unequal))
+
+
 def test_weighted_median_and_bad_input() -> None:
     vals = [torch.tensor([1.0, 5.0], dtype=torch.float64), torch.tensor([2.0, 4.0], dtype=torch.float64),
             torch.tensor([100.0, -100.0], dtype=torch.float64)]

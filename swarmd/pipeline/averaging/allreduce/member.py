@@ -604,7 +604,7 @@ class MemberRound:
             if missing and av.on_behind is not None:  # (a refused mean is not adopted through a resync either)
                 await av.on_behind(plan.step + 1)
             return
-        mean = torch.cat([self.parts[j][0] for j in range(len(plan.owners))])
+        mean = await asyncio.to_thread(torch.cat, [self.parts[j][0] for j in range(len(plan.owners))])
         await ex.apply_average(mean, plan.step)
         self._second(d)
         av.auditor.after_commit(plan, d, self.decision_sig)  # (if the commit draws this peer: ``audit``)

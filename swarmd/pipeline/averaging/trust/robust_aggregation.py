@@ -117,12 +117,23 @@ def weighted_median(values: Sequence[torch.Tensor], weights: Sequence[float]) ->
     w = torch.tensor(list(weights), dtype=torch.float64)
     half = float(w.sum()) / 2
     out = torch.empty_like(values[0])
+    if len(set(weights)) == 1:
+        # equal weights (a part's slices counted once each, or equal samples): the cumulative weights are the same
+        # whatever the order, so the median is the k-th smallest value, k the rule's own, selected without a
+        # sort (0.035 s against 0.1 s for a quarter of ``small``'s stage, n = 4); the same value (a zero's sign
+        # among equal zeros aside)
+        k = int((torch.cumsum(w, dim=0) >= half).to(torch.int8).argmax()) + 1
+        for lo in range(0, values[0].numel(), CHUNK):
+            out[lo:lo + CHUNK] = torch.kthvalue(torch.stack([v[lo:lo + CHUNK] for v in values]), k, dim=0).values
+        return out
     for lo in range(0, values[0].numel(), CHUNK):
-        block = torch.stack([v[lo:lo + CHUNK] for v in values])  # (n, chunk)
-        ordered, index = torch.sort(block, dim=0, stable=True)
-        cum = torch.cumsum(w[index], dim=0)
-        pick = (cum >= half).to(torch.int8).argmax(dim=0, keepdim=True)
-        out[lo:lo + CHUNK] = ordered.gather(0, pick)[0]
+        # (chunk, n): a coordinate's values side by side in memory, sorted along the rows (twice as fast as
+        # sorting the columns of (n, chunk): 0.07 s against 0.15 s for a quarter of ``small``'s stage, n = 4)
+        block = torch.stack([v[lo:lo + CHUNK] for v in values], dim=1)
+        ordered, index = torch.sort(block, dim=1, stable=True)
+        cum = torch.cumsum(w[index], dim=1)
+        pick = (cum >= half).to(torch.int8).argmax(dim=1, keepdim=True)
+        out[lo:lo + CHUNK] = ordered.gather(1, pick)[:, 0]
     return out
 
 
