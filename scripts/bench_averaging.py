@@ -18,6 +18,9 @@ counted by every client session's request trace, summed over peers, per round: a
 measured rounds, each from "every peer holds its share of the batch" to "every peer stepped", plus
 the idle time in between (the leader's stage keeps polling while it waits).
 
+``owner_bytes_held_max`` (all-reduce): the most bytes one peer's part owners still hold once the rounds are
+over (decoded slices and members' signed frames, kept for the owners of its last 16 rounds).
+
 Time: that interval, median over ``--rounds`` rounds (the first, warming up, is not counted).
 ``cpu_s_per_peer_round_median``: this process's CPU time from the round's start until its audits' fetches ended (every thread: the
 codec and digest work runs off the loop), divided by ``n``: what one peer of a round costs its machine.
@@ -95,6 +98,13 @@ async def _trace_request(session: Any, ctx: Any, params: aiohttp.TraceRequestSta
         CONTROL[path] += 1
 
 
+def _held_by_owners(averager: AllReduceAverager) -> int:
+    """Bytes a peer's part owners still hold after the rounds: decoded slices and the members' signed frames."""
+    return sum(sum(len(f) for f in o.frames.values())
+               + sum(g.numel() * g.element_size() for _, g in o.parts.values() if g is not None)
+               for o in averager.owners.values())
+
+
 async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
                    audit_share: float | None = None) -> dict[str, Any]:
     training = TrainingSpec(target_batch_size=TARGET, grad_codec=codec, averaging_timeout_s=60.0, averaging=mode)
@@ -161,6 +171,7 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
                       sorted(getattr(a, "members", {})), file=sys.stderr)
         if len({ex.digest for ex in executors}) != 1:
             raise RuntimeError("peers diverged")
+        held = [_held_by_owners(a) for a in averagers if isinstance(a, AllReduceAverager)]
     finally:
         for t in tasks:
             t.cancel()
@@ -183,6 +194,7 @@ async def run_mode(spec: Any, n: int, mode: str, codec: str, rounds: int,
             "control_requests_per_round": round(statistics.mean(control), 1),
             "control_requests_per_round_by_path": {k.rsplit("/", 1)[-1]: round(v / len(control), 1)
                                                    for k, v in sorted(by_path.items())},
+            **({"owner_bytes_held_max": max(held)} if held else {}),
             "round_s_median": round(statistics.median(took), 4),
             "cpu_s_per_peer_round_median": round(statistics.median(cpu), 4)}
 

@@ -356,6 +356,34 @@ async def test_a_stage_steps_bit_identical_with_every_sample(n: int, codec: str)
             assert p.ex._feedback.rounds_kept == (3 if codec == "8bit" else 0), p.ex._feedback.rounds_kept
 
 
+async def test_owners_keep_no_slices_and_only_the_evidence_an_audit_drew() -> None:
+    """An owner's decoded slices go once its part is reduced, and the members' signed frames once the round is
+    decided, unless the commit drew that part for an audit (what the auditor fetches in pieces over the next
+    commits). Each peer keeps the owners of its last 16 rounds: before, each held two gradients' worth (slices
+    and frames: 14 G after 7 rounds of ``small`` in ``scripts/bench_averaging.py``)."""
+    n = 3
+    async with stage(n, target=2 * n) as peers, running(peers):
+        feed = Feeder()
+        for share, rounds in ((0.0, 2), (1.0, 2)):
+            for p in peers:
+                p.averager.auditor.share = share
+            for _ in range(rounds):
+                step = peers[0].ex.step
+                for p in peers:
+                    await feed(p, 2)
+                await wait_for(lambda s=step: all(p.ex.step == s + 1 for p in peers), 30, f"step {step + 1}")
+                # (a member applies the mean, then releases its parts: under the share its round ran with)
+                await wait_for(lambda: all(not p.averager._in_round for p in peers), 10, "every member's round over")
+        kept: dict[int, int] = {}  # step -> parts still holding their frames
+        for p in peers:
+            for owner in p.averager.owners.values():
+                assert owner.ready is not None and all(g is None for _, g in owner.parts.values())
+                if owner.frames:
+                    kept[owner.plan.step] = kept.get(owner.plan.step, 0) + 1
+        # the rounds audited at share 0: none; at share 1: the one part each commit drew
+        assert kept == {2: 1, 3: 1}, kept
+
+
 async def test_the_mean_is_the_leaders_mean_bit_for_bit() -> None:
     """Same gradients in, same mean out: the chunked round applies exactly what one leader's
     float64 reduction in peer-id order gives (codec none)."""

@@ -9,7 +9,8 @@ AdamW as harmful as -20x) and every member would apply it alike (issue 29).
 An audit makes that lie a conviction. The owner signs its ready report (``plan.Ready``: the digest of
 the decoded mean and its used list, the members it reduced with their samples, and the members the plan
 struck) before the coordinator decides; every slice it reduced came as its member's signed ``ar_part``
-frame (``plan.part_message``, over the slice as decoded), which the owner keeps as it came. So the
+frame (``plan.part_message``, over the slice as decoded), which the owner keeps as it came (until the
+round is decided, and after it only if the commit drew that part: ``PartOwner.release``). So the
 owner's answer is a function of signed inputs, and anyone holding them recomputes it: the rule is
 deterministic (peer-id order, float64), and the mean re-encoded with the owner's codec must come out as
 the owner's, within ``AUDIT_TOLERANCE`` (on one build: bit for bit, measured; another build may round a

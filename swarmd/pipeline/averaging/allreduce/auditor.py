@@ -108,8 +108,7 @@ class PartAuditor:
             self._fetch_next(pending)
         if av.identity is None or signature is None:  # (nothing signed: nothing an audit could show)
             return
-        left_out = [*decision.dropped, *(pid for pid, _ in decision.refused)]
-        drawn = draw(decision.message(), signature, plan.owners, plan.member_ids, left_out, self.share)
+        drawn = self.drawn(plan, decision, signature)
         if drawn is None or drawn[1] != av.peer_id or plan.owners[drawn[0]] in av.suspicions.excluded():
             return
         if pending is not None:
@@ -118,6 +117,14 @@ class PartAuditor:
         self.counts["drawn"] += 1
         self._pending = _Pending(plan, decision, drawn[0], [], time.monotonic())
         self._fetch_next(self._pending)
+
+    def drawn(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> tuple[int, str] | None:
+        """The part a commit audits and its auditor (``audit.draw`` at this peer's share), or None. An owner
+        keeps the evidence of that part alone (``PartOwner.release``): every peer runs with the same share."""
+        if signature is None or decision.status != "commit":
+            return None
+        left_out = [*decision.dropped, *(pid for pid, _ in decision.refused)]
+        return draw(decision.message(), signature, plan.owners, plan.member_ids, left_out, self.share)
 
     def _fetch_next(self, pending: _Pending) -> None:
         self.fetching += 1

@@ -171,6 +171,18 @@ class MemberRound:
             for t in [*tasks, *fetches.values()]:
                 t.cancel()
             await asyncio.gather(*tasks, *fetches.values(), return_exceptions=True)
+            self._release_parts()
+
+    def _release_parts(self) -> None:
+        """This peer's parts of the round, which is over for it: what an audit needs kept only where the commit
+        drew one of them (the members' signed frames were held for the last 16 rounds: as much memory again as
+        the gradients of each)."""
+        av, plan = self.av, self.plan
+        drawn = av.auditor.drawn(plan, self.decision, self.decision_sig) if self.decision is not None else None
+        for j in plan.parts_of(av.peer_id):
+            owner = av.owners.get((plan.round_id, j))
+            if owner is not None and owner.ready is not None:
+                owner.release(keep_evidence=drawn is not None and drawn[0] == j)
 
     # ---- scatter -------------------------------------------------------------------------
 

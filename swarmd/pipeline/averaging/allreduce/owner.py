@@ -180,7 +180,16 @@ class PartOwner:
         ready = await asyncio.to_thread(self._reduce)
         self.ready = ready
         self._reduced.set()
+        # the decoded slices served their purpose (an audit is shown the signed frames): this peer keeps the
+        # owners of its last rounds, and each held the whole gradient's worth in slices (n slices of G / n)
+        self.parts = {pid: (samples, None) for pid, (samples, _) in self.parts.items()}
         return ready
+
+    def release(self, *, keep_evidence: bool) -> None:
+        """The round is decided: its members' signed frames are dropped unless the commit drew this part for an
+        audit (``auditor.PartAuditor.drawn``); the mean stays served to members that still fetch it."""
+        if not keep_evidence:
+            self.frames.clear()
 
     def _reduce(self) -> Ready:
         plan, parts = self.plan, dict(self.parts)
