@@ -120,10 +120,24 @@ class Frame:
 # --- encoding ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor encoded for the wire once (:func:`encode_tensor`), framed as it is by :func:`encode_frame`. A sender
+    that must know what its receiver will decode (averaging with a lossy codec: error feedback and digests) decodes
+    a frame of it and then sends the same bytes, instead of encoding the tensor twice."""
+
+    entry: Mapping[str, Any]
+
+
+def encode_tensor(tensor: torch.Tensor, codec: str = "none") -> WireTensor:
+    """``tensor`` encoded with ``codec`` (for a floating tensor) as :func:`encode_frame` would, once."""
+    return WireTensor(_encode_tensor("tensor", tensor, get_codec(codec).name))
+
+
 def encode_frame(
     kind: str,
     meta: Mapping[str, Any] | None,
-    tensors: Mapping[str, torch.Tensor] | None = None,
+    tensors: Mapping[str, torch.Tensor | WireTensor] | None = None,
     codec: str = "none",
 ) -> bytes:
     """One frame as bytes. ``codec`` applies to floating tensors; the others always go as ``none``.
@@ -140,7 +154,8 @@ def encode_frame(
     problem = _meta_problem(meta_dict, "meta", 0)
     if problem is not None:
         raise TypeError(f"meta cannot be sent: {problem}")
-    entries = [_encode_tensor(name, tensor, float_codec.name) for name, tensor in (tensors or {}).items()]
+    entries = [_named(name, t.entry) if isinstance(t, WireTensor) else _encode_tensor(name, t, float_codec.name)
+               for name, t in (tensors or {}).items()]
     return _pack_frame({"v": WIRE_VERSION, "kind": kind, "meta": meta_dict, "tensors": entries})
 
 
@@ -157,9 +172,20 @@ def wire_dtype_name(name: str, tensor: Any) -> str:
     return dtype_name
 
 
-def _encode_tensor(name: str, tensor: torch.Tensor, float_codec: str) -> dict[str, Any]:
+def _named(name: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """An encoded tensor's entry (:class:`WireTensor`) under ``name``, with its own codec (``encode_frame``'s
+    ``codec`` is for the other tensors)."""
+    _check_name(name)
+    return {**entry, "n": name}
+
+
+def _check_name(name: Any) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+
+
+def _encode_tensor(name: str, tensor: torch.Tensor, float_codec: str) -> dict[str, Any]:
+    _check_name(name)
     dtype_name = wire_dtype_name(name, tensor)
     cpu = tensor.detach().to("cpu")
     codec = CODECS[float_codec if cpu.is_floating_point() else "none"]

@@ -32,6 +32,7 @@ from swarmd.net.wire import (
     WireLimits,
     decode_frame,
     encode_frame,
+    encode_tensor,
 )
 
 META = {"stage": 2, "model": "tiny", "loss": 0.25, "ok": True, "none": None, "ids": [1, -2, 3], "blob": b"\x00\xff",
@@ -466,3 +467,17 @@ def test_a_content_type_is_read_without_trusting_its_parameters() -> None:
     assert media_type("Application/X-Msgpack; charset=binary") == CONTENT_TYPE
     assert media_type("V8p;_2*") == "v8p"  # aiohttp's parser raises IndexError on this one
     assert media_type(None) == "" and media_type("") == ""
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_a_tensor_encoded_once_frames_to_the_same_bytes(codec: str) -> None:
+    """``encode_tensor`` then ``encode_frame`` gives the bytes ``encode_frame`` gives from the tensor (under any name,
+    beside tensors the frame's own codec encodes): what averaging decodes to learn what its receiver will read and
+    then sends, instead of encoding twice."""
+    g = torch.Generator().manual_seed(3)
+    grads, ids = torch.randn(5000, generator=g), torch.arange(7, dtype=torch.int64)
+    direct = encode_frame("ar_part", {"part": 1}, {"grads": grads, "mbs": ids}, codec)
+    once = encode_frame("ar_part", {"part": 1}, {"grads": encode_tensor(grads, codec), "mbs": ids}, codec)
+    assert once == direct
+    with pytest.raises(TypeError, match="non-empty"):
+        encode_frame("x", {}, {"": encode_tensor(grads, codec)})

@@ -27,7 +27,7 @@ from swarmd.errors import PeerError
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.links import LinkMeter, dials_loopback
 from swarmd.net.messages import AverageReply, ProgressReply
-from swarmd.net.wire import decode_frame, encode_frame
+from swarmd.net.wire import WireTensor, decode_frame, encode_frame, encode_tensor
 from swarmd.pipeline.averaging.codec_choice import AUTO, resolve
 from swarmd.pipeline.averaging.patience import CatchUp, Dissent, RoundPatience
 from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
@@ -167,11 +167,20 @@ def lone_mean(grads: torch.Tensor, samples: int) -> torch.Tensor:
 
 def _as_decoded(grads: torch.Tensor | None, codec: str) -> tuple[torch.Tensor | None, str]:
     """``grads`` as the leader will decode them from a frame sent with ``codec``, and their digest."""
+    decoded, digest, _ = _encoded_once(grads, codec)
+    return decoded, digest
+
+
+def _encoded_once(grads: torch.Tensor | None, codec: str) -> tuple[torch.Tensor | None, str, WireTensor | None]:
+    """``grads`` as their receiver will decode them from a frame sent with ``codec``, their digest, and (a lossy
+    codec) the encoded tensor to send: the very bytes decoded here, not encoded a second time."""
     if grads is None:
-        return None, ""
-    if codec != "none":
-        grads = decode_frame(encode_frame("grads", {}, {"grads": grads}, codec)).tensors["grads"]
-    return grads, tensor_digest(grads)
+        return None, "", None
+    if codec == "none":
+        return grads, tensor_digest(grads), None
+    wire = encode_tensor(grads, codec)
+    decoded = decode_frame(encode_frame("grads", {}, {"grads": wire})).tensors["grads"]
+    return decoded, tensor_digest(decoded), wire
 
 
 # float16's largest finite value is 65504; anything from 65520 up rounds to inf

@@ -18,15 +18,17 @@ import torch
 from swarmd.dht.identity import Identity, peer_id_of, verify
 from swarmd.errors import Busy, PeerError, SwarmdError
 from swarmd.net.client import DataPlaneClient
+from swarmd.net.wire import WireTensor
 from swarmd.pipeline.averaging.allreduce.auditor import PartAuditor
 from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArDecisionReply, ArPart, ArQuery, ArReady, read_mean
 from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, open_contribution, opening_codec
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner, PartStrikes
 from swarmd.pipeline.averaging.allreduce.plan import Decision, RoundPlan, claim_digest, part_digest, part_message
-from swarmd.pipeline.averaging.averager import RoundResult, _as_decoded, _wire_codec
+from swarmd.pipeline.averaging.averager import RoundResult, _wire_codec
 from swarmd.pipeline.averaging.patience import RoundPatience
 from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
+from swarmd.pipeline.averaging.round import _encoded_once
 from swarmd.pipeline.averaging.trust.accusations import (
     NORM_TOLERANCE,
     SECOND_CLAIMS,
@@ -191,6 +193,7 @@ class MemberRound:
         ex = av.executor
         sent = av._to_send(own, plan)  # what it reduces and sends to the other owners (tests make it lie)
         codecs: dict[int, str] = {}
+        wires: dict[int, WireTensor] = {}  # each lossy part as encoded once: decoded here, and sent
 
         async def prepare(j: int) -> None:
             lo, hi = plan.bounds[j]
@@ -207,7 +210,9 @@ class MemberRound:
                 av.codecs_sent[codec] += 1
                 self.lossy = self.lossy or codec != "none"
             codecs[j] = codec
-            decoded, digest = await asyncio.to_thread(_as_decoded, piece, codec)
+            decoded, digest, wire = await asyncio.to_thread(_encoded_once, piece, codec)
+            if wire is not None:
+                wires[j] = wire
             self.mine[j] = (Used(av.peer_id, own.samples, digest, per_sample_norm(decoded, own.samples)), decoded)
 
         await asyncio.gather(*(prepare(j) for j in range(len(plan.owners))))
@@ -255,7 +260,7 @@ class MemberRound:
                 sig = av.identity.sign(part_message(ex.stage, plan.round_id, j, own.samples, digest, av.peer_id, owner))
             req = ArPart(ex.stage, plan.round_id, j, av.peer_id, own.samples, piece, digest, codec, key, sig,
                          own.mbs if j == 0 else (), claim_norm=claim[0], claim_sig=claim[1],
-                         unexplained=unexplained if j == 0 else None)
+                         unexplained=unexplained if j == 0 else None, wire=wires.get(j))
             try:
                 frame = await av.client.allreduce(plan.addr(owner), "part", req.encode,
                                                   0 if piece is None else piece.numel() * 4,

@@ -27,7 +27,7 @@ from swarmd.errors import NonFinite, RequestError
 from swarmd.finite import all_finite
 from swarmd.net.messages.averaging import MAX_OPENING_BYTES
 from swarmd.net.messages.fields import MAX_CONTRIBUTION_MBS
-from swarmd.net.wire import Frame, encode_frame
+from swarmd.net.wire import Frame, WireTensor, encode_frame
 from swarmd.pipeline.averaging.allreduce.plan import Decision, Ready, RoundPlan
 
 MAX_WAIT_S = 60.0
@@ -165,6 +165,8 @@ class ArPart:
     # (part 0, last stage) how many of its samples no microbatch of its explains (handed in by a leaving peer;
     # all of them when it keeps no inputs): under 0 of them its opening's extra term is bounded (``openings``)
     unexplained: int | None = None
+    # ``grads`` encoded with ``codec`` already (``round._encoded_once``): sent as they are, not encoded again
+    wire: WireTensor | None = None
 
     KIND = "ar_part"
 
@@ -175,7 +177,9 @@ class ArPart:
             meta.update(claim_norm=float(self.claim_norm), claim_sig=self.claim_sig)
         if self.unexplained is not None:
             meta["unexplained"] = self.unexplained
-        tensors = {} if self.grads is None else {"grads": self.grads}
+        tensors: dict[str, torch.Tensor | WireTensor] = {}
+        if self.grads is not None:
+            tensors["grads"] = self.wire if self.wire is not None else self.grads
         if self.mbs and len(self.mbs) <= MAX_CONTRIBUTION_MBS:
             tensors["mbs"] = torch.tensor([m - 2**64 if m >= 2**63 else m for m in self.mbs], dtype=torch.int64)
         return encode_frame(self.KIND, meta, tensors, self.codec if self.grads is not None else "none")
