@@ -889,7 +889,7 @@ class AllReduceAverager(StageAverager):
             return ArAck(False, "this peer owns no such part (unknown round)")
         lo, hi = owner.plan.bounds[owner.part]
         try:
-            req = ArPart.from_frame(frame, hi - lo)
+            req = await asyncio.to_thread(ArPart.from_frame, frame, hi - lo)  # (its finite check: torch, off the loop)
         except RequestError as exc:
             signer = await asyncio.to_thread(self._part_signer, frame, owner)
             if signer is not None:

@@ -200,8 +200,9 @@ class MemberRound:
             owner = plan.owners[j]
             if owner == av.peer_id:  # its own part, reduced here, as a leader's own contribution is
                 piece = sent.grads[lo:hi] if sent.grads is not None else None
-                digest = await asyncio.to_thread(tensor_digest, piece)
-                self.mine[j] = (Used(av.peer_id, own.samples, digest, per_sample_norm(piece, own.samples)), piece)
+                digest, norm = await asyncio.to_thread(
+                    lambda: (tensor_digest(piece), per_sample_norm(piece, own.samples)))
+                self.mine[j] = (Used(av.peer_id, own.samples, digest, norm), piece)
                 return
             piece = sent.grads[lo:hi] if sent.grads is not None else None
             codec = ("none" if piece is None
@@ -210,10 +211,14 @@ class MemberRound:
                 av.codecs_sent[codec] += 1
                 self.lossy = self.lossy or codec != "none"
             codecs[j] = codec
-            decoded, digest, wire = await asyncio.to_thread(_encoded_once, piece, codec)
+            def encoded() -> tuple[torch.Tensor | None, str, WireTensor | None, float]:
+                decoded, digest, wire = _encoded_once(piece, codec)
+                return decoded, digest, wire, per_sample_norm(decoded, own.samples)
+
+            decoded, digest, wire, norm = await asyncio.to_thread(encoded)
             if wire is not None:
                 wires[j] = wire
-            self.mine[j] = (Used(av.peer_id, own.samples, digest, per_sample_norm(decoded, own.samples)), decoded)
+            self.mine[j] = (Used(av.peer_id, own.samples, digest, norm), decoded)
 
         await asyncio.gather(*(prepare(j) for j in range(len(plan.owners))))
         self.codecs = [codecs.get(j, "none") for j in range(len(plan.owners))]
@@ -313,7 +318,7 @@ class MemberRound:
                                               timeout_s=wait + POLL_S)
             if frame.kind == ArAck.KIND:
                 return None
-            got = read_mean(frame, plan.round_id, j, hi - lo)
+            got = await asyncio.to_thread(read_mean, frame, plan.round_id, j, hi - lo)  # (its finite check: torch)
         except (PeerError, SwarmdError) as exc:
             log.info("stage %d: part %d's mean not fetched (%s)", av.executor.stage, j, exc)
             return None
@@ -628,7 +633,8 @@ class MemberRound:
         if self.lossy and own.grads is not None and len(self.mine) == len(plan.owners):  # error feedback:
             decoded = [self.mine[j][1] for j in range(len(plan.owners))]  # each part as its owner decoded it
             if all(d is not None for d in decoded):
-                await ex.keep_residual(own.grads, torch.cat([d for d in decoded if d is not None]))
+                whole = await asyncio.to_thread(torch.cat, [d for d in decoded if d is not None])
+                await ex.keep_residual(own.grads, whole)
         av.rounds_ok += 1
         self._count_repeats()
         convicted = dict(d.convicted)
