@@ -30,7 +30,7 @@ from swarmd.net.messages.fields import (
     _reply_int,
     _stage,
 )
-from swarmd.net.wire import Frame, encode_frame
+from swarmd.net.wire import Frame, WireTensor, encode_frame
 
 # ---- POST /v1/average -------------------------------------------------------------------------
 
@@ -90,6 +90,7 @@ class AverageRequest:
     inputs: tuple[tuple[int, torch.Tensor, torch.Tensor], ...] = ()  # its microbatches' (mb, activations, targets)
     inputs_params: str | None = None  # the digest of the parameters they ran at
     inputs_precision: str | None = None  # the sender's precision
+    wire: WireTensor | None = None  # ``grads`` encoded with ``codec`` already: sent as they are, not encoded again
 
     KIND = "average"
 
@@ -106,7 +107,9 @@ class AverageRequest:
             meta["opening"] = self.opening
         if self.grads is not None and self.codec != "none":
             meta["codec"] = self.codec  # under grad_codec "auto" the leader answers in the most compressed sent
-        tensors = {} if self.grads is None else {"grads": self.grads}
+        tensors: dict[str, torch.Tensor | WireTensor] = {}
+        if self.grads is not None:
+            tensors["grads"] = self.wire if self.wire is not None else self.grads
         if self.mbs and len(self.mbs) <= MAX_CONTRIBUTION_MBS:
             tensors["mbs"] = torch.tensor([m - 2**64 if m >= 2**63 else m for m in self.mbs], dtype=torch.int64)
         if self.inputs and len(self.inputs) <= MAX_CONTRIBUTION_INPUTS:

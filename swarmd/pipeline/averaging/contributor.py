@@ -17,6 +17,7 @@ import torch
 
 from swarmd.errors import PeerError
 from swarmd.net.messages import AverageRequest
+from swarmd.net.wire import WireTensor
 from swarmd.pipeline.averaging.trust.round_checks import (
     Used,
     check_answer,
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     pass
 
 from swarmd.pipeline.averaging import round as shared
-from swarmd.pipeline.averaging.round import RoundResult, _as_decoded, _wire_codec
+from swarmd.pipeline.averaging.round import RoundResult, _encoded_once, _wire_codec
 from swarmd.pipeline.averaging.trust.accusations import contribution_message
 from swarmd.pipeline.averaging.trust.openings import RoundOpenings
 
@@ -121,8 +122,12 @@ class RoundContributor(RoundOpenings):
         if own.grads is not None:
             self.codecs_sent[codec] += 1
         self._sent_codec = codec
-        decoded, digest = await asyncio.to_thread(_as_decoded, own.grads, codec)
-        mine = Used(self.peer_id, own.samples, digest, per_sample_norm(decoded, own.samples))
+        def encoded() -> tuple[torch.Tensor | None, str, WireTensor | None, float]:
+            decoded, digest, wire = _encoded_once(own.grads, codec)
+            return decoded, digest, wire, per_sample_norm(decoded, own.samples)
+
+        decoded, digest, wire, norm = await asyncio.to_thread(encoded)  # (torch and codec work: off the loop)
+        mine = Used(self.peer_id, own.samples, digest, norm)
         key = sig = None
         if self.identity is not None:
             key = self.identity.public_key_bytes
@@ -142,7 +147,7 @@ class RoundContributor(RoundOpenings):
                                  grads=own.grads, codec=codec, public_key=key, signature=sig, digest=digest,
                                  mbs=own.mbs, norm=mine.norm, opening=self._opening_for(leader), inputs=inputs,
                                  inputs_params=ex.digest if inputs else None,
-                                 inputs_precision=ex.precision if inputs else None)
+                                 inputs_precision=ex.precision if inputs else None, wire=wire)
         answer = await self.client.average(addr, request, grad_numel=ex.grad_numel,
                                            timeout_s=self.timeout_s + shared.REPLY_SLACK_S)
         try:

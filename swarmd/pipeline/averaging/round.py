@@ -165,12 +165,6 @@ def lone_mean(grads: torch.Tensor, samples: int) -> torch.Tensor:
     return torch.add(grads, 0.0).div_(samples)
 
 
-def _as_decoded(grads: torch.Tensor | None, codec: str) -> tuple[torch.Tensor | None, str]:
-    """``grads`` as the leader will decode them from a frame sent with ``codec``, and their digest."""
-    decoded, digest, _ = _encoded_once(grads, codec)
-    return decoded, digest
-
-
 def _encoded_once(grads: torch.Tensor | None, codec: str) -> tuple[torch.Tensor | None, str, WireTensor | None]:
     """``grads`` as their receiver will decode them from a frame sent with ``codec``, their digest, and (a lossy
     codec) the encoded tensor to send: the very bytes decoded here, not encoded a second time."""
