@@ -27,10 +27,11 @@ seeds):
 * ``suspicions``: unpaired answers checked after they came for their size (``verify.AnswerSizes``).
 
 The all-reduce's part owners (``ownpart``: -20x in its own slice of the part it owns, honest to the other
-owners; ``ownflip``: publishes the part it owns sign-flipped, honest otherwise; both on the first stage):
-the first is left out of its own part by the median rule and never convicted; the second is convicted
-when an audit draws its part (``swarmd.pipeline.averaging.allreduce.audit``), ``excluded_at``, and
-``routed_out_at`` once a stage-mate seconded it.
+owners; ``ownflip``: publishes the part it owns sign-flipped, honest otherwise; ``ownhide``: the same, and
+refuses every audit; all on the first stage): the first is left out of its own part by the median rule and
+never convicted; the second is convicted when an audit draws its part
+(``swarmd.pipeline.averaging.allreduce.audit``), the third excluded as unaccountable then
+(``allreduce.auditor``), ``excluded_at``, and ``routed_out_at`` once a stage-mate seconded it.
 
 The averaging liars (``minus20``, ``flipped``) send their true gradient times -20 / -1 as their
 contribution: spot checks cannot see them (what a peer accumulates never leaves it in a reply);
@@ -92,10 +93,11 @@ from swarmd.train.trainer import Trainer  # noqa: E402
 
 #: The stage each liar serves (input-gradient liars: the last one, whose fused backward answers them).
 STAGE = {"aware": 1, "awareflip": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
-         "minus20": 1, "flipped": 1, "ownpart": 0, "ownflip": 0}
+         "minus20": 1, "flipped": 1, "ownpart": 0, "ownflip": 0, "ownhide": 0}
 #: (``ownpart``: -20x in its own slice of the part it owns only; ``ownflip``: publishes the part it owns
-#: sign-flipped: the all-reduce's owners, issue 29; on the first stage, where no opening checks a contribution)
-AVERAGING = ("minus20", "flipped", "ownpart", "ownflip")
+#: sign-flipped; ``ownhide``: the same, and refuses every audit: the all-reduce's owners, issue 29; on the first
+#: stage, where no opening checks a contribution)
+AVERAGING = ("minus20", "flipped", "ownpart", "ownflip", "ownhide")
 
 
 def plain_averaging() -> None:
@@ -227,8 +229,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
             if lie in AVERAGING:  # the largest id of its stage: a liar that leads is not scored (SECURITY.md)
                 liar = max((d for d in daemons if d.stage == STAGE[lie]), key=lambda d: d.peer_id or "")
                 assert liar.averager is not None
-                if lie == "ownflip":
-                    lie_as_owner(liar.averager, -1.0)  # type: ignore[arg-type]
+                if lie in ("ownflip", "ownhide"):
+                    lie_as_owner(liar.averager, -1.0, hide="refuse" if lie == "ownhide" else "")  # type: ignore[arg-type]
                 else:
                     poison_contributions(liar.averager, "minus20" if lie == "ownpart" else lie,
                                          own_part_only=lie == "ownpart")

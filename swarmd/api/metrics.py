@@ -305,10 +305,12 @@ class StatusCollector(Collector):
                   "recomputed, its part a mismatch (convicted), or unchecked (other parameters)", "outcome",
                   {k: averaging.openings.get(k, 0) for k in ("sent", "ok", "missing", "bad", "inconsistent",
                                                               "recomputed", "mismatch", "unchecked")})
-        yield _by("swarmd_averaging_audits", "(all-reduce) audits of part owners: drawn, ok, mismatch (convicted), "
-                  "unanswered, unprovable; evidence shown to stage-mates, seconded, not_seconded, busy", "outcome",
-                  {k: averaging.audits.get(k, 0) for k in ("drawn", "ok", "mismatch", "unanswered", "unprovable",
-                                                            "shown", "seconded", "not_seconded", "busy")})
+        yield _by("swarmd_averaging_audits", "(all-reduce) audits of part owners: drawn, noticed (a stage-mate's "
+                  "notice), ok, mismatch (convicted), unaccountable (it would not show its evidence: excluded), "
+                  "unanswered (gone), unprovable; shown to stage-mates, seconded, not_seconded, busy, skipped",
+                  "outcome", {k: averaging.audits.get(k, 0) for k in (
+                      "drawn", "noticed", "ok", "mismatch", "unaccountable", "unanswered", "unprovable", "shown",
+                      "seconded", "not_seconded", "busy", "skipped")})
         yield _counter("swarmd_averaging_leaders_refused", "leaders' answers this peer refused (each counts once "
                        "per refusal, summed over leaders)", sum(averaging.leaders_refused.values()))
         yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "

@@ -175,10 +175,13 @@ class AveragingInfo(BaseModel):
                                         "recheck_not_taken (stage-mates that did not take up this peer's "
                                         "conviction by recomputation)")
     audits: dict[str, int] = Field(default_factory=dict, description="(all-reduce) audits of part owners: drawn (a "
-                                   "commit drew this peer to audit a part), ok, mismatch (the owner convicted), "
-                                   "unanswered, unprovable (the owner showed evidence that does not hold up), "
-                                   "shown (stage-mates that took up a conviction's evidence), seconded, not_seconded, "
-                                   "busy (evidence shown while checking other)")
+                                   "commit drew this peer to audit a part), noticed (a stage-mate said the owner "
+                                   "would not show a part: audited here too), ok, mismatch (the owner convicted), "
+                                   "unaccountable (the owner refused, left requests unanswered while it took part "
+                                   "in the rounds, or showed evidence that does not hold up: excluded), unanswered "
+                                   "(the owner gone), unprovable (of the unaccountable: evidence that does not hold "
+                                   "up), shown (stage-mates that took up a conviction or notice), seconded, "
+                                   "not_seconded, busy (evidence shown while checking other), skipped")
     openings: dict[str, int] = Field(default_factory=dict, description="opened contributions (issue 29, item 3: "
                                      "each last-stage contribution's sketch against its microbatches'): sent (by "
                                      "this peer), and as leader ok, missing, bad (refused), inconsistent (convicted); "

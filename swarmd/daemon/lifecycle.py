@@ -83,6 +83,7 @@ from swarmd.net.relay import RelayClient, RelayServer
 from swarmd.net.server import DataPlane
 from swarmd.peer_state import PeerState
 from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
+from swarmd.pipeline.averaging.allreduce.evidence_store import KeptEvidence
 from swarmd.pipeline.averaging.averager import StageAverager
 from swarmd.pipeline.placement.migration import Migrator
 from swarmd.pipeline.placement.resume import Plan, Source
@@ -344,6 +345,10 @@ class Daemon:
             exclude=self._ledger_excluded,
             on_round=self.metrics.observe_round,  # swarmd_averaging_round_duration_seconds
         )
+        if isinstance(averager, AllReduceAverager) and self.config.dht.state_dir is not None:
+            # the evidence of drawn parts it reduced outlives a restart: an owner that cannot show it is held to
+            # account as one that lied (``allreduce.evidence_store``)
+            averager.auditor.kept = KeptEvidence(self.config.dht.state_dir / "audits")
         runtime.averager = averager
         self.tasks.spawn(AVERAGER_TASK, averager.run, restart=True)
 

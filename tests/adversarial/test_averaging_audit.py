@@ -45,6 +45,12 @@ def _audit_every_commit(daemons: list[Daemon]) -> None:
         d.averager.auditor.share = 1.0  # type: ignore[attr-defined]
 
 
+def _audited(d: Daemon, peer_id: str) -> bool:
+    """Whether ``d`` excludes ``peer_id`` by an audit (not only for a while, as a contribution its mate refused)."""
+    why = d.status()["averaging"]["excluded"].get(peer_id, {}).get("reason", "")
+    return str(why).startswith("hostile: audited")
+
+
 def _audits(d: Daemon) -> dict[str, int]:
     return dict(d.status()["averaging"]["audits"])
 
@@ -85,6 +91,40 @@ async def test_an_owner_publishing_a_false_mean_is_audited_convicted_seconded_an
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("hide", ["refuse", "hang"])
+async def test_an_owner_that_lies_and_will_not_show_its_evidence_is_excluded_by_its_auditor_and_mates(
+        hide: str) -> None:
+    """The owner refuses every audit, or never answers one while it goes on taking part in the rounds: the
+    auditor holds it to account as if it had shown its lie, and its stage-mates, told which commit's part it
+    would not show, audit it themselves and exclude it too. Honest peers convict nobody else."""
+    async with fast_swarm(SPEC, ALLREDUCE, peers_per_stage=3) as daemons:
+        stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")
+        liar, honest = stage0[-1], stage0[:-1]
+        assert liar.averager is not None and liar.peer_id is not None
+        lie_as_owner(liar.averager, -1.0, hide=hide)  # type: ignore[arg-type]
+        _audit_every_commit(daemons)
+        for d in honest:
+            d.averager.auditor.timeout_s = 1.0  # type: ignore[union-attr]
+        for chunk in range(3 * CHUNKS):  # (a hanging owner: three timeouts, then the mate's three)
+            await _train(daemons, CHUNK, seed=10 * chunk)
+            if all(_audited(d, liar.peer_id) for d in honest):
+                break
+        audits = [_audits(d) for d in honest]
+        assert all(a.get("unaccountable", 0) >= 1 for a in audits), audits
+        assert not any(a.get("mismatch") or a.get("not_seconded") for a in audits), audits
+        if not any(a.get("drawn", 0) > a.get("unaccountable", 0) for a in audits):
+            assert any(a.get("seconded", 0) >= 1 for a in audits), audits  # (one of them was told)
+        noticed = next((d, a) for d, a in zip(honest, audits, strict=True) if a.get("unaccountable"))
+        assert await _metric(noticed[0], 'swarmd_averaging_audits_total{outcome="unaccountable"}') == \
+            noticed[1]["unaccountable"]
+        for d in honest:
+            excluded = d.status()["averaging"]["excluded"]
+            assert excluded[liar.peer_id]["reason"].startswith("hostile: audited: unaccountable"), excluded
+            assert not set(excluded) - {liar.peer_id}, excluded  # nobody honest
+        await _same_params(honest)
+
+
+@pytest.mark.timeout(600)
 async def test_an_honest_swarm_audits_every_commit_and_convicts_nobody() -> None:
     async with fast_swarm(SPEC, ALLREDUCE, peers_per_stage=3) as daemons:
         _audit_every_commit(daemons)
@@ -94,6 +134,7 @@ async def test_an_honest_swarm_audits_every_commit_and_convicts_nobody() -> None
         # under way is skipped), its pieces one a commit: all but the last audit of each peer are done
         assert sum(a.get("ok", 0) for a in audits) >= 4, audits
         assert all(a.get("drawn", 0) - a.get("ok", 0) <= 1 for a in audits), audits
-        assert not any(a.get(k) for a in audits for k in ("mismatch", "unprovable", "unanswered", "seconded")), audits
+        assert not any(a.get(k) for a in audits
+                       for k in ("mismatch", "unprovable", "unanswered", "seconded", "unaccountable")), audits
         for d in daemons:
             assert not d.status()["averaging"]["excluded"], d.status()["averaging"]["excluded"]

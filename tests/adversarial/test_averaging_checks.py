@@ -148,6 +148,18 @@ def test_suspicions_grow_on_repeat_on_a_fake_clock() -> None:
     assert not s.is_excluded("x") and s.accuse("x", "again") == 10
 
 
+def test_the_reason_shown_is_the_one_the_exclusion_lasts_for() -> None:
+    now = [0.0]
+    s = Suspicions(base_s=10, max_s=40, memory_s=100, clock=lambda: now[0])
+    s.accuse("x", "hostile: audited", base_s=600)
+    now[0] = 5.0
+    s.accuse("x", "excluded: by this stage")  # (its contribution refused because a mate excluded it)
+    assert s.status()["x"]["reason"] == "hostile: audited" and s.status()["x"]["excluded_for_s"] == 595.0
+    now[0] = 700.0  # the hostile exclusion over: a later offence is what it is excluded for
+    s.accuse("x", "excluded: by this stage")
+    assert s.status()["x"]["reason"] == "excluded: by this stage"
+
+
 # ---- a stage of real averagers in one process -------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ as tests/integration/test_averaging_faults.py does for its hooks.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
+from swarmd.pipeline.averaging.allreduce.messages import ArAck
 from swarmd.pipeline.averaging.averager import RoundResult, StageAverager
 from swarmd.pipeline.stage.executor import StageExecutor
 
@@ -182,11 +184,22 @@ def poison_contributions(averager: StageAverager, how: str, *, own_part_only: bo
     averager._post = _post  # type: ignore[method-assign]
 
 
-def lie_as_owner(averager: AllReduceAverager, factor: float = -1.0) -> None:
+def lie_as_owner(averager: AllReduceAverager, factor: float = -1.0, hide: str = "") -> None:
     """Make ``averager`` publish the mean of every part it owns times ``factor`` (-1: a sign flip, which the
     members' box checks pass: ``round_checks.check_answer``), its ready report signed over that lie; its
-    slices and everything else honest. What the audits of part owners catch (``allreduce.audit``)."""
+    slices and everything else honest. What the audits of part owners catch (``allreduce.audit``). ``hide``:
+    what it does when an auditor asks for its evidence: ``""`` shows it, ``refuse`` refuses, ``hang`` never
+    answers (``auditor``: held to account as unaccountable)."""
+    if hide not in ("", "refuse", "hang"):
+        raise ValueError(f"unknown way to hide {hide!r}")
     original = averager._register
+    if hide:
+        async def on_slices(q: Any) -> bytes:
+            if hide == "hang":
+                await asyncio.sleep(3600)
+            return ArAck(False, "not showing that").encode()
+
+        averager.auditor.on_slices = on_slices  # type: ignore[method-assign]
 
     def register(plan: Any) -> None:
         original(plan)

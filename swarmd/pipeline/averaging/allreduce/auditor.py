@@ -10,8 +10,20 @@ Three roles, all on ``POST /v1/allreduce/<op>``:
 - **stage-mate**: checks evidence it is shown itself (signatures, then the recomputation), one at a time,
   each (owner, round, part) once, and excludes the owner too when it holds (``seconded``).
 
-``/status`` averaging ``audits`` (``drawn``, ``ok``, ``mismatch``, ``unanswered``, ``unprovable``, ``seconded``,
-``not_seconded``, ``busy``); ``/metrics`` ``swarmd_averaging_audits_total{outcome}``.
+An owner that will not show its evidence is held to account as one that showed a lie (``unaccountable``):
+it refused outright, or answered what does not hold up, or let ``AUDIT_ATTEMPTS`` requests go unanswered
+while it answered a cheap request of the same round each time (so it is alive and serving). The auditor
+excludes it as hostile and tells its stage-mates (``refused``: the round and the part, nothing to take on
+trust); each mate that applied that commit (or applies it later) checks that the commit drew that part,
+and audits the owner itself by the same rules (``noticed``): evidence it is shown convicts or clears the
+owner, a refusal excludes it here too. An honest owner never refuses: it keeps the evidence of every
+drawn part (``PartOwner.release``; in ``kept``, and on disk under the state directory when the daemon has
+one, so a restart forgets none), and one that is gone (answers nothing, or left the stage) is only
+counted (``unanswered``).
+
+``/status`` averaging ``audits`` (``drawn``, ``noticed``, ``ok``, ``mismatch``, ``unaccountable``,
+``unanswered``, ``unprovable``, ``seconded``, ``not_seconded``, ``busy``, ``shown``, ``skipped``); ``/metrics``
+``swarmd_averaging_audits_total{outcome}``.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from swarmd.errors import PeerError, RequestError, SwarmdError
 from swarmd.net.wire import Frame
 from swarmd.pipeline.averaging.allreduce.audit import AUDIT_SHARE, PartEvidence, draw, evidence_of
+from swarmd.pipeline.averaging.allreduce.evidence_store import KeptEvidence
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArQuery
 
 if TYPE_CHECKING:
@@ -37,16 +50,24 @@ if TYPE_CHECKING:
     from swarmd.pipeline.averaging.trust.round_checks import Suspicions
     from swarmd.pipeline.stage.executor import StageExecutor
 
-__all__ = ["AUDIT_TIMEOUT_S", "PartAuditor"]
+__all__ = ["AUDIT_ATTEMPTS", "AUDIT_TIMEOUT_S", "PartAuditor"]
 
 log = logging.getLogger(__name__)
 
 #: How long fetching an owner's evidence, or showing it to one stage-mate, may take.
 AUDIT_TIMEOUT_S = 30.0
+#: Requests for a piece an owner that answers otherwise may leave unanswered (one after each commit) before it is
+#: held to account as one that refused (``unaccountable``); as many unanswered by an owner that answers nothing
+#: give the audit up (``unanswered``: it is gone).
+AUDIT_ATTEMPTS = 3
+#: How an owner that left the stage says so (not a refusal: it is gone).
+OTHER_STAGE = "another stage"
 #: An audit whose pieces did not all come within this long is given up (``unanswered``).
 PENDING_MAX_S = 300.0
 #: Evidence a stage-mate checks at once (more is answered "busy": the auditor's other mates check it).
 _CHECKING_MAX = 2
+#: The last commits that drew a part this peer remembers, to check a notice of a refused audit against.
+_DRAWS_KEEP = 64
 #: The (owner, round, part) triples whose evidence this peer checked (each is checked once).
 _CHECKED_KEEP = 256
 
@@ -73,13 +94,22 @@ class AuditHost(Protocol):
 
 @dataclass
 class _Pending:
-    """An audit under way: the commit it audits and the pieces of the owner's evidence fetched so far."""
+    """An audit under way: the commit it audits, the pieces of the owner's evidence fetched so far, and the
+    requests the owner left unanswered (``noticed``: started by a stage-mate's notice, not by this peer's draw)."""
 
     plan: RoundPlan
     decision: Decision
     part: int
     pieces: list[PartEvidence]
     started: float
+    noticed: bool = False
+    failures: int = 0  # requests for a piece unanswered while the owner answered a cheap one (``_alive``)
+    unreachable: int = 0  # requests for a piece unanswered when the owner answered nothing (gone)
+    fetching: bool = False
+
+    @property
+    def owner(self) -> str:
+        return self.plan.owners[self.part]
 
 
 class PartAuditor:
@@ -88,35 +118,54 @@ class PartAuditor:
     def __init__(self, av: AuditHost) -> None:
         self.av = av
         self.share = AUDIT_SHARE  # the commits audited (``audit.draw``: tests audit every one)
+        self.timeout_s = AUDIT_TIMEOUT_S  # one request for a piece (tests of an owner that hangs shorten it)
         self.counts: Counter[str] = Counter()
         self._checked: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self._checking = 0
-        self._pending: _Pending | None = None  # this peer's audit under way
+        # this peer's audits under way: the one its own draw started, and those stage-mates' notices started
+        self._pending: dict[tuple[str, int], _Pending] = {}
         self.fetching = 0  # its fetches of a piece now (``scripts/bench_averaging.py`` counts them in their round)
+        # the evidence of drawn parts this peer reduced, past their round (``evidence_store``: set by the averager)
+        self.kept: KeptEvidence = KeptEvidence()
+        # the last commits this peer applied that drew a part (whoever audits it): round id -> (plan, commit, part)
+        self._draws: OrderedDict[str, tuple[RoundPlan, Decision, int]] = OrderedDict()
+        self._early: OrderedDict[str, ArQuery] = OrderedDict()  # notices of rounds this peer has not applied yet
 
     # ---- auditor -----------------------------------------------------------------------------
 
     def after_commit(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> None:
-        """A commit this member applied: fetch the next piece of the audit under way (one a round), and start
-        auditing the part the commit draws if the draw names this peer (one audit at a time: owned tasks)."""
+        """A commit this member applied: fetch the next piece of each audit under way (one a round), and start
+        auditing the part the commit draws if the draw names this peer (one audit of its own at a time: owned
+        tasks). An owner that answered nothing ``AUDIT_ATTEMPTS`` times is gone: not held to account."""
         av = self.av
-        pending = self._pending
-        if pending is not None and time.monotonic() - pending.started > PENDING_MAX_S:
-            self._pending = pending = None
-            self.counts["unanswered"] += 1
-        if pending is not None and not self.fetching:
-            self._fetch_next(pending)
+        now = time.monotonic()
+        for key, pending in list(self._pending.items()):
+            gone = pending.unreachable >= AUDIT_ATTEMPTS
+            if now - pending.started > PENDING_MAX_S or gone:
+                del self._pending[key]
+                self.counts["unanswered"] += 1
+                log.info("stage %d: the owner %s of part %d of round %s did not answer its audit and %s; given up",
+                         av.executor.stage, pending.owner[:12], pending.part, pending.plan.round_id,
+                         "is gone" if gone else "took too long")
+            elif not pending.fetching:
+                self._fetch_next(pending)
         if av.identity is None or signature is None:  # (nothing signed: nothing an audit could show)
             return
         drawn = self.drawn(plan, decision, signature)
+        if drawn is not None:  # (what a stage-mate's notice of a refused audit is checked against: ``on_refused``)
+            self._draws[plan.round_id] = (plan, decision, drawn[0])
+            while len(self._draws) > _DRAWS_KEEP:
+                self._draws.popitem(last=False)
+            early = self._early.pop(plan.round_id, None)
+            if early is not None:  # (a notice that came before this peer applied the commit)
+                self._take_notice(early)
         if drawn is None or drawn[1] != av.peer_id or plan.owners[drawn[0]] in av.suspicions.excluded():
             return
-        if pending is not None:
+        if any(not p.noticed for p in self._pending.values()):
             self.counts["skipped"] += 1  # (auditing another part still)
             return
         self.counts["drawn"] += 1
-        self._pending = _Pending(plan, decision, drawn[0], [], time.monotonic())
-        self._fetch_next(self._pending)
+        self._start(_Pending(plan, decision, drawn[0], [], time.monotonic()))
 
     def drawn(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> tuple[int, str] | None:
         """The part a commit audits and its auditor (``audit.draw`` at this peer's share), or None. An owner
@@ -126,8 +175,15 @@ class PartAuditor:
         left_out = [*decision.dropped, *(pid for pid, _ in decision.refused)]
         return draw(decision.message(), signature, plan.owners, plan.member_ids, left_out, self.share)
 
+    def _start(self, pending: _Pending) -> None:
+        key = (pending.plan.round_id, pending.part)
+        if key not in self._pending:
+            self._pending[key] = pending
+            self._fetch_next(pending)
+
     def _fetch_next(self, pending: _Pending) -> None:
         self.fetching += 1
+        pending.fetching = True
         self.av._own(self._fetch(pending), "swarmd-audit")
 
     async def _fetch(self, pending: _Pending) -> None:
@@ -135,51 +191,63 @@ class PartAuditor:
             await self._fetch_piece(pending)
         finally:
             self.fetching -= 1
+            pending.fetching = False
 
     async def _fetch_piece(self, pending: _Pending) -> None:
         """The next piece of the owner's evidence; with the last, check it all and judge the owner."""
         av, plan, part = self.av, pending.plan, pending.part
-        owner, stage = plan.owners[part], av.executor.stage
+        owner, stage = pending.owner, av.executor.stage
         start = sum(len(p.part_frames) for p in pending.pieces)
         query = ArQuery(stage, plan.round_id, part, index=start)
         try:
-            frame = await av.client.allreduce(plan.addr(owner), "slices", query.encode, timeout_s=AUDIT_TIMEOUT_S)
+            frame = await av.client.allreduce(plan.addr(owner), "slices", query.encode, timeout_s=self.timeout_s)
         except (PeerError, SwarmdError) as exc:
-            self._end(pending)
-            self._unanswered(owner, part, plan, str(exc))
-            return
+            if not await self._alive(pending):  # (gone, or cut off from this peer: not held to account)
+                pending.unreachable += 1
+                return  # (asked again after the next commit, ``AUDIT_ATTEMPTS`` times at most)
+            pending.failures += 1
+            log.info("stage %d step %d: the owner %s of part %d did not answer its audit though it answers "
+                     "otherwise (%d of %d: %s)", stage, plan.step, owner[:12], part, pending.failures, AUDIT_ATTEMPTS,
+                     str(exc)[:200])
+            if pending.failures >= AUDIT_ATTEMPTS:
+                await self._unaccountable(pending, f"{AUDIT_ATTEMPTS} requests for it unanswered while it answered "
+                                                   f"others ({str(exc)[:120]})")
+            return  # (asked again after the next commit)
         if frame.kind == ArAck.KIND:
             try:
                 reason = ArAck.from_frame(frame).reason
             except RequestError as exc:
                 reason = str(exc)
-            self._end(pending)
-            self._unanswered(owner, part, plan, reason)
+            if reason.startswith(OTHER_STAGE):  # it left the stage (a migration): gone, not refusing
+                self._end(pending)
+                self.counts["unanswered"] += 1
+                return
+            await self._unaccountable(pending, f"it refused ({reason[:200]})")
             return
         try:
             piece = await asyncio.to_thread(PartEvidence.decode, frame)
         except RequestError as exc:
-            self._end(pending)
-            self._unprovable(owner, part, plan, str(exc))
+            await self._unaccountable(pending, f"its answer does not read ({exc})", unprovable=True)
             return
         ready = piece.ready
         if (piece.stage != stage or ready.owner != owner or ready.round_id != plan.round_id or ready.part != part
                 or ready.digest != pending.decision.digests[part] or piece.piece_of is None
                 or piece.piece_of[0] != start):
-            self._end(pending)
-            self._unprovable(owner, part, plan, "its evidence is of another part, piece, or a mean not committed")
+            await self._unaccountable(pending, "its evidence is of another part, piece, or a mean not committed",
+                                      unprovable=True)
             return
         pending.pieces.append(piece)
+        pending.failures = 0
         if start + len(piece.part_frames) < piece.piece_of[1]:
             return  # the next piece with the next commit
         self._end(pending)
         evidence = PartEvidence.assemble(pending.pieces)
         if isinstance(evidence, str):
-            self._unprovable(owner, part, plan, evidence)
+            await self._unaccountable(pending, evidence, unprovable=True, ended=True)
             return
         verdict = await asyncio.to_thread(evidence.check)
         if isinstance(verdict, str):
-            self._unprovable(owner, part, plan, verdict)
+            await self._unaccountable(pending, verdict, unprovable=True, ended=True)
             return
         if verdict.why is None:
             self.counts["ok"] += 1
@@ -190,20 +258,58 @@ class PartAuditor:
         self._convict(owner, verdict.why, "convicted")
         await self._show(owner, evidence)
 
+    async def _alive(self, pending: _Pending) -> bool:
+        """Whether the owner answers at all: a cheap request of the same round (its decision, not waited for)
+        within the audit's timeout. One that answers it but not its audit is hiding its evidence."""
+        q = ArQuery(self.av.executor.stage, pending.plan.round_id, wait_s=0.0)
+        try:
+            await self.av.client.allreduce(pending.plan.addr(pending.owner), "decision", q.encode,
+                                           timeout_s=self.timeout_s)
+        except (PeerError, SwarmdError):
+            return False
+        return True
+
     def _end(self, pending: _Pending) -> None:
-        if self._pending is pending:
-            self._pending = None
+        key = (pending.plan.round_id, pending.part)
+        if self._pending.get(key) is pending:
+            del self._pending[key]
 
-    def _unanswered(self, owner: str, part: int, plan: RoundPlan, why: str) -> None:
-        self.counts["unanswered"] += 1
-        log.info("stage %d step %d: the owner %s of part %d did not show it for an audit (%s)",
-                 self.av.executor.stage, plan.step, owner[:12], part, why[:200])
+    async def _unaccountable(self, pending: _Pending, why: str, *, unprovable: bool = False,
+                             ended: bool = False) -> None:
+        """The owner would not show its evidence (refused, let ``AUDIT_ATTEMPTS`` requests go unanswered while it
+        answered others, or showed what does not hold up): held to account as if it had shown a lie.
+        Excluded here; a peer that audited it by its own draw tells the stage-mates, who audit it themselves."""
+        if not ended:
+            self._end(pending)
+        plan, owner = pending.plan, pending.owner
+        if unprovable:
+            self.counts["unprovable"] += 1
+        self.counts["unaccountable"] += 1
+        if pending.noticed:
+            self.counts["seconded"] += 1
+        log.warning("stage %d step %d: the owner %s of part %d would not show it for an audit (%s)",
+                    self.av.executor.stage, plan.step, owner[:12], pending.part, why[:200])
+        self._convict(owner, f"unaccountable: part {pending.part} of round {plan.round_id}: {why[:200]}",
+                      "seconded the exclusion of" if pending.noticed else "excluded")
+        if not pending.noticed:
+            await self._notify(pending)
 
-    def _unprovable(self, owner: str, part: int, plan: RoundPlan, why: str) -> None:
-        self.counts["unprovable"] += 1
-        log.warning("stage %d step %d: the owner %s of part %d showed evidence that does not hold up for an "
-                    "audit (%s); nothing in it convicts it before others", self.av.executor.stage, plan.step,
-                    owner[:12], part, why[:200])
+    async def _notify(self, pending: _Pending) -> None:
+        """Tell every listed stage-mate (but the owner) which commit's part its owner would not show: each audits
+        it itself (``on_refused``)."""
+        av, owner = self.av, pending.owner
+        targets = await av.mates_to_tell(owner, "the refused audit")
+        raw = ArQuery(av.executor.stage, pending.plan.round_id, pending.part).encode()
+
+        async def one(addr: str) -> bool:
+            try:
+                frame = await av.client.allreduce(addr, "refused", lambda: raw, len(raw), timeout_s=self.timeout_s)
+                return ArAck.from_frame(frame).ok
+            except (PeerError, SwarmdError):
+                return False
+
+        taken = await asyncio.gather(*(one(addr) for addr in targets))
+        self.counts["shown"] += sum(taken)
 
     def _convict(self, owner: str, why: str, how: str) -> None:
         av = self.av
@@ -220,7 +326,7 @@ class PartAuditor:
 
         async def one(addr: str) -> bool:
             try:
-                frame = await av.client.allreduce(addr, "audit", lambda: raw, len(raw), timeout_s=AUDIT_TIMEOUT_S)
+                frame = await av.client.allreduce(addr, "audit", lambda: raw, len(raw), timeout_s=self.timeout_s)
                 return ArAck.from_frame(frame).ok
             except (PeerError, SwarmdError):
                 return False
@@ -232,10 +338,14 @@ class PartAuditor:
 
     async def on_slices(self, q: ArQuery) -> bytes:
         """An auditor asks for a part this peer reduced: its evidence, or an ack saying why none."""
+        if q.stage != self.av.executor.stage:
+            return ArAck(False, f"{OTHER_STAGE}: this peer serves stage {self.av.executor.stage} now").encode()
+        evidence: PartEvidence | str | None = await self.kept.get(q.round_id, q.part)
         owner = self.av.owners.get((q.round_id, q.part))
-        if q.stage != self.av.executor.stage or owner is None:
-            return ArAck(False, "this peer holds no such part (another stage, or a round forgotten)").encode()
-        evidence = evidence_of(owner, q.stage)
+        if evidence is None and owner is not None:
+            evidence = evidence_of(owner, q.stage)
+        if evidence is None:
+            return ArAck(False, "this peer holds no such part (a round forgotten, or never reduced here)").encode()
         if isinstance(evidence, str):
             return ArAck(False, evidence).encode()
         piece = evidence.piece(q.index)
@@ -243,7 +353,55 @@ class PartAuditor:
             return ArAck(False, f"this part holds {len(evidence.part_frames)} slices").encode()
         return await asyncio.to_thread(piece.encode)
 
+    def keep(self, owner: PartOwner) -> None:
+        """A part this peer reduced that a commit drew for an audit: its evidence kept past the round (``kept``)."""
+        evidence = evidence_of(owner, self.av.executor.stage)
+        if not isinstance(evidence, str):
+            self.av._own(self.kept.put(owner.plan.round_id, owner.part, evidence), "swarmd-audit-keep")
+
     # ---- stage-mate --------------------------------------------------------------------------
+
+    def on_refused(self, q: ArQuery) -> ArAck:
+        """A stage-mate says the owner of part ``q.part`` of round ``q.round_id`` would not show it for an audit.
+        Nothing in the notice is taken on trust: if this peer applied that commit and the commit drew that part
+        (its last ``_DRAWS_KEEP`` such commits), it audits the owner itself (``noticed``), once per (owner, round,
+        part)."""
+        av = self.av
+        if q.stage != av.executor.stage:
+            return ArAck(False, "another stage")
+        if q.round_id not in self._draws:
+            # the auditor may have applied the commit (and been refused) before this peer did: kept until it does
+            self._early[q.round_id] = q
+            while len(self._early) > _DRAWS_KEEP:
+                self._early.popitem(last=False)
+            return ArAck(True, "noted: checked once this peer applies that commit")
+        return self._take_notice(q)
+
+    def _take_notice(self, q: ArQuery) -> ArAck:
+        av = self.av
+        plan, decision, part = self._draws[q.round_id]
+        if part != q.part:
+            return ArAck(False, "that commit did not draw that part for an audit")
+        owner = plan.owners[q.part]
+        if owner == av.peer_id:
+            return ArAck(False, "this peer owns that part")
+        key = (owner, q.round_id, q.part)
+        if key in self._checked or (q.round_id, q.part) in self._pending:
+            return ArAck(True, "audited already")
+        if av._excluded_as_hostile(owner):
+            return ArAck(True, "ignored: excluded already")
+        if sum(p.noticed for p in self._pending.values()) >= _CHECKING_MAX:
+            self.counts["busy"] += 1
+            return ArAck(False, "busy: auditing other owners")
+        self._remember(key)
+        self.counts["noticed"] += 1
+        self._start(_Pending(plan, decision, q.part, [], time.monotonic(), noticed=True))
+        return ArAck(True, "auditing")
+
+    def _remember(self, key: tuple[str, str, int]) -> None:
+        self._checked[key] = None
+        while len(self._checked) > _CHECKED_KEEP:
+            self._checked.popitem(last=False)
 
     async def on_audit(self, frame: Frame) -> ArAck:
         """Evidence an auditor shows: checked in an owned task (RequestError: malformed, a 422)."""
@@ -261,9 +419,7 @@ class PartAuditor:
         if self._checking >= _CHECKING_MAX:
             self.counts["busy"] += 1
             return ArAck(False, "busy: checking other evidence")
-        self._checked[key] = None
-        while len(self._checked) > _CHECKED_KEEP:
-            self._checked.popitem(last=False)
+        self._remember(key)
         self._checking += 1
         av._own(self._second(evidence), "swarmd-audit-check")
         return ArAck(True, "checking")

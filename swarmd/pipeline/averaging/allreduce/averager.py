@@ -853,6 +853,8 @@ class AllReduceAverager(StageAverager):
             return await self.auditor.on_slices(ArQuery.from_frame(frame))
         if op == "audit":  # an auditor shows this peer an owner's evidence
             return (await self.auditor.on_audit(frame)).encode()
+        if op == "refused":  # an auditor says an owner would not show its evidence: this peer audits it itself
+            return self.auditor.on_refused(ArQuery.from_frame(frame)).encode()
         raise RequestError(f"no all-reduce operation {op!r}")
 
     async def _on_report(self, report: ArReport) -> ArReportReply:

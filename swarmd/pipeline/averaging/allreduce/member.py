@@ -180,11 +180,17 @@ class MemberRound:
         drew one of them (the members' signed frames were held for the last 16 rounds: as much memory again as
         the gradients of each)."""
         av, plan = self.av, self.plan
-        drawn = av.auditor.drawn(plan, self.decision, self.decision_sig) if self.decision is not None else None
+        d = self.decision
+        drawn = av.auditor.drawn(plan, d, self.decision_sig) if d is not None else None
         for j in plan.parts_of(av.peer_id):
             owner = av.owners.get((plan.round_id, j))
-            if owner is not None and owner.ready is not None:
-                owner.release(keep_evidence=drawn is not None and drawn[0] == j)
+            if owner is None or owner.ready is None:
+                continue
+            if drawn is not None and drawn[0] == j:
+                av.auditor.keep(owner)  # (past the round, and on disk: an audit of it may take several commits)
+            # without the decision this peer cannot tell whether the commit drew its part: it keeps the frames
+            # while it holds the round (an owner that cannot show a drawn part's evidence is held to account)
+            owner.release(keep_evidence=d is None or (drawn is not None and drawn[0] == j))
 
     # ---- scatter -------------------------------------------------------------------------
 

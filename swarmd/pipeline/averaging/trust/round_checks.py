@@ -304,13 +304,15 @@ class Suspicions:
         period for this kind of offence (default the watch's; it doubles on repeat all the same, and
         ``max_s`` does not cap it below ``base_s``)."""
         now = self.clock()
-        count, until, _ = self._entries.pop(peer_id, (0, now, ""))
+        count, until, old_reason = self._entries.pop(peer_id, (0, now, ""))
         if now > until + self.memory_s:
             count = 0
         count += 1
         base = self.base_s if base_s is None else base_s
         period = min(max(self.max_s, base), base * 2 ** (count - 1))
-        self._entries[peer_id] = (count, max(until, now + period), reason)
+        # the reason shown is the one the exclusion lasts for: a lesser offence while a longer exclusion runs (a
+        # contribution refused because a mate excluded the peer as hostile) does not relabel it
+        self._entries[peer_id] = (count, max(until, now + period), reason if now + period >= until else old_reason)
         while len(self._entries) > self.max_peers:
             self._entries.pop(next(iter(self._entries)))
         return period
