@@ -19,17 +19,18 @@ who audits it are drawn from the signed commit (:func:`draw`), which exists only
 signed its report: an owner cannot tell whether its part will be audited when it lies, and the auditor
 is never the part's owner.
 
-The auditor asks the owner for its evidence (``POST /v1/allreduce/slices``: :class:`PartEvidence`, the
-signed ready report, the mean's frame as served and every slice's frame as it came, compressed as the
-members sent them). An owner that does not answer, or answers what does not hold up (a slice not signed
-by its member, a mean whose digest is not the one it signed), is counted (``unanswered``,
-``unprovable``): nothing in such an answer convicts it before others. A mean the recomputation does not
-reproduce convicts: the auditor excludes the owner as a hostile peer (``HOSTILE_EXCLUSION_S``, growing
-on repeat) and posts the same evidence to its stage-mates (``POST /v1/allreduce/audit``); each checks
-the signatures and recomputes the part itself, trusting nobody, and excludes the owner too
-(``seconded``), so the stage's coordinators leave it out of their plans and its progress answers name
-it to the trainers. The auditor is only a messenger: it cannot forge the owner's report or a member's
-slice, and an honest owner's part recomputes to its own mean.
+The auditor asks the owner for its evidence (``POST /v1/allreduce/slices``: :class:`PartEvidence`, the signed
+ready report, the mean's frame as served and every slice's frame as it came, compressed as the members sent
+them). An owner that refuses, answers what does not hold up (a slice not signed by its member, a mean whose
+digest is not the one it signed), or leaves the request unanswered while it answers others, is held to account
+as if it had shown a lie (``auditor``: ``unaccountable``): excluded by the auditor, and by every stage-mate
+that audits it in turn, told which commit's part it would not show. A mean the recomputation does not
+reproduce convicts: the auditor excludes the owner as a hostile peer (``HOSTILE_EXCLUSION_S``, growing on
+repeat) and posts the same evidence to its stage-mates (``POST /v1/allreduce/audit``); each checks the
+signatures and recomputes the part itself, trusting nobody, and excludes the owner too (``seconded``), so the
+stage's coordinators leave it out of their plans and its progress answers name it to the trainers. The auditor
+is only a messenger: it cannot forge the owner's report or a member's slice, and an honest owner's part
+recomputes to its own mean.
 
 Cost: an audited commit moves one part's slices and mean to one member (about ``|grads| x (1 + 1/n)``
 bytes as the members' codec sent them), in at most ``AUDIT_ROUNDS`` pieces, one a commit the auditor
@@ -42,13 +43,13 @@ owning one of ``n`` parts is caught in a round it lies in with probability ``AUD
 (``1/12`` in a stage of 3): the rounds it lies in before that are applied. A conviction sends the
 evidence to each stage-mate once.
 
-What is left: an owner that will not show its evidence (refuses, or shows what does not hold up) is
-only counted (``unanswered``, ``unprovable``), so a liar that refuses every audit is not convicted; a
-lie inside the tolerance (a mean within 1% of the rule's: bounded by it); an owner whose slices'
-members collude with it (they sign what it wants); the rounds a liar spends before its part is drawn;
-heterogeneous builds that score a slice on the other side of a strike threshold recompute another mean
-(an honest owner convicted that way is the price of a threshold, as in ``hostile_contributions``; none
-seen on one build). The members' own slices are not checked here: that is the owners' scoring and the
+What is left: an owner that answers nothing at all from its audit until ``PENDING_MAX_S`` (5 minutes) has
+passed (it looks gone, and is gone from the stage's rounds meanwhile: ``unanswered``); an owner that moves to
+another stage before it is asked; a lie inside the tolerance (a mean within 1% of the rule's: bounded by it);
+an owner whose slices' members collude with it (they sign what it wants); the rounds a liar spends before its
+part is drawn; heterogeneous builds that score a slice on the other side of a strike threshold recompute
+another mean (an honest owner convicted that way is the price of a threshold, as in ``hostile_contributions``;
+none seen on one build). The members' own slices are not checked here: that is the owners' scoring and the
 openings' business.
 """
 

@@ -18,8 +18,9 @@ trust); each mate that applied that commit (or applies it later) checks that the
 and audits the owner itself by the same rules (``noticed``): evidence it is shown convicts or clears the
 owner, a refusal excludes it here too. An honest owner never refuses: it keeps the evidence of every
 drawn part (``PartOwner.release``; in ``kept``, and on disk under the state directory when the daemon has
-one, so a restart forgets none), and one that is gone (answers nothing, or left the stage) is only
-counted (``unanswered``).
+one, so a restart forgets none). One that answers nothing is asked again when it is back in a commit (a
+liar cannot wait its audit out by playing dead for a while), and one gone for ``PENDING_MAX_S`` or that
+left the stage is only counted (``unanswered``).
 
 ``/status`` averaging ``audits`` (``drawn``, ``noticed``, ``ok``, ``mismatch``, ``unaccountable``,
 ``unanswered``, ``unprovable``, ``seconded``, ``not_seconded``, ``busy``, ``shown``, ``skipped``); ``/metrics``
@@ -57,8 +58,8 @@ log = logging.getLogger(__name__)
 #: How long fetching an owner's evidence, or showing it to one stage-mate, may take.
 AUDIT_TIMEOUT_S = 30.0
 #: Requests for a piece an owner that answers otherwise may leave unanswered (one after each commit) before it is
-#: held to account as one that refused (``unaccountable``); as many unanswered by an owner that answers nothing
-#: give the audit up (``unanswered``: it is gone).
+#: held to account as one that refused (``unaccountable``). One that answers nothing is asked again once it takes
+#: part in a commit again (a restart: it kept the evidence), until ``PENDING_MAX_S``.
 AUDIT_ATTEMPTS = 3
 #: How an owner that left the stage says so (not a refusal: it is gone).
 OTHER_STAGE = "another stage"
@@ -112,6 +113,11 @@ class _Pending:
         return self.plan.owners[self.part]
 
 
+def _taking_part(plan: RoundPlan, decision: Decision) -> set[str]:
+    """The members whose parts a commit holds."""
+    return set(plan.member_ids) - set(decision.dropped)
+
+
 class PartAuditor:
     """The audits of one averager: its draws, its answers as an owner, its checks of others' evidence."""
 
@@ -136,19 +142,19 @@ class PartAuditor:
     def after_commit(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> None:
         """A commit this member applied: fetch the next piece of each audit under way (one a round), and start
         auditing the part the commit draws if the draw names this peer (one audit of its own at a time: owned
-        tasks). An owner that answered nothing ``AUDIT_ATTEMPTS`` times is gone: not held to account."""
+        tasks). An owner that answered nothing is asked again once it is back in a commit; one away past
+        ``PENDING_MAX_S`` is given up (``unanswered``)."""
         av = self.av
         now = time.monotonic()
         for key, pending in list(self._pending.items()):
-            gone = pending.unreachable >= AUDIT_ATTEMPTS
-            if now - pending.started > PENDING_MAX_S or gone:
+            if now - pending.started > PENDING_MAX_S:
                 del self._pending[key]
                 self.counts["unanswered"] += 1
-                log.info("stage %d: the owner %s of part %d of round %s did not answer its audit and %s; given up",
-                         av.executor.stage, pending.owner[:12], pending.part, pending.plan.round_id,
-                         "is gone" if gone else "took too long")
-            elif not pending.fetching:
-                self._fetch_next(pending)
+                log.info("stage %d: the owner %s of part %d of round %s did not show it for an audit within %.0fs "
+                         "(gone: it answered nothing %d times); given up", av.executor.stage, pending.owner[:12],
+                         pending.part, pending.plan.round_id, PENDING_MAX_S, pending.unreachable)
+            elif not pending.fetching and (not pending.unreachable or pending.owner in _taking_part(plan, decision)):
+                self._fetch_next(pending)  # (an owner that answered nothing: asked again once it is back in a commit)
         if av.identity is None or signature is None:  # (nothing signed: nothing an audit could show)
             return
         drawn = self.drawn(plan, decision, signature)
@@ -161,8 +167,8 @@ class PartAuditor:
                 self._take_notice(early)
         if drawn is None or drawn[1] != av.peer_id or plan.owners[drawn[0]] in av.suspicions.excluded():
             return
-        if any(not p.noticed for p in self._pending.values()):
-            self.counts["skipped"] += 1  # (auditing another part still)
+        if any(not p.noticed and not p.unreachable for p in self._pending.values()):
+            self.counts["skipped"] += 1  # (auditing another part still; one whose owner is away does not hold it up)
             return
         self.counts["drawn"] += 1
         self._start(_Pending(plan, decision, drawn[0], [], time.monotonic()))
@@ -188,31 +194,40 @@ class PartAuditor:
 
     async def _fetch(self, pending: _Pending) -> None:
         try:
-            await self._fetch_piece(pending)
+            # a piece a commit; an audit a notice started takes them all at once (after a refusal: rare), so its
+            # verdict does not wait for commits that may wait for it (trainers route to the owner until then)
+            while await self._fetch_piece(pending) and pending.noticed:
+                pass
         finally:
             self.fetching -= 1
             pending.fetching = False
 
-    async def _fetch_piece(self, pending: _Pending) -> None:
-        """The next piece of the owner's evidence; with the last, check it all and judge the owner."""
+    async def _fetch_piece(self, pending: _Pending) -> bool:
+        """The next piece of the owner's evidence; with the last, check it all and judge the owner. True when a
+        piece came and more are to come."""
         av, plan, part = self.av, pending.plan, pending.part
         owner, stage = pending.owner, av.executor.stage
         start = sum(len(p.part_frames) for p in pending.pieces)
         query = ArQuery(stage, plan.round_id, part, index=start)
-        try:
-            frame = await av.client.allreduce(plan.addr(owner), "slices", query.encode, timeout_s=self.timeout_s)
-        except (PeerError, SwarmdError) as exc:
-            if not await self._alive(pending):  # (gone, or cut off from this peer: not held to account)
-                pending.unreachable += 1
-                return  # (asked again after the next commit, ``AUDIT_ATTEMPTS`` times at most)
-            pending.failures += 1
-            log.info("stage %d step %d: the owner %s of part %d did not answer its audit though it answers "
-                     "otherwise (%d of %d: %s)", stage, plan.step, owner[:12], part, pending.failures, AUDIT_ATTEMPTS,
-                     str(exc)[:200])
-            if pending.failures >= AUDIT_ATTEMPTS:
-                await self._unaccountable(pending, f"{AUDIT_ATTEMPTS} requests for it unanswered while it answered "
-                                                   f"others ({str(exc)[:120]})")
-            return  # (asked again after the next commit)
+        while True:
+            try:
+                frame = await av.client.allreduce(plan.addr(owner), "slices", query.encode, timeout_s=self.timeout_s)
+                break
+            except (PeerError, SwarmdError) as exc:
+                if not await self._alive(pending):  # (gone, or cut off from this peer: not held to account for it)
+                    pending.unreachable += 1
+                    return False  # (asked again once it takes part in a commit again, within ``PENDING_MAX_S``)
+                pending.failures += 1
+                log.info("stage %d step %d: the owner %s of part %d did not answer its audit though it answers "
+                         "otherwise (%d of %d: %s)", stage, plan.step, owner[:12], part, pending.failures,
+                         AUDIT_ATTEMPTS, str(exc)[:200])
+                if pending.failures >= AUDIT_ATTEMPTS:
+                    await self._unaccountable(pending, f"{AUDIT_ATTEMPTS} requests for it unanswered while it "
+                                                       f"answered others ({str(exc)[:120]})")
+                    return False
+                # asked again a moment later, not after the next commit: a stage whose rounds wait for this verdict
+                # (its trainers route to the owner until a second mate excludes it) would wait for ever
+                await asyncio.sleep(self.timeout_s / 4)
         if frame.kind == ArAck.KIND:
             try:
                 reason = ArAck.from_frame(frame).reason
@@ -221,42 +236,43 @@ class PartAuditor:
             if reason.startswith(OTHER_STAGE):  # it left the stage (a migration): gone, not refusing
                 self._end(pending)
                 self.counts["unanswered"] += 1
-                return
+                return False
             await self._unaccountable(pending, f"it refused ({reason[:200]})")
-            return
+            return False
         try:
             piece = await asyncio.to_thread(PartEvidence.decode, frame)
         except RequestError as exc:
             await self._unaccountable(pending, f"its answer does not read ({exc})", unprovable=True)
-            return
+            return False
         ready = piece.ready
         if (piece.stage != stage or ready.owner != owner or ready.round_id != plan.round_id or ready.part != part
                 or ready.digest != pending.decision.digests[part] or piece.piece_of is None
                 or piece.piece_of[0] != start):
             await self._unaccountable(pending, "its evidence is of another part, piece, or a mean not committed",
                                       unprovable=True)
-            return
+            return False
         pending.pieces.append(piece)
-        pending.failures = 0
+        pending.failures = pending.unreachable = 0
         if start + len(piece.part_frames) < piece.piece_of[1]:
-            return  # the next piece with the next commit
+            return True  # the next piece with the next commit
         self._end(pending)
         evidence = PartEvidence.assemble(pending.pieces)
         if isinstance(evidence, str):
             await self._unaccountable(pending, evidence, unprovable=True, ended=True)
-            return
+            return False
         verdict = await asyncio.to_thread(evidence.check)
         if isinstance(verdict, str):
             await self._unaccountable(pending, verdict, unprovable=True, ended=True)
-            return
+            return False
         if verdict.why is None:
             self.counts["ok"] += 1
             log.debug("stage %d step %d: audited part %d of %s: its mean holds up (%.2g)", stage, plan.step, part,
                       owner[:12], verdict.distance)
-            return
+            return False
         self.counts["mismatch"] += 1
         self._convict(owner, verdict.why, "convicted")
         await self._show(owner, evidence)
+        return False
 
     async def _alive(self, pending: _Pending) -> bool:
         """Whether the owner answers at all: a cheap request of the same round (its decision, not waited for)
