@@ -313,13 +313,18 @@ class PartAuditor:
     async def _notify(self, pending: _Pending) -> None:
         """Tell every listed stage-mate (but the owner) which commit's part its owner would not show: each audits
         it itself (``on_refused``)."""
-        av, owner = self.av, pending.owner
-        targets = await av.mates_to_tell(owner, "the refused audit")
-        raw = ArQuery(av.executor.stage, pending.plan.round_id, pending.part).encode()
+        raw = ArQuery(self.av.executor.stage, pending.plan.round_id, pending.part).encode()
+        await self._tell(pending.owner, "the refused audit", "refused", raw)
+
+    async def _tell(self, owner: str, what: str, op: str, raw: bytes) -> None:
+        """Post ``raw`` (``POST /v1/allreduce/<op>``) to every listed stage-mate but ``owner`` and this peer; those
+        that took it are counted (``shown``)."""
+        av = self.av
+        targets = await av.mates_to_tell(owner, what)
 
         async def one(addr: str) -> bool:
             try:
-                frame = await av.client.allreduce(addr, "refused", lambda: raw, len(raw), timeout_s=self.timeout_s)
+                frame = await av.client.allreduce(addr, op, lambda: raw, len(raw), timeout_s=self.timeout_s)
                 return ArAck.from_frame(frame).ok
             except (PeerError, SwarmdError):
                 return False
@@ -336,19 +341,7 @@ class PartAuditor:
 
     async def _show(self, owner: str, evidence: PartEvidence) -> None:
         """Post the evidence to every listed stage-mate but the owner and this peer."""
-        av = self.av
-        targets = await av.mates_to_tell(owner, "the audit")
-        raw = await asyncio.to_thread(evidence.encode)
-
-        async def one(addr: str) -> bool:
-            try:
-                frame = await av.client.allreduce(addr, "audit", lambda: raw, len(raw), timeout_s=self.timeout_s)
-                return ArAck.from_frame(frame).ok
-            except (PeerError, SwarmdError):
-                return False
-
-        taken = await asyncio.gather(*(one(addr) for addr in targets))
-        self.counts["shown"] += sum(taken)
+        await self._tell(owner, "the audit", "audit", await asyncio.to_thread(evidence.encode))
 
     # ---- owner -------------------------------------------------------------------------------
 
