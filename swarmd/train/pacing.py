@@ -40,7 +40,7 @@ from swarmd.train.config import TrainerConfig
 from swarmd.train.summary import TrainSummary
 from swarmd.train.swarm_client import PeerProgress, TrainerError
 from swarmd.train.swarm_view import front_step, stage_fronts
-from swarmd.train.verify import excluded_by_stage, forks
+from swarmd.train.verify import excluded_by_stage, forks, stage_distrust
 from swarmd.train.window import MOST
 
 __all__ = ["AsyncPacing", "BookLag", "LeaseBook", "book_peer", "pace_budget", "reachable_steps", "rounds_pending"]
@@ -199,7 +199,12 @@ class LeaseBook:
         trainer = self.trainer_id()
         if book is None or trainer is None or book.peer_id in lagging:
             return None  # (the book's peer is finishing its step: ask again shortly, not another book)
-        held = sum(p.samples for p in seen if p.step == front)
+        # nor are those of a peer one stage-mate excludes, while the trainers (needing two accusers) still route to
+        # it: where it is excluded its samples never enter a round, so counting them would leave the book waiting
+        # for them for ever (its deficit written off after a grace instead, and granted again: ``reservations``);
+        # an honest peer named by a liar only makes the step larger than the target, as a sync trainer's top-up
+        distrusted = stage_distrust(progress[0]) if progress else frozenset()
+        held = sum(p.samples for p in seen if p.step == front and p.peer_id not in distrusted)
         complete = seen and len(seen) == len(progress[0])  # every stage-0 peer answered: the sum is the stage's
         cfg, timing = self.config, self.config.timing
         request = ReserveRequest(stage=0, trainer=trainer, step=front or 0, size=cfg.microbatch_size,
