@@ -140,7 +140,9 @@ def test_a_delayed_host_adds_its_delay_to_a_round_trip(netlab: MakeLab) -> None:
             fast = run_probe(lab, 2, "rtt", addr, echo.tcp_port(addr), count=3)
             assert slow["ok"] and fast["ok"]
             assert min(slow["rtt_s"]) >= delay, slow
-            assert min(slow["rtt_s"]) >= min(fast["rtt_s"]) + delay, (slow, fast)
+            # (the two hosts' own round trips differ by microseconds: CI once saw the delayed one 6 us under the
+            # fast one's plus the delay)
+            assert min(slow["rtt_s"]) - min(fast["rtt_s"]) >= 0.95 * delay, (slow, fast)
 
 
 def test_close_removes_everything_even_after_an_exception() -> None:
