@@ -154,6 +154,8 @@ class Daemon:
         self.control_plane = ControlPlane(self.tasks, request_timeout_s=config.api.request_timeout_s)
         self._listeners = listeners  # every port, bound first (by the CLI, or _bind_first), then handed on
         self._state_lock: IO[str] | None = None
+        state_dir = config.dht.state_dir
+        self._kept_evidence = KeptEvidence(state_dir / "audits" if state_dir is not None else None)
         self._stopping = False
         self._shutdown_done = False
 
@@ -345,10 +347,10 @@ class Daemon:
             exclude=self._ledger_excluded,
             on_round=self.metrics.observe_round,  # swarmd_averaging_round_duration_seconds
         )
-        if isinstance(averager, AllReduceAverager) and self.config.dht.state_dir is not None:
-            # the evidence of drawn parts it reduced outlives a restart: an owner that cannot show it is held to
-            # account as one that lied (``allreduce.evidence_store``)
-            averager.auditor.kept = KeptEvidence(self.config.dht.state_dir / "audits")
+        if isinstance(averager, AllReduceAverager):
+            # the evidence of drawn parts it reduced outlives a move to another stage and, on disk, a restart: an
+            # owner that cannot show it is held to account as one that lied (``allreduce.evidence_store``)
+            averager.auditor.kept = self._kept_evidence
         runtime.averager = averager
         self.tasks.spawn(AVERAGER_TASK, averager.run, restart=True)
 

@@ -91,11 +91,11 @@ async def test_an_owner_publishing_a_false_mean_is_audited_convicted_seconded_an
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("hide", ["refuse", "hang"])
+@pytest.mark.parametrize("hide", ["refuse", "hang", "moved"])
 async def test_an_owner_that_lies_and_will_not_show_its_evidence_is_excluded_by_its_auditor_and_mates(
         hide: str) -> None:
-    """The owner refuses every audit, or never answers one while it goes on taking part in the rounds: the
-    auditor holds it to account as if it had shown its lie, and its stage-mates, told which commit's part it
+    """The owner refuses every audit, never answers one while it goes on taking part in the rounds, or says it
+    serves another stage while it takes part in this one's commits: the auditor holds it to account as if it had shown its lie, and its stage-mates, told which commit's part it
     would not show, audit it themselves and exclude it too. Honest peers convict nobody else."""
     async with fast_swarm(SPEC, ALLREDUCE, peers_per_stage=3) as daemons:
         stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")

@@ -189,15 +189,16 @@ def lie_as_owner(averager: AllReduceAverager, factor: float = -1.0, hide: str = 
     members' box checks pass: ``round_checks.check_answer``), its ready report signed over that lie; its
     slices and everything else honest. What the audits of part owners catch (``allreduce.audit``). ``hide``:
     what it does when an auditor asks for its evidence: ``""`` shows it, ``refuse`` refuses, ``hang`` never
-    answers (``auditor``: held to account as unaccountable)."""
-    if hide not in ("", "refuse", "hang"):
+    answers, ``moved`` says it serves another stage now (``auditor``: held to account as unaccountable)."""
+    if hide not in ("", "refuse", "hang", "moved"):
         raise ValueError(f"unknown way to hide {hide!r}")
     original = averager._register
     if hide:
         async def on_slices(q: Any) -> bytes:
             if hide == "hang":
                 await asyncio.sleep(3600)
-            return ArAck(False, "not showing that").encode()
+            return ArAck(False, "another stage: this peer serves stage 1 now" if hide == "moved"
+                         else "not showing that").encode()
 
         averager.auditor.on_slices = on_slices  # type: ignore[method-assign]
 

@@ -44,13 +44,12 @@ owning one of ``n`` parts is caught in a round it lies in with probability ``AUD
 evidence to each stage-mate once.
 
 What is left: an owner that answers nothing at all from its audit until ``PENDING_MAX_S`` (5 minutes) has
-passed (it looks gone, and is gone from the stage's rounds meanwhile: ``unanswered``); an owner that moves to
-another stage before it is asked; a lie inside the tolerance (a mean within 1% of the rule's: bounded by it);
-an owner whose slices' members collude with it (they sign what it wants); the rounds a liar spends before its
-part is drawn; heterogeneous builds that score a slice on the other side of a strike threshold recompute
-another mean (an honest owner convicted that way is the price of a threshold, as in ``hostile_contributions``;
-none seen on one build). The members' own slices are not checked here: that is the owners' scoring and the
-openings' business.
+passed (it looks gone, and is gone from the stage's rounds meanwhile: ``unanswered``); a lie inside the
+tolerance (a mean within 1% of the rule's: bounded by it); an owner whose slices' members collude with it
+(they sign what it wants); the rounds a liar spends before its part is drawn; heterogeneous builds that score
+a slice on the other side of a strike threshold recompute another mean (an honest owner convicted that way is
+the price of a threshold, as in ``hostile_contributions``; none seen on one build). The members' own slices
+are not checked here: that is the owners' scoring and the openings' business.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ trust); each mate that applied that commit (or applies it later) checks that the
 and audits the owner itself by the same rules (``noticed``): evidence it is shown convicts or clears the
 owner, a refusal excludes it here too. An honest owner never refuses: it keeps the evidence of every
 drawn part (``PartOwner.release``; in ``kept``, and on disk under the state directory when the daemon has
-one, so a restart forgets none). One that answers nothing is asked again when it is back in a commit (a
-liar cannot wait its audit out by playing dead for a while), and one gone for ``PENDING_MAX_S`` or that
-left the stage is only counted (``unanswered``).
+one, so a restart forgets none; the daemon's, so a move to another stage forgets none either). One that
+answers nothing is asked again when it is back in a commit of this stage (a liar cannot wait its audit out
+by playing dead), and one gone for ``PENDING_MAX_S`` is only counted (``unanswered``).
 
 ``/status`` averaging ``audits`` (``drawn``, ``noticed``, ``ok``, ``mismatch``, ``unaccountable``,
 ``unanswered``, ``unprovable``, ``seconded``, ``not_seconded``, ``busy``, ``shown``, ``skipped``); ``/metrics``
@@ -61,8 +61,6 @@ AUDIT_TIMEOUT_S = 30.0
 #: held to account as one that refused (``unaccountable``). One that answers nothing is asked again once it takes
 #: part in a commit again (a restart: it kept the evidence), until ``PENDING_MAX_S``.
 AUDIT_ATTEMPTS = 3
-#: How an owner that left the stage says so (not a refusal: it is gone).
-OTHER_STAGE = "another stage"
 #: An audit whose pieces did not all come within this long is given up (``unanswered``).
 PENDING_MAX_S = 300.0
 #: Evidence a stage-mate checks at once (more is answered "busy": the auditor's other mates check it).
@@ -233,10 +231,6 @@ class PartAuditor:
                 reason = ArAck.from_frame(frame).reason
             except RequestError as exc:
                 reason = str(exc)
-            if reason.startswith(OTHER_STAGE):  # it left the stage (a migration): gone, not refusing
-                self._end(pending)
-                self.counts["unanswered"] += 1
-                return False
             await self._unaccountable(pending, f"it refused ({reason[:200]})")
             return False
         try:
@@ -347,11 +341,11 @@ class PartAuditor:
 
     async def on_slices(self, q: ArQuery) -> bytes:
         """An auditor asks for a part this peer reduced: its evidence, or an ack saying why none."""
-        if q.stage != self.av.executor.stage:
-            return ArAck(False, f"{OTHER_STAGE}: this peer serves stage {self.av.executor.stage} now").encode()
-        evidence: PartEvidence | str | None = await self.kept.get(q.round_id, q.part)
+        # (kept by the daemon across stages: an owner that moved to another stage still shows what it reduced)
+        kept = await self.kept.get(q.round_id, q.part)
+        evidence: PartEvidence | str | None = kept if kept is not None and kept.stage == q.stage else None
         owner = self.av.owners.get((q.round_id, q.part))
-        if evidence is None and owner is not None:
+        if evidence is None and owner is not None and q.stage == self.av.executor.stage:
             evidence = evidence_of(owner, q.stage)
         if evidence is None:
             return ArAck(False, "this peer holds no such part (a round forgotten, or never reduced here)").encode()
