@@ -252,11 +252,11 @@ class PartAuditor:
         self._end(pending)
         evidence = PartEvidence.assemble(pending.pieces)
         if isinstance(evidence, str):
-            await self._unaccountable(pending, evidence, unprovable=True, ended=True)
+            await self._unaccountable(pending, evidence, unprovable=True)
             return False
         verdict = await asyncio.to_thread(evidence.check)
         if isinstance(verdict, str):
-            await self._unaccountable(pending, verdict, unprovable=True, ended=True)
+            await self._unaccountable(pending, verdict, unprovable=True)
             return False
         if verdict.why is None:
             self.counts["ok"] += 1
@@ -284,13 +284,11 @@ class PartAuditor:
         if self._pending.get(key) is pending:
             del self._pending[key]
 
-    async def _unaccountable(self, pending: _Pending, why: str, *, unprovable: bool = False,
-                             ended: bool = False) -> None:
+    async def _unaccountable(self, pending: _Pending, why: str, *, unprovable: bool = False) -> None:
         """The owner would not show its evidence (refused, let ``AUDIT_ATTEMPTS`` requests go unanswered while it
         answered others, or showed what does not hold up): held to account as if it had shown a lie.
         Excluded here; a peer that audited it by its own draw tells the stage-mates, who audit it themselves."""
-        if not ended:
-            self._end(pending)
+        self._end(pending)  # (a no-op where it ended already)
         plan, owner = pending.plan, pending.owner
         if unprovable:
             self.counts["unprovable"] += 1
