@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from swarmd.api.models import (
+    AUDIT_OUTCOMES,
     ActivationCacheInfo,
     AuthInfo,
     AuthRefusals,
@@ -306,11 +307,10 @@ class StatusCollector(Collector):
                   {k: averaging.openings.get(k, 0) for k in ("sent", "ok", "missing", "bad", "inconsistent",
                                                               "recomputed", "mismatch", "unchecked")})
         yield _by("swarmd_averaging_audits", "(all-reduce) audits of part owners: drawn, noticed (a stage-mate's "
-                  "notice), ok, mismatch (convicted), unaccountable (it would not show its evidence: excluded), "
-                  "unanswered (gone), unprovable; shown to stage-mates, seconded, not_seconded, busy, skipped",
-                  "outcome", {k: averaging.audits.get(k, 0) for k in (
-                      "drawn", "noticed", "ok", "mismatch", "unaccountable", "unanswered", "unprovable", "shown",
-                      "seconded", "not_seconded", "busy", "skipped")})
+                  "notice), suspected (a mean against this peer's slice), ok, mismatch (convicted), unaccountable "
+                  "(it would not show its evidence: excluded), unanswered (gone), unprovable; shown to stage-mates, "
+                  "seconded, not_seconded, busy, skipped",
+                  "outcome", {k: averaging.audits.get(k, 0) for k in AUDIT_OUTCOMES})
         yield _counter("swarmd_averaging_leaders_refused", "leaders' answers this peer refused (each counts once "
                        "per refusal, summed over leaders)", sum(averaging.leaders_refused.values()))
         yield _counter("swarmd_averaging_leaders_stalling", "times this peer excluded a leader that aborted or turned "

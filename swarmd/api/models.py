@@ -139,6 +139,11 @@ class Exclusion(BaseModel):
     reason: str
 
 
+#: What ``AveragingInfo.audits`` counts (``swarmd.pipeline.averaging.allreduce.auditor``), for ``/metrics``.
+AUDIT_OUTCOMES = ("drawn", "noticed", "suspected", "ok", "mismatch", "unaccountable", "unanswered", "unprovable",
+                  "shown", "seconded", "not_seconded", "busy", "skipped")
+
+
 class AveragingInfo(BaseModel):
     """The stage's averaging rounds and their checks (``swarmd.pipeline.averaging.averager``, ``round_checks``)."""
 
@@ -176,12 +181,14 @@ class AveragingInfo(BaseModel):
                                         "conviction by recomputation)")
     audits: dict[str, int] = Field(default_factory=dict, description="(all-reduce) audits of part owners: drawn (a "
                                    "commit drew this peer to audit a part), noticed (a stage-mate said the owner "
-                                   "would not show a part: audited here too), ok, mismatch (the owner convicted), "
-                                   "unaccountable (the owner refused, left requests unanswered while it took part "
-                                   "in the rounds, or showed evidence that does not hold up: excluded), unanswered "
-                                   "(the owner gone), unprovable (of the unaccountable: evidence that does not hold "
-                                   "up), shown (stage-mates that took up a conviction or notice), seconded, "
-                                   "not_seconded, busy (evidence shown while checking other), skipped")
+                                   "would not show a part: audited here too), suspected (a committed part mean "
+                                   "pointed against this peer's own slice: audited at once), ok, mismatch (the "
+                                   "owner convicted), unaccountable (the owner refused, left requests unanswered "
+                                   "while it took part in the rounds, or showed evidence that does not hold up: "
+                                   "excluded), unanswered (the owner gone), unprovable (of the unaccountable: "
+                                   "evidence that does not hold up), shown (stage-mates that took up a conviction "
+                                   "or notice), seconded, not_seconded, busy (evidence shown while checking "
+                                   "other), skipped")
     openings: dict[str, int] = Field(default_factory=dict, description="opened contributions (issue 29, item 3: "
                                      "each last-stage contribution's sketch against its microbatches'): sent (by "
                                      "this peer), and as leader ok, missing, bad (refused), inconsistent (convicted); "

@@ -138,3 +138,56 @@ async def test_an_honest_swarm_audits_every_commit_and_convicts_nobody() -> None
                        for k in ("mismatch", "unprovable", "unanswered", "seconded", "unaccountable")), audits
         for d in daemons:
             assert not d.status()["averaging"]["excluded"], d.status()["averaging"]["excluded"]
+
+
+@pytest.mark.timeout(600)
+async def test_an_owner_flipping_its_part_is_suspected_and_excluded_without_waiting_for_a_draw() -> None:
+    """No commit draws an audit (share 0): each honest member sees the flipped part's mean point against its own
+    slice (``audit.SUSPECT_BELOW``), audits that part itself before applying the commit, convicts the owner from
+    its evidence and does not apply the lie (it keeps its gradients for the next round, without the liar): in the
+    first round the liar owns a part in, not after the draw's ~``n / AUDIT_SHARE`` rounds."""
+    async with fast_swarm(SPEC, ALLREDUCE, peers_per_stage=3) as daemons:
+        stage0 = sorted((d for d in daemons if d.stage == 0), key=lambda d: d.peer_id or "")
+        liar, honest = stage0[-1], stage0[:-1]
+        assert liar.averager is not None and liar.peer_id is not None
+        lie_as_owner(liar.averager, -1.0)  # type: ignore[arg-type]
+        for d in daemons:
+            d.averager.auditor.share = 0.0  # type: ignore[union-attr]
+        await _train(daemons, CHUNK, seed=0)
+        audits = [_audits(d) for d in honest]
+        assert all(a.get("suspected", 0) >= 1 and a.get("mismatch", 0) >= 1 for a in audits), audits
+        assert not any(a.get("drawn") or a.get("not_seconded") or a.get("unprovable") for a in audits), audits
+        assert await _metric(honest[0], 'swarmd_averaging_audits_total{outcome="suspected"}') == \
+            audits[0]["suspected"]
+        for d in honest:  # the commit that held the lie was not applied here
+            refused = [r for r in d.averager.history if "convicted by an audit" in r.get("reason", "")]  # type: ignore[union-attr]
+            assert refused and refused[0]["status"] == "missed", list(d.averager.history)  # type: ignore[union-attr]
+        for d in honest:
+            excluded = d.status()["averaging"]["excluded"]
+            assert excluded[liar.peer_id]["reason"].startswith("hostile: audited"), excluded
+            assert not set(excluded) - {liar.peer_id}, excluded
+        await _same_params(honest)
+
+
+@pytest.mark.timeout(600)
+async def test_honest_owners_suspected_by_mistake_show_their_evidence_and_are_cleared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every member suspects every part of every commit (its check patched to see each mean point against its
+    slice): each audit fetches an honest owner's evidence within the rounds it keeps it (``KEEP_ROUNDS``), holds
+    up, and nobody is excluded; the stage trains on, its peers identical."""
+    from swarmd.pipeline.averaging.allreduce import member
+
+    monkeypatch.setattr(member, "against_own", lambda mean, own: -1.0)
+    async with fast_swarm(SPEC, ALLREDUCE, peers_per_stage=3) as daemons:
+        for d in daemons:
+            d.averager.auditor.share = 0.0  # type: ignore[union-attr]
+        await _train(daemons, 8, seed=0)
+        audits = [_audits(d) for d in daemons if d.averager is not None]
+        assert sum(a.get("suspected", 0) for a in audits) >= 6, audits
+        assert sum(a.get("ok", 0) for a in audits) >= sum(a.get("suspected", 0) for a in audits) - len(audits), audits
+        assert not any(a.get(k) for a in audits
+                       for k in ("mismatch", "unprovable", "unanswered", "seconded", "unaccountable")), audits
+        for d in daemons:
+            assert not d.status()["averaging"]["excluded"], d.status()["averaging"]["excluded"]
+        for s in (0, 1):
+            await _same_params([d for d in daemons if d.stage == s])

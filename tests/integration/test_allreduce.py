@@ -26,6 +26,7 @@ import torch
 from swarmd.dht.identity import Identity
 from swarmd.net.proof import ProvenPeers, Prover
 from swarmd.net.wire import decode_frame
+from swarmd.pipeline.averaging.allreduce.audit import KEEP_ROUNDS
 from swarmd.pipeline.averaging.allreduce.averager import AllReduceAverager
 from swarmd.pipeline.averaging.allreduce.messages import ArPart, ArReport, ArReportReply
 from swarmd.pipeline.averaging.allreduce.plan import (
@@ -357,14 +358,15 @@ async def test_a_stage_steps_bit_identical_with_every_sample(n: int, codec: str)
 
 
 async def test_owners_keep_no_slices_and_only_the_evidence_an_audit_drew() -> None:
-    """An owner's decoded slices go once its part is reduced, and the members' signed frames once the round is
-    decided, unless the commit drew that part for an audit (what the auditor fetches in pieces over the next
-    commits). Each peer keeps the owners of its last 16 rounds: before, each held two gradients' worth (slices
-    and frames: 14 G after 7 rounds of ``small`` in ``scripts/bench_averaging.py``)."""
+    """An owner's decoded slices go once its part is reduced, and the members' signed frames ``KEEP_ROUNDS``
+    rounds after the round (for a member that suspects the part: ``audit.SUSPECT_BELOW``), unless the commit drew
+    that part for an audit (what the auditor fetches in pieces over the next commits): those stay. Each peer keeps
+    the owners of its last 16 rounds: before, each held two gradients' worth (slices and frames: 14 G after 7
+    rounds of ``small`` in ``scripts/bench_averaging.py``)."""
     n = 3
     async with stage(n, target=2 * n) as peers, running(peers):
         feed = Feeder()
-        for share, rounds in ((0.0, 2), (1.0, 2)):
+        for share, rounds in ((1.0, 2), (0.0, KEEP_ROUNDS + 2)):
             for p in peers:
                 p.averager.auditor.share = share
             for _ in range(rounds):
@@ -380,8 +382,10 @@ async def test_owners_keep_no_slices_and_only_the_evidence_an_audit_drew() -> No
                 assert owner.ready is not None and all(g is None for _, g in owner.parts.values())
                 if owner.frames:
                     kept[owner.plan.step] = kept.get(owner.plan.step, 0) + 1
-        # the rounds audited at share 0: none; at share 1: the one part each commit drew
-        assert kept == {2: 1, 3: 1}, kept
+        # the rounds audited at share 1: the one part each commit drew; of the rest, every part of the last
+        # KEEP_ROUNDS + 1 rounds, none before
+        last = 2 + KEEP_ROUNDS + 1
+        assert kept == {0: 1, 1: 1, **{s: n for s in range(last - KEEP_ROUNDS, last + 1)}}, kept
 
 
 async def test_the_mean_is_the_leaders_mean_bit_for_bit() -> None:

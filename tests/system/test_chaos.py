@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +15,25 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 
 
 def run_chaos(duration: int, kill_every: int, timeout: int, averaging: str = "allreduce") -> dict:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--duration", str(duration), "--kill-every", str(kill_every),
-                          "--averaging", averaging, "--json"], capture_output=True, text=True, timeout=timeout)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # its own process group: the harness's daemons are its children, and a run past its time must not leave them
+    # training on (they would slow every test after this one)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--duration", str(duration), "--kill-every", str(kill_every),
+                             "--averaging", averaging, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the chaos run took over {timeout} s; the end of its log:\n{stderr[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group outlived the harness
+        except ProcessLookupError:
+            pass
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert result["averaging"] == averaging
-    assert out.returncode == (0 if result["ok"] else 1)
+    assert proc.returncode == (0 if result["ok"] else 1)
     return result
 
 

@@ -34,12 +34,12 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmd.errors import PeerError, RequestError, SwarmdError
 from swarmd.net.wire import Frame
-from swarmd.pipeline.averaging.allreduce.audit import AUDIT_SHARE, PartEvidence, draw, evidence_of
+from swarmd.pipeline.averaging.allreduce.audit import AUDIT_SHARE, KEEP_ROUNDS, PartEvidence, draw, evidence_of
 from swarmd.pipeline.averaging.allreduce.evidence_store import KeptEvidence
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArQuery
 
@@ -94,7 +94,8 @@ class AuditHost(Protocol):
 @dataclass
 class _Pending:
     """An audit under way: the commit it audits, the pieces of the owner's evidence fetched so far, and the
-    requests the owner left unanswered (``noticed``: started by a stage-mate's notice, not by this peer's draw)."""
+    requests the owner left unanswered (``noticed``: started by a stage-mate's notice, ``suspected``: by this
+    peer's check of the mean, not by this peer's draw; both fetch every piece at once)."""
 
     plan: RoundPlan
     decision: Decision
@@ -102,6 +103,10 @@ class _Pending:
     pieces: list[PartEvidence]
     started: float
     noticed: bool = False
+    suspected: bool = False  # started by this peer's own check of the committed mean (``suspect``)
+    # how it ended, for a member holding its commit until then (``suspect``): "" the mean holds up, else why not
+    verdict: str | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
     failures: int = 0  # requests for a piece unanswered while the owner answered a cheap one (``_alive``)
     unreachable: int = 0  # requests for a piece unanswered when the owner answered nothing (gone)
     fetching: bool = False
@@ -134,6 +139,8 @@ class PartAuditor:
         # the last commits this peer applied that drew a part (whoever audits it): round id -> (plan, commit, part)
         self._draws: OrderedDict[str, tuple[RoundPlan, Decision, int]] = OrderedDict()
         self._early: OrderedDict[str, ArQuery] = OrderedDict()  # notices of rounds this peer has not applied yet
+        # parts this peer reduced that no commit drew, their evidence kept ``KEEP_ROUNDS`` rounds more (``suspect``)
+        self._recent: list[PartOwner] = []
 
     # ---- auditor -----------------------------------------------------------------------------
 
@@ -165,11 +172,54 @@ class PartAuditor:
                 self._take_notice(early)
         if drawn is None or drawn[1] != av.peer_id or plan.owners[drawn[0]] in av.suspicions.excluded():
             return
-        if any(not p.noticed and not p.unreachable for p in self._pending.values()):
+        if any(not (p.noticed or p.suspected or p.unreachable) for p in self._pending.values()):
             self.counts["skipped"] += 1  # (auditing another part still; one whose owner is away does not hold it up)
             return
         self.counts["drawn"] += 1
         self._start(_Pending(plan, decision, drawn[0], [], time.monotonic()))
+
+    async def suspect(self, plan: RoundPlan, decision: Decision, signature: bytes | None,
+                      suspected: list[tuple[int, float]], wait_s: float) -> str | None:
+        """A commit this member is about to apply holds part means that point against this member's own slices
+        of them (``audit.SUSPECT_BELOW``, with the cosine): audit such a part now, every piece at once, whatever
+        the draw (one such audit at a time; each (owner, round, part) once; the owner kept its evidence:
+        ``release_later``), and wait up to ``wait_s`` for the verdict. Why this member must not apply the commit
+        (its owner convicted or unaccountable, or excluded as hostile already), or None: it holds up, or no
+        verdict came in time (applied then, as any commit: the audit goes on and excludes a liar later)."""
+        av = self.av
+        if av.identity is None or signature is None or decision.status != "commit":
+            return None
+        for part, _ in suspected:
+            owner = plan.owners[part]
+            if owner != av.peer_id and av._excluded_as_hostile(owner):
+                return f"part {part}'s owner {owner[:12]} is excluded here as hostile"
+        started: list[_Pending] = []
+        for part, cos in suspected:
+            owner = plan.owners[part]
+            key = (owner, plan.round_id, part)
+            if owner == av.peer_id or key in self._checked or (plan.round_id, part) in self._pending:
+                continue
+            if any(p.suspected for p in self._pending.values()):
+                self.counts["skipped"] += 1
+                continue
+            self._remember(key)
+            self.counts["suspected"] += 1
+            log.warning("stage %d step %d: part %d's mean points against this peer's own slice (cosine %.2f): "
+                        "auditing its owner %s before applying it", av.executor.stage, plan.step, part, cos,
+                        owner[:12])
+            pending = _Pending(plan, decision, part, [], time.monotonic(), suspected=True)
+            self._start(pending)
+            started.append(pending)
+        for pending in started:
+            try:
+                await asyncio.wait_for(pending.ended.wait(), wait_s)
+            except asyncio.TimeoutError:
+                log.info("stage %d step %d: no verdict on part %d within %.0fs: applied; its audit goes on",
+                         av.executor.stage, plan.step, pending.part, wait_s)
+                continue
+            if pending.verdict:
+                return f"part {pending.part}'s owner {pending.owner[:12]}: {pending.verdict}"
+        return None
 
     def drawn(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> tuple[int, str] | None:
         """The part a commit audits and its auditor (``audit.draw`` at this peer's share), or None. An owner
@@ -192,9 +242,9 @@ class PartAuditor:
 
     async def _fetch(self, pending: _Pending) -> None:
         try:
-            # a piece a commit; an audit a notice started takes them all at once (after a refusal: rare), so its
+            # a piece a commit; an audit a notice or a suspicion started takes them all at once (rare), so its
             # verdict does not wait for commits that may wait for it (trainers route to the owner until then)
-            while await self._fetch_piece(pending) and pending.noticed:
+            while await self._fetch_piece(pending) and (pending.noticed or pending.suspected):
                 pass
         finally:
             self.fetching -= 1
@@ -231,6 +281,12 @@ class PartAuditor:
                 reason = ArAck.from_frame(frame).reason
             except RequestError as exc:
                 reason = str(exc)
+            if pending.suspected and av.executor.step > plan.step + KEEP_ROUNDS:
+                # this peer moved on past the rounds an owner keeps an undrawn part for: it may be gone honestly
+                self._end(pending)
+                self._conclude(pending, "")
+                self.counts["unanswered"] += 1
+                return False
             await self._unaccountable(pending, f"it refused ({reason[:200]})")
             return False
         try:
@@ -259,11 +315,13 @@ class PartAuditor:
             await self._unaccountable(pending, verdict, unprovable=True)
             return False
         if verdict.why is None:
+            self._conclude(pending, "")
             self.counts["ok"] += 1
             log.debug("stage %d step %d: audited part %d of %s: its mean holds up (%.2g)", stage, plan.step, part,
                       owner[:12], verdict.distance)
             return False
         self.counts["mismatch"] += 1
+        self._conclude(pending, f"convicted by an audit ({verdict.why[:200]})")
         self._convict(owner, verdict.why, "convicted")
         await self._show(owner, evidence)
         return False
@@ -279,6 +337,12 @@ class PartAuditor:
             return False
         return True
 
+    @staticmethod
+    def _conclude(pending: _Pending, verdict: str) -> None:
+        """The audit's outcome, for a member holding its commit until then (``suspect``)."""
+        pending.verdict = verdict
+        pending.ended.set()
+
     def _end(self, pending: _Pending) -> None:
         key = (pending.plan.round_id, pending.part)
         if self._pending.get(key) is pending:
@@ -289,6 +353,7 @@ class PartAuditor:
         answered others, or showed what does not hold up): held to account as if it had shown a lie.
         Excluded here; a peer that audited it by its own draw tells the stage-mates, who audit it themselves."""
         self._end(pending)  # (a no-op where it ended already)
+        self._conclude(pending, f"unaccountable ({why[:200]})")
         plan, owner = pending.plan, pending.owner
         if unprovable:
             self.counts["unprovable"] += 1
@@ -299,7 +364,7 @@ class PartAuditor:
                     self.av.executor.stage, plan.step, owner[:12], pending.part, why[:200])
         self._convict(owner, f"unaccountable: part {pending.part} of round {plan.round_id}: {why[:200]}",
                       "seconded the exclusion of" if pending.noticed else "excluded")
-        if not pending.noticed:
+        if not pending.noticed and not pending.suspected:  # (mates that suspect the part audit it themselves)
             await self._notify(pending)
 
     async def _notify(self, pending: _Pending) -> None:
@@ -353,6 +418,19 @@ class PartAuditor:
         if piece is None:
             return ArAck(False, f"this part holds {len(evidence.part_frames)} slices").encode()
         return await asyncio.to_thread(piece.encode)
+
+    def release_later(self, owner: PartOwner) -> None:
+        """A part this peer reduced that its commit did not draw: its members' frames are dropped once this peer
+        releases a round ``KEEP_ROUNDS`` steps later (until then a member that suspects it can audit it)."""
+        self._recent.append(owner)
+        newest = owner.plan.step
+        keep = []
+        for o in self._recent:
+            if o.plan.step < newest - KEEP_ROUNDS:
+                o.release(keep_evidence=False)
+            else:
+                keep.append(o)
+        self._recent = keep
 
     def keep(self, owner: PartOwner) -> None:
         """A part this peer reduced that a commit drew for an audit: its evidence kept past the round (``kept``)."""

@@ -19,6 +19,7 @@ from swarmd.dht.identity import Identity, peer_id_of, verify
 from swarmd.errors import Busy, PeerError, SwarmdError
 from swarmd.net.client import DataPlaneClient
 from swarmd.net.wire import WireTensor
+from swarmd.pipeline.averaging.allreduce.audit import SUSPECT_BELOW, SUSPECT_WAIT_S, against_own
 from swarmd.pipeline.averaging.allreduce.auditor import PartAuditor
 from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArDecisionReply, ArPart, ArQuery, ArReady, read_mean
@@ -139,6 +140,8 @@ class MemberRound:
         self.claim_digest = ""  # this member's signed claim of its contribution (``_scatter``)
         self.codecs: list[str] = []  # the codec each part went with (its own: none)
         self.claim_norm = 0.0
+        # parts whose committed mean points against this member's own slice (``audit.SUSPECT_BELOW``): audited
+        self.suspected: list[tuple[int, float]] = []
 
     @property
     def deadline(self) -> float:
@@ -176,9 +179,9 @@ class MemberRound:
             self._release_parts()
 
     def _release_parts(self) -> None:
-        """This peer's parts of the round, which is over for it: what an audit needs kept only where the commit
-        drew one of them (the members' signed frames were held for the last 16 rounds: as much memory again as
-        the gradients of each)."""
+        """This peer's parts of the round, which is over for it: what an audit needs kept past ``KEEP_ROUNDS``
+        more rounds only where the commit drew one of them (the members' signed frames were held for the last 16
+        rounds once: as much memory again as the gradients of each)."""
         av, plan = self.av, self.plan
         d = self.decision
         drawn = av.auditor.drawn(plan, d, self.decision_sig) if d is not None else None
@@ -188,9 +191,13 @@ class MemberRound:
                 continue
             if drawn is not None and drawn[0] == j:
                 av.auditor.keep(owner)  # (past the round, and on disk: an audit of it may take several commits)
-            # without the decision this peer cannot tell whether the commit drew its part: it keeps the frames
-            # while it holds the round (an owner that cannot show a drawn part's evidence is held to account)
-            owner.release(keep_evidence=d is None or (drawn is not None and drawn[0] == j))
+                owner.release(keep_evidence=True)
+            elif d is None:
+                # without the decision this peer cannot tell whether the commit drew its part: it keeps the frames
+                # while it holds the round (an owner that cannot show a drawn part's evidence is held to account)
+                owner.release(keep_evidence=True)
+            else:  # kept a few rounds more: a member that suspects the part audits it (``audit.KEEP_ROUNDS``)
+                av.auditor.release_later(owner)
 
     # ---- scatter -------------------------------------------------------------------------
 
@@ -620,6 +627,8 @@ class MemberRound:
             return
         missing = await self._gather_parts(d, fetches)
         why: str | None = None if missing else await asyncio.to_thread(self._check, d)
+        if why is None and not missing and self.suspected:  # a part against this peer's own slice: audited first
+            why = await av.auditor.suspect(plan, d, self.decision_sig, self.suspected, SUSPECT_WAIT_S)
         if missing or why is not None or own is None:
             if own is not None and ex.averaging:
                 await ex.restore_contribution(own)
@@ -760,6 +769,10 @@ class MemberRound:
             if plan.owners[j] == av.peer_id or j not in self.mine:
                 continue
             own, decoded = self.mine[j]
+            if decoded is not None and own.samples > 0:
+                cos = against_own(mean, decoded)
+                if cos is not None and cos < SUSPECT_BELOW:
+                    self.suspected.append((j, cos))
             why = check_answer(own=own, own_grads=decoded, mean=mean, used=used, total=d.samples,
                                leader=plan.owners[j], codec=av.executor.training.grad_codec, check_outliers=False)
             if why is not None:
@@ -785,3 +798,4 @@ OWNER_CHECK_S = 1.0
 #: How long a part owner found gone (connections refused) is left out of its coordinator's plans; after it, one
 #: that still reports is planned again (it may be back: a restarted peer at the same address).
 UNREACHABLE_S = 10.0
+
