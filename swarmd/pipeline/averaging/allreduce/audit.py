@@ -136,8 +136,8 @@ def draw(decision_message: bytes, signature: bytes | None, owners: Sequence[str]
 def against_own(mean: torch.Tensor, own: torch.Tensor) -> float | None:
     """The cosine between a part's committed mean and a member's own slice of it, in float64 (None: either is
     zero or they differ in size). An honest mean holds the slice at its weight: below ``SUSPECT_BELOW``, the
-    member audits the part."""
-    a, b = mean.detach().double().flatten(), own.detach().double().flatten()
+    member audits the part. (float32: the threshold is far from any rounding.)"""
+    a, b = mean.detach().flatten().float(), own.detach().flatten().float()
     if a.numel() != b.numel():
         return None
     na, nb = float(a.norm()), float(b.norm())
