@@ -21,7 +21,10 @@ leader), in the order it runs:
    counted and left out as a struck one. The caller excludes the peer (``round_checks.Suspicions``,
    ``HOSTILE_EXCLUSION_S``) and shows its stage-mates the evidence (``accuser``). A part's owner in
    the chunked all-reduce scores its own slice too (``score_own``): every member owns a part, so a
-   liar's own slice must not be the one its part is judged by.
+   liar's own slice must not be the one its part is judged by. A part with two slices holding samples
+   has no median to tell which of them lies: each is scored against the other, and when either is
+   struck both are (the part moves nothing that round, its samples counted), so neither a liar owner's
+   own slice nor a liar member's is the part's mean (a -20x own slice was, in a third of a liar's parts).
 
 Deterministic: contributions are taken in peer-id order and reduced in float64, so the mean does
 not depend on arrival order; the leader computes it once and every peer applies that answer.
@@ -93,6 +96,18 @@ def _robust(contributions: Mapping[str, Contribution]) -> RobustMean | None:
     return None
 
 
+def _pair_disagrees(weighted: list[Weighted], owner: str, scores: Mapping[str, Score]) -> bool:
+    """A part of two slices holding samples, the owner's one of them: whether either is struck against the other
+    (the other's score against the owner's own is in ``scores``; the owner's against the other's is taken here)."""
+    if len(weighted) != 2 or owner not in {w.peer_id for w in weighted}:
+        return False
+    own, other = sorted(weighted, key=lambda w: w.peer_id != owner)
+    if other.peer_id in scores and scores[other.peer_id].strike() is not None:
+        return True
+    back = score_against([own], other.grads.detach().to(torch.float64) / other.samples, other.samples)
+    return owner in back and back[owner].strike() is not None
+
+
 def reduce_contributions(contributions: Mapping[str, Contribution], digests: Mapping[str, str], *, leader: str,
                          target: int, numel: int, watch: HostileWatch | None = None,
                          score: bool = False, strike: frozenset[str] = frozenset(),
@@ -133,6 +148,8 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
         struck = {pid for pid, score in scores.items() if score.strike() is not None}
         if own_struck and any(w.peer_id not in struck for w in weighted if w.peer_id != leader):
             struck.add(leader)  # (never all of the mean's samples)
+        if score_own and judged is None and _pair_disagrees(weighted, leader, scores):
+            struck = {w.peer_id for w in weighted}  # (two slices, one lies: the part moves nothing this round)
         convicted = watch.observe(scores) if watch is not None else {}
         total = sum(c.samples for c in kept.values())
         for pid, why in sorted(convicted.items()):
@@ -154,7 +171,9 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
                     convicted, scores, struck=tuple(sorted(struck & set(kept))))
     if total < target:
         return out
-    if robust is None or robust.exact:
+    if not any(c.samples for c in influential.values()):  # (only a part's two disagreeing slices: ``_pair_disagrees``)
+        out.mean = torch.zeros(numel, dtype=torch.float32)
+    elif robust is None or robust.exact:
         out.mean = plain_mean(influential, numel, sum(c.samples for c in influential.values()))
     else:
         out.mean, out.robust = robust.mean, True
