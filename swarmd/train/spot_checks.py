@@ -404,6 +404,11 @@ class SpotChecks:
             suspicious = await probe()
             if thin and not suspicious:
                 return None, False  # it goes on; a checked outlier is no reference (AnswerSizes)
+            if suspicious:
+                # no descent direction: evidence against this answer whatever its second opinion says (one from
+                # the next step settles nothing, and a liar that keeps its gradients' size is redone unblamed,
+                # lie after lie): its peer's next answers are checked always until a few are confirmed
+                self.ledger.watch((answer.peer_id,))
         if not (first or suspicious):
             self.sizes.observe(stage, kind, answer)
             return None, True

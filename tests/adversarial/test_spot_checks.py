@@ -324,11 +324,15 @@ async def test_a_last_stage_answer_out_of_a_thin_references_band_is_probed_and_o
         assert await t._alone(1, "backward", answer(c, 3 * g, 3), _arbiter(), REQUEST, probe(False, asked)) is None
         assert asked == [1] and t.stats.outlier_probes == t.stats.probes == 1 and t.stats.suspicions == 0
         assert t.sizes.outlier(1, "backward", answer(b, 3 * g, 3)) is Outlier.THIN  # still only a's
+        assert not t.ledger.wants_suspicion_check(c, "backward")
         # uphill: the opinion, and the liar convicted by a third
         ruling = await t._alone(1, "backward", answer(c, -3 * g, 3), _arbiter(answer(a, g, 3), answer(b, g, 3)),
                                 REQUEST, probe(True, asked))
         assert ruling is not None and ruling.finding is Finding.OVERRULED and t.stats.caught == (c,)
         assert asked == [1, 1] and t.stats.outlier_probes == 2 and t.stats.suspicions == 1
+        # and an uphill answer is evidence of its own, whatever its opinion settles: its peer's next answers of
+        # every kind are checked always (a second opinion from the next step redoes the microbatch unblamed)
+        assert t.ledger.wants_suspicion_check(c, "backward") and t.ledger.wants_suspicion_check(c, "forward")
         # a firm reference (two of the steps around it): the opinion at once, no probe
         t, (a, b, c) = _checking_trainer(client)
         t.ledger.credit([answer(p, None) for p in (a, b, c)], "backward")
