@@ -346,7 +346,10 @@ class StageCalls:
             try:
                 sending: Awaitable[R]
                 if on_probation and kind == "forward":  # no side effect: may be cut short (issue #18)
-                    sending = self._watched(router, peer_id, samples, kind, send(addr, timeout), started)
+                    # the watch gives it up at the stage's latency as that is *now*; the request's own timeout
+                    # only backs it (equal, the two raced, and the cause read as a plain HTTP timeout)
+                    sending = self._watched(router, peer_id, samples, kind,
+                                            send(addr, max(timeout, self.request_timeout_s)), started)
                 elif send_proven is not None and not on_probation:
                     sending = send_proven(addr, timeout)
                 else:
