@@ -134,6 +134,7 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
     scores: dict[str, Score] = {}
     convicted: dict[str, str] = {}
     struck: set[str] = set()
+    nothing_moves = False  # (a part's two slices disagree: ``_pair_disagrees``)
     if watch is not None or score:
         weighted = [Weighted(pid, c.grads, c.samples) for pid, c in sorted(kept.items())
                     if c.samples > 0 and c.grads is not None]
@@ -150,6 +151,7 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
             struck.add(leader)  # (never all of the mean's samples)
         if score_own and judged is None and _pair_disagrees(weighted, leader, scores):
             struck = {w.peer_id for w in weighted}  # (two slices, one lies: the part moves nothing this round)
+            nothing_moves = True
         convicted = watch.observe(scores) if watch is not None else {}
         total = sum(c.samples for c in kept.values())
         for pid, why in sorted(convicted.items()):
@@ -171,7 +173,7 @@ def reduce_contributions(contributions: Mapping[str, Contribution], digests: Map
                     convicted, scores, struck=tuple(sorted(struck & set(kept))))
     if total < target:
         return out
-    if not any(c.samples for c in influential.values()):  # (only a part's two disagreeing slices: ``_pair_disagrees``)
+    if nothing_moves:
         out.mean = torch.zeros(numel, dtype=torch.float32)
     elif robust is None or robust.exact:
         out.mean = plain_mean(influential, numel, sum(c.samples for c in influential.values()))

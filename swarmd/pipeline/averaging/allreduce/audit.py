@@ -9,8 +9,9 @@ AdamW as harmful as -20x) and every member would apply it alike (issue 29).
 An audit makes that lie a conviction. The owner signs its ready report (``plan.Ready``: the digest of
 the decoded mean and its used list, the members it reduced with their samples, and the members the plan
 struck) before the coordinator decides; every slice it reduced came as its member's signed ``ar_part``
-frame (``plan.part_message``, over the slice as decoded), which the owner keeps as it came (until the
-round is decided, and after it only if the commit drew that part: ``PartOwner.release``). So the
+frame (``plan.part_message``, over the slice as decoded), which the owner keeps as it came (until
+``KEEP_ROUNDS`` rounds after the round, and past that only if the commit drew that part:
+``auditor.PartAuditor.release_later``, ``keep``). So the
 owner's answer is a function of signed inputs, and anyone holding them recomputes it: the rule is
 deterministic (peer-id order, float64), and the mean re-encoded with the owner's codec must come out as
 the owner's, within ``AUDIT_TOLERANCE`` (on one build: bit for bit, measured; another build may round a
@@ -134,9 +135,9 @@ def draw(decision_message: bytes, signature: bytes | None, owners: Sequence[str]
 
 
 def against_own(mean: torch.Tensor, own: torch.Tensor) -> float | None:
-    """The cosine between a part's committed mean and a member's own slice of it, in float64 (None: either is
-    zero or they differ in size). An honest mean holds the slice at its weight: below ``SUSPECT_BELOW``, the
-    member audits the part. (float32: the threshold is far from any rounding.)"""
+    """The cosine between a part's committed mean and a member's own slice of it, in float32 (the threshold is far
+    from any rounding; None: either is zero or not finite, or they differ in size). An honest mean holds the slice
+    at its weight: below ``SUSPECT_BELOW``, the member audits the part."""
     a, b = mean.detach().flatten().float(), own.detach().flatten().float()
     if a.numel() != b.numel():
         return None

@@ -17,12 +17,12 @@ excludes it as hostile and tells its stage-mates (``refused``: the round and the
 trust); each mate that applied that commit (or applies it later) checks that the commit drew that part,
 and audits the owner itself by the same rules (``noticed``): evidence it is shown convicts or clears the
 owner, a refusal excludes it here too. An honest owner never refuses: it keeps the evidence of every
-drawn part (``PartOwner.release``; in ``kept``, and on disk under the state directory when the daemon has
+drawn part (``keep``; in ``kept``, and on disk under the state directory when the daemon has
 one, so a restart forgets none; the daemon's, so a move to another stage forgets none either). One that
 answers nothing is asked again when it is back in a commit of this stage (a liar cannot wait its audit out
 by playing dead), and one gone for ``PENDING_MAX_S`` is only counted (``unanswered``).
 
-``/status`` averaging ``audits`` (``drawn``, ``noticed``, ``ok``, ``mismatch``, ``unaccountable``,
+``/status`` averaging ``audits`` (``drawn``, ``noticed``, ``suspected``, ``ok``, ``mismatch``, ``unaccountable``,
 ``unanswered``, ``unprovable``, ``seconded``, ``not_seconded``, ``busy``, ``shown``, ``skipped``); ``/metrics``
 ``swarmd_averaging_audits_total{outcome}``.
 """
@@ -223,7 +223,8 @@ class PartAuditor:
 
     def drawn(self, plan: RoundPlan, decision: Decision, signature: bytes | None) -> tuple[int, str] | None:
         """The part a commit audits and its auditor (``audit.draw`` at this peer's share), or None. An owner
-        keeps the evidence of that part alone (``PartOwner.release``): every peer runs with the same share."""
+        keeps that part's evidence past ``KEEP_ROUNDS`` rounds (``keep``, ``release_later``): every peer runs with
+        the same share."""
         if signature is None or decision.status != "commit":
             return None
         left_out = [*decision.dropped, *(pid for pid, _ in decision.refused)]
@@ -427,7 +428,7 @@ class PartAuditor:
         keep = []
         for o in self._recent:
             if o.plan.step < newest - KEEP_ROUNDS:
-                o.release(keep_evidence=False)
+                o.release()
             else:
                 keep.append(o)
         self._recent = keep

@@ -191,13 +191,10 @@ class MemberRound:
                 continue
             if drawn is not None and drawn[0] == j:
                 av.auditor.keep(owner)  # (past the round, and on disk: an audit of it may take several commits)
-                owner.release(keep_evidence=True)
-            elif d is None:
-                # without the decision this peer cannot tell whether the commit drew its part: it keeps the frames
-                # while it holds the round (an owner that cannot show a drawn part's evidence is held to account)
-                owner.release(keep_evidence=True)
-            else:  # kept a few rounds more: a member that suspects the part audits it (``audit.KEEP_ROUNDS``)
+            elif d is not None:  # kept a few rounds more: a member that suspects the part audits it (``KEEP_ROUNDS``)
                 av.auditor.release_later(owner)
+            # (without the decision this peer cannot tell whether the commit drew its part: it keeps the frames
+            # while it holds the round; an owner that cannot show a drawn part's evidence is held to account)
 
     # ---- scatter -------------------------------------------------------------------------
 
@@ -801,4 +798,3 @@ OWNER_CHECK_S = 1.0
 #: How long a part owner found gone (connections refused) is left out of its coordinator's plans; after it, one
 #: that still reports is planned again (it may be back: a restarted peer at the same address).
 UNREACHABLE_S = 10.0
-

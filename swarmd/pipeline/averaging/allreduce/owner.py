@@ -185,11 +185,11 @@ class PartOwner:
         self.parts = {pid: (samples, None) for pid, (samples, _) in self.parts.items()}
         return ready
 
-    def release(self, *, keep_evidence: bool) -> None:
-        """The round is decided: its members' signed frames are dropped unless the commit drew this part for an
-        audit (``auditor.PartAuditor.drawn``); the mean stays served to members that still fetch it."""
-        if not keep_evidence:
-            self.frames.clear()
+    def release(self) -> None:
+        """Its members' signed frames are no longer needed (the commit did not draw this part for an audit, and
+        ``audit.KEEP_ROUNDS`` rounds passed: ``auditor.PartAuditor.release_later``): dropped; the mean stays served
+        to members that still fetch it."""
+        self.frames.clear()
 
     def _reduce(self) -> Ready:
         plan, parts = self.plan, dict(self.parts)
