@@ -670,8 +670,9 @@ async def test_each_liar_in_a_2x3_swarm_is_caught_excluded_and_training_ends_nea
 
 @pytest.mark.parametrize("samples", [1, 3, 32, 1000])
 def test_a_lone_peers_mean_is_the_float64_paths_bit_for_bit(samples: int) -> None:
-    """A round holding only the leader's own gradients skips the float64 sum: its quotient must
-    still be the one the general path would apply, signed zeros and subnormals included."""
+    """A round holding only the leader's own gradients (or the all-reduce's round of one member) skips the
+    float64 sum: its quotient must still be the one the general path would apply, signed zeros and
+    subnormals included."""
     from swarmd.pipeline.averaging.averager import lone_mean
 
     gen = torch.Generator().manual_seed(samples)
@@ -683,3 +684,11 @@ def test_a_lone_peers_mean_is_the_float64_paths_bit_for_bit(samples: int) -> Non
     grads = grads[torch.isfinite(grads)]
     general = ((torch.zeros(grads.numel(), dtype=torch.float64) + grads) / samples).to(torch.float32)
     assert torch.equal(lone_mean(grads, samples).view(torch.int32), general.view(torch.int32))
+    # the all-reduce's round of one member (its owner's rule over one slice) commits the same bits
+    from swarmd.pipeline.averaging.allreduce.owner import reduce_slices
+    from swarmd.pipeline.averaging.round import lone_result
+    from swarmd.pipeline.stage.executor import Contribution
+
+    owned, _ = reduce_slices({"p": (samples, grads)}, "p", (), grads.numel())
+    alone = lone_result("p", 0, Contribution(step=0, samples=samples, grads=grads), grads.numel()).mean_grads
+    assert alone is not None and torch.equal(alone.view(torch.int32), owned.view(torch.int32))

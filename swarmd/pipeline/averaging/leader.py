@@ -19,7 +19,6 @@ import torch
 
 from swarmd.dht.identity import peer_id_of, verify
 from swarmd.errors import Busy, NonFinite, RequestError
-from swarmd.finite import all_finite
 from swarmd.net.messages import AverageRequest
 from swarmd.net.wire import Frame, decode_frame
 from swarmd.pipeline.averaging.codec_choice import answer_codec
@@ -29,7 +28,6 @@ from swarmd.pipeline.averaging.trust.accusations import NORM_TOLERANCE, contribu
 from swarmd.pipeline.averaging.trust.openings import RoundOpenings
 from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.round_checks import (
-    Used,
     per_sample_norm,
     tensor_digest,
 )
@@ -44,7 +42,7 @@ from swarmd.pipeline.averaging.round import (
     _aborted,
     _OpenRound,
     _wire_codec,
-    lone_mean,
+    lone_result,
 )
 from swarmd.tasks import wait_event
 
@@ -229,27 +227,8 @@ class RoundLeader(RoundOpenings):
         return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, reply, used=used)
 
     def _reduce_alone(self, rnd: _OpenRound, own: Contribution) -> RoundResult:
-        """:meth:`_reduce` for a round that holds only this peer's own gradients, at least the
-        target (a stage of one, or stage-mates that did not join; a short one takes the general
-        path, which aborts it): nobody to check against or to answer, so no digest of the
-        contribution (the ``used`` list goes to no one), no float64 copy of it, and a finiteness
-        test that sums first (:func:`~swarmd.finite.all_finite`; the elementwise one took 4 ms
-        here), together ~8 ms of a sync step's critical path on small.
-
-        The mean is the general path's, bit for bit: the float32 quotient of a correctly rounded
-        division rounded twice (53 >= 2 * 24 + 2 bits); + 0.0 first turns -0.0 into +0.0 as
-        zeros + g does, and keeps the sign of a quotient that underflows to zero (checked on 27M
-        values, with subnormals)."""
-        samples = own.samples
-        if own.grads is None:
-            mean = torch.zeros(self.executor.grad_numel, dtype=torch.float32)
-        else:
-            mean = lone_mean(own.grads, samples)
-        if not all_finite(mean):  # contributions are checked finite; never apply one that is not
-            log.error("stage %d step %d: the mean gradient is not finite; round aborted", self.executor.stage, rnd.step)
-            return RoundResult("aborted", rnd.step, samples, 1, None)
-        norm = float(torch.linalg.vector_norm(mean))  # ||sum|| / samples: the per-sample norm used lists carry
-        return RoundResult("ok", rnd.step, samples, 1, mean, used=(Used(self.peer_id, samples, "", norm),))
+        """:meth:`_reduce` for a round that holds only this peer's own gradients (``round.lone_result``)."""
+        return lone_result(self.peer_id, rnd.step, own, self.executor.grad_numel)
 
     def _take_in(self, rnd: _OpenRound, peer_id: str, contribution: Contribution,
                  request: AverageRequest | None) -> None:
