@@ -29,7 +29,9 @@ as a volunteer runs a trainer beside its own daemon: its calls to stage 0 cross 
 other stages cross one each way, while GPipe's activations cross one link per stage boundary. The report
 gives every rate in samples/s, ``ratios`` (swarmd over each GPipe variant), each variant's rate over
 its own ``loopback`` rate, every variant's per-step losses and how far they are from
-``gpipe_prepost``'s (the same math: float rounding only), and the load average.
+``gpipe_prepost``'s (the same math: float rounding only), each swarmd stage's median averaging round
+(``round_s_median``, by its ``/status``; None in the lab, whose hosts' control planes are out of reach), and
+the load average.
 
 Defaults: ``tiny`` (64 wide, one block per stage: per-call overheads dominate, so it is the hard case
 for swarmd's HTTP hops), 2 stages, batch 32 in microbatches of 8, 3 timed steps after 2 warm-up. Most
@@ -51,6 +53,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,7 +196,20 @@ def run_swarmd(s: Settings, net: Net, workdir: Path, tag: str, p2p: bool = False
         if done.returncode != 0:
             raise BenchError(f"the swarmd trainer exited with {done.returncode}: {done.stderr[-3000:]}")
         result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        result["round_s_median"] = [_round_median(d) for d in daemons]
     return result
+
+
+def _round_median(d: DaemonProcess) -> float | None:
+    """A stage's median averaging round by its ``/status`` (its last rounds, warm-up ones included), None
+    where its control plane is out of reach from here (on a lab host's loopback)."""
+    try:
+        recent = d.status().get("averaging", {}).get("recent", [])
+    except (OSError, ValueError):
+        return None
+    durations = [r["duration_s"] for r in recent
+                 if r.get("status") == "ok" and isinstance(r.get("duration_s"), (int, float))]
+    return round(statistics.median(durations), 4) if durations else None
 
 
 # ---- GPipe: one gloo rank per stage -------------------------------------------------------------------

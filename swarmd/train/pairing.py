@@ -114,8 +114,7 @@ class Pairing:
         a newer peer's first answers are checked one by one by an opinion (``SpotChecks._alone``), so a peer
         joining a large stage no longer pairs every microbatch until the routing happens to reach it (about
         as many as the stage has peers, for every join)."""
-        return any(sum(1 for peer_id in peers if not any(self.ledger.wants_first_check(peer_id, kind)
-                                                          for kind in kinds)) < 2
+        return any(sum(1 for peer_id in peers if all(self.ledger.introduced(peer_id, kind) for kind in kinds)) < 2
                    for peers, kinds in stages)
 
     def validation_pair(self, batches: int) -> int | None:

@@ -79,6 +79,7 @@ from swarmd.net.codecs import EIGHT_BIT_REL_ERROR
 __all__ = [
     "CROSS_BUILD_SLACK",
     "FIRST_CHECKS",
+    "FIRST_FORWARD_CHECKS",
     "BACKWARD_PASSES",
     "FORWARD_PASSES",
     "FUSED_PASSES",
@@ -125,6 +126,13 @@ LOSS_TOLERANCE = 1e-4
 #: A peer's answers of each kind are checked always until this many were confirmed: a liar from the
 #: start is caught at its first answer, before it has done much harm.
 FIRST_CHECKS = 1
+#: ... and its forwards (activations, or a validation loss) until this many: a liar on one forward in three
+#: (``sometimes``, x1.05: within every size band) met one first check in three and was then left to the 2 %
+#: pairs, excluded at step 6 or 16 or never in 40 (``scripts/bench_verify.py``). A forward is the cheapest
+#: answer to ask again (a third of a backward, and its request is token ids or one activation), so each
+#: trainer checks three: a peer's first three forwards all honest for both trainers is rare for such a liar.
+#: Only the first of them pairs microbatches (``Pairing``); the others are opinions asked one by one.
+FIRST_FORWARD_CHECKS = 3
 #: A peer some daemon holds one report against (``ProgressReply.suspected``: a trainer caught it, or
 #: says so) has its next answers of each kind checked always until this many more were confirmed: a
 #: liar one trainer caught is caught by the others within a few of their calls, whatever the
@@ -404,10 +412,11 @@ class CheckLedger:
     (``forward``, ``backward``): whose answers were confirmed, who is disputed, which pairs of a
     stage's only two peers keep disagreeing, and whose first answers are not checked any more."""
 
-    def __init__(self, *, first_checks: int = FIRST_CHECKS, unsettled_limit: int = UNSETTLED_LIMIT,
-                 suspicion_checks: int = SUSPICION_CHECKS, rearm_s: float = SUSPICION_REARM_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, first_checks: int = FIRST_CHECKS, first_forward_checks: int = FIRST_FORWARD_CHECKS,
+                 unsettled_limit: int = UNSETTLED_LIMIT, suspicion_checks: int = SUSPICION_CHECKS,
+                 rearm_s: float = SUSPICION_REARM_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.first_checks = first_checks
+        self.first_forward_checks = max(first_checks, first_forward_checks)
         self.unsettled_limit = unsettled_limit
         self.suspicion_checks = suspicion_checks
         self.rearm_s = rearm_s
@@ -426,8 +435,16 @@ class CheckLedger:
 
     def wants_first_check(self, peer_id: str, kind: str) -> bool:
         """Whether ``peer_id``'s next answer of ``kind`` is checked whatever the draw: it has fewer
-        than ``first_checks`` confirmed, and its first checks were not given up."""
-        return self.confirmed(peer_id, kind) < self.first_checks and not self.gave_up(peer_id, kind)
+        than ``first_checks`` confirmed (``first_forward_checks`` of forwards), and its first checks
+        were not given up."""
+        wanted = self.first_forward_checks if kind == "forward" else self.first_checks
+        return self.confirmed(peer_id, kind) < wanted and not self.gave_up(peer_id, kind)
+
+    def introduced(self, peer_id: str, kind: str) -> bool:
+        """Whether ``peer_id``'s first ``first_checks`` answers of ``kind`` were confirmed (or its first
+        checks given up): what pairing every microbatch waits for (``Pairing``), the further first
+        checks of its forwards being opinions asked one by one."""
+        return self.confirmed(peer_id, kind) >= self.first_checks or self.gave_up(peer_id, kind)
 
     def watch(self, suspected: Iterable[str]) -> None:
         """Peers accused once (``ProgressReply.suspected``): each one's answers of every kind are

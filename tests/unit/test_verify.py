@@ -16,6 +16,7 @@ from swarmd.train.pairing import Pairing
 from swarmd.train.timing import Timing
 from swarmd.train.verify import (
     FIRST_CHECKS,
+    FIRST_FORWARD_CHECKS,
     SIZE_MIN,
     SIZE_OWN_MIN,
     SIZE_STEPS,
@@ -53,10 +54,24 @@ def test_a_peer_is_first_checked_until_confirmed_and_a_flagged_answer_proves_not
     assert ledger.confirmed("b", "backward") == 1 and not ledger.wants_first_check("b", "backward")
     assert ledger.wants_first_check("b", "forward")  # per kind of answer
     ledger = CheckLedger(first_checks=2)
-    ledger.credit([Answer("a", 0, t)], "forward")
-    assert ledger.wants_first_check("a", "forward")
-    ledger.credit([Answer("a", 0, t)], "forward")
-    assert not ledger.wants_first_check("a", "forward")
+    ledger.credit([Answer("a", 0, t)], "backward")
+    assert ledger.wants_first_check("a", "backward")
+    ledger.credit([Answer("a", 0, t)], "backward")
+    assert not ledger.wants_first_check("a", "backward")
+
+
+def test_a_peers_first_forwards_are_checked_three_times_and_only_the_first_pairs_microbatches() -> None:
+    """A liar on one forward in three meets a single first check one time in three: a peer's forwards are
+    checked until FIRST_FORWARD_CHECKS are confirmed; it is introduced (microbatches stop running paired for
+    it) after the first, as for any kind."""
+    ledger, t = CheckLedger(), torch.ones(2)
+    assert FIRST_FORWARD_CHECKS == 3
+    for n in range(FIRST_FORWARD_CHECKS):
+        assert ledger.wants_first_check("a", "forward") and ledger.introduced("a", "forward") == (n >= 1)
+        ledger.credit([Answer("a", n, t)], "forward")
+    assert not ledger.wants_first_check("a", "forward") and ledger.introduced("a", "forward")
+    ledger.credit([Answer("a", 0, t)], "backward")
+    assert not ledger.wants_first_check("a", "backward") and ledger.introduced("a", "backward")
 
 
 class Clock:
