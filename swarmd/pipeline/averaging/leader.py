@@ -182,7 +182,7 @@ class RoundLeader(RoundOpenings):
         (``swarmd.pipeline.averaging.reduction``; off the event loop: called in a thread)."""
         own = rnd.contributions.get(self.peer_id)
         if set(rnd.contributions) <= {self.peer_id} and own is not None and own.samples >= self.target:
-            return self._reduce_alone(rnd, own)
+            return lone_result(self.peer_id, rnd.step, own, self.executor.grad_numel)  # nobody to check or answer
         if own is not None and self.peer_id not in rnd.digests:
             rnd.digests[self.peer_id] = tensor_digest(own.grads)
         ex = self.executor
@@ -225,10 +225,6 @@ class RoundLeader(RoundOpenings):
         if codec != "none":  # lossy: apply what the contributors will decode, bit for bit
             mean = decode_frame(reply).tensors["grads"]
         return RoundResult("ok", rnd.step, total, len(rnd.contributions), mean, reply, used=used)
-
-    def _reduce_alone(self, rnd: _OpenRound, own: Contribution) -> RoundResult:
-        """:meth:`_reduce` for a round that holds only this peer's own gradients (``round.lone_result``)."""
-        return lone_result(self.peer_id, rnd.step, own, self.executor.grad_numel)
 
     def _take_in(self, rnd: _OpenRound, peer_id: str, contribution: Contribution,
                  request: AverageRequest | None) -> None:
