@@ -314,6 +314,11 @@ class DataPlane:
         except web.HTTPException as exc:
             self.served["rejected"] += 1
             return error_response(exc.status, type(exc).__name__, exc.reason)
+        except ConnectionResetError as exc:  # (aiohttp's ClientConnectionResetError too) the caller went away
+            # while a streamed answer was being written (a state download given up): no bug, and nobody to read
+            # the answer (aiohttp drops it on the closed connection)
+            log.info("%s %s: the caller went away mid-answer (%s)", request.method, request.path, exc)
+            return error_response(400, "CallerGone", "the connection closed before the answer was written")
         except Exception:  # a bug, not bad input: keep serving, say so, log the traceback
             log.exception("unexpected error while serving %s %s", request.method, request.path)
             return error_response(500, "InternalError", "the peer failed unexpectedly; see its log")
