@@ -25,10 +25,15 @@ contribution, consistently (``tests.support.liars.lie_about_a_microbatch``). Rep
   seconded), ``excluded_by_all_at_s``: when they all did.
 
 ``--share`` sets the leaders' ``recompute_share`` (default swarmd's ``RECOMPUTE_SHARE``), ``--grad-codec``
-the swarm's averaging codec (a lossy one leaves a residual in the extra term).
+the swarm's averaging codec (a lossy one leaves a residual in the extra term), ``--averaging`` the mode
+(default the swarm's, the chunked all-reduce: its coordinators recompute a drawn microbatch whose inputs they
+ask the member for after its opening, ``swarmd.pipeline.averaging.allreduce.recompute``; there ``input_bytes``
+are those fetched, one microbatch per recomputation, and the 32-byte digests committed per microbatch are not
+counted; ``leader``: the single leader's, from inputs shipped with every contribution).
 
     .venv/bin/python scripts/bench_recompute.py --repeats 3 --json [--share 1]
     .venv/bin/python scripts/bench_recompute.py --liar --steps 12 --repeats 3
+    .venv/bin/python scripts/bench_recompute.py --averaging leader --repeats 3 --json
 """
 
 from __future__ import annotations
@@ -53,9 +58,11 @@ from swarmd.pipeline.spec import PRESETS  # noqa: E402
 from swarmd.train.trainer import Trainer  # noqa: E402
 
 
-async def one_run(model: str, steps: int, liar: bool, seed: int, share: float | None, codec: str) -> dict[str, Any]:
+async def one_run(model: str, steps: int, liar: bool, seed: int, share: float | None, codec: str,
+                  averaging: str) -> dict[str, Any]:
     spec = dataclasses.replace(PRESETS[model], name=f"bench-{model}")
-    async with fast_swarm(spec, dataclasses.replace(TRAINING, grad_codec=codec), peers_per_stage=3) as daemons:
+    training = dataclasses.replace(TRAINING, grad_codec=codec, averaging=averaging)
+    async with fast_swarm(spec, training, peers_per_stage=3) as daemons:
         last = sorted((d for d in daemons if d.stage == spec.n_stages - 1), key=lambda d: d.peer_id or "")
         cheat = last[-1] if liar else None
         if cheat is not None and cheat.averager is not None:
@@ -98,10 +105,12 @@ async def one_run(model: str, steps: int, liar: bool, seed: int, share: float | 
         # the stage computes every sample of each step once (forward + backward, as a recomputation does)
         computed = max(1, max(d.executor.step for d in last) * TRAINING.target_batch_size)
         return {
-            "model": model, "grad_codec": codec, "steps": steps, "liar": liar, "seed": seed, "wall_s": round(wall, 2),
+            "model": model, "averaging": averaging, "grad_codec": codec, "steps": steps, "liar": liar, "seed": seed, "wall_s": round(wall, 2),
             "rounds": max(d.executor.step for d in last),
             "recomputed": openings.get("recomputed", 0), "mismatch": openings.get("mismatch", 0),
             "unchecked": openings.get("unchecked", 0), "openings_ok": openings.get("ok", 0),
+            "inputs_refused": openings.get("inputs_refused", 0),
+            "inputs_unanswered": openings.get("inputs_unanswered", 0),
             "convicted": convicted,
             "max_honest_gap": max((c["max_recompute_gap"] for c in costs), default=0.0),
             "max_honest_extra_share": round(max((c["max_extra_share"] for c in costs), default=0.0), 4),
@@ -163,6 +172,8 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=None,
                         help="the leaders' recompute_share (default: swarmd's, RECOMPUTE_SHARE)")
     parser.add_argument("--grad-codec", default="auto", help="the swarm's grad_codec (default auto: none on loopback)")
+    parser.add_argument("--averaging", default=TRAINING.averaging, choices=["allreduce", "leader"],
+                        help="the swarm's averaging (default: the chunked all-reduce)")
     parser.add_argument("--json", action="store_true", help="one JSON object per run")
     args = parser.parse_args()
     if args.steps < 1 or args.repeats < 1:
@@ -171,7 +182,8 @@ def main() -> None:
         parser.error("--share must be within [0, 1]")
     logging.basicConfig(level=logging.ERROR)
     for seed in range(args.repeats):
-        row = asyncio.run(one_run(args.model, args.steps, args.liar, seed, args.share, args.grad_codec))
+        row = asyncio.run(one_run(args.model, args.steps, args.liar, seed, args.share, args.grad_codec,
+                                  args.averaging))
         print(strict_json_dumps(row) if args.json else row, flush=True)
 
 

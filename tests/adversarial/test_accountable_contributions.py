@@ -9,8 +9,9 @@ An honest swarm opens every contribution and convicts nobody.
 The checks of an opening that both averaging modes make (consistency, the microbatches listed, the bound
 on the extra term, striking a contribution whose sender owes an opening) are tested in both, as
 ``test_averaging_robust`` does (the single leader's, ``averaging="leader"``, and the all-reduce
-coordinator's, ``"allreduce"``); recomputing a sampled microbatch is the single leader's only
-(``swarmd.pipeline.averaging.allreduce.openings``, "Not done here"), so its tests pin ``"leader"``."""
+coordinator's, ``"allreduce"``), and so is recomputing a sampled microbatch (the leader's from inputs shipped
+with each contribution, the coordinator's from a drawn microbatch's inputs it asks the member for after its
+opening: ``swarmd.pipeline.averaging.allreduce.recompute``); shipping them is the leader's only."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 from swarmd.daemon import Daemon
 from swarmd.dht.identity import Identity
 from swarmd.net.messages import RecheckRequest
+from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArInputs, ArInputsQuery
 from swarmd.net.wire import CONTENT_TYPE
 from swarmd.pipeline.averaging.trust.accusations import answers_of
 from swarmd.pipeline.averaging.trust.contribution_proofs import Opening
@@ -109,8 +111,7 @@ async def test_an_honest_swarm_opens_its_contributions_and_convicts_nobody(grad_
     case) the stage keeps accumulating while a contribution is out and the update sets those sums aside:
     still consistent, within tolerance. ``5level``, the loosest codec, leaves the largest residual in the part
     no microbatch explains (0.38-0.60 measured): still under its bound there (``recomputation.extra_bound``:
-    0.9), and the recomputed parts exact (the parts are not quantised; only the contribution is). The
-    all-reduce recomputes nothing (its coordinator checks the rest)."""
+    0.9), and the recomputed parts exact (the parts are not quantised; only the contribution is)."""
     training = dataclasses.replace(TRAINING, grad_codec=grad_codec, delay_updates=delayed, averaging=averaging)
     async with fast_swarm(SPEC, training, peers_per_stage=3) as daemons:
         _recompute_every_contribution(daemons)
@@ -130,8 +131,8 @@ async def test_an_honest_swarm_opens_its_contributions_and_convicts_nobody(grad_
         # leaders recomputed a sampled microbatch of contributions and found each opened part right (not under
         # delayed updates: a microbatch may have run at the step before, so nothing is shipped nor recomputed)
         recomputed = sum(o.get("recomputed", 0) for o in openings)
-        assert not any(o.get("mismatch") for o in openings), openings
-        if delayed or averaging == "allreduce":
+        assert not any(o.get(k) for o in openings for k in ("mismatch", "inputs_refused")), openings
+        if delayed:
             assert recomputed == 0, openings
         else:
             assert recomputed >= 3, openings
@@ -203,17 +204,18 @@ def _hostile_to(daemon: Daemon, peer_id: str) -> bool:
 
 
 @pytest.mark.timeout(600)
-async def test_a_liar_about_one_microbatch_is_caught_by_recomputing_it_and_excluded() -> None:
-    # (the single leader's only: the all-reduce recomputes no microbatch, allreduce.openings)
+@pytest.mark.parametrize("averaging", MODES)
+async def test_a_liar_about_one_microbatch_is_caught_by_recomputing_it_and_excluded(averaging: str) -> None:
     """Its contributions hold one microbatch's gradient flipped and its openings say so consistently (their
     parts sum to the contribution: the sum check passes); a leader that draws that microbatch recomputes it
-    from the inputs shipped with the contribution and convicts. It posts the liar's signed opening and that
+    from the inputs shipped with the contribution and convicts (an all-reduce coordinator: from the inputs it
+    asks the member for once its opening came, checked against the digests it committed). It posts the liar's signed opening and that
     microbatch's inputs (``POST /v1/recheck``) to the other honest stage-mate, which recomputes it on its own
     copy of that step's parameters and seconds: both honest peers exclude it, their progress answers name it,
     so the trainers stop routing to it (before, they kept sending it microbatches whose samples no round
     counted, and the stage slowed to their retries: 26-28 s a step in scripts/bench_recompute.py), and the
     stage keeps stepping without it."""
-    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging="leader"), peers_per_stage=3) as daemons:
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging=averaging), peers_per_stage=3) as daemons:
         stage1 = _last_stage_by_id(daemons)
         liar, honest = stage1[-1], stage1[:-1]
         assert liar.averager is not None and liar.peer_id is not None
@@ -304,7 +306,7 @@ async def test_a_lie_hidden_in_the_extra_term_is_refused(where: str, averaging: 
 
 @pytest.mark.timeout(600)
 async def test_a_peer_that_ships_no_inputs_is_left_out_of_every_mean() -> None:
-    # (the single leader's only: no inputs travel in the all-reduce, which recomputes nothing)
+    # (the single leader's: in the all-reduce, see the next test)
     """It would dodge the recomputation; each contribution naming microbatches without their inputs is struck
     (counted for its samples, out of the mean), as an unopened one is, and nobody is convicted."""
     async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging="leader"), peers_per_stage=3) as daemons:
@@ -321,6 +323,75 @@ async def test_a_peer_that_ships_no_inputs_is_left_out_of_every_mean() -> None:
         assert all(pid in r.get("struck", ()) for r in others), [
             (r["step"], r["status"], r["used"], r.get("struck")) for r in leader.averager.history]
         assert not _convictions(daemons)
+
+
+@pytest.mark.timeout(600)
+async def test_a_member_that_commits_no_inputs_has_its_openings_refused() -> None:
+    """The all-reduce's counterpart of the test above: a member that names microbatches without committing
+    their inputs' digests with part 0 would dodge the recomputation (``allreduce.recompute``). Its coordinator
+    cannot strike that contribution (the plan, which names the struck, came before it), so it refuses its
+    opening as bad: the member is left out of that coordinator's rounds, for twice as long at each repeat.
+    Nobody is convicted."""
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging="allreduce"), peers_per_stage=3) as daemons:
+        stage1 = _last_stage_by_id(daemons)
+        liar, coordinator = stage1[-1], stage1[0]
+        assert liar.averager is not None and coordinator.averager is not None
+        withhold_inputs(liar.averager)
+        pid = liar.peer_id or ""
+
+        def refused() -> bool:
+            entry = coordinator.averager.suspicions.status().get(pid) if coordinator.averager is not None else None
+            return entry is not None and str(entry["reason"]).startswith(
+                "bad_opening: bad opening: its contribution named microbatches without committing their inputs")
+
+        training = asyncio.ensure_future(_train(daemons, steps=60))
+        try:
+            await _until(lambda: training.done() or refused(), 120)
+            assert refused(), coordinator.status()["averaging"]
+        finally:
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+        assert coordinator.status()["averaging"]["openings"].get("bad", 0) >= 1
+        assert isinstance(liar.averager.inputs_kept.answer(ArInputsQuery(1, "any", 1)), ArAck)  # it kept none
+        assert not _convictions(daemons)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["refuses", "other inputs"])
+async def test_a_member_that_will_not_show_a_drawn_microbatch_is_convicted(how: str) -> None:
+    """Its opening came (consistent, signing the inputs it committed); then its coordinator draws one of its
+    microbatches and asks for its inputs (``allreduce.recompute``). A member that refuses, or answers inputs
+    that are not those it committed, is convicted as unaccountable by that coordinator: an honest member keeps
+    the inputs of the rounds it opened. Nobody honest is convicted."""
+    async with fast_swarm(SPEC, dataclasses.replace(TRAINING, averaging="allreduce"), peers_per_stage=3) as daemons:
+        stage1 = _last_stage_by_id(daemons)
+        liar, coordinator = stage1[-1], stage1[0]
+        assert liar.averager is not None and coordinator.averager is not None
+        kept = liar.averager.inputs_kept
+        answer = kept.answer
+
+        def hiding(q: ArInputsQuery) -> Any:
+            if how == "refuses":
+                return ArAck(False, "not telling")
+            got = answer(q)
+            return dataclasses.replace(got, inputs=got.inputs + 1.0) if isinstance(got, ArInputs) else got
+
+        kept.answer = hiding  # type: ignore[method-assign]
+        _recompute_every_contribution(daemons)
+        training = asyncio.ensure_future(_train(daemons, steps=60))
+        try:
+            await _until(lambda: training.done() or _hostile_to(coordinator, liar.peer_id or ""), 120)
+            assert not training.done(), "the trainers stopped before the coordinator convicted the member"
+        finally:
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+        reason = coordinator.status()["averaging"]["excluded"][liar.peer_id]["reason"]
+        expected = "it refused (not telling)" if how == "refuses" else "it answered inputs that are not those it"
+        assert reason.startswith("hostile: unaccountable contribution: asked for the inputs of its microbatch"), reason
+        assert expected in reason, reason
+        assert coordinator.status()["averaging"]["openings"].get("inputs_refused", 0) >= 1
+        assert set(_convictions(daemons)) <= {liar.peer_id}, _convictions(daemons)
+        _only_the_liar_excluded_as_hostile(daemons, liar)
 
 
 async def _post_recheck(daemon: Daemon, request: RecheckRequest) -> tuple[int, str]:

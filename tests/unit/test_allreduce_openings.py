@@ -12,7 +12,19 @@ import pytest
 import torch
 
 from swarmd.dht.identity import Identity
-from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, judge, open_contribution, opening_codec
+from swarmd.errors import RequestError
+from swarmd.net.wire import decode_frame, encode_frame
+from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArInputs, ArInputsQuery, ArPart
+from swarmd.pipeline.averaging.allreduce.openings import (
+    ArAwaited,
+    judge,
+    open_contribution,
+    opening_codec,
+    round_digest,
+)
+from swarmd.pipeline.averaging.allreduce.recompute import InputsKept
+from swarmd.pipeline.averaging.trust.contribution_proofs import Opening
+from swarmd.pipeline.averaging.trust.recomputation import MicrobatchInputs
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner
 from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, plan_round
 from swarmd.pipeline.stage.executor import Contribution
@@ -118,3 +130,74 @@ def test_owners_leave_a_struck_members_slices_out_and_count_its_samples() -> Non
         assert dict(ready.samples) == dict.fromkeys(members, 2)  # every member's samples counted
         # the mean of the others' slices, over their samples (as the leader's mean of unstruck contributions)
         assert own.mean is not None and torch.allclose(own.mean, torch.full((hi - lo,), (1.0 + 3.0) / 4))
+
+
+def test_an_opening_signs_the_inputs_its_member_committed() -> None:
+    """(``allreduce.recompute``) A member commits its microbatches' inputs' digests with part 0; its opening must
+    sign exactly those, the parameters they ran at and the commit's digest its seed hashes, or it is bad. Without
+    a commitment (a member that named microbatches and committed none) it is bad too: no draw could check it."""
+    member, own = Identity.generate(), _own(3)
+    assert own.grads is not None
+    ins = tuple((mb, f"{mb:064x}") for mb in (11, 12, 13))
+    digests = ("a" * 64, "b" * 64)
+    lead = round_digest(digests)
+
+    def opened(ins_signed: tuple[tuple[int, str], ...], at: tuple[str, str] | None = ("9" * 64, "fp32")) -> bytes:
+        return open_contribution(member, stage=1, step=4, peer_id=member.peer_id, coordinator="c" * 40,
+                                 digests=digests, claim="d" * 64, codec="none", own=own, decoded=own.grads,
+                                 numel=NUMEL, ins=ins_signed, at=at)
+
+    def verdict(raw: bytes, committed: tuple[tuple[int, str], ...] | None, lead_: str = lead) -> tuple[str, str]:
+        v, why, _ = judge(raw, stage=1, peer_id=member.peer_id, coordinator="c" * 40, grad_codec="none",
+                          awaited=ArAwaited(4, "d" * 64, frozenset({11, 12, 13}), 0, ins=committed, lead=lead_))
+        return v, why
+
+    honest = opened(ins)
+    assert verdict(honest, ins) == ("ok", "")
+    opening = Opening.decode(honest)
+    assert opening.ins == tuple(d for _, d in ins) and opening.at == ("9" * 64, "fp32") and opening.lead == lead
+    # signs other inputs than it committed (picked after the commit fixed the projection)
+    swapped = ((11, "e" * 64), *ins[1:])
+    v, why = verdict(opened(swapped), ins)
+    assert v == "bad" and "does not sign the inputs it committed" in why
+    # signs no inputs at all, or for another commit's seed
+    assert verdict(opened(()), ins)[0] == "bad"
+    assert verdict(honest, ins, lead_="f" * 64)[0] == "bad"
+    # committed none of them, or some only
+    v, why = verdict(opened(()), ())
+    assert v == "bad" and "without committing their inputs" in why
+    assert verdict(opened(ins[:2]), ins[:2])[0] == "bad"
+    # not checked where no recomputation is (delayed updates: ``None``)
+    assert verdict(opened(()), None) == ("ok", "")
+
+
+def test_the_inputs_wire_messages_round_trip_and_refuse_bad_input() -> None:
+    x, y = torch.randn(2, 3, 4), torch.randint(0, 50, (2, 3))
+    got = ArInputs.from_frame(decode_frame(ArInputs("r1", 2**64 - 5, x, y).encode()))
+    assert (got.round_id, got.mb) == ("r1", 2**64 - 5) and torch.equal(got.inputs, x) and torch.equal(got.targets, y)
+    q = ArInputsQuery.from_frame(decode_frame(ArInputsQuery(1, "r1", 2**64 - 1).encode()))
+    assert q == ArInputsQuery(1, "r1", 2**64 - 1)
+    for meta in ({"stage": 1, "round_id": "r1", "mb": -1}, {"stage": 1, "round_id": "r1", "mb": "7"},
+                 {"stage": 1, "round_id": "r1"}):
+        with pytest.raises(RequestError):
+            ArInputsQuery.from_frame(decode_frame(encode_frame(ArInputsQuery.KIND, meta, {})))
+    with pytest.raises(RequestError):  # no inputs at all
+        ArInputs.from_frame(decode_frame(encode_frame(ArInputs.KIND, {"round_id": "r1"}, {})))
+    # part 0's committed digests: read back, and refused when malformed
+    part = ArPart(1, "r1", 0, "p" * 40, 2, torch.zeros(4), "0" * 64, ins=((3, "a" * 64), (2**64 - 1, "b" * 64)))
+    assert ArPart.from_frame(decode_frame(part.encode()), 4).ins == part.ins
+    for bad in ([[3, "a" * 63]], [[3, "A" * 64]], [[-1, "a" * 64]], [[3, "a" * 64], [3, "b" * 64]], "x", [[3]]):
+        frame = decode_frame(part.encode())
+        with pytest.raises(RequestError):
+            ArPart.from_frame(dataclasses.replace(frame, meta={**frame.meta, "ins": bad}), 4)
+
+
+def test_a_member_answers_the_inputs_of_the_rounds_it_kept_only() -> None:
+    kept = InputsKept(keep=2)
+    x, y = torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.int64)
+    for k in range(3):
+        kept.keep_round(f"r{k}", [MicrobatchInputs(7, x + k, y)])
+    assert isinstance(kept.answer(ArInputsQuery(1, "r0", 7)), ArAck)  # forgotten: only the last two are kept
+    got = kept.answer(ArInputsQuery(1, "r2", 7))
+    assert isinstance(got, ArInputs) and torch.equal(got.inputs, x + 2)
+    assert isinstance(kept.answer(ArInputsQuery(1, "r2", 8)), ArAck)  # not one of its microbatches

@@ -114,7 +114,7 @@ class AverageRequest:
             tensors["mbs"] = torch.tensor([m - 2**64 if m >= 2**63 else m for m in self.mbs], dtype=torch.int64)
         if self.inputs and len(self.inputs) <= MAX_CONTRIBUTION_INPUTS:
             meta["in_at"] = [self.inputs_params or "", self.inputs_precision or "fp32"]
-            tensors.update(_encode_inputs(self.inputs))
+            tensors.update(encode_inputs(self.inputs))
         return encode_frame(self.KIND, meta, tensors, self.codec if self.grads is not None else "none")
 
     @classmethod
@@ -158,7 +158,7 @@ class AverageRequest:
         opening = meta.get("opening")
         if opening is not None and (type(opening) is not bytes or not 0 < len(opening) <= MAX_OPENING_BYTES):
             raise RequestError(f"meta.opening must be 1..{MAX_OPENING_BYTES} bytes (a signed opening)")
-        inputs, at = _decode_inputs(frame), meta.get("in_at")
+        inputs, at = decode_inputs(frame), meta.get("in_at")
         inputs_params = inputs_precision = None
         if inputs:
             if not (isinstance(at, list) and len(at) == 2 and isinstance(at[0], str) and len(at[0]) == 64
@@ -185,7 +185,7 @@ class AverageRequest:
         )
 
 
-def _encode_inputs(inputs: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]) -> dict[str, torch.Tensor]:
+def encode_inputs(inputs: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]) -> dict[str, torch.Tensor]:
     """``in_x`` (float32 bits as int32), ``in_y``, ``in_idx``: see :class:`AverageRequest`."""
     xs = [x.detach().to("cpu", torch.float32).contiguous().reshape(-1) for _, x, _ in inputs]
     ys = [y.detach().to("cpu", torch.int64).contiguous().reshape(-1) for _, _, y in inputs]
@@ -194,7 +194,7 @@ def _encode_inputs(inputs: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]) -
             "in_idx": torch.tensor(idx, dtype=torch.int64).reshape(len(inputs), 4)}
 
 
-def _decode_inputs(frame: Frame) -> tuple[tuple[int, torch.Tensor, torch.Tensor], ...]:
+def decode_inputs(frame: Frame) -> tuple[tuple[int, torch.Tensor, torch.Tensor], ...]:
     x, y, idx = (frame.tensors.get(n) for n in ("in_x", "in_y", "in_idx"))
     if x is None and y is None and idx is None:
         return ()
@@ -250,7 +250,7 @@ class RecheckRequest:
 
     def encode(self) -> bytes:
         meta = {"body": self.body, "sig": self.signature, "opening": self.opening}
-        return encode_frame(self.KIND, meta, _encode_inputs(((self.mb, self.inputs, self.targets),)), "none")
+        return encode_frame(self.KIND, meta, encode_inputs(((self.mb, self.inputs, self.targets),)), "none")
 
     @classmethod
     def from_frame(cls, frame: Frame) -> RecheckRequest:
@@ -262,7 +262,7 @@ class RecheckRequest:
             raise RequestError(f"a recheck needs meta.opening: 1..{MAX_OPENING_BYTES} bytes (a signed opening)")
         if set(frame.tensors) != {"in_x", "in_y", "in_idx"}:
             raise RequestError("a recheck carries exactly one microbatch's inputs: 'in_x', 'in_y' and 'in_idx'")
-        inputs = _decode_inputs(frame)
+        inputs = decode_inputs(frame)
         if len(inputs) != 1:
             raise RequestError("a recheck carries exactly one microbatch's inputs")
         mb, x, y = inputs[0]

@@ -198,11 +198,13 @@ the coordinator checks as the leader does (``allreduce.openings``). Openings (20
 session): the coordinator also checks that an opening lists the microbatches its contribution named
 and bounds its extra term, strikes a member that owes it an opening (named in the plan, so every owner
 leaves it out alike, and in the signed commit), and its round record lists ``used``;
-``tests/adversarial/test_accountable_contributions.py`` runs those tests in both modes. What stays
-the single leader's: recomputing a sampled microbatch from shipped inputs (no inputs travel in the
-all-reduce, so nothing is struck for not shipping them), and checking an opening's ``sent`` sketch
-against the contribution received; ``test_averaging_checks``'s lying-leader test has no all-reduce
-liar (a member lying in the part it owns is not caught: above).
+``tests/adversarial/test_accountable_contributions.py`` runs those tests in both modes. Since
+2026-12-06 the coordinator recomputes a drawn microbatch too (``allreduce.recompute``: inputs' digests
+committed with part 0, the inputs asked for after the opening). What stays the single leader's:
+striking a contribution for not showing its inputs (the all-reduce refuses its opening afterwards),
+and checking an opening's ``sent`` sketch against the contribution received;
+``test_averaging_checks``'s lying-leader test has no all-reduce liar (a member lying in the part it owns
+is not caught: above).
 
 Control requests per round (``/metrics``: ``swarmd_averaging_control_requests``): one report per
 member (more only when its samples grow slowly), one "ready" per owner, one decision long-poll per
@@ -229,6 +231,7 @@ from swarmd.pipeline.averaging.allreduce.membership import StageMembership
 from swarmd.pipeline.averaging.allreduce.messages import (
     ArAck,
     ArDecisionReply,
+    ArInputsQuery,
     ArPart,
     ArQuery,
     ArReady,
@@ -247,6 +250,7 @@ from swarmd.pipeline.averaging.allreduce.plan import (
     plan_round,
     quorum,
 )
+from swarmd.pipeline.averaging.allreduce.recompute import DrawnRecomputations, InputsKept
 from swarmd.pipeline.averaging.averager import COMMIT_GRACE_S, POLL_TIMEOUT_S, REPLY_SLACK_S, StageAverager
 from swarmd.pipeline.averaging.round import lone_result
 from swarmd.pipeline.averaging.trust.recomputation import extra_share
@@ -304,6 +308,8 @@ class AllReduceAverager(StageAverager):
         self._challenging: asyncio.Task[None] | None = None
         self.quorum_holds = 0  # times a round with a full batch waited for a quorum of the listed stage
         self.auditor = PartAuditor(self)  # audits of part owners (``audit``)
+        self.recomputer = DrawnRecomputations(self)  # (last stage) a drawn microbatch recomputed (``recompute``)
+        self.inputs_kept = InputsKept()  # (last stage) the inputs of its committed microbatches, to be drawn
         self.own_slices_struck = 0  # parts this peer owned whose mean left its own slice out (``owner``)
         self.membership = StageMembership()  # the stage as the quorum counts it
         self._short_since: tuple[int, float] | None = None  # the step this coordinator is short of the batch at, since
@@ -831,6 +837,7 @@ class AllReduceAverager(StageAverager):
             if evidence is not None:  # the largest extra share of an opening judged honest (bench_verify)
                 share = extra_share(evidence.total, evidence.extra)
                 self.opening_costs["max_extra_share"] = max(self.opening_costs["max_extra_share"], share)
+            self.recomputer.consider(pid, awaited, opening)  # perhaps draw one of its microbatches (``recompute``)
             return None
         if verdict == "bad" or evidence is None:
             period = self.suspicions.accuse(pid, str(Refusal("bad_opening", why)))
@@ -891,6 +898,11 @@ class AllReduceAverager(StageAverager):
             return await self.auditor.on_slices(ArQuery.from_frame(frame))
         if op == "audit":  # an auditor shows this peer an owner's evidence
             return (await self.auditor.on_audit(frame)).encode()
+        if op == "inputs":  # a coordinator drew one of this member's microbatches to recompute (``recompute``)
+            asked = ArInputsQuery.from_frame(frame)
+            if asked.stage != self.executor.stage:
+                return ArAck(False, "this peer serves another stage").encode()
+            return await asyncio.to_thread(self.inputs_kept.answer(asked).encode)
         if op == "refused":  # an auditor says an owner would not show its evidence: this peer audits it itself
             return self.auditor.on_refused(ArQuery.from_frame(frame)).encode()
         raise RequestError(f"no all-reduce operation {op!r}")
@@ -946,7 +958,7 @@ class AllReduceAverager(StageAverager):
         claim = ((req.public_key, req.claim_norm, req.claim_sig) if owner.part == 0 and req.public_key is not None
                  and req.claim_norm is not None and req.claim_sig is not None else None)
         why = owner.add(req.peer_id, req.samples, req.grads, digest, req.codec, req.mbs, claim, req.unexplained,
-                        raw or None)
+                        raw or None, ins=req.ins if owner.part == 0 else ())
         return ArAck(why is None, why or "")
 
     def _part_signer(self, frame: Frame, owner: PartOwner, digest: str | None = None) -> str | None:

@@ -23,9 +23,10 @@ from swarmd.pipeline.averaging.allreduce.audit import SUSPECT_BELOW, SUSPECT_WAI
 from swarmd.pipeline.averaging.allreduce.auditor import PartAuditor
 from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArDecisionReply, ArPart, ArQuery, ArReady, read_mean
-from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, open_contribution, opening_codec
+from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, open_contribution, opening_codec, round_digest
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner, PartStrikes
 from swarmd.pipeline.averaging.allreduce.plan import Decision, RoundPlan, claim_digest, part_digest, part_message
+from swarmd.pipeline.averaging.allreduce.recompute import InputsKept
 from swarmd.pipeline.averaging.averager import RoundResult, _wire_codec
 from swarmd.pipeline.averaging.patience import RoundPatience
 from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
@@ -38,7 +39,9 @@ from swarmd.pipeline.averaging.trust.accusations import (
     StruckClaims,
     contribution_message,
 )
+from swarmd.pipeline.averaging.trust.contribution_proofs import opened_microbatches
 from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, combine_terms
+from swarmd.pipeline.averaging.trust.recomputation import inputs_digest
 from swarmd.pipeline.averaging.trust.refusals import Refusal
 from swarmd.pipeline.averaging.trust.round_checks import (
     Suspicions,
@@ -86,11 +89,14 @@ class RoundHost(Protocol):
     part_strikes: PartStrikes
     own_slices_struck: int
     auditor: PartAuditor
+    inputs_kept: InputsKept
 
     @property
     def target(self) -> int: ...
 
     def convicts(self) -> bool: ...
+
+    def _recomputes(self) -> bool: ...
 
     def _to_send(self, own: Contribution, plan: RoundPlan) -> Contribution: ...
 
@@ -140,6 +146,10 @@ class MemberRound:
         self.claim_digest = ""  # this member's signed claim of its contribution (``_scatter``)
         self.codecs: list[str] = []  # the codec each part went with (its own: none)
         self.claim_norm = 0.0
+        # (last stage) the digests of its microbatches' inputs it committed with part 0, in its opening's order,
+        # and the parameters' digest and precision they ran at (``recompute``)
+        self.ins: tuple[tuple[int, str], ...] = ()
+        self.at: tuple[str, str] | None = None
         # parts whose committed mean points against this member's own slice (``audit.SUSPECT_BELOW``): audited
         self.suspected: list[tuple[int, float]] = []
 
@@ -241,6 +251,7 @@ class MemberRound:
         # kept (handed in; all of them when it kept none): its coordinator bounds its opening's extra by it
         unexplained = (max(0, own.samples - sum(i.inputs.shape[0] for i in own.inputs))
                        if own.parts and own.grads is not None else None)
+        await self._commit_inputs(own)
         claim_sig = None
         if av.identity is not None and own.samples > 0:
             claim_sig = av.identity.sign(contribution_message(ex.stage, plan.step, own.samples, self.claim_digest,
@@ -262,7 +273,7 @@ class MemberRound:
                 why = av.owners[(plan.round_id, j)].add(
                     av.peer_id, own.samples, decoded, used.digest, mbs=own.mbs if j == 0 else (),
                     claim=(key, self.claim_norm, claim_sig) if key is not None and claim_sig is not None else None,
-                    unexplained=unexplained if j == 0 else None, frame=own_frame)
+                    unexplained=unexplained if j == 0 else None, frame=own_frame, ins=self.ins if j == 0 else ())
                 if why is not None:
                     log.warning("stage %d: own part %d refused by itself (%s)", ex.stage, j, why)
                 return
@@ -275,7 +286,8 @@ class MemberRound:
                 sig = av.identity.sign(part_message(ex.stage, plan.round_id, j, own.samples, digest, av.peer_id, owner))
             req = ArPart(ex.stage, plan.round_id, j, av.peer_id, own.samples, piece, digest, codec, key, sig,
                          own.mbs if j == 0 else (), claim_norm=claim[0], claim_sig=claim[1],
-                         unexplained=unexplained if j == 0 else None, wire=wires.get(j))
+                         unexplained=unexplained if j == 0 else None, wire=wires.get(j),
+                         ins=self.ins if j == 0 else ())
             try:
                 frame = await av.client.allreduce(plan.addr(owner), "part", req.encode,
                                                   0 if piece is None else piece.numel() * 4,
@@ -287,6 +299,23 @@ class MemberRound:
                 log.info("stage %d: part %d did not reach owner %s (%s)", ex.stage, j, owner[:12], exc)
 
         await asyncio.gather(*(send(j) for j in range(len(plan.owners))))
+
+    async def _commit_inputs(self, own: Contribution) -> None:
+        """(Last stage, a member of another's round) the digests of its microbatches' inputs, to commit with part 0
+        before the commit fixes its opening's projection; the inputs kept for its coordinator to draw one of
+        (``recompute``). None when it lacks one of them: its opening will be refused (``openings.judge``)."""
+        av, plan, ex = self.av, self.plan, self.av.executor
+        if (not av._recomputes() or plan.coordinator == av.peer_id or own.grads is None or not own.parts
+                or not own.inputs):
+            return
+        mbs = opened_microbatches(own.parts)
+        kept = {i.mb: i for i in own.inputs}
+        if not mbs or not set(mbs) <= set(kept):
+            return
+        self.at = (ex.digest, ex.precision)
+        self.ins = await asyncio.to_thread(
+            lambda: tuple((mb, inputs_digest(mb, kept[mb].inputs, kept[mb].targets)) for mb in mbs))
+        av.inputs_kept.keep_round(plan.round_id, [kept[mb] for mb in mbs])
 
     async def _settle_part(self, j: int) -> None:
         av, plan = self.av, self.plan
@@ -456,9 +485,15 @@ class MemberRound:
         out = dataclasses.replace(decision, struck=struck, convicted=tuple(sorted(convicted.items())))
         owner0 = av.owners.get((plan.round_id, 0)) if plan.owners[0] == av.peer_id else None
         checks = owner0 is not None and not av.executor.training.delay_updates  # (the leader's: nothing shipped)
+        snap = av.executor.progress_snapshot  # (its parameters of the round's step: the commit is not applied yet)
+        recomputes = checks and av._recomputes() and snap.step == plan.step
+        lead, params = round_digest(decision.digests), snap.digest
         awaited = {pid: ArAwaited(plan.step, c.digest,
                                   frozenset(owner0.mbs.get(pid, ())) if checks and owner0 is not None else None,
-                                  owner0.unexplained.get(pid) if checks and owner0 is not None else None)
+                                  owner0.unexplained.get(pid) if checks and owner0 is not None else None,
+                                  ins=owner0.ins.get(pid, ()) if recomputes and owner0 is not None else None,
+                                  lead=lead, params=params if recomputes else "", addr=plan.addr(pid),
+                                  round_id=plan.round_id)
                    for pid, (_, c) in claims.items() if pid != av.peer_id}
         return out, convicted, awaited
 
@@ -668,7 +703,8 @@ class MemberRound:
                     opening = open_contribution(
                         identity, stage=plan.stage, step=plan.step, peer_id=av.peer_id, coordinator=plan.coordinator,
                         digests=d.digests, claim=self.claim_digest, codec=opening_codec(self.codecs), own=own,
-                        decoded=torch.cat([t for t in sent if t is not None]), numel=ex.grad_numel)
+                        decoded=torch.cat([t for t in sent if t is not None]), numel=ex.grad_numel, ins=self.ins,
+                        at=self.at)
                     return opening, time.thread_time() - started
 
                 av._opened(plan.coordinator, await asyncio.to_thread(opened))

@@ -12,6 +12,9 @@ input is a 422 (``RequestError``) before it reaches the round.
   long-polled at the coordinator (or asked of any member that holds it).
 - ``mean`` (:class:`ArQuery` -> the stored ``ar_mean`` frame): part ``j``'s encoded mean, served
   as the very bytes its owner encoded (so every member decodes the same floats).
+- ``inputs`` (:class:`ArInputsQuery` -> :class:`ArInputs` or :class:`ArAck`): (last stage) the inputs of one
+  microbatch of a member's contribution to a round, drawn by the round's coordinator after the member's
+  opening came, to recompute it (``allreduce.recompute``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from swarmd.errors import NonFinite, RequestError
 from swarmd.finite import all_finite
-from swarmd.net.messages.averaging import MAX_OPENING_BYTES
+from swarmd.net.messages.averaging import MAX_OPENING_BYTES, decode_inputs, encode_inputs
 from swarmd.net.messages.fields import MAX_CONTRIBUTION_MBS
 from swarmd.net.wire import Frame, WireTensor, encode_frame
 from swarmd.pipeline.averaging.allreduce.plan import Decision, Ready, RoundPlan
@@ -167,6 +170,9 @@ class ArPart:
     unexplained: int | None = None
     # ``grads`` encoded with ``codec`` already (``round._encoded_once``): sent as they are, not encoded again
     wire: WireTensor | None = None
+    # (part 0, last stage) the digest of each microbatch's inputs (``recomputation.inputs_digest``), committed
+    # before the commit fixes the opening's projection: the coordinator may draw one to recompute (``recompute``)
+    ins: tuple[tuple[int, str], ...] = ()
 
     KIND = "ar_part"
 
@@ -177,6 +183,8 @@ class ArPart:
             meta.update(claim_norm=float(self.claim_norm), claim_sig=self.claim_sig)
         if self.unexplained is not None:
             meta["unexplained"] = self.unexplained
+        if self.ins and len(self.ins) <= MAX_CONTRIBUTION_MBS:
+            meta["ins"] = [[mb, digest] for mb, digest in self.ins]
         tensors: dict[str, torch.Tensor | WireTensor] = {}
         if self.grads is not None:
             tensors["grads"] = self.wire if self.wire is not None else self.grads
@@ -215,7 +223,26 @@ class ArPart:
         if unexplained is not None and unexplained > samples:
             raise RequestError("meta.unexplained counts some of the part's samples (at most meta.samples)")
         return cls(_nat(m, "stage"), _str(m, "round_id"), _nat(m, "part"), _str(m, "peer_id"), samples, grads,
-                   digest, str(m.get("codec", "none")), pk, sig, mbs, claim_norm, claim_sig, unexplained)
+                   digest, str(m.get("codec", "none")), pk, sig, mbs, claim_norm, claim_sig, unexplained,
+                   ins=_ins(m.get("ins")))
+
+
+def _ins(raw: Any) -> tuple[tuple[int, str], ...]:
+    """``meta.ins`` of a part: ``[[mb, digest], ...]``, each microbatch once, digests of 64 hex digits."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_CONTRIBUTION_MBS:
+        raise RequestError(f"meta.ins must be a list of at most {MAX_CONTRIBUTION_MBS} [microbatch, digest] pairs")
+    out = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and 0 <= item[0] < 2**64
+                and isinstance(item[1], str) and len(item[1]) == 64
+                and all(c in "0123456789abcdef" for c in item[1])):
+            raise RequestError("meta.ins must hold [microbatch id, sha256 hex digest] pairs")
+        out.append((item[0], item[1]))
+    if len({mb for mb, _ in out}) != len(out):
+        raise RequestError("meta.ins names a microbatch twice")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -286,6 +313,55 @@ class ArQuery:
         m = frame.meta
         index = _nat(m, "index") if m.get("index") is not None else 0
         return cls(_nat(m, "stage"), _str(m, "round_id"), _nat(m, "part"), _wait(m), index)
+
+
+@dataclass(frozen=True)
+class ArInputsQuery:
+    """The coordinator of ``round_id`` asks a member for the inputs of its microbatch ``mb`` (``recompute``)."""
+
+    stage: int
+    round_id: str
+    mb: int
+
+    KIND = "ar_inputs_query"
+
+    def encode(self, codec: str = "none") -> bytes:
+        return encode_frame(self.KIND, {"stage": self.stage, "round_id": self.round_id, "mb": self.mb}, {})
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ArInputsQuery:
+        _kind(frame, cls.KIND)
+        mb = frame.meta.get("mb")
+        if type(mb) is not int or not 0 <= mb < 2**64:
+            raise RequestError("meta.mb must be a microbatch id (an integer in [0, 2**64))")
+        return cls(_nat(frame.meta, "stage"), _str(frame.meta, "round_id"), mb)
+
+
+@dataclass(frozen=True)
+class ArInputs:
+    """A member's answer: microbatch ``mb``'s activations (float32, ``[batch, seq, width]``) and targets (int64,
+    ``[batch, seq]``) of its contribution to ``round_id``, as its backward ran on them (float32 bits as int32 on
+    the wire: no codec touches them, so their digest is the one the member committed)."""
+
+    round_id: str
+    mb: int
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    KIND = "ar_inputs"
+
+    def encode(self, codec: str = "none") -> bytes:
+        return encode_frame(self.KIND, {"round_id": self.round_id},
+                            encode_inputs(((self.mb, self.inputs, self.targets),)), "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ArInputs:
+        _kind(frame, cls.KIND)
+        got = decode_inputs(frame)
+        if len(got) != 1:
+            raise RequestError("an answer carries exactly one microbatch's inputs: 'in_x', 'in_y' and 'in_idx'")
+        mb, x, y = got[0]
+        return cls(_str(frame.meta, "round_id"), mb, x, y)
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,19 @@ can check without the members' gradients (it holds one part of each):
   opening comes or a later committed contribution of the member replaces it.
   The coordinator's round record lists ``used`` (whose samples the mean holds), as a leader's does.
 
+* **Inputs committed.** With part 0 a member commits the digests of its microbatches' inputs
+  (``ArPart.ins``); its opening must sign exactly those, the parameters they ran at and the commit's
+  digest (else ``bad``, as is an opening of microbatches none of whose inputs were committed): what the
+  coordinator's recomputation of a drawn microbatch, after the opening, checks against (``recompute``).
+
 Not done here (the single leader's only): that the opening's ``sent`` sketch is the sketch of the
 contribution the owners received (needs every owner to sketch its slices under the member's seed,
-known only after the commit), and the recomputation of a sampled microbatch (``recomputation``:
-no inputs travel in the all-reduce, so nobody strikes a contribution for not shipping them
-either). So a liar that opens its true microbatches and signs the sketch of its *true*
-contribution while sending another, or that opens false parts consistent with what it sent, is not
-caught by its opening in the all-reduce; one that sends a sign-flipped contribution and opens what
-it sent is (``tests/adversarial/test_averaging_robust.py``). How many samples no microbatch
+known only after the commit), and striking the very contribution that names microbatches without
+their inputs (the plan, which names the struck, came before it: its opening is refused instead). So a
+liar that opens its true microbatches and signs the sketch of its *true* contribution while sending
+another is not caught by its opening in the all-reduce; one that sends a sign-flipped contribution and
+opens what it sent is (``tests/adversarial/test_averaging_robust.py``), and one that opens false parts
+consistent with what it sent is when a recomputation draws one (``recompute``). How many samples no microbatch
 explains is the member's word here (the leader counts the rows of the shipped inputs; both rest on
 the contributor's sample count): a member that says some were handed in escapes the extra bound.
 """
@@ -72,12 +77,20 @@ __all__ = ["ArAwaited", "judge", "opening_codec", "open_contribution", "round_di
 class ArAwaited:
     """The opening a coordinator awaits from a member after a commit: of its contribution of ``step`` with
     claim digest ``claim``; the microbatches that contribution named and how many of its samples none of them
-    explains (None: not checked, as under delayed updates or when the member did not say)."""
+    explains (None: not checked, as under delayed updates or when the member did not say). For a
+    recomputation (``recompute``): the digests of its microbatches' inputs it committed with part 0 (None: not
+    checked), the commit's digest its seed hashes (``lead``), the coordinator's own parameters' digest at
+    ``step``, where the member answers and the round's id."""
 
     step: int
     claim: str
     mbs: frozenset[int] | None = None
     unexplained: int | None = None
+    ins: tuple[tuple[int, str], ...] | None = None
+    lead: str = ""
+    params: str = ""
+    addr: str = ""
+    round_id: str = ""
 
 
 def round_digest(digests: tuple[str, ...]) -> str:
@@ -93,12 +106,18 @@ def opening_codec(codecs: list[str]) -> str:
 
 def open_contribution(identity: Identity, *, stage: int, step: int, peer_id: str, coordinator: str,
                       digests: tuple[str, ...], claim: str, codec: str, own: Contribution,
-                      decoded: torch.Tensor, numel: int) -> bytes:
+                      decoded: torch.Tensor, numel: int, ins: tuple[tuple[int, str], ...] = (),
+                      at: tuple[str, str] | None = None) -> bytes:
     """A member's signed opening of ``own`` (sent as ``decoded``) after the commit of ``digests`` (off the
-    loop: it sketches ``m + 2`` vectors)."""
+    loop: it sketches ``m + 2`` vectors); with the digests of its microbatches' inputs it committed
+    (``ins``, in the order its opening lists them) and the parameters' digest and precision they ran at
+    (``at``), signed for a recomputation (``recompute``)."""
+    lead = round_digest(digests)
+    signs = bool(ins) and at is not None
     return sign_opening(identity, stage=stage, step=step, peer_id=peer_id, leader=coordinator,
-                        leader_digest=round_digest(digests), digest=claim, codec=codec, parts=own.parts,
-                        decoded=decoded, numel=numel).encode()
+                        leader_digest=lead, digest=claim, codec=codec, parts=own.parts,
+                        decoded=decoded, numel=numel, ins=[d for _, d in ins] if signs else (),
+                        at=at if signs and at is not None else (), lead=lead if signs else "").encode()
 
 
 def judge(raw: bytes, *, stage: int, peer_id: str, coordinator: str, awaited: ArAwaited,
@@ -116,6 +135,15 @@ def judge(raw: bytes, *, stage: int, peer_id: str, coordinator: str, awaited: Ar
     if awaited.mbs is not None and (len(set(opening.mbs)) != len(opening.mbs)
                                     or frozenset(opening.mbs) != awaited.mbs):
         return "bad", "bad opening: its microbatches are not those its contribution named", None
+    if awaited.ins is not None and opening.mbs:  # what a recomputation needs, committed before the commit
+        committed = dict(awaited.ins)
+        if set(committed) != set(opening.mbs):
+            return "bad", ("bad opening: its contribution named microbatches without committing their inputs "
+                           "(a recomputation could not draw them)"), None
+        if (opening.ins != tuple(committed[mb] for mb in opening.mbs) or len(opening.at) != 2
+                or opening.lead != awaited.lead):
+            return "bad", ("bad opening: it does not sign the inputs it committed, the parameters they ran at and "
+                           "the commit's digest"), None
     if awaited.unexplained == 0:  # every sample a microbatch's: its extra can only be a codec's residual
         overrun = extra_overrun(ev.total, ev.extra, grad_codec)
         if overrun is not None:

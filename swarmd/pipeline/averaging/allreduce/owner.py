@@ -118,6 +118,9 @@ class PartOwner:
         # (part 0) the samples of each member's contribution that no microbatch of its explains, by its word (None:
         # not said); what its opening's extra term is bounded by (``openings``)
         self.unexplained: dict[str, int | None] = {}
+        # (part 0, last stage) the digests of each member's microbatches' inputs, as it committed them before the
+        # commit (what its opening must sign, and a recomputation check: ``recompute``)
+        self.ins: dict[str, tuple[tuple[int, str], ...]] = {}
         self.used: list[list[Any]] = []
         self.refused: dict[str, Refusal] = {}
         self._complete = asyncio.Event()
@@ -139,7 +142,7 @@ class PartOwner:
     def add(self, peer_id: str, samples: int, grads: torch.Tensor | None, digest: str | None = None,
             codec: str = "none", mbs: tuple[int, ...] = (),
             claim: tuple[bytes, float, bytes] | None = None, unexplained: int | None = None,
-            frame: bytes | None = None) -> str | None:
+            frame: bytes | None = None, ins: tuple[tuple[int, str], ...] = ()) -> str | None:
         """A member's slice (``digest``: its tensor_digest, computed when None; ``codec``: the one it
         travelled with, which under ``auto`` sets the mean's, ``codec_choice.answer_codec``; ``signed``: the
         member's signed ``ar_part`` frame as it came, kept for audits); why it is turned away."""
@@ -155,6 +158,7 @@ class PartOwner:
         self.arrived[peer_id] = time.monotonic() - self.started
         self.mbs[peer_id] = mbs
         self.unexplained[peer_id] = unexplained
+        self.ins[peer_id] = ins
         if claim is not None:  # (checked by the coordinator against every part's used list: ``member``)
             self.claims[peer_id] = claim
         if frame is not None:
