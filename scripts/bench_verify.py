@@ -93,11 +93,13 @@ from swarmd.train.trainer import Trainer  # noqa: E402
 
 #: The stage each liar serves (input-gradient liars: the last one, whose fused backward answers them).
 STAGE = {"aware": 1, "awareflip": 1, "gradnoise": 1, "grad": 1, "sometimes": 0, "stale": 0, "ahead": 0, "far": 0, "scale": 0,
-         "minus20": 1, "flipped": 1, "ownpart": 0, "ownflip": 0, "ownhide": 0}
+         "minus20": 1, "flipped": 1, "flipsigned": 1, "ownpart": 0, "ownflip": 0, "ownhide": 0}
 #: (``ownpart``: -20x in its own slice of the part it owns only; ``ownflip``: publishes the part it owns
 #: sign-flipped; ``ownhide``: the same, and refuses every audit: the all-reduce's owners, issue 29; on the first
 #: stage, where no opening checks a contribution)
-AVERAGING = ("minus20", "flipped", "ownpart", "ownflip", "ownhide")
+#: (``flipsigned``: ``flipped``, its openings signing the sketch of its true contribution as the one sent: consistent,
+#: and in the all-reduce no owner holds all of what it sent to check that against)
+AVERAGING = ("minus20", "flipped", "flipsigned", "ownpart", "ownflip", "ownhide")
 
 
 def plain_averaging() -> None:
@@ -232,8 +234,8 @@ async def one_run(lie: str | None, args: argparse.Namespace) -> dict[str, Any]:
                 if lie in ("ownflip", "ownhide"):
                     lie_as_owner(liar.averager, -1.0, hide="refuse" if lie == "ownhide" else "")  # type: ignore[arg-type]
                 else:
-                    poison_contributions(liar.averager, "minus20" if lie == "ownpart" else lie,
-                                         own_part_only=lie == "ownpart")
+                    poison_contributions(liar.averager, {"ownpart": "minus20", "flipsigned": "flipped"}.get(lie, lie),
+                                         own_part_only=lie == "ownpart", open_true=lie == "flipsigned")
             else:
                 assert liar.executor is not None
                 told = make_liar(liar.executor, lie)

@@ -48,6 +48,7 @@ from swarmd.net.messages import (
     ForwardRequest,
     Hop,
     InfoReply,
+    PartRecheckRequest,
     ProgressReply,
     ProgressRequest,
     RecheckRequest,
@@ -249,9 +250,11 @@ class DataPlaneClient:
         frame = await self._post(addr, "report", request.encode, 0, timeout_s=timeout_s)
         return self._read(addr, ReportReply.from_frame, frame)
 
-    async def recheck(self, addr: str, request: RecheckRequest, *, timeout_s: float | None = None) -> ReportReply:
-        """Show a stage-mate a conviction by recomputation to check (``POST /v1/recheck``)."""
-        frame = await self._post(addr, "recheck", request.encode, request.inputs.numel() * 4, timeout_s=timeout_s)
+    async def recheck(self, addr: str, request: RecheckRequest | PartRecheckRequest, *,
+                      timeout_s: float | None = None) -> ReportReply:
+        """Show a stage-mate a conviction by recomputation, or on a part an all-reduce member sent, to check
+        (``POST /v1/recheck``)."""
+        frame = await self._post(addr, "recheck", request.encode, request.nbytes, timeout_s=timeout_s)
         return self._read(addr, ReportReply.from_frame, frame)
 
     async def info(self, addr: str, *, timeout_s: float | None = None) -> InfoReply:

@@ -123,6 +123,7 @@ from swarmd.net.messages import (
     InfoLimits,
     InfoReply,
     ModelInfo,
+    PartRecheckRequest,
     ProgressReply,
     ProgressRequest,
     RecheckRequest,
@@ -598,7 +599,10 @@ class DataPlane:
         ``ignored``, ``accepted`` is false until then)."""
         if self.reports is None:
             raise web.HTTPNotFound(reason="this peer keeps no report ledger")
-        req = RecheckRequest.from_frame(await self._read_frame(request))
+        frame = await self._read_frame(request)
+        if frame.kind == PartRecheckRequest.KIND:  # a part an all-reduce member sent (allreduce/sent_parts)
+            return await self._recheck_part(request, PartRecheckRequest.from_frame(frame), self.reports)
+        req = RecheckRequest.from_frame(frame)
         evidence = await self._in_pool(RecomputedEvidence.check, req.body, req.signature, req.opening, req.mb,
                                        req.inputs, req.targets)  # hashes the inputs: off the loop
         reports, source = self.reports, request.remote or ""
@@ -609,6 +613,21 @@ class DataPlane:
             # recomputed by the averager, which counts the report in the ledger only if it holds (and seconds it)
             verdict = consider(evidence, lambda: reports.add(evidence.report, source))
         reply = ReportReply(accepted=False, reason=verdict, excluded=evidence.report.accused in reports.excluded())
+        return await self._reply(reply.encode, "none")
+
+    async def _recheck_part(self, request: web.Request, req: PartRecheckRequest,
+                            reports: ReportLedger) -> web.Response:
+        """A stage-mate's conviction on a part an all-reduce member sent: handed to the averager, which checks its
+        signatures and digests (422 naming what is wrong), sketches the part itself and counts the report in the
+        ledger only when it holds (``swarmd.pipeline.averaging.allreduce.sent_parts``)."""
+        source = request.remote or ""
+        runtime = self._runtime()
+        consider = getattr(runtime.averager, "consider_part_recheck", None) if runtime is not None else None
+        if consider is None or self._paused:
+            reply = ReportReply(accepted=False, reason="not_checked", excluded=False)
+            return await self._reply(reply.encode, "none")
+        verdict, accused = await consider(req, lambda report: reports.add(report, source))
+        reply = ReportReply(accepted=False, reason=verdict, excluded=accused in reports.excluded())
         return await self._reply(reply.encode, "none")
 
     async def _average(self, request: web.Request) -> web.Response:

@@ -137,12 +137,17 @@ def make_liar(executor: StageExecutor, lie: str, *, factor: float = 1.5, noise: 
     return told
 
 
-def poison_contributions(averager: StageAverager, how: str, *, own_part_only: bool = False) -> None:
+def poison_contributions(averager: StageAverager, how: str, *, own_part_only: bool = False,
+                         open_true: bool = False, others_only: bool = False) -> None:
     """Make ``averager`` send poisoned contributions (``scaled``, ``noisy``, ``nan``; ``minus20`` or
     ``flipped``: its true gradient times -20 or -1, issue 29's table); its executor
     keeps the true gradients, so a refused contribution is restored intact. ``own_part_only`` (a member of
     the chunked all-reduce): poison only its slice of the parts it owns, the other owners get the truth
-    (scored by nobody but itself, its lie was its part's mean: issue 29)."""
+    (scored by nobody but itself, its lie was its part's mean: issue 29). ``open_true`` (a last-stage member
+    of the chunked all-reduce): its openings sketch its true contribution as the one it sent, so they are
+    consistent (no owner holds all of what it sent to check that sketch against: ``allreduce.sent_parts``).
+    ``others_only`` (the same): poison only the slices it sends to owners other than its round's coordinator
+    and itself (the coordinator checks the part it owns itself, and the others by a draw)."""
     if how not in ("scaled", "noisy", "nan", "minus20", "flipped"):
         raise ValueError(f"unknown poison {how!r}")
 
@@ -162,10 +167,31 @@ def poison_contributions(averager: StageAverager, how: str, *, own_part_only: bo
             own = dataclasses.replace(own, grads=grads)
         return own
 
+    if open_true:
+        if not isinstance(averager, AllReduceAverager):
+            raise ValueError("open_true is a lie of the chunked all-reduce's members")
+        from swarmd.pipeline.averaging.allreduce import member as ar_member
+
+        opened = ar_member.open_contribution
+        liar_id = averager.peer_id
+
+        def open_true_contribution(identity: Any, **kw: Any) -> bytes:
+            if kw.get("peer_id") == liar_id and kw["own"].grads is not None:
+                kw["decoded"] = kw["own"].grads
+            return opened(identity, **kw)
+
+        ar_member.open_contribution = open_true_contribution  # type: ignore[assignment]
     if isinstance(averager, AllReduceAverager):  # a member: every part it sends, and its slice of the part it
         original_parts = averager._to_send  # owns (it reduces that part honestly: ``lie_as_owner`` does not)
         def to_send(own: Any, plan: Any) -> Any:
             sent = original_parts(own, plan)
+            if others_only and sent.grads is not None:
+                lying, grads = poisoned(sent), sent.grads.clone()
+                for j, owner in enumerate(plan.owners):
+                    if owner not in (plan.coordinator, averager.peer_id):
+                        lo, hi = plan.bounds[j]
+                        grads[lo:hi] = lying.grads[lo:hi]
+                return dataclasses.replace(sent, grads=grads)
             if not own_part_only or sent.grads is None:
                 return poisoned(sent)
             lying, grads = poisoned(sent), sent.grads.clone()

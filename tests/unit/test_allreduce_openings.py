@@ -23,7 +23,7 @@ from swarmd.pipeline.averaging.allreduce.openings import (
     round_digest,
 )
 from swarmd.pipeline.averaging.allreduce.recompute import InputsKept
-from swarmd.pipeline.averaging.trust.contribution_proofs import Opening
+from swarmd.pipeline.averaging.trust.contribution_proofs import Opening, proof_seed, sketch_pieces
 from swarmd.pipeline.averaging.trust.recomputation import MicrobatchInputs
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner
 from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, plan_round
@@ -135,7 +135,8 @@ def test_owners_leave_a_struck_members_slices_out_and_count_its_samples() -> Non
 def test_an_opening_signs_the_inputs_its_member_committed() -> None:
     """(``allreduce.recompute``) A member commits its microbatches' inputs' digests with part 0; its opening must
     sign exactly those, the parameters they ran at and the commit's digest its seed hashes, or it is bad. Without
-    a commitment (a member that named microbatches and committed none) it is bad too: no draw could check it."""
+    a commitment (a member that named microbatches and committed none) it is ``uncommitted``: no draw could check
+    it, so its next contribution is struck."""
     member, own = Identity.generate(), _own(3)
     assert own.grads is not None
     ins = tuple((mb, f"{mb:064x}") for mb in (11, 12, 13))
@@ -163,10 +164,10 @@ def test_an_opening_signs_the_inputs_its_member_committed() -> None:
     # signs no inputs at all, or for another commit's seed
     assert verdict(opened(()), ins)[0] == "bad"
     assert verdict(honest, ins, lead_="f" * 64)[0] == "bad"
-    # committed none of them, or some only
+    # committed none of them, or some only: sound, but its next contribution is struck (``uncommitted``)
     v, why = verdict(opened(()), ())
-    assert v == "bad" and "without committing their inputs" in why
-    assert verdict(opened(ins[:2]), ins[:2])[0] == "bad"
+    assert v == "uncommitted" and "without committing their inputs" in why
+    assert verdict(opened(()), ins[:2])[0] == "uncommitted"
     # not checked where no recomputation is (delayed updates: ``None``)
     assert verdict(opened(()), None) == ("ok", "")
 
@@ -201,3 +202,33 @@ def test_a_member_answers_the_inputs_of_the_rounds_it_kept_only() -> None:
     got = kept.answer(ArInputsQuery(1, "r2", 7))
     assert isinstance(got, ArInputs) and torch.equal(got.inputs, x + 2)
     assert isinstance(kept.answer(ArInputsQuery(1, "r2", 8)), ArAck)  # not one of its microbatches
+
+
+def test_an_opening_sketches_each_part_sent_and_the_coordinators_own_part_is_checked() -> None:
+    """(``allreduce.sent_parts``) A member that sent its owners a flipped contribution but opens (consistently)
+    its true one is caught on the part the coordinator owns: its opening's sketch of that part is not the slice
+    the coordinator received. An opening without the per-part sketches is bad."""
+    member, own = Identity.generate(), _own(4)
+    assert own.grads is not None
+    bounds = ((0, 400), (400, 700), (700, NUMEL))
+    digests = ("a" * 64, "b" * 64, "c" * 64)
+    lead, coordinator = round_digest(digests), "c" * 40
+    seed = proof_seed(1, 4, coordinator, lead, "d" * 64)
+
+    def opened(with_bounds: tuple[tuple[int, int], ...] = bounds) -> bytes:
+        return open_contribution(member, stage=1, step=4, peer_id=member.peer_id, coordinator=coordinator,
+                                 digests=digests, claim="d" * 64, codec="none", own=own, decoded=own.grads,
+                                 numel=NUMEL, bounds=with_bounds, part_digests=digests if with_bounds else ())
+
+    def verdict(raw: bytes, received: torch.Tensor) -> tuple[str, str]:
+        row = sketch_pieces([(0, received[:400])], seed, NUMEL)[0]
+        awaited = ArAwaited(4, "d" * 64, bounds=bounds, own_part=0, own_sketch=tuple(float(x) for x in row.tolist()))
+        v, why, _ = judge(raw, stage=1, peer_id=member.peer_id, coordinator=coordinator, awaited=awaited,
+                          grad_codec="none")
+        return v, why
+
+    assert verdict(opened(), own.grads) == ("ok", "")
+    v, why = verdict(opened(), -own.grads)  # it sent the flip, and opened the truth
+    assert v == "misstated" and "sketches part 0" in why, why
+    v, why = verdict(opened(()), own.grads)
+    assert v == "bad" and "does not sketch each part it sent" in why

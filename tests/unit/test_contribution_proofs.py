@@ -24,7 +24,9 @@ from swarmd.pipeline.averaging.trust.contribution_proofs import (
     inconsistency,
     parts_digest,
     proof_seed,
+    sign_opening,
     sketch,
+    sketch_pieces,
 )
 
 NUMEL = CHUNK + 1000  # two chunks: the indices of the second continue the first's stream
@@ -198,3 +200,49 @@ def test_an_opening_signs_what_a_recomputation_needs_and_nothing_of_it_can_be_ch
     stripped = {k: v for k, v in fields.items() if k not in ("ins", "at", "lead")}
     with pytest.raises(RequestError):  # dropped: the parts' digest no longer matches
         Opening.decode(msgpack.packb(stripped, use_bin_type=True))
+
+
+def test_the_pieces_of_a_vector_sketch_to_rows_that_add_up_to_its_sketch() -> None:
+    """``sketch_pieces`` (an all-reduce member's parts sent, an owner's slice): the same draw as ``sketch``
+    restricted to each range, across the chunk boundary, so the rows add up to the whole sketch and a slice alone
+    sketches as it does among the others."""
+    (a,) = _grads(1)
+    bounds = [(0, 1000), (1000, CHUNK - 5), (CHUNK - 5, CHUNK + 10), (CHUNK + 10, NUMEL)]
+    rows = sketch_pieces([(lo, a[lo:hi]) for lo, hi in bounds], 9, NUMEL)
+    assert rows.shape == (4, K)
+    whole = sketch([a], 9, NUMEL)[0]
+    assert float((rows.sum(0) - whole).norm() / whole.norm()) < TOLERANCE / 20
+    alone = sketch_pieces([(CHUNK - 5, a[CHUNK - 5 : CHUNK + 10])], 9, NUMEL)[0]
+    assert torch.equal(alone, rows[2])  # one owner's sketch of its slice is the member's row for it, bit for bit
+    assert not torch.equal(sketch_pieces([(0, a[:1000])], 10, NUMEL)[0], rows[0])  # another seed
+    with pytest.raises(ValueError):
+        sketch_pieces([(NUMEL - 5, a[:10])], 9, NUMEL)
+
+
+def test_an_opening_signs_its_parts_sent_and_they_add_up_to_its_sent_sketch() -> None:
+    me = Identity.generate()
+    parts = _grads(2)
+    sent = _accumulated(parts)
+    bounds = ((0, 500), (500, CHUNK), (CHUNK, NUMEL))
+    opening = sign_opening(me, stage=1, step=3, peer_id=me.peer_id, leader=LEADER, leader_digest="ab" * 32,
+                           digest="cd" * 32, codec="none", parts=list(enumerate(parts)), decoded=sent, numel=NUMEL,
+                           bounds=bounds, sent_digests=("a1" * 32, "b2" * 32, "c3" * 32))
+    back = Opening.decode(opening.encode())
+    assert back == opening and len(back.sent_parts) == 3 and back.sent_parts_gap() < TOLERANCE / 20
+    assert back.sent_bounds == bounds and back.sent_digests == ("a1" * 32, "b2" * 32, "c3" * 32)
+    back.evidence.verify(1, me.peer_id)
+    # a changed row is not what the signature covers; a dropped one neither
+    fields = msgpack.unpackb(opening.encode())
+    for key, value in (("sp", [[0.0] * K] * 3), ("sp", fields["sp"][:2]), ("sp", [[0.0] * (K - 1)] * 3),
+                       ("sb", [[0, 400], [400, CHUNK], [CHUNK, NUMEL]]), ("sb", [[0, 500], [500, CHUNK]]),
+                       ("sb", [[5, 5], [500, CHUNK], [CHUNK, NUMEL]]), ("sd", ["a1" * 32, "b2" * 32, "c4" * 32]),
+                       ("sd", ["a1" * 32, "b2" * 32])):
+        with pytest.raises(RequestError):  # changed, or malformed
+            Opening.decode(msgpack.packb({**fields, key: value}, use_bin_type=True))
+    # a member that sent one thing and signs another part by part: its rows do not add up to its sent sketch
+    liar = Opening.signed(me, stage=1, step=3, peer_id=me.peer_id, leader=LEADER, digest="cd" * 32, codec="none",
+                          mbs=[], parts=torch.zeros(0, K, dtype=torch.float64), extra=sketch([sent], 7, NUMEL)[0],
+                          sent=sketch([sent], 7, NUMEL)[0],
+                          sent_parts=sketch_pieces([(lo, -sent[lo:hi]) for lo, hi in bounds], 7, NUMEL),
+                          sent_bounds=bounds, sent_digests=("a1" * 32,) * 3)
+    assert Opening.decode(liar.encode()).sent_parts_gap() > 0.9

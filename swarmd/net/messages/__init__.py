@@ -23,6 +23,8 @@ GET  /v1/info     (none)                      :class:`InfoReply`
 GET  /v1/progress :class:`ProgressRequest`    :class:`ProgressReply` (one shape, always)
 ================  ==========================  ==========================================
 
+``POST /v1/recheck`` also takes a :class:`PartRecheckRequest` (a conviction on a part an all-reduce member sent).
+
 The frames are those of wire version 1, unchanged: compute requests carry ``meta.stage``
 (required), ``meta.model`` (the spec digest, optional), ``meta.codec`` (the codec of the
 reply's float tensors, default ``none``), and ``meta.mb``/``meta.step`` where they apply; every
@@ -41,7 +43,14 @@ The types live by endpoint: ``compute`` (forward, backward, peer-to-peer hops), 
 and validators they share. Import them from here.
 """
 
-from swarmd.net.messages.averaging import AverageReply, AverageRequest, ProgressReply, ProgressRequest, RecheckRequest
+from swarmd.net.messages.averaging import (
+    AverageReply,
+    AverageRequest,
+    PartRecheckRequest,
+    ProgressReply,
+    ProgressRequest,
+    RecheckRequest,
+)
 from swarmd.net.messages.compute import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, Hop, HopResult
 from swarmd.net.messages.fields import (
     HOP_MARGIN_MS,
@@ -82,6 +91,7 @@ __all__ = [
     "ModelInfo",
     "ProgressReply",
     "ProgressRequest",
+    "PartRecheckRequest",
     "RecheckRequest",
     "ReportReply",
     "ReportRequest",

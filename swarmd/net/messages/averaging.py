@@ -248,6 +248,10 @@ class RecheckRequest:
 
     KIND = "recheck"
 
+    @property
+    def nbytes(self) -> int:
+        return self.inputs.numel() * 4
+
     def encode(self) -> bytes:
         meta = {"body": self.body, "sig": self.signature, "opening": self.opening}
         return encode_frame(self.KIND, meta, encode_inputs(((self.mb, self.inputs, self.targets),)), "none")
@@ -269,6 +273,51 @@ class RecheckRequest:
         if x.numel() * 4 > MAX_RECHECK_INPUT_BYTES:
             raise RequestError(f"a recheck's activations are at most {MAX_RECHECK_INPUT_BYTES} bytes")
         return cls(body=body, signature=sig, opening=opening, mb=mb, inputs=x, targets=y)
+
+
+@dataclass(frozen=True)
+class PartRecheckRequest:
+    """A conviction on a part an all-reduce member sent, shown to a stage-mate to check itself
+    (``swarmd.pipeline.averaging.allreduce.sent_parts``), on the same endpoint as :class:`RecheckRequest`: the
+    reporter's signed ``averaging`` report (meta ``body``, ``sig``), the accused's signed opening (meta
+    ``opening``), the part (meta ``part``) and the accused's ``ar_part`` frame of it as its owner received it
+    (tensor ``frame``, its bytes as uint8: its slice, whose digest the opening signs). Types checked here; the rest
+    by the receiver. Answered with a ``ReportReply``."""
+
+    body: bytes
+    signature: bytes
+    opening: bytes
+    part: int
+    frame: bytes
+
+    KIND = "recheck_part"
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.frame)
+
+    def encode(self) -> bytes:
+        meta = {"body": self.body, "sig": self.signature, "opening": self.opening, "part": self.part}
+        return encode_frame(self.KIND, meta, {"frame": torch.frombuffer(bytearray(self.frame), dtype=torch.uint8)},
+                            "none")
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> PartRecheckRequest:
+        _kind(frame, cls.KIND)
+        body, sig, opening, part = (frame.meta.get(k) for k in ("body", "sig", "opening", "part"))
+        if type(body) is not bytes or type(sig) is not bytes:
+            raise RequestError("a recheck needs meta.body and meta.sig (a signed report) as bytes")
+        if type(opening) is not bytes or not 0 < len(opening) <= MAX_OPENING_BYTES:
+            raise RequestError(f"a recheck needs meta.opening: 1..{MAX_OPENING_BYTES} bytes (a signed opening)")
+        if type(part) is not int or not 0 <= part < 2**16:
+            raise RequestError("a part recheck needs meta.part: a part's index")
+        shown = frame.tensors.get("frame")
+        if set(frame.tensors) != {"frame"} or shown is None or shown.dtype != torch.uint8 or shown.dim() != 1:
+            raise RequestError("a part recheck carries exactly one tensor, 'frame': the accused's part frame's bytes "
+                               "as uint8")
+        if not shown.numel():
+            raise RequestError("a part recheck's 'frame' is empty")
+        return cls(body=body, signature=sig, opening=opening, part=part, frame=shown.numpy().tobytes())
 
 
 @dataclass(frozen=True)

@@ -200,9 +200,10 @@ and bounds its extra term, strikes a member that owes it an opening (named in th
 leaves it out alike, and in the signed commit), and its round record lists ``used``;
 ``tests/adversarial/test_accountable_contributions.py`` runs those tests in both modes. Since
 2026-12-06 the coordinator recomputes a drawn microbatch too (``allreduce.recompute``: inputs' digests
-committed with part 0, the inputs asked for after the opening). What stays the single leader's:
-striking a contribution for not showing its inputs (the all-reduce refuses its opening afterwards),
-and checking an opening's ``sent`` sketch against the contribution received;
+committed with part 0, the inputs asked for after the opening), and checks an opening's ``sent`` sketch
+part by part (``allreduce.sent_parts``: its own part, and a drawn one with its owner). What stays the
+single leader's: striking a contribution for not showing its inputs (the all-reduce strikes the member's
+next one);
 ``test_averaging_checks``'s lying-leader test has no all-reduce liar (a member lying in the part it owns
 is not caught: above).
 
@@ -218,11 +219,11 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from swarmd.errors import Busy, NonFinite, PeerError, RequestError
-from swarmd.net.messages import ProgressReply
+from swarmd.net.messages import PartRecheckRequest, ProgressReply
 from swarmd.net.wire import Frame
 from swarmd.pipeline.averaging.allreduce.auditor import PartAuditor
 from swarmd.pipeline.averaging.allreduce.coordinator import Coordinator, CoordRound, share_of_missing
@@ -233,6 +234,7 @@ from swarmd.pipeline.averaging.allreduce.messages import (
     ArDecisionReply,
     ArInputsQuery,
     ArPart,
+    ArPartQuery,
     ArQuery,
     ArReady,
     ArReport,
@@ -251,12 +253,14 @@ from swarmd.pipeline.averaging.allreduce.plan import (
     quorum,
 )
 from swarmd.pipeline.averaging.allreduce.recompute import DrawnRecomputations, InputsKept
+from swarmd.pipeline.averaging.allreduce.sent_parts import SentPartChecks
 from swarmd.pipeline.averaging.averager import COMMIT_GRACE_S, POLL_TIMEOUT_S, REPLY_SLACK_S, StageAverager
 from swarmd.pipeline.averaging.round import lone_result
 from swarmd.pipeline.averaging.trust.recomputation import extra_share
 from swarmd.pipeline.averaging.trust.refusals import Refusal, RefusalKind
 from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
 from swarmd.pipeline.failures import refused_connection, timed_out
+from swarmd.pipeline.reports import MisbehaviourReport
 from swarmd.pipeline.stage.executor import Contribution
 from swarmd.tasks import wait_event
 
@@ -310,6 +314,7 @@ class AllReduceAverager(StageAverager):
         self.auditor = PartAuditor(self)  # audits of part owners (``audit``)
         self.recomputer = DrawnRecomputations(self)  # (last stage) a drawn microbatch recomputed (``recompute``)
         self.inputs_kept = InputsKept()  # (last stage) the inputs of its committed microbatches, to be drawn
+        self.sent_check = SentPartChecks(self)  # (last stage) the parts a member sent, against its opening
         self.own_slices_struck = 0  # parts this peer owned whose mean left its own slice out (``owner``)
         self.membership = StageMembership()  # the stage as the quorum counts it
         self._short_since: tuple[int, float] | None = None  # the step this coordinator is short of the batch at, since
@@ -317,6 +322,9 @@ class AllReduceAverager(StageAverager):
         self._dropped: dict[str, None] = {}  # members dropped from a round as silent (still counted by the quorum)
         self.part_strikes = PartStrikes()  # far strikes of the members' slices of this peer's parts (seconding)
         self._ar_awaited: dict[str, ArAwaited] = {}  # member -> the opening it owes this coordinator
+        # member -> the step of its last contribution that named microbatches without committing their inputs:
+        # struck from the next round's mean (``openings``, "Inputs committed")
+        self._uncommitted: dict[str, int] = {}
         self._judging = asyncio.Lock()  # openings are judged one at a time (``_check_report_opening``)
         self._listed_addr = ""  # this peer's address as its stage's records last listed it
 
@@ -798,12 +806,17 @@ class AllReduceAverager(StageAverager):
         None of them when the others hold no samples (a mean of nothing is no step)."""
         if not self.convicts() or self.identity is None:
             return frozenset()
-        owing = frozenset(pid for pid in samples if pid != self.peer_id and pid in self._ar_awaited
-                          and self._ar_awaited[pid].step < step)
+        owing = frozenset(pid for pid in samples if pid != self.peer_id and (
+            (pid in self._ar_awaited and self._ar_awaited[pid].step < step) or self._uncommitted.get(pid) == step - 1))
         if not owing or not any(n for pid, n in samples.items() if pid not in owing):
             return frozenset()
         for pid in sorted(owing):
-            owed = self._ar_awaited[pid]
+            owed = self._ar_awaited.get(pid)
+            if owed is None or owed.step >= step:  # (its last contribution committed no inputs)
+                self.openings["struck_uncommitted"] += 1
+                self._warn(pid, "uncommitted", "stage %d step %d: %s committed no inputs of its last contribution's "
+                           "microbatches; this one is left out of the mean", self.executor.stage, step, pid[:12])
+                continue
             self.openings["missing"] += 1
             self._warn(pid, "opening_missing", "stage %d step %d: %s sent no opening of its contribution of step %d; "
                        "its contribution is left out of the mean", self.executor.stage, step, pid[:12], owed.step)
@@ -833,11 +846,21 @@ class AllReduceAverager(StageAverager):
             return None
         self._ar_awaited.pop(pid, None)
         self.openings[verdict] += 1
+        if verdict == "uncommitted":  # sound, but no recomputation could draw it: its next contribution is struck
+            self._uncommitted.pop(pid, None)
+            self._uncommitted[pid] = awaited.step
+            while len(self._uncommitted) > 256:
+                self._uncommitted.pop(next(iter(self._uncommitted)))
+            self.sent_check.consider(pid, awaited, opening)
+            return None
         if verdict == "ok":
             if evidence is not None:  # the largest extra share of an opening judged honest (bench_verify)
                 share = extra_share(evidence.total, evidence.extra)
                 self.opening_costs["max_extra_share"] = max(self.opening_costs["max_extra_share"], share)
+            if awaited.own_sketch is not None:  # the part this coordinator owns was checked (``sent_parts``)
+                self.openings["sent_own_checked"] += 1
             self.recomputer.consider(pid, awaited, opening)  # perhaps draw one of its microbatches (``recompute``)
+            self.sent_check.consider(pid, awaited, opening)  # and one of the parts it sent (``sent_parts``)
             return None
         if verdict == "bad" or evidence is None:
             period = self.suspicions.accuse(pid, str(Refusal("bad_opening", why)))
@@ -849,8 +872,17 @@ class AllReduceAverager(StageAverager):
         period = self.exclude_hostile(pid, why)
         log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
                     "for %.0fs", ex.stage, report.step, pid[:12], why, period)
-        self._post_accusation(pid, evidence, evidence.step, "sent")  # anyone can check it: the mates second it
+        if verdict == "inconsistent":  # anyone can check it: the mates second it
+            self._post_accusation(pid, evidence, evidence.step, "sent")
+        elif awaited.own_part is not None and awaited.own_frame is not None:  # (misstated) its signed slice shows it
+            self._post_accusation(pid, evidence, evidence.step, "sent",
+                                  part_shown=(opening, awaited.own_part, awaited.own_frame))
         return Refusal("hostile", why)
+
+    async def consider_part_recheck(self, req: PartRecheckRequest,
+                                    count: Callable[[MisbehaviourReport], object]) -> tuple[str, str]:
+        """A stage-mate's conviction on a part a member sent (``POST /v1/recheck``; ``sent_parts``)."""
+        return await self.sent_check.consider_recheck(req, count)
 
     def _register(self, plan: RoundPlan) -> None:
         """Know the round: its part owners here exist before any part can arrive."""
@@ -903,6 +935,10 @@ class AllReduceAverager(StageAverager):
             if asked.stage != self.executor.stage:
                 return ArAck(False, "this peer serves another stage").encode()
             return await asyncio.to_thread(self.inputs_kept.answer(asked).encode)
+        if op == "sketch":  # a coordinator checks a member's opening against the slice this owner holds
+            return await self.sent_check.answer_sketch(ArPartQuery.from_frame(frame))
+        if op == "frame":  # ... and, where they disagree, asks for the member's signed slice (``sent_parts``)
+            return self.sent_check.answer_frame(ArPartQuery.from_frame(frame))
         if op == "refused":  # an auditor says an owner would not show its evidence: this peer audits it itself
             return self.auditor.on_refused(ArQuery.from_frame(frame)).encode()
         raise RequestError(f"no all-reduce operation {op!r}")

@@ -27,6 +27,7 @@ from swarmd.pipeline.averaging.allreduce.openings import ArAwaited, open_contrib
 from swarmd.pipeline.averaging.allreduce.owner import PartOwner, PartStrikes
 from swarmd.pipeline.averaging.allreduce.plan import Decision, RoundPlan, claim_digest, part_digest, part_message
 from swarmd.pipeline.averaging.allreduce.recompute import InputsKept
+from swarmd.pipeline.averaging.allreduce.sent_parts import received_slice
 from swarmd.pipeline.averaging.averager import RoundResult, _wire_codec
 from swarmd.pipeline.averaging.patience import RoundPatience
 from swarmd.pipeline.averaging.reduction import HOSTILE_EXCLUSION_S
@@ -39,7 +40,7 @@ from swarmd.pipeline.averaging.trust.accusations import (
     StruckClaims,
     contribution_message,
 )
-from swarmd.pipeline.averaging.trust.contribution_proofs import opened_microbatches
+from swarmd.pipeline.averaging.trust.contribution_proofs import opened_microbatches, proof_seed, sketch_pieces
 from swarmd.pipeline.averaging.trust.hostile_contributions import HostileWatch, Score, combine_terms
 from swarmd.pipeline.averaging.trust.recomputation import inputs_digest
 from swarmd.pipeline.averaging.trust.refusals import Refusal
@@ -488,14 +489,30 @@ class MemberRound:
         snap = av.executor.progress_snapshot  # (its parameters of the round's step: the commit is not applied yet)
         recomputes = checks and av._recomputes() and snap.step == plan.step
         lead, params = round_digest(decision.digests), snap.digest
+        owners = tuple((o, plan.addr(o)) for o in plan.owners)
         awaited = {pid: ArAwaited(plan.step, c.digest,
                                   frozenset(owner0.mbs.get(pid, ())) if checks and owner0 is not None else None,
                                   owner0.unexplained.get(pid) if checks and owner0 is not None else None,
                                   ins=owner0.ins.get(pid, ()) if recomputes and owner0 is not None else None,
                                   lead=lead, params=params if recomputes else "", addr=plan.addr(pid),
-                                  round_id=plan.round_id)
+                                  round_id=plan.round_id, bounds=plan.bounds, owners=owners,
+                                  own_part=0 if owner0 is not None else None,
+                                  own_sketch=self._own_part_sketch(pid, c.digest, lead) if owner0 is not None else None,
+                                  own_frame=owner0.frames.get(pid) if owner0 is not None else None)
                    for pid, (_, c) in claims.items() if pid != av.peer_id}
         return out, convicted, awaited
+
+    def _own_part_sketch(self, pid: str, claim: str, lead: str) -> tuple[float, ...] | None:
+        """(Off the loop) the coordinator's sketch of ``pid``'s slice of part 0, which it owns, as decoded here,
+        under the seed of ``pid``'s opening (``sent_parts``); None when it holds no such slice."""
+        av, plan = self.av, self.plan
+        owner0 = av.owners.get((plan.round_id, 0))
+        piece = received_slice(owner0, pid) if owner0 is not None else None
+        if piece is None:
+            return None
+        seed = proof_seed(plan.stage, plan.step, av.peer_id, lead, claim)
+        row = sketch_pieces([(plan.bounds[0][0], piece)], seed, av.executor.grad_numel)[0]
+        return tuple(float(x) for x in row.tolist())
 
     def _claims(self, decision: Decision) -> dict[str, tuple[bytes, Claim]]:
         """The members' signed claims of their contributions (kept by part 0's owner, when it is this
@@ -704,7 +721,8 @@ class MemberRound:
                         identity, stage=plan.stage, step=plan.step, peer_id=av.peer_id, coordinator=plan.coordinator,
                         digests=d.digests, claim=self.claim_digest, codec=opening_codec(self.codecs), own=own,
                         decoded=torch.cat([t for t in sent if t is not None]), numel=ex.grad_numel, ins=self.ins,
-                        at=self.at)
+                        at=self.at, bounds=plan.bounds,
+                        part_digests=tuple(self.mine[j][0].digest for j in range(len(plan.owners))))
                     return opening, time.thread_time() - started
 
                 av._opened(plan.coordinator, await asyncio.to_thread(opened))

@@ -15,6 +15,10 @@ input is a 422 (``RequestError``) before it reaches the round.
 - ``inputs`` (:class:`ArInputsQuery` -> :class:`ArInputs` or :class:`ArAck`): (last stage) the inputs of one
   microbatch of a member's contribution to a round, drawn by the round's coordinator after the member's
   opening came, to recompute it (``allreduce.recompute``).
+- ``sketch`` (:class:`ArPartQuery` with a seed -> :class:`ArSketch` or :class:`ArAck`) and ``frame``
+  (:class:`ArPartQuery` -> the member's signed ``ar_part`` frame as the owner received it, or :class:`ArAck`):
+  the coordinator asks an owner for its sketch of a member's slice, and on a disagreement with the member's
+  opening for the slice itself (``allreduce.sent_parts``).
 """
 
 from __future__ import annotations
@@ -362,6 +366,54 @@ class ArInputs:
             raise RequestError("an answer carries exactly one microbatch's inputs: 'in_x', 'in_y' and 'in_idx'")
         mb, x, y = got[0]
         return cls(_str(frame.meta, "round_id"), mb, x, y)
+
+
+@dataclass(frozen=True)
+class ArPartQuery:
+    """The coordinator asks the owner of ``part`` of ``round_id`` about ``peer_id``'s slice of it: its sketch under
+    ``seed`` (``sketch``), or the member's signed frame (``frame``, ``seed`` unused)."""
+
+    stage: int
+    round_id: str
+    part: int
+    peer_id: str
+    seed: int = 0
+
+    KIND = "ar_part_query"
+
+    def encode(self, codec: str = "none") -> bytes:
+        return encode_frame(self.KIND, {"stage": self.stage, "round_id": self.round_id, "part": self.part,
+                                        "peer_id": self.peer_id, "seed": self.seed}, {})
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ArPartQuery:
+        _kind(frame, cls.KIND)
+        m = frame.meta
+        seed = m.get("seed", 0)
+        if type(seed) is not int or not 0 <= seed < 2**63:
+            raise RequestError("meta.seed must be an integer in [0, 2**63)")
+        return cls(_nat(m, "stage"), _str(m, "round_id"), _nat(m, "part"), _str(m, "peer_id"), seed)
+
+
+@dataclass(frozen=True)
+class ArSketch:
+    """An owner's sketch of a member's slice (``contribution_proofs.sketch_pieces``): ``K`` finite floats."""
+
+    row: tuple[float, ...]
+
+    KIND = "ar_sketch"
+
+    def encode(self, codec: str = "none") -> bytes:
+        return encode_frame(self.KIND, {"row": list(self.row)}, {})
+
+    @classmethod
+    def from_frame(cls, frame: Frame, k: int) -> ArSketch:
+        _kind(frame, cls.KIND)
+        row = frame.meta.get("row")
+        if not (isinstance(row, list) and len(row) == k
+                and all(type(x) is float and math.isfinite(x) for x in row)):
+            raise RequestError(f"meta.row must be {k} finite floats")
+        return cls(tuple(row))
 
 
 @dataclass(frozen=True)

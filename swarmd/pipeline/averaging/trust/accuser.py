@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarmd.errors import RequestError, SwarmdError
-from swarmd.net.messages import AverageRequest, RecheckRequest, ReportRequest
+from swarmd.net.messages import AverageRequest, PartRecheckRequest, RecheckRequest, ReportRequest
 from swarmd.pipeline.averaging.round import AveragerCore, _OpenRound, log
 from swarmd.pipeline.averaging.trust.accusations import (
     Claim,
@@ -233,7 +233,7 @@ class RoundAccuser(AveragerCore):
         self._post_accusation(accused, evidence.opening.evidence, step, "seconded_sent", shown=shown)
 
     def _post_accusation(self, accused: str, evidence: Evidence | OpeningEvidence, step: int, counter: str,
-                         shown: Shown | None = None) -> None:
+                         shown: Shown | None = None, part_shown: tuple[bytes, int, bytes] | None = None) -> None:
         """Sign an ``averaging`` report against ``accused`` and post it to every listed stage-mate but
         it and this peer (an owned task; a stage-mate that does not answer is skipped); with ``shown``
         (a conviction by recomputation), as a recheck carrying the opening and the microbatch's inputs."""
@@ -247,7 +247,11 @@ class RoundAccuser(AveragerCore):
                                            evidence=raw)
         body, signature = report.encode()
         request = ReportRequest(body, signature)
-        rechecked = None if shown is None else RecheckRequest(body, signature, *shown)
+        rechecked: RecheckRequest | PartRecheckRequest | None = None
+        if shown is not None:
+            rechecked = RecheckRequest(body, signature, *shown)
+        elif part_shown is not None:  # (an all-reduce member's part: allreduce.sent_parts)
+            rechecked = PartRecheckRequest(body, signature, *part_shown)
 
         async def one(addr: str) -> bool:
             if rechecked is not None:
@@ -276,6 +280,8 @@ class RoundAccuser(AveragerCore):
                     continue
                 if reply.reason in ("checking", "queued", "ignored"):  # ignored: it excludes the liar already, ...
                     return reply.reason != "ignored"
+                if reply.reason in ("seconded", "not_seconded"):  # a part, checked as it came (sent_parts)
+                    return reply.reason == "seconded"
                 why = reply.reason
             self.accusations["recheck_not_taken"] += 1
             self._warn(accused, "recheck_not_taken", "stage %d: %s did not take up the conviction of %s by "

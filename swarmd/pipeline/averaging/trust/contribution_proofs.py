@@ -68,7 +68,7 @@ from swarmd.pipeline.reports import unpack_bounded
 
 __all__ = ["CHUNK", "CODEC_TOLERANCE", "K", "LOSSY_TOLERANCE", "MAX_OPENING_BYTES", "MAX_PARTS", "TOLERANCE",
            "Awaited", "Opening", "OpeningEvidence", "gap", "inconsistency", "opened_microbatches", "parts_digest",
-           "proof_seed", "read_opening", "sign_opening", "sketch", "tolerance"]
+           "proof_seed", "read_opening", "sign_opening", "sketch", "sketch_pieces", "tolerance"]
 
 #: Buckets of the sketch. A flipped contribution's gap does not depend on it; more buckets only make the
 #: sketch of a small lie less likely to vanish (a lie ``d`` has ``||R d|| ~ ||d||``, spread over ``K``).
@@ -139,6 +139,30 @@ def sketch(vectors: Sequence[torch.Tensor | None], seed: int, numel: int, k: int
     return acc[:, 0::2] - acc[:, 1::2]
 
 
+def sketch_pieces(pieces: Sequence[tuple[int, torch.Tensor]], seed: int, numel: int, k: int = K) -> torch.Tensor:
+    """``R x`` of each piece of a flat vector of ``numel`` values, given as ``(offset, values)`` (disjoint), with
+    the vector's coordinates elsewhere zero: float64 ``[len(pieces), k]``, the same CountSketch as :func:`sketch`
+    (the indices drawn chunk by chunk from ``seed``), so the pieces of a vector sketch to rows that add up to its
+    sketch, to float32 rounding. What an all-reduce member opens of each part it sent, and what a part's owner
+    sketches of the slice it received (``allreduce.sent_parts``). Draws the indices up to the last piece's end."""
+    for lo, values in pieces:
+        if lo < 0 or lo + values.numel() > numel:
+            raise ValueError("a piece lies outside the vector")
+    end = max((lo + v.numel() for lo, v in pieces), default=0)
+    gen = torch.Generator().manual_seed(seed)
+    acc = torch.zeros(len(pieces), 2 * k, dtype=torch.float64)
+    for lo in range(0, end, CHUNK):
+        hi = min(numel, lo + CHUNK)
+        idx = torch.randint(0, 2 * k, (hi - lo,), generator=gen)
+        for row, (at, values) in enumerate(pieces):
+            a, b = max(lo, at), min(hi, at + values.numel())
+            if a < b:
+                part = torch.zeros(2 * k, dtype=torch.float32).index_add_(
+                    0, idx[a - lo : b - lo], values[a - at : b - at].to("cpu", torch.float32))
+                acc[row] += part.to(torch.float64)
+    return acc[:, 0::2] - acc[:, 1::2]
+
+
 def tolerance(codec: str) -> float:
     return CODEC_TOLERANCE.get(codec, LOSSY_TOLERANCE)
 
@@ -181,13 +205,16 @@ def _int(value: object, what: str) -> int:
 
 
 def parts_digest(mbs: Sequence[int], parts: Sequence[Sequence[float]], ins: Sequence[str] = (),
-                 at: Sequence[str] = (), lead: str = "") -> str:
-    """What an opening's signature covers of its per-microbatch sketches (the evidence leaves them out), and
-    of what a recomputation needs (``ins``, ``at``, ``lead``: :class:`Opening`; an opening without them
-    digests as before they existed)."""
+                 at: Sequence[str] = (), lead: str = "", sent_parts: Sequence[Sequence[float]] = (),
+                 sent_bounds: Sequence[Sequence[int]] = (), sent_digests: Sequence[str] = ()) -> str:
+    """What an opening's signature covers of its per-microbatch sketches (the evidence leaves them out), of
+    what a recomputation needs (``ins``, ``at``, ``lead``: :class:`Opening`) and of its per-part sketches of
+    what it sent (``sent_parts``); an opening without them digests as before they existed."""
     fields: list[object] = [list(mbs), [list(p) for p in parts]]
-    if ins or at or lead:
+    if ins or at or lead or sent_parts:
         fields += [list(ins), list(at), lead]
+    if sent_parts:
+        fields += [[list(p) for p in sent_parts], [list(b) for b in sent_bounds], list(sent_digests)]
     return hashlib.sha256(msgpack.packb(fields)).hexdigest()
 
 
@@ -285,7 +312,12 @@ class Opening:
     (through ``parts_digest``) what a stage-mate needs to recompute one of them itself: ``ins[i]``, the
     digest of ``mbs[i]``'s inputs (``recomputation.inputs_digest``), ``at``, the parameters' digest and the
     precision they ran at, and ``lead``, the leader's digest its seed hashes (:func:`proof_seed`). Else all
-    three are empty."""
+    three are empty. An all-reduce member's opening also signs ``sent_parts``: the sketch of each part of its
+    contribution as that part's owner decoded it (they add up to ``sent``), which the coordinator checks part
+    by part against what the owners received (``allreduce.sent_parts``), with each part's range of the
+    flat vector (``sent_bounds``) and the digest of each part as decoded (``sent_digests``: they hash to
+    the contribution's claim digest, the seed's): so a part's signed slice and the opening convict a
+    member whose sketch of it is false, whoever shows them."""
 
     evidence: OpeningEvidence
     mbs: tuple[int, ...]
@@ -293,28 +325,40 @@ class Opening:
     ins: tuple[str, ...] = ()
     at: tuple[str, ...] = ()
     lead: str = ""
+    sent_parts: tuple[tuple[float, ...], ...] = ()
+    sent_bounds: tuple[tuple[int, int], ...] = ()
+    sent_digests: tuple[str, ...] = ()
 
     @classmethod
     def signed(cls, identity: Identity, *, stage: int, step: int, peer_id: str, leader: str, digest: str, codec: str,
                mbs: Sequence[int], parts: torch.Tensor, extra: torch.Tensor, sent: torch.Tensor,
-               ins: Sequence[str] = (), at: Sequence[str] = (), lead: str = "") -> Opening:
+               ins: Sequence[str] = (), at: Sequence[str] = (), lead: str = "",
+               sent_parts: torch.Tensor | None = None, sent_bounds: Sequence[tuple[int, int]] = (),
+               sent_digests: Sequence[str] = ()) -> Opening:
         """Sign the sketches (``parts`` ``[m, K]``, ``extra`` and ``sent`` ``[K]``, float64) with ``identity``
-        (its key goes with them), and ``ins``, ``at``, ``lead`` when given."""
+        (its key goes with them), and ``ins``, ``at``, ``lead``, ``sent_parts`` (``[n, K]``) when given."""
         rows = tuple(tuple(float(x) for x in row) for row in parts.tolist())
+        sent_rows = tuple(tuple(float(x) for x in row) for row in sent_parts.tolist()) if sent_parts is not None else ()
         total = tuple(float(x) for x in parts.sum(0).tolist()) if rows else (0.0,) * K
         unsigned = OpeningEvidence(stage=stage, step=step, peer_id=peer_id, leader=leader, digest=digest, codec=codec,
-                                   parts_digest=parts_digest(mbs, rows, ins, at, lead), total=total,
+                                   parts_digest=parts_digest(mbs, rows, ins, at, lead, sent_rows, sent_bounds,
+                                                             sent_digests), total=total,
                                    extra=tuple(float(x) for x in extra.tolist()),
                                    sent=tuple(float(x) for x in sent.tolist()),
                                    key=identity.public_key_bytes, signature=b"\x00" * SIGNATURE_BYTES)
         evidence = dataclasses.replace(unsigned, signature=identity.sign(unsigned.message()))
-        return cls(evidence=evidence, mbs=tuple(mbs), parts=rows, ins=tuple(ins), at=tuple(at), lead=lead)
+        return cls(evidence=evidence, mbs=tuple(mbs), parts=rows, ins=tuple(ins), at=tuple(at), lead=lead,
+                   sent_parts=sent_rows, sent_bounds=tuple((lo, hi) for lo, hi in sent_bounds),
+                   sent_digests=tuple(sent_digests))
 
     def encode(self) -> bytes:
         fields: dict[str, object] = {**self.evidence._fields(), "mbs": list(self.mbs),
                                      "parts": [list(p) for p in self.parts]}
-        if self.ins or self.at or self.lead:
+        if self.ins or self.at or self.lead or self.sent_parts:
             fields.update(ins=list(self.ins), at=list(self.at), lead=self.lead)
+        if self.sent_parts:
+            fields.update(sp=[list(p) for p in self.sent_parts], sb=[list(b) for b in self.sent_bounds],
+                          sd=list(self.sent_digests))
         return msgpack.packb(fields, use_bin_type=True)
 
     def part_of(self, mb: int) -> tuple[tuple[float, ...], str] | None:
@@ -330,13 +374,27 @@ class Opening:
         signature); ``RequestError`` naming what is wrong."""
         if type(raw) is not bytes or not 0 < len(raw) <= MAX_OPENING_BYTES:
             raise RequestError(f"an opening must be 1..{MAX_OPENING_BYTES} bytes of msgpack")
-        fields = unpack_bounded(raw, "an opening", MAX_OPENING_BYTES, max_array_len=MAX_PARTS, max_map_len=17)
+        fields = unpack_bounded(raw, "an opening", MAX_OPENING_BYTES, max_array_len=MAX_PARTS, max_map_len=20)
         keys = {*_EVIDENCE_KEYS, "mbs", "parts"}
-        if not isinstance(fields, dict) or set(fields) not in (keys, keys | {"ins", "at", "lead"}):
+        if not isinstance(fields, dict) or set(fields) not in (keys, keys | {"ins", "at", "lead"},
+                                                               keys | {"ins", "at", "lead", "sp", "sb", "sd"}):
             raise RequestError("an opening must be a map of " + ", ".join((*_EVIDENCE_KEYS, "mbs", "parts"))
-                               + " (and ins, at, lead)")
+                               + " (and ins, at, lead; and sp, sb, sd)")
         mbs, parts = fields.pop("mbs"), fields.pop("parts")
         ins, at, lead = fields.pop("ins", []), fields.pop("at", []), fields.pop("lead", "")
+        sp = fields.pop("sp", [])
+        if not (isinstance(sp, list) and len(sp) <= MAX_PARTS):
+            raise RequestError(f"an opening's sp must be at most {MAX_PARTS} sketches, one per part sent")
+        sent_rows = tuple(_floats(p, K, "part sent") for p in sp)
+        sb, sd = fields.pop("sb", []), fields.pop("sd", [])
+        if not (isinstance(sb, list) and len(sb) == len(sent_rows) and all(
+                isinstance(b, list) and len(b) == 2 and all(type(x) is int for x in b) and 0 <= b[0] < b[1]
+                for b in sb)):
+            raise RequestError("an opening's sb must give one [lo, hi) range per part sent")
+        if not (isinstance(sd, list) and len(sd) == len(sent_rows)):
+            raise RequestError("an opening's sd must give one digest per part sent")
+        sent_bounds = tuple((b[0], b[1]) for b in sb)
+        sent_digests = tuple(_digest(d, "part's digest") for d in sd)
         if not (isinstance(mbs, list) and all(type(m) is int and 0 <= m < 2**64 for m in mbs)):
             raise RequestError("an opening's mbs must be microbatch ids")
         if not isinstance(parts, list) or len(parts) != len(mbs):
@@ -350,12 +408,21 @@ class Opening:
         lead = _digest(lead, "lead") if lead != "" else ""
         rows = tuple(_floats(p, K, "part") for p in parts)
         evidence = OpeningEvidence._from_fields(fields)
-        if evidence.parts_digest != parts_digest(mbs, rows, ins_t, at_t, lead):
+        if evidence.parts_digest != parts_digest(mbs, rows, ins_t, at_t, lead, sent_rows, sent_bounds, sent_digests):
             raise RequestError("an opening's parts are not the ones its signature covers")
-        opening = cls(evidence=evidence, mbs=tuple(mbs), parts=rows, ins=ins_t, at=at_t, lead=lead)
+        opening = cls(evidence=evidence, mbs=tuple(mbs), parts=rows, ins=ins_t, at=at_t, lead=lead,
+                      sent_parts=sent_rows, sent_bounds=sent_bounds, sent_digests=sent_digests)
         if opening.encode() != raw:
             raise RequestError("an opening is not in its canonical encoding")
         return opening
+
+    def sent_parts_gap(self) -> float:
+        """How far the per-part sketches of what it sent lie from its signed ``sent`` (0 for an honest opening;
+        0 without them)."""
+        if not self.sent_parts:
+            return 0.0
+        summed = [math.fsum(col) for col in zip(*self.sent_parts, strict=True)]
+        return gap(summed, (0.0,) * K, self.evidence.sent)
 
     def parts_gap(self) -> float:
         """How far the parts' sum lies from the signed total (0 for an honest opening)."""
@@ -376,7 +443,8 @@ def opened_microbatches(parts: Sequence[tuple[int | None, torch.Tensor]]) -> lis
 
 def sign_opening(identity: Identity, *, stage: int, step: int, peer_id: str, leader: str, leader_digest: str,
                  digest: str, codec: str, parts: Sequence[tuple[int | None, torch.Tensor]], decoded: torch.Tensor,
-                 numel: int, ins: Sequence[str] = (), at: Sequence[str] = (), lead: str = "") -> Opening:
+                 numel: int, ins: Sequence[str] = (), at: Sequence[str] = (), lead: str = "",
+                 bounds: Sequence[tuple[int, int]] = (), sent_digests: Sequence[str] = ()) -> Opening:
     """``peer_id``'s signed opening of the contribution made of ``parts`` (its microbatches' gradients and
     what no microbatch explains), sent as ``decoded``, under the seed :func:`proof_seed` draws from the
     round's answer (``leader``, ``leader_digest``) and the contribution's ``digest``. Off the loop: it
@@ -386,9 +454,12 @@ def sign_opening(identity: Identity, *, stage: int, step: int, peer_id: str, lea
     vectors = [t for mb, t in parts if mb is not None] + [t for mb, t in parts if mb is None] + [decoded]
     rows = sketch(vectors, seed, numel)
     n = len(mbs)
+    # (an all-reduce member: what it sent, sketched part by part, ``bounds`` its round's parts)
+    sent_parts = sketch_pieces([(lo, decoded[lo:hi]) for lo, hi in bounds], seed, numel) if bounds else None
     return Opening.signed(identity, stage=stage, step=step, peer_id=peer_id, leader=leader, digest=digest,
                           codec=codec, mbs=mbs, parts=rows[:n], extra=rows[n:-1].sum(0), sent=rows[-1], ins=ins,
-                          at=at, lead=lead)
+                          at=at, lead=lead, sent_parts=sent_parts, sent_bounds=bounds if bounds else (),
+                          sent_digests=sent_digests if bounds else ())
 
 
 def read_opening(raw: bytes, *, stage: int, peer_id: str, leader: str, step: int,
