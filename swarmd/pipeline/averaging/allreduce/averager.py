@@ -867,11 +867,7 @@ class AllReduceAverager(StageAverager):
             self._warn(pid, "bad_opening", "stage %d step %d: excluded %s from this peer's rounds for %.0fs (%s)",
                        ex.stage, report.step, pid[:12], period, why)
             return Refusal("bad_opening", why)
-        self.hostile_convictions[pid] += 1
-        self._opening_convictions[pid] = why
-        period = self.exclude_hostile(pid, why)
-        log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
-                    "for %.0fs", ex.stage, report.step, pid[:12], why, period)
+        self._convict_on_opening(pid, why, report.step)
         if verdict == "inconsistent":  # anyone can check it: the mates second it
             self._post_accusation(pid, evidence, evidence.step, "sent")
         elif awaited.own_part is not None and awaited.own_frame is not None:  # (misstated) its signed slice shows it

@@ -61,6 +61,7 @@ from swarmd.pipeline.averaging.trust.recomputation import (
     MicrobatchInputs,
     draws,
     inputs_digest,
+    misstated_microbatch,
     recheck,
     sample,
 )
@@ -136,6 +137,8 @@ class RecomputeHost(Protocol):
 
     def exclude_hostile(self, peer_id: str, why: str) -> float: ...
 
+    def _convict_on_opening(self, peer_id: str, why: str, step: int) -> float: ...
+
     def _warn(self, peer_id: str, reason: str, msg: str, *args: Any) -> None: ...
 
     def _post_accusation(self, accused: str, evidence: Evidence | OpeningEvidence, step: int, counter: str,
@@ -209,15 +212,9 @@ class DrawnRecomputations:
             return
         if av._excluded_as_hostile(pid):  # convicted meanwhile
             return
-        why = (f"unaccountable contribution: the signed part of its microbatch {mb:#x} of step {awaited.step} is "
-               f"{gap:.3f} away from that microbatch's gradient recomputed from its inputs (tolerance "
-               f"{RECOMPUTE_TOLERANCE:g})")
+        why = misstated_microbatch(mb, awaited.step, gap)
         av.openings["mismatch"] += 1
-        av.hostile_convictions[pid] += 1
-        av._opening_convictions[pid] = why
-        period = av.exclude_hostile(pid, why)
-        log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
-                    "for %.0fs", ex.stage, awaited.step, pid[:12], why, period)
+        av._convict_on_opening(pid, why, awaited.step)
         # a stage-mate redoes the recomputation on its own copy of that step's parameters (``recomputation``)
         av._post_accusation(pid, opening.evidence, awaited.step, "sent", shown=(raw, mb, x, y))
 
@@ -271,8 +268,4 @@ class DrawnRecomputations:
             return
         reason = (f"unaccountable contribution: asked for the inputs of its microbatch {mb:#x} of step {awaited.step} "
                   f"to recompute it, {why}")
-        av.hostile_convictions[pid] += 1
-        av._opening_convictions[pid] = reason
-        period = av.exclude_hostile(pid, reason)
-        log.warning("stage %d step %d: convicted %s (%s); excluded from this peer's rounds for %.0fs",
-                    av.executor.stage, awaited.step, pid[:12], reason, period)
+        av._convict_on_opening(pid, reason, awaited.step)

@@ -165,6 +165,8 @@ class SentHost(Protocol):
 
     def exclude_hostile(self, peer_id: str, why: str) -> float: ...
 
+    def _convict_on_opening(self, peer_id: str, why: str, step: int) -> float: ...
+
     def _warn(self, peer_id: str, reason: str, msg: str, *args: Any) -> None: ...
 
     def _post_accusation(self, accused: str, evidence: Evidence | OpeningEvidence, step: int, counter: str,
@@ -297,11 +299,7 @@ class SentPartChecks:
         why = (f"unaccountable contribution: its opening sketches part {j} as {got:.3f} away from the part it sent "
                f"(signed) to its owner")
         av.openings["sent_mismatch"] += 1
-        av.hostile_convictions[pid] += 1
-        av._opening_convictions[pid] = why
-        period = av.exclude_hostile(pid, why)
-        log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
-                    "for %.0fs", ex.stage, awaited.step, pid[:12], why, period)
+        av._convict_on_opening(pid, why, awaited.step)
         shown = dataclasses.replace(part, wire=None, codec="none").encode()  # (its slice as decoded: its digest)
         av._post_accusation(pid, opening.evidence, awaited.step, "sent", part_shown=(raw, j, shown))
 

@@ -37,7 +37,12 @@ from swarmd.pipeline.averaging.trust.accusations import (
     second,
 )
 from swarmd.pipeline.averaging.trust.contribution_proofs import OpeningEvidence, inconsistency, sketch
-from swarmd.pipeline.averaging.trust.recomputation import RECOMPUTE_PRECISIONS, RECOMPUTE_TOLERANCE, recheck
+from swarmd.pipeline.averaging.trust.recomputation import (
+    RECOMPUTE_PRECISIONS,
+    RECOMPUTE_TOLERANCE,
+    misstated_microbatch,
+    recheck,
+)
 from swarmd.pipeline.reports import MisbehaviourReport
 
 if TYPE_CHECKING:
@@ -221,9 +226,7 @@ class RoundAccuser(AveragerCore):
             return
         if self._excluded_as_hostile(accused):  # convicted meanwhile
             return
-        why = (f"unaccountable contribution: the signed part of its microbatch {evidence.mb:#x} of step {step} is "
-               f"{gap:.3f} away from that microbatch's gradient recomputed from its inputs (tolerance "
-               f"{RECOMPUTE_TOLERANCE:g}), as {report.reporter_id[:12]} found")
+        why = f"{misstated_microbatch(evidence.mb, step, gap)}, as {report.reporter_id[:12]} found"
         self.accusations["seconded"] += 1
         count()
         period = self.exclude_hostile(accused, why)

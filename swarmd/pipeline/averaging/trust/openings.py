@@ -64,6 +64,7 @@ from swarmd.pipeline.averaging.trust.recomputation import (
     extra_overrun,
     extra_share,
     inputs_digest,
+    misstated_microbatch,
     sample,
 )
 from swarmd.pipeline.averaging.trust.refusals import Refusal
@@ -258,9 +259,7 @@ class RoundOpenings(RoundAccuser):
         part = opening.parts[opening.mbs.index(awaited.sampled)]
         recomputed_gap = sketch_gap(part, (0.0,) * len(part), awaited.recomputed)
         if not recomputed_gap <= RECOMPUTE_TOLERANCE:  # NaN (inputs that did not fit the stage) included
-            return "mismatch", (f"unaccountable contribution: the signed part of its microbatch {awaited.sampled:#x} "
-                                f"of step {ev.step} is {recomputed_gap:.3f} away from that microbatch's gradient "
-                                f"recomputed from its inputs (tolerance {RECOMPUTE_TOLERANCE:g})"), ev, recomputed_gap
+            return "mismatch", misstated_microbatch(awaited.sampled, ev.step, recomputed_gap), ev, recomputed_gap
         return "ok", "", ev, recomputed_gap
 
     async def _check_opening(self, peer_id: str, raw: bytes | None, step: int) -> Refusal | None:
@@ -295,11 +294,7 @@ class RoundOpenings(RoundAccuser):
         if verdict == "bad":
             return Refusal("bad_opening", why)
         assert evidence is not None  # "inconsistent" and "mismatch" carry it
-        self.hostile_convictions[peer_id] += 1
-        self._opening_convictions[peer_id] = why
-        period = self.exclude_hostile(peer_id, why)
-        log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
-                    "for %.0fs", self.executor.stage, step, peer_id[:12], why, period)
+        self._convict_on_opening(peer_id, why, step)
         if verdict == "inconsistent":  # anyone can check it from the signed opening
             self._post_accusation(peer_id, evidence, evidence.step, "sent")
         elif raw is not None and awaited is not None and awaited.sampled is not None and awaited.sampled_inputs:
@@ -311,6 +306,17 @@ class RoundOpenings(RoundAccuser):
             rnd.expected.discard(peer_id)
             rnd.arrived.set()
         return Refusal("hostile", why)
+
+    def _convict_on_opening(self, peer_id: str, why: str, step: int) -> float:
+        """Convict ``peer_id`` of a hostile contribution on what its opening (or a check of it) showed at ``step``:
+        counted, named in this peer's next round record, excluded here (the period, in seconds). The leader's and
+        the all-reduce coordinator's (``allreduce.recompute``, ``allreduce.sent_parts``)."""
+        self.hostile_convictions[peer_id] += 1
+        self._opening_convictions[peer_id] = why
+        period = self.exclude_hostile(peer_id, why)
+        log.warning("stage %d step %d: convicted %s of a hostile contribution (%s); excluded from this peer's rounds "
+                    "for %.0fs", self.executor.stage, step, peer_id[:12], why, period)
+        return period
 
     def _unopened(self, rnd: _OpenRound) -> frozenset[str]:
         """The contributions of ``rnd`` whose senders did not open their last one here: struck, so that a peer

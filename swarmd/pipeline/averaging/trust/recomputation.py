@@ -80,7 +80,8 @@ from swarmd.pipeline.stage.precision import autocast
 
 __all__ = ["EXTRA_BOUND", "LOOSE_EXTRA_BOUND", "PAST_PARAMS", "RECOMPUTE_PRECISIONS", "RECOMPUTE_SHARE",
            "RECOMPUTE_TOLERANCE", "TIGHT_CODECS", "KeptInputs", "MicrobatchInputs", "PastParams", "draws",
-           "extra_bound", "extra_overrun", "extra_share", "inputs_digest", "recheck", "recompute_gradient", "sample"]
+           "extra_bound", "extra_overrun", "extra_share", "inputs_digest", "misstated_microbatch", "recheck",
+           "recompute_gradient", "sample"]
 
 T = TypeVar("T")
 
@@ -239,6 +240,13 @@ def extra_overrun(total: Sequence[float], extra: Sequence[float], grad_codec: st
         return None
     return (f"bad opening: what no microbatch of its explains is {share:.3f} of its contribution (bound {bound:g}: "
             "a codec's residual), yet every sample is a microbatch's")
+
+
+def misstated_microbatch(mb: int, step: int, gap: float) -> str:
+    """Why a peer whose signed part of microbatch ``mb`` of ``step`` lies ``gap`` from its recomputed gradient is
+    convicted (the leader's, a stage-mate's recheck and the all-reduce coordinator's)."""
+    return (f"unaccountable contribution: the signed part of its microbatch {mb:#x} of step {step} is {gap:.3f} away "
+            f"from that microbatch's gradient recomputed from its inputs (tolerance {RECOMPUTE_TOLERANCE:g})")
 
 
 def draws(probability: float) -> bool:
