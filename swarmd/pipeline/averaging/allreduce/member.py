@@ -304,7 +304,8 @@ class MemberRound:
     async def _commit_inputs(self, own: Contribution) -> None:
         """(Last stage, a member of another's round) the digests of its microbatches' inputs, to commit with part 0
         before the commit fixes its opening's projection; the inputs kept for its coordinator to draw one of
-        (``recompute``). None when it lacks one of them: its opening will be refused (``openings.judge``)."""
+        (``recompute``). None when it lacks one of them: its opening is ``uncommitted`` and its next contribution
+        struck (``openings``)."""
         av, plan, ex = self.av, self.plan, self.av.executor
         if (not av._recomputes() or plan.coordinator == av.peer_id or own.grads is None or not own.parts
                 or not own.inputs):
