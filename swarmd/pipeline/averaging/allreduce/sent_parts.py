@@ -13,7 +13,7 @@ flipsigned``: never excluded before this). So:
 * **The coordinator's own part.** The coordinator owns part 0: at the commit it sketches each member's slice
   of it under that member's seed (``member._own_part_sketch``), and an opening that misstates it is
   ``misstated`` (``openings.judge``): convicted here on the coordinator's own evidence (the member's signed
-  slice and its signed opening), not posted.
+  slice and its signed opening), which it posts to the stage-mates (below).
 * **One other part, drawn.** After an ``ok`` opening the coordinator draws, with its own secret randomness,
   one of the parts owned by neither it nor the member, and asks that part's owner for its sketch of the
   member's slice under the opening's seed (``POST /v1/allreduce/sketch``: ``K`` floats). Where they agree,
