@@ -22,11 +22,11 @@ from swarmd.pipeline.averaging.allreduce.openings import (
     opening_codec,
     round_digest,
 )
+from swarmd.pipeline.averaging.allreduce.owner import PartOwner
+from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, claim_digest, plan_round
 from swarmd.pipeline.averaging.allreduce.recompute import InputsKept
 from swarmd.pipeline.averaging.trust.contribution_proofs import Opening, proof_seed, sketch_pieces
 from swarmd.pipeline.averaging.trust.recomputation import MicrobatchInputs
-from swarmd.pipeline.averaging.allreduce.owner import PartOwner
-from swarmd.pipeline.averaging.allreduce.plan import RoundPlan, plan_round
 from swarmd.pipeline.stage.executor import Contribution
 
 NUMEL = 1000
@@ -212,17 +212,17 @@ def test_an_opening_sketches_each_part_sent_and_the_coordinators_own_part_is_che
     assert own.grads is not None
     bounds = ((0, 400), (400, 700), (700, NUMEL))
     digests = ("a" * 64, "b" * 64, "c" * 64)
-    lead, coordinator = round_digest(digests), "c" * 40
-    seed = proof_seed(1, 4, coordinator, lead, "d" * 64)
+    lead, coordinator, claim = round_digest(digests), "c" * 40, claim_digest(digests)
+    seed = proof_seed(1, 4, coordinator, lead, claim)
 
-    def opened(with_bounds: tuple[tuple[int, int], ...] = bounds) -> bytes:
+    def opened(with_bounds: tuple[tuple[int, int], ...] = bounds, parts: tuple[str, ...] = digests) -> bytes:
         return open_contribution(member, stage=1, step=4, peer_id=member.peer_id, coordinator=coordinator,
-                                 digests=digests, claim="d" * 64, codec="none", own=own, decoded=own.grads,
-                                 numel=NUMEL, bounds=with_bounds, part_digests=digests if with_bounds else ())
+                                 digests=digests, claim=claim, codec="none", own=own, decoded=own.grads,
+                                 numel=NUMEL, bounds=with_bounds, part_digests=parts if with_bounds else ())
 
     def verdict(raw: bytes, received: torch.Tensor) -> tuple[str, str]:
         row = sketch_pieces([(0, received[:400])], seed, NUMEL)[0]
-        awaited = ArAwaited(4, "d" * 64, bounds=bounds, own_part=0, own_sketch=tuple(float(x) for x in row.tolist()))
+        awaited = ArAwaited(4, claim, bounds=bounds, own_part=0, own_sketch=tuple(float(x) for x in row.tolist()))
         v, why, _ = judge(raw, stage=1, peer_id=member.peer_id, coordinator=coordinator, awaited=awaited,
                           grad_codec="none")
         return v, why
@@ -232,3 +232,9 @@ def test_an_opening_sketches_each_part_sent_and_the_coordinators_own_part_is_che
     assert v == "misstated" and "sketches part 0" in why, why
     v, why = verdict(opened(()), own.grads)
     assert v == "bad" and "does not sketch each part it sent" in why
+    # ranges other than the round's, or parts' digests that do not hash to its claim: the stage-mates could not
+    # check a conviction on them (``sent_parts.check_shown_part``), so the coordinator refuses them
+    v, why = verdict(opened(((0, 400), (400, 800), (800, NUMEL))), own.grads)
+    assert v == "bad" and "the round's ranges" in why, why
+    v, why = verdict(opened(parts=("a" * 64, "b" * 64, "e" * 64)), own.grads)
+    assert v == "bad" and "the round's ranges" in why, why

@@ -66,6 +66,7 @@ import msgpack
 import torch
 
 from swarmd.dht.identity import Identity
+from swarmd.pipeline.averaging.allreduce.plan import claim_digest
 from swarmd.pipeline.averaging.trust.contribution_proofs import (
     TOLERANCE,
     OpeningEvidence,
@@ -157,6 +158,10 @@ def judge(raw: bytes, *, stage: int, peer_id: str, coordinator: str, awaited: Ar
     if awaited.bounds:  # what it sent, part by part (``sent_parts``)
         if len(opening.sent_parts) != len(awaited.bounds):
             return "bad", "bad opening: it does not sketch each part it sent", None
+        # (what the stage-mates check a conviction by: the round's ranges, and digests that hash to its claim)
+        if opening.sent_bounds != awaited.bounds or claim_digest(opening.sent_digests) != ev.digest:
+            return "bad", ("bad opening: its parts sent are not signed with the round's ranges and the digests its "
+                           "claim hashes"), None
         sent_gap = opening.sent_parts_gap()
         if sent_gap > TOLERANCE:
             return "bad", f"bad opening: its parts sent sum {sent_gap:.3f} away from its contribution's sketch", None
