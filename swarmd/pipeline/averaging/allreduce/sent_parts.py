@@ -18,7 +18,8 @@ flipsigned``: never excluded before this). So:
   one of the parts owned by neither it nor the member, and asks that part's owner for its sketch of the
   member's slice under the opening's seed (``POST /v1/allreduce/sketch``: ``K`` floats). Where they agree,
   nothing more. Where they do not, either the member or the owner lies: it asks the owner for the member's
-  signed frame of that part (``frame``), checks the member's signature over it and sketches it itself. A
+  frame of that part (``frame``), checks it is the slice whose range and digest the member's opening signs
+  (:func:`signed_slice`, as the stage-mates do) and sketches it itself. A
   frame that matches the opening clears the member (the owner's sketch was wrong: ``sent_owner_wrong``); one
   that does not convicts the member on its own signatures (``hostile: unaccountable contribution``). An owner
   that cannot answer is counted (``sent_unchecked``), never held against the member.
@@ -57,9 +58,9 @@ import torch
 
 from swarmd.errors import PeerError, RequestError, SwarmdError
 from swarmd.net.messages import PartRecheckRequest
-from swarmd.net.wire import decode_frame
+from swarmd.net.wire import Frame, decode_frame
 from swarmd.pipeline.averaging.allreduce.messages import ArAck, ArPart, ArPartQuery, ArSketch
-from swarmd.pipeline.averaging.allreduce.plan import claim_digest, part_signer
+from swarmd.pipeline.averaging.allreduce.plan import claim_digest
 from swarmd.pipeline.averaging.trust.contribution_proofs import TOLERANCE, K, Opening, gap, proof_seed, sketch_pieces
 from swarmd.pipeline.averaging.trust.round_checks import tensor_digest
 from swarmd.pipeline.reports import MisbehaviourReport
@@ -72,7 +73,8 @@ if TYPE_CHECKING:
     from swarmd.pipeline.averaging.trust.contribution_proofs import OpeningEvidence
     from swarmd.pipeline.stage.executor import StageExecutor
 
-__all__ = ["QUERY_TIMEOUT_S", "SentPartChecks", "ShownPart", "check_shown_part", "received_slice"]
+__all__ = ["QUERY_TIMEOUT_S", "SentPartChecks", "ShownPart", "check_shown_part", "received_slice",
+           "signed_slice"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,24 @@ class ShownPart:
         return self.opening.evidence.step
 
 
+def signed_slice(opening: Opening, j: int, frame: Frame, numel: int) -> tuple[int, ArPart, torch.Tensor]:
+    """The start of part ``j``'s range, the member's part frame of it and its slice, when ``frame`` is the slice
+    whose range and digest the member's ``opening`` signs (``RequestError`` naming what is not): what the
+    coordinator and the stage-mates judge a member's sketch of a part by. Off the loop (it hashes the slice)."""
+    if not j < len(opening.sent_parts):
+        raise RequestError(f"the opening signs no sketch of part {j} of what it sent")
+    lo, hi = opening.sent_bounds[j]
+    if hi > numel:
+        raise RequestError(f"part {j} lies outside this stage's {numel} gradients")
+    part = ArPart.from_frame(frame, hi - lo)
+    piece = part.grads
+    if part.peer_id != opening.evidence.peer_id or piece is None:
+        raise RequestError("the frame is not a slice the accused sent")
+    if tensor_digest(piece) != opening.sent_digests[j]:
+        raise RequestError(f"the frame is not the slice of part {j} the accused's opening signs")
+    return lo, part, piece
+
+
 def check_shown_part(req: PartRecheckRequest, numel: int) -> ShownPart:
     """Everything but the sketch (off the loop: it decodes and hashes a slice); ``RequestError`` naming what does
     not hold: the report's signature and kind, the opening's signature by the accused and the report resting on
@@ -128,20 +148,16 @@ def check_shown_part(req: PartRecheckRequest, numel: int) -> ShownPart:
     ev.verify(report.stage, report.accused)
     if report.evidence != ev.encode():
         raise RequestError("a recheck's report must rest on the opening it carries (its evidence)")
-    if not req.part < len(opening.sent_parts) or not opening.lead:
-        raise RequestError(f"a recheck's opening signs no sketch of part {req.part} of what it sent")
+    if not opening.lead:
+        raise RequestError("a recheck's opening signs no seed for sketches of what it sent")
     if claim_digest(opening.sent_digests) != ev.digest:
         raise RequestError("a recheck's opening signs parts' digests that are not those its seed hashes")
-    lo, hi = opening.sent_bounds[req.part]
-    if hi > numel:
-        raise RequestError(f"a recheck's part lies outside this stage's {numel} gradients")
-    part = ArPart.from_frame(decode_frame(req.frame), hi - lo)
-    if part.peer_id != report.accused or part.grads is None:
-        raise RequestError("a recheck's frame is not a slice the accused sent")
-    if tensor_digest(part.grads) != opening.sent_digests[req.part]:
-        raise RequestError(f"a recheck's frame is not the slice of part {req.part} the accused's opening signs")
+    try:
+        lo, _, piece = signed_slice(opening, req.part, decode_frame(req.frame), numel)
+    except RequestError as exc:
+        raise RequestError(f"a recheck's part: {exc}") from exc
     seed = proof_seed(ev.stage, ev.step, ev.leader, opening.lead, ev.digest)
-    return ShownPart(report, opening, req.part, lo, part.grads, seed)
+    return ShownPart(report, opening, req.part, lo, piece, seed)
 
 
 class SentHost(Protocol):
@@ -269,25 +285,18 @@ class SentPartChecks:
         av.openings["sent_checked"] += 1
         if gap(claimed, (0.0,) * K, row) <= TOLERANCE:
             return
-        # the member or the owner lies: the member's signed slice decides
+        # the member or the owner lies: the member's slice, of the digest its opening signs, decides
         framed = await self._ask(addr, "frame", q)
-        lo, hi = awaited.bounds[j]
         try:
             if framed is None or framed.kind != ArPart.KIND:
                 raise RequestError("no frame")
-            part = await asyncio.to_thread(ArPart.from_frame, framed, hi - lo)
-            grads = part.grads
-            signer = (None if grads is None or part.round_id != awaited.round_id or part.part != j
-                      else part_signer(framed.meta, await asyncio.to_thread(tensor_digest, grads), ex.stage,
-                                       awaited.round_id, j, owner))
-            if grads is None or signer != pid:
-                raise RequestError("not the member's signed slice")
+            lo, part, piece = await asyncio.to_thread(signed_slice, opening, j, framed, ex.grad_numel)
         except RequestError as exc:
             av.openings["sent_unchecked"] += 1
             log.info("stage %d step %d: the owner %s of part %d disagrees with %s's opening and shows no signed slice "
                      "of it (%s)", ex.stage, awaited.step, owner[:12], j, pid[:12], exc)
             return
-        own_row = (await asyncio.to_thread(sketch_pieces, [(lo, grads)], seed, ex.grad_numel))[0]
+        own_row = (await asyncio.to_thread(sketch_pieces, [(lo, piece)], seed, ex.grad_numel))[0]
         got = gap(claimed, (0.0,) * K, tuple(float(x) for x in own_row.tolist()))
         if got <= TOLERANCE:  # the member's opening holds: the owner's sketch was wrong
             av.openings["sent_owner_wrong"] += 1
